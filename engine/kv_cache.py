@@ -1,0 +1,52 @@
+"""The paged KV pool: one plane per loop, one block table per request shared by every plane.
+
+    k, v: [T, layers, num_blocks, block_size, kv_heads, head_dim]
+
+A position's slot (block_ids[pos // block_size] * block_size + pos % block_size) is the same in every
+loop plane, so blocks are allocated per position, not per loop. Loop t's attention reads only plane t.
+Rolling a request back to an earlier position needs no work here: later slots are simply overwritten
+when those positions are fed again (the scheduler owns the lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_loops: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_loops, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def plane(self, loop: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loop `loop` (1-based) and layer's K and V as flat slots: [num_blocks * block_size, kv_heads, d]."""
+        k = self.k[loop - 1, layer]
+        v = self.v[loop - 1, layer]
+        return k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:])
+
+    def write(self, loop: int, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [rows] flat slot ids; k, v: [rows, kv_heads, head_dim]
+        k_plane, v_plane = self.plane(loop, layer)
+        k_plane.index_copy_(0, slots, k.to(k_plane.dtype))
+        v_plane.index_copy_(0, slots, v.to(v_plane.dtype))
+
+    def slots_for(self, block_ids: tuple[int, ...] | list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot ids of `positions` (a [rows] long tensor) under one request's block table."""
+        table = torch.as_tensor(block_ids, dtype=torch.long, device=positions.device)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def read(self, loop: int, layer: int, block_ids: tuple[int, ...] | list[int],
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..length-1 of one request's plane: two [length, kv_heads, head_dim] tensors."""
+        k_plane, v_plane = self.plane(loop, layer)
+        positions = torch.arange(length, device=k_plane.device)
+        slots = self.slots_for(block_ids, positions)
+        return k_plane[slots], v_plane[slots]

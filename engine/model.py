@@ -1,0 +1,165 @@
+"""The Ouro looped decoder: one layer stack applied in loops 1..T, one KV plane per loop (OURO.md).
+
+Module names mirror the Hugging Face checkpoint, so ``state_dict()`` keys are the checkpoint's tensor
+names. The forward runs an arbitrary loop range over a batch of rows, which is all the engine needs:
+prefill runs loops 1..T over prompt tokens, a shallow step loops 1..s over one fed token, a deep call
+loops s+1..T over retained loop-s rows at their original positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import SeqSpan, paged_attention
+from .config import OuroConfig
+from .kv_cache import KVPool
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and RoPE run in float32 for low-precision models, in the model dtype otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(_compute_dtype(dtype))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX rotate-half RoPE, inv_freq = theta^(-arange(0, d, 2) / d), the same in every loop."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [rows, heads, head_dim], positions: [rows]
+        cdt = _compute_dtype(x.dtype)
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, device=x.device, dtype=cdt) / self.head_dim)
+        freqs = positions.to(cdt)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+        half = self.head_dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class BatchMeta:
+    """Where the rows of one forward call sit: built once per call by the executor."""
+
+    positions: torch.Tensor  # [rows] absolute positions
+    slots: torch.Tensor  # [rows] flat KV slot of each row (same in every loop plane)
+    spans: list[SeqSpan]  # one per request, rows contiguous
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool, loop: int,
+                layer: int) -> torch.Tensor:
+        # x: [rows, hidden] -> [rows, hidden]
+        rows = x.shape[0]
+        q = rope(self.q_proj(x).view(rows, self.num_heads, self.head_dim), meta.positions)
+        k = rope(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), meta.positions)
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        pool.write(loop, layer, meta.slots, k, v)  # keys are stored after RoPE
+        a = paged_attention(q, pool, loop, layer, meta.spans, self.scale)
+        return self.o_proj(a.reshape(rows, self.num_heads * self.head_dim))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, config: OuroConfig, layer: int) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.layer = layer
+        self.self_attn = OuroAttention(config)
+        self.mlp = OuroMLP(config)
+        self.input_layernorm = RMSNorm(H, eps)  # before attention
+        self.input_layernorm_2 = RMSNorm(H, eps)  # on the attention output, before the residual add
+        self.post_attention_layernorm = RMSNorm(H, eps)  # before the MLP (the name misleads)
+        self.post_attention_layernorm_2 = RMSNorm(H, eps)  # on the MLP output, before the residual add
+
+    def forward(self, h: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool,
+                loop: int) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), meta, rope, pool, loop, self.layer)
+        h = h + self.input_layernorm_2(a)
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + self.post_attention_layernorm_2(m)
+
+
+class OuroModel(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # at the end of every loop
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
+
+
+class OuroForCausalLM(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def run_loops(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
+                  last_loop: int) -> list[torch.Tensor]:
+        """Run loops first_loop..last_loop; return each loop's normed readout (index 0 = first_loop).
+
+        h: [rows, hidden], the input of first_loop (embeddings for loop 1, else loop first_loop-1's
+        readout). Writes each loop's keys and values at the rows' slots in that loop's plane.
+        """
+        readouts = []
+        for loop in range(first_loop, last_loop + 1):
+            for layer in self.model.layers:
+                h = layer(h, meta, self.rope, pool, loop)
+            h = self.model.norm(h)  # loop `loop`'s readout and loop+1's input
+            readouts.append(h)
+        return readouts
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [rows, hidden] readout -> [rows, vocab]
+        return self.lm_head(h)
+
+    def exit_gate(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [rows, hidden] -> [rows] gate logits (sigmoid gives lambda_t)
+        return self.model.early_exit_gate(h).squeeze(-1)

@@ -1,0 +1,120 @@
+"""Sampling with counter-based randomness and processed log-probabilities.
+
+Processing order (every row, vectorised): temperature (greedy rows use 1), min-p, top-k, top-p; the
+processed log-probs are log_softmax over the tokens kept. That is the distribution a token is drawn
+from, and its log-prob is what is reported (vLLM's processed_logprobs).
+
+Randomness is a pure function: the uniform for vocabulary entry i of a request's j-th generated token is
+hash(seed, j, stream, i), so a draw never depends on which other rows share the batch, on the device,
+on when the request arrived, or on the mode. The draw is an exponential race,
+argmax_i p_i / E_i with E_i = -log(u_i), which picks i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ourobatch.scheduler.params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+STREAM_TOKEN = 0  # the draw of a generated token (other streams are reserved for verification)
+
+
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for x in [0, 2**32) without int64 overflow: split x into 16-bit halves.
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * (c & 0xFFFF)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # A bijective 32-bit integer mixer (xor-shift-multiply, "lowbias32" constants).
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mulmod32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int,
+                     stream: int = STREAM_TOKEN) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, one per (row, vocabulary entry): [rows, vocab]."""
+    # seeds, counters: [rows] int64, seeds in [0, 2**63), counters >= 0
+    h = _mix32((seeds & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ (counters & _M32))
+    h = _mix32(h ^ (stream & _M32))
+    idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(h[:, None] ^ _mix32(idx)[None, :]) ^ 0x85EBCA6B)
+    return (bits.to(torch.float64) + 0.5) / 2.0**32
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...] | None]
+
+
+def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [rows, vocab] -> processed log-probs [rows, vocab] (float32 or float64), -inf when excluded."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dtype)
+    rows, vocab = z.shape
+    dev = z.device
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], dtype=dtype, device=dev)
+    z = z / temps[:, None]
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
+
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        probs = torch.softmax(z, dim=-1)
+        thresh = torch.tensor(min_ps, dtype=dtype, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+        z = torch.where(probs < thresh, neg_inf, z)
+
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_ks):
+        sorted_z = z.sort(dim=-1, descending=True).values
+        kth = sorted_z.gather(1, torch.tensor(top_ks, device=dev)[:, None] - 1)
+        z = torch.where(z < kth, neg_inf, z)
+
+    top_ps = [p.top_p for p in params]
+    if any(tp < 1.0 for tp in top_ps):
+        probs = torch.softmax(z, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass ranked strictly before each token
+        keep_sorted = before < torch.tensor(top_ps, dtype=dtype, device=dev)[:, None]
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+        z = torch.where(keep, z, neg_inf)
+
+    return torch.log_softmax(z, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SamplerOutput:
+    """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token."""
+    logprobs = processed_logprobs(logits, params)  # [rows, vocab]
+    rows, vocab = logprobs.shape
+    dev = logprobs.device
+    greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+    seeds = torch.tensor([p.seed or 0 for p in params], dtype=torch.int64, device=dev)
+    counters = torch.tensor(token_indices, dtype=torch.int64, device=dev)
+    u = counter_uniforms(seeds, counters, vocab)
+    race = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
+    drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))
+    chosen = logprobs.gather(1, drawn[:, None]).squeeze(1)
+
+    num_top = [p.num_top_logprobs for p in params]
+    tops: list[tuple[tuple[int, float], ...] | None] = [None] * rows
+    k_max = max(num_top)
+    if k_max > 0:
+        top_vals, top_ids = logprobs.topk(min(k_max, vocab), dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    token_list, chosen_list = drawn.tolist(), chosen.tolist()
+    for i, k in enumerate(num_top):
+        if k > 0:
+            entries = dict(zip(top_ids[i][:k], top_vals[i][:k]))
+            entries[token_list[i]] = chosen_list[i]  # vLLM also reports the sampled token
+            tops[i] = tuple(entries.items())
+    return SamplerOutput(token_list, chosen_list, tops)

@@ -1,0 +1,55 @@
+"""EngineConfig: everything an engine is built from, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ourobatch.scheduler.core import MODES
+
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+
+
+def _positive_int(name: str, value: object, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"EngineConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"EngineConfig.{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine. See docs/recipe.md for choosing mode, deep_interval and shallow_loops."""
+
+    model: str | Path  # a folder with config.json and model.safetensors (Hugging Face Ouro format)
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 / float64 / bfloat16 / float16
+    mode: str = "deferred"  # "deferred" | "eager" (see DESIGN.md section 1)
+    deep_interval: int = 4  # B: deep loops run every B decoded tokens; 1 = ordinary full-depth decoding
+    shallow_loops: int = 2  # s: loops run for every decoded token (1 .. total_ut_steps - 1)
+    max_num_seqs: int = 256  # requests decoding at once
+    max_model_len: int = 4096  # prompt + max_tokens of one request, at most
+    block_size: int = 16  # positions per KV block
+    num_kv_blocks: int | None = None  # None: room for max_num_seqs * max_model_len, capped by kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0  # cap on the automatic KV pool size
+    max_num_batched_tokens: int = 8192  # prompt tokens prefilled per step (a longer prompt goes alone)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, Path)):
+            raise TypeError(f"EngineConfig.model must be a path to a checkpoint folder, got {self.model!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str):
+            raise TypeError(f"EngineConfig.device must be a str like 'cpu' or 'cuda', got {self.device!r}")
+        _positive_int("deep_interval", self.deep_interval)
+        _positive_int("shallow_loops", self.shallow_loops)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_model_len", self.max_model_len, 2)
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")

@@ -1,0 +1,61 @@
+"""ourobatch.scheduler: torch-free requests, KV-block accounting, cohorts and the sans-IO core."""
+
+from .block_manager import BlockManager
+from .cohort import Cohort
+from .core import MODES, RequestUpdate, Scheduler, SchedulerConfig
+from .errors import (
+    CheckpointError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidTransition,
+    OurobatchError,
+    RequestRejectedError,
+)
+from .outputs import CompletionOutput, RequestOutput
+from .params import RequestOutputKind, SamplingParams
+from .plan import (
+    DeepWork,
+    Executor,
+    Phase,
+    PrefillWork,
+    SampledToken,
+    SampleSpec,
+    ShallowWork,
+    StepFailure,
+    StepPlan,
+    StepResult,
+)
+from .request import TRANSITIONS, Request, RequestStatus, set_status
+
+__all__ = [
+    "BlockManager",
+    "CheckpointError",
+    "Cohort",
+    "CompletionOutput",
+    "DeepWork",
+    "EngineClosedError",
+    "EngineDeadError",
+    "Executor",
+    "InvalidTransition",
+    "MODES",
+    "OurobatchError",
+    "Phase",
+    "PrefillWork",
+    "Request",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestRejectedError",
+    "RequestStatus",
+    "RequestUpdate",
+    "SampleSpec",
+    "SampledToken",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "ShallowWork",
+    "StepFailure",
+    "StepPlan",
+    "StepResult",
+    "TRANSITIONS",
+    "set_status",
+]

@@ -1,0 +1,384 @@
+"""The sans-IO scheduler core: add / abort / schedule() -> StepPlan / update(plan, result) -> updates.
+
+Theory of operation. Every engine step, each open cohort advances its decoding members by exactly one
+shallow step (one token fed per request, loops 1..s). When that step completes a block of
+``deep_interval`` steps (the cohort's boundary), the same plan also carries one DeepWork per member over
+its retained rows, so one deep call holds every member's rows. New requests are admitted FIFO when their
+whole KV need (P + max_tokens - 1 positions) fits and ``max_num_seqs`` allows; they are prefilled,
+sample token 1 from loop T, join the open cohort and wait (ALIGNING) for its next block start.
+Termination frees the request's blocks at once and lists it in the next plan's released ids, which
+drops its unread retained rows in the engine: their deep loops never run.
+
+No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) calls these methods.
+``abort`` may be called while a plan is being executed; ``update`` then ignores that request's results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+from .block_manager import BlockManager
+from .cohort import Cohort
+from .errors import RequestRejectedError
+from .params import MAX_SEED, SamplingParams
+from .plan import (
+    DeepWork,
+    Phase,
+    PrefillWork,
+    SampleSpec,
+    ShallowWork,
+    StepFailure,
+    StepPlan,
+    StepResult,
+)
+from .request import Request, RequestStatus, set_status
+
+Mode = Literal["deferred", "eager"]
+MODES: tuple[str, ...] = ("deferred", "eager")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int  # prompt tokens prefilled per step at most (one longer prompt may go alone)
+    total_ut_steps: int  # T
+    shallow_loops: int  # s
+    deep_interval: int  # B
+    mode: str
+    vocab_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """A request that got new tokens or ended in a step; the front end reads the request's lists."""
+
+    request: Request
+    num_new_tokens: int
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        T, s, B = config.total_ut_steps, config.shallow_loops, config.deep_interval
+        if config.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+        if not 1 <= s <= T - 1:
+            raise ValueError(f"shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} (T={T}), got {s}")
+        if B < 1:
+            raise ValueError(f"deep_interval must be >= 1, got {B}")
+        self.config = config
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.requests: dict[str, Request] = {}  # every live (not finished) request
+        self.waiting: deque[Request] = deque()
+        self.cohorts: dict[int, Cohort] = {}  # open and closing cohorts with members
+        self._open_cohort: Cohort | None = None
+        self._released: list[str] = []
+        self._next_arrival = 0
+        self._next_step = 0
+        self._next_cohort = 0
+        self._seed_rng = random.Random()
+        self.counters: dict[str, int] = {
+            "steps": 0,
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "shallow_steps": 0,
+            "shallow_rows": 0,
+            "deep_calls": 0,
+            "deep_rows": 0,
+            "boundaries": 0,
+            "tokens_generated": 0,
+            "requests_added": 0,
+            "finished_stop": 0,
+            "finished_length": 0,
+            "finished_abort": 0,
+            "finished_error": 0,
+        }
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams) -> Request:
+        """Validate and queue a request. Raises (and changes nothing) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_token_ids)
+        cfg = self.config
+        total_len = len(prompt) + params.max_tokens
+        if total_len > cfg.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total_len} exceeds "
+                f"max_model_len={cfg.max_model_len}"
+            )
+        need = self.blocks.blocks_for(len(prompt) + params.max_tokens - 1)
+        if need > cfg.num_kv_blocks:
+            raise RequestRejectedError(
+                f"request needs {need} KV blocks ({len(prompt)} + {params.max_tokens} - 1 positions at "
+                f"block_size={cfg.block_size}) but the pool has only {cfg.num_kv_blocks}; lower max_tokens "
+                f"or raise num_kv_blocks"
+            )
+        for tok in params.stop_token_ids:
+            if tok >= cfg.vocab_size:
+                raise ValueError(f"stop_token_ids holds {tok}, outside the vocabulary [0, {cfg.vocab_size})")
+        if params.seed is None:
+            params = params.with_seed(self._seed_rng.randint(0, MAX_SEED))
+        stop = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= cfg.eos_token_ids
+        request = Request(request_id, prompt, params, stop, self._next_arrival)
+        self._next_arrival += 1
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        self.counters["requests_added"] += 1
+        return request
+
+    def _check_prompt(self, prompt_token_ids: Iterable[int]) -> tuple[int, ...]:
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
+        prompt = tuple(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        vocab = self.config.vocab_size
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                # numpy / torch integer scalars are fine
+                if hasattr(tok, "__index__") and not isinstance(tok, bool):
+                    tok = tok.__index__()
+                else:
+                    raise TypeError(f"prompt_token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}")
+            if not 0 <= tok < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] = {tok} is outside the vocabulary [0, {vocab})")
+        return tuple(int(t) for t in prompt)
+
+    def abort(self, request_id: str) -> RequestUpdate | None:
+        """End a live request with finish_reason 'abort'. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return RequestUpdate(request, 0, True)
+
+    def fail_all(self, message: str) -> list[RequestUpdate]:
+        """End every live request with 'error' (the engine is going down)."""
+        updates = []
+        for request in list(self.requests.values()):
+            request.error = message
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            updates.append(RequestUpdate(request, 0, True))
+        return updates
+
+    # ------------------------------------------------------------------ planning
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> StepPlan:
+        """Plan one step: every decoding request's shallow step, boundary deep calls, new prefills."""
+        cfg = self.config
+        T, s = cfg.total_ut_steps, cfg.shallow_loops
+        shallow: list[ShallowWork] = []
+        deep: list[DeepWork] = []
+        for cohort in list(self.cohorts.values()):
+            members = [self.requests[rid] for rid in cohort.member_ids]
+            decoding = [r for r in members if r.status == RequestStatus.DECODING]
+            if not decoding:
+                cohort.phase = 0  # nobody mid-block: the clock is free
+            if cohort.phase == 0:
+                for r in members:
+                    if r.status == RequestStatus.ALIGNING:
+                        set_status(r, RequestStatus.DECODING)
+                        decoding.append(r)
+            if not decoding:
+                continue
+            boundary = cohort.is_boundary_step()
+            for r in decoding:
+                k = r.num_output_tokens  # feed generated token k
+                pos = r.num_prompt_tokens + k - 1
+                nxt = k + 1
+                if cfg.mode == "eager":
+                    loop = T if boundary else s
+                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, T,
+                                               False, SampleSpec(loop, nxt, r.params)))
+                    continue
+                if boundary:
+                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
+                                               True, None))
+                    start = r.num_deep_positions
+                    deep.append(DeepWork(r.request_id, cohort.cohort_id, start, pos + 1 - start,
+                                         r.block_ids, s + 1, SampleSpec(T, nxt, r.params)))
+                else:
+                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
+                                               True, SampleSpec(s, nxt, r.params)))
+            if boundary:
+                self.counters["boundaries"] += 1
+            cohort.advance()
+
+        prefills = self._admit()
+        released, self._released = tuple(self._released), []
+        plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
+        self._next_step += 1
+        c = self.counters
+        c["steps"] += 1
+        c["prefills"] += len(prefills)
+        c["prefill_tokens"] += sum(len(p.token_ids) for p in prefills)
+        if shallow:
+            c["shallow_steps"] += 1
+            c["shallow_rows"] += len(shallow)
+        if deep:
+            c["deep_calls"] += 1
+            c["deep_rows"] += sum(d.num_rows for d in deep)
+        return plan
+
+    def _admit(self) -> list[PrefillWork]:
+        cfg = self.config
+        prefills: list[PrefillWork] = []
+        budget = cfg.max_num_batched_tokens
+        num_running = len(self.requests) - len(self.waiting)
+        while self.waiting and num_running < cfg.max_num_seqs:
+            r = self.waiting[0]
+            need = self.blocks.blocks_for(r.num_cache_positions)
+            if not self.blocks.can_allocate(need):
+                break  # FIFO backpressure: wait for blocks to come back
+            if prefills and r.num_prompt_tokens > budget:
+                break
+            self.waiting.popleft()
+            r.block_ids = self.blocks.allocate(need)
+            set_status(r, RequestStatus.PREFILLING)
+            prefills.append(PrefillWork(r.request_id, r.prompt_token_ids, 0, r.block_ids,
+                                        SampleSpec(cfg.total_ut_steps, 1, r.params)))
+            budget -= r.num_prompt_tokens
+            num_running += 1
+        return prefills
+
+    def _cohort_for_new_request(self) -> Cohort:
+        if self._open_cohort is None or self._open_cohort.is_closed:
+            cohort = Cohort(self._next_cohort, self.config.deep_interval)
+            self._next_cohort += 1
+            self.cohorts[cohort.cohort_id] = cohort
+            self._open_cohort = cohort
+        return self._open_cohort
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Apply a step's result: append tokens, advance deep positions, stop, fail, free."""
+        assert result.step_id == plan.step_id, f"result of step {result.step_id} for plan {plan.step_id}"
+        updates: dict[str, RequestUpdate] = {}
+        failed: set[str] = set()
+        for failure in result.failures:
+            ids = set(failure.request_ids)
+            if failure.phase == Phase.DEEP:
+                for d in plan.deep:
+                    if d.request_id in ids:
+                        ids |= set(self._close_cohort(d.cohort_id))
+            for rid in ids:
+                failed.add(rid)
+                request = self.requests.get(rid)
+                if request is not None:
+                    request.error = f"{failure.phase.value} failed: {failure.message}"
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    updates[rid] = RequestUpdate(request, 0, True)
+
+        T = self.config.total_ut_steps
+        for p in plan.prefills:
+            r = self.requests.get(p.request_id)
+            if r is not None and p.request_id not in failed:
+                r.num_deep_positions = p.start_position + len(p.token_ids)
+        for w in plan.shallow:
+            r = self.requests.get(w.request_id)
+            if r is not None and w.request_id not in failed and w.last_loop == T:
+                r.num_deep_positions = w.position + 1
+        for d in plan.deep:
+            r = self.requests.get(d.request_id)
+            if r is not None and d.request_id not in failed:
+                r.num_deep_positions = d.start_position + d.num_rows
+
+        sampled = {t.request_id: t for t in result.sampled}
+        expected = [w.request_id for w in (*plan.prefills, *plan.shallow, *plan.deep) if w.sample is not None]
+        for rid in expected:
+            r = self.requests.get(rid)
+            if r is None or rid in failed:
+                continue  # aborted while the step ran, or already failed
+            tok = sampled.get(rid)
+            if tok is None:  # an executor bug must not hang the request
+                r.error = "the executor returned no token for this request"
+                self._finish(r, RequestStatus.FINISHED_ERROR)
+                updates[rid] = RequestUpdate(r, 0, True)
+                continue
+            self._append(r, tok.token_id, tok.logprob, tok.loop, tok.top_logprobs)
+            if r.status == RequestStatus.PREFILLING:
+                # Join the open cohort only once prefilled, so a deep call failing in this same step
+                # (which closes its cohort) never takes a request that was not part of it.
+                set_status(r, RequestStatus.ALIGNING)
+                cohort = self._cohort_for_new_request()
+                cohort.member_ids[rid] = None
+                r.cohort_id = cohort.cohort_id
+            finished = self._check_stop(r)
+            updates[rid] = RequestUpdate(r, 1, finished)
+        return list(updates.values())
+
+    def _append(self, r: Request, token_id: int, logprob: float, loop: int,
+                top: tuple[tuple[int, float], ...] | None) -> None:
+        r.output_token_ids.append(token_id)
+        r.logprobs.append(logprob)
+        r.readout_loops.append(loop)
+        r.cumulative_logprob += logprob
+        if r.params.num_top_logprobs > 0:
+            if r.top_logprobs is None:
+                r.top_logprobs = []
+            r.top_logprobs.append(dict(top or ()))
+        self.counters["tokens_generated"] += 1
+
+    def _check_stop(self, r: Request) -> bool:
+        if r.output_token_ids[-1] in r.stop_token_ids:
+            self._finish(r, RequestStatus.FINISHED_STOPPED)
+            return True
+        if r.num_output_tokens >= r.params.max_tokens:
+            self._finish(r, RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
+
+    def _close_cohort(self, cohort_id: int) -> list[str]:
+        cohort = self.cohorts.get(cohort_id)
+        if cohort is None:
+            return []
+        cohort.is_closed = True
+        return list(cohort.member_ids)
+
+    def _finish(self, r: Request, status: RequestStatus) -> None:
+        was_waiting = r.status == RequestStatus.WAITING
+        set_status(r, status)
+        del self.requests[r.request_id]
+        self.counters[f"finished_{status.finish_reason}"] += 1
+        if was_waiting:
+            self.waiting.remove(r)
+            return
+        self.blocks.free(r.block_ids)
+        cohort = self.cohorts.get(r.cohort_id) if r.cohort_id is not None else None
+        if cohort is not None:
+            cohort.member_ids.pop(r.request_id, None)
+            if not cohort.member_ids and (cohort.is_closed or cohort is not self._open_cohort):
+                del self.cohorts[cohort.cohort_id]
+        self._released.append(r.request_id)
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, int]:
+        stats = dict(self.counters)
+        stats["num_waiting"] = len(self.waiting)
+        stats["num_running"] = len(self.requests) - len(self.waiting)
+        stats["num_cohorts"] = len(self.cohorts)
+        stats["kv_blocks_used"] = self.blocks.num_used
+        stats["kv_blocks_total"] = self.blocks.num_blocks
+        stats["kv_blocks_reserved_by_live_requests"] = sum(len(r.block_ids) for r in self.requests.values())
+        return stats

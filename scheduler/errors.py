@@ -1,0 +1,39 @@
+"""The named errors of ourobatch.
+
+    OurobatchError                      base of everything raised on purpose
+    ├── InvalidTransition               a request status change outside the transition table (a bug)
+    ├── RequestRejectedError (ValueError)   a request that can never be served as asked
+    ├── CheckpointError (ValueError)    a checkpoint folder that is not a loadable Ouro checkpoint
+    ├── EngineClosedError (RuntimeError)    a call on an engine that is closed or not started
+    └── EngineDeadError (RuntimeError)  the engine hit an unrecoverable error; pending callers get this
+
+Bad arguments (wrong types, values out of range) raise plain ``TypeError`` / ``ValueError`` whose message
+names the field and the allowed values; ``RequestRejectedError`` is a ``ValueError`` too.
+This module is part of the scheduler/engine boundary: it imports nothing.
+"""
+
+from __future__ import annotations
+
+
+class OurobatchError(Exception):
+    """Base class of every error ourobatch raises on purpose."""
+
+
+class InvalidTransition(OurobatchError):
+    """Raised when a request status change is not in the transition table (an internal bug)."""
+
+
+class RequestRejectedError(OurobatchError, ValueError):
+    """Raised when a request can never be served (longer than max_model_len or than the whole KV pool)."""
+
+
+class CheckpointError(OurobatchError, ValueError):
+    """Raised when a checkpoint folder is missing files, has unknown/missing tensors or mismatched shapes."""
+
+
+class EngineClosedError(OurobatchError, RuntimeError):
+    """Raised when a request is made to an engine that is closed or was never started."""
+
+
+class EngineDeadError(OurobatchError, RuntimeError):
+    """Raised to every pending caller when the engine stops on an unrecoverable error."""

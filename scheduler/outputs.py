@@ -1,0 +1,36 @@
+"""What callers get back: vLLM's RequestOutput / CompletionOutput, plus readout loops and seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt."""
+
+    index: int  # which of the n completions
+    token_ids: list[int]  # generated tokens, including a final stop/eos token
+    logprobs: list[float]  # processed log-prob of each token under the distribution it was drawn from
+    readout_loops: list[int]  # the loop whose readout produced each token
+    cumulative_logprob: float  # sum of logprobs
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
+    seed: int  # the seed the request used (drawn at admission when not given)
+    weight_version: int = 0  # version of the weights that produced the tokens
+    top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams(logprobs=k > 0)
+    stop_reason: int | None = None  # the stop token id when finish_reason == "stop"
+    error: str | None = None  # what failed when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The outputs of one request (n completions of one prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False

@@ -1,0 +1,131 @@
+"""SamplingParams: what a caller asks of one request (vLLM's names and meanings).
+
+Part of the scheduler/engine boundary: plain Python, validated on construction, immutable. The engine's
+sampler reads the sampling fields; the scheduler reads the stopping fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# vLLM treats temperatures below this as greedy.
+GREEDY_EPS = 1e-5
+MAX_SEED = 2**63 - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed output holds (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # a single output when the request ends
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, allowed: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        rng = allowed or (f"{low} <= {name} <= {high}" if high is not None else f"{name} >= {low}")
+        raise ValueError(f"SamplingParams.{name} must satisfy {rng}, got {value}")
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Field names and meanings follow vLLM.
+
+    Log-probabilities are always *processed*: the log-probability of the sampled token under the
+    distribution it was drawn from, after temperature, min-p, top-k and top-p (in that order).
+    Greedy decoding (``temperature`` 0) reports them with temperature treated as 1.
+    """
+
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 (or < 1e-5) = greedy
+    top_p: float = 1.0  # in (0, 1]; 1 disables
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0  # in [0, 1]; 0 disables
+    seed: int | None = None  # None: one is drawn at admission and reported in the output
+    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (kept in the output)
+    ignore_eos: bool = False  # True: the checkpoint's eos does not end the request
+    max_tokens: int = 16  # generated tokens at most (>= 1)
+    logprobs: int | None = None  # k > 0: also report the top-k processed log-probs of every position
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # for streaming
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {temperature}")
+        object.__setattr__(self, "temperature", temperature)
+        top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {top_p}")
+        object.__setattr__(self, "top_p", top_p)
+        _check_int("top_k", self.top_k, -1, allowed="top_k == -1, top_k == 0 (disabled) or top_k >= 1")
+        min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {min_p}")
+        object.__setattr__(self, "min_p", min_p)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
+        stop = tuple(stop)
+        for tok in stop:
+            _check_int("stop_token_ids[i]", tok, 0)
+        object.__setattr__(self, "stop_token_ids", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        kind = self.output_kind
+        if not isinstance(kind, RequestOutputKind):
+            try:
+                kind = RequestOutputKind[kind.upper()] if isinstance(kind, str) else RequestOutputKind(kind)
+            except (KeyError, ValueError, TypeError):
+                names = ", ".join(k.name for k in RequestOutputKind)
+                raise ValueError(f"SamplingParams.output_kind must be one of {names}, got {kind!r}") from None
+            object.__setattr__(self, "output_kind", kind)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    @classmethod
+    def coerce(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        """Accept a SamplingParams, a plain dict of vLLM/verl field names, or None (the defaults)."""
+        if params is None:
+            return cls()
+        if isinstance(params, cls):
+            return params
+        if isinstance(params, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(params) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown SamplingParams field(s) {unknown}; allowed fields: {sorted(known)}"
+                )
+            return cls(**params)
+        raise TypeError(f"params must be SamplingParams, a dict or None, got {type(params).__name__}")
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        return dataclasses.replace(self, seed=seed)

@@ -1,0 +1,128 @@
+"""The boundary between the scheduler (which decides) and the engine (which executes).
+
+Plain frozen dataclasses: ids, ints and SamplingParams, never tensors. The scheduler fills a StepPlan;
+the engine's Executor runs it and returns a StepResult. Per-request tensors (the retained loop-s rows of
+deferred mode) live in the engine, keyed by request id, and are dropped when a plan lists the request in
+``released_request_ids``.
+
+One step of the engine runs, in order: every PrefillWork (loops 1..T over prompt tokens), every
+ShallowWork (one fed token per decoding request, loops 1..last_loop), every DeepWork (loops first_loop..T
+over a request's retained rows at their original positions), then samples every work item that carries a
+SampleSpec from the named loop's readout at that item's last position.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """Sample one token at the last position of a work item."""
+
+    loop: int  # scheduler: the readout loop (1..T) whose logits are sampled
+    token_index: int  # scheduler: j, the 1-based index of the generated token; the RNG counter
+    params: SamplingParams  # scheduler: the request's params, seed already resolved
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Run all T loops over prompt tokens, filling every cache plane at their positions."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # scheduler: the prompt tokens of this chunk
+    start_position: int  # scheduler: position of token_ids[0] (0 unless the prompt is chunked)
+    block_ids: tuple[int, ...]  # scheduler: the request's block table, shared by all T planes
+    sample: SampleSpec | None  # scheduler: loop T for the last chunk (generated token 1)
+
+
+@dataclass(frozen=True)
+class ShallowWork:
+    """Feed one generated token at its position through loops 1..last_loop."""
+
+    request_id: str
+    token_id: int  # scheduler: generated token k, fed at position P + k - 1
+    position: int  # scheduler
+    block_ids: tuple[int, ...]  # scheduler
+    last_loop: int  # scheduler: shallow_loops in deferred mode; T in eager mode (deep loops at once)
+    retain: bool  # scheduler: keep the loop-last_loop output as a retained row for a later DeepWork
+    sample: SampleSpec | None  # scheduler: None when this step's DeepWork of the request samples instead
+
+
+@dataclass(frozen=True)
+class DeepWork:
+    """Run loops first_loop..T over a request's retained rows, at their original positions."""
+
+    request_id: str
+    cohort_id: int  # scheduler: the cohort whose boundary this is (for logs and failure scope)
+    start_position: int  # scheduler: first position whose deep planes are not yet filled
+    num_rows: int  # scheduler: retained rows, positions start_position .. start_position + num_rows - 1
+    block_ids: tuple[int, ...]  # scheduler
+    first_loop: int  # scheduler: shallow_loops + 1
+    sample: SampleSpec | None  # scheduler: loop T at the last row (the boundary readout)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the engine runs in one step."""
+
+    step_id: int  # scheduler: increasing; echoed in the StepResult
+    prefills: tuple[PrefillWork, ...] = ()
+    shallow: tuple[ShallowWork, ...] = ()
+    deep: tuple[DeepWork, ...] = ()
+    # scheduler: requests that ended since the previous plan; the engine drops their retained rows
+    released_request_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefills or self.shallow or self.deep)
+
+
+class Phase(str, enum.Enum):
+    """The part of a step that failed, which decides who fails with it."""
+
+    PREFILL = "prefill"  # the prefill requests of the step
+    SHALLOW = "shallow"  # the requests fed in the step's shallow call
+    DEEP = "deep"  # every member of the cohorts in the deep call (the cohort closes)
+    SAMPLE = "sample"  # the named requests
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token of one request."""
+
+    request_id: str
+    token_id: int  # engine
+    logprob: float  # engine: processed log-prob of token_id under the distribution it was drawn from
+    loop: int  # engine: the readout loop it was drawn from
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # engine: when params.logprobs > 0
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """A phase of the step raised; the scheduler ends the affected requests with finish_reason='error'."""
+
+    phase: Phase  # engine
+    request_ids: tuple[str, ...]  # engine: the requests that phase was running
+    message: str  # engine: the exception, for the log and the caller
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the engine returns for one StepPlan."""
+
+    step_id: int  # engine: the plan's step_id
+    sampled: tuple[SampledToken, ...] = ()
+    failures: tuple[StepFailure, ...] = field(default=())
+
+
+class Executor(Protocol):
+    """The one seam between deciding and executing. Test doubles implement the same method."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan; never raise for a failing phase, report it in StepResult.failures."""
+        ...

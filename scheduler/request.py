@@ -1,0 +1,111 @@
+"""A request's state, its ordered status, and the one table of allowed status transitions.
+
+    WAITING ──► PREFILLING ──► ALIGNING ──► DECODING ──► FINISHED_*
+       │             │             │            │
+       └─────────────┴─────────────┴────────────┴──► FINISHED_ABORTED / FINISHED_ERROR
+
+WAITING: queued, holds no KV. PREFILLING: its whole KV need is reserved and its prefill is in the
+current plan. ALIGNING: prefilled (token 1 sampled), waiting for its cohort's next block start.
+DECODING: takes one shallow step every engine step, and a deep call at each cohort boundary.
+Terminal statuses sort last, so ``status >= FINISHED_STOPPED`` means finished.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .errors import InvalidTransition
+from .params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    PREFILLING = 1
+    ALIGNING = 2
+    DECODING = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_S = RequestStatus
+_ENDS_EARLY = frozenset({_S.FINISHED_ABORTED, _S.FINISHED_ERROR})
+_ENDS = frozenset({_S.FINISHED_STOPPED, _S.FINISHED_LENGTH}) | _ENDS_EARLY
+
+# Every allowed status change, in one place. Terminal statuses have no way out.
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.PREFILLING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    _S.PREFILLING: frozenset({_S.ALIGNING}) | _ENDS,
+    _S.ALIGNING: frozenset({_S.DECODING}) | _ENDS_EARLY,
+    _S.DECODING: _ENDS,
+    _S.FINISHED_STOPPED: frozenset(),
+    _S.FINISHED_LENGTH: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+    _S.FINISHED_ERROR: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. Positions: prompt 0..P-1; generated token k is fed at P + k - 1."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # seed resolved at admission
+    stop_token_ids: frozenset[int]  # params.stop_token_ids plus the checkpoint's eos unless ignore_eos
+    arrival_index: int  # admission order; FIFO among waiting requests
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    readout_loops: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    block_ids: tuple[int, ...] = ()  # one table for all T planes; reserved whole at admission
+    cohort_id: int | None = None
+    num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled
+    error: str | None = None  # why it ended with finish_reason "error"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_cache_positions(self) -> int:
+        """Positions this request may ever write: P + max_tokens - 1 (the last token is never fed)."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+
+def set_status(request: Request, new: RequestStatus) -> None:
+    """The only way a request's status changes; raises InvalidTransition outside the table."""
+    if new not in TRANSITIONS[request.status]:
+        raise InvalidTransition(f"req {request.request_id}: {request.status.name} -> {new.name}")
+    request.status = new
