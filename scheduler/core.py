@@ -316,14 +316,14 @@ class Scheduler:
                 updates[rid] = RequestUpdate(r, 0, True)
                 continue
             self._append(r, tok.token_id, tok.logprob, tok.loop, tok.top_logprobs)
-            if r.status == RequestStatus.PREFILLING:
+            finished = self._check_stop(r)
+            if not finished and r.status == RequestStatus.PREFILLING:
                 # Join the open cohort only once prefilled, so a deep call failing in this same step
                 # (which closes its cohort) never takes a request that was not part of it.
                 set_status(r, RequestStatus.ALIGNING)
                 cohort = self._cohort_for_new_request()
                 cohort.member_ids[rid] = None
                 r.cohort_id = cohort.cohort_id
-            finished = self._check_stop(r)
             updates[rid] = RequestUpdate(r, 1, finished)
         return list(updates.values())
 
