@@ -17,8 +17,10 @@ class KVPool:
     def __init__(self, num_loops: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (num_loops, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised on purpose: only slots a request has written are ever read, and untouched pages
+        # of a large CPU pool cost no memory.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 

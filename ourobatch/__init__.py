@@ -12,7 +12,18 @@ from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 
 from .config import EngineConfig
-from .sync_engine import SyncEngine
+
+# The engines pull in torch; load them on first use so `import ourobatch.scheduler` stays torch-free.
+_LAZY = {"SyncEngine": "ourobatch.sync_engine"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ourobatch' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,118 @@
+"""Checkpoint loading: real tensor names, sharded files, dtype conversion, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ourobatch import CheckpointError
+from ourobatch.engine import OuroConfig, expected_shapes, load_model
+from ourobatch.testing import make_tiny_checkpoint
+
+
+def test_loads_every_tensor_under_its_checkpoint_name(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_key_value_heads=1, head_dim=12)
+    model = load_model(ckpt, torch.float64)
+    on_disk = load_file(str(ckpt / "model.safetensors"))
+    state = model.state_dict()
+    assert set(state) == set(on_disk)
+    for name, t in on_disk.items():
+        assert state[name].dtype == torch.float64
+        assert torch.equal(state[name], t.double()), name
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    a = load_model(make_tiny_checkpoint(tmp_path / "one", seed=3), torch.float32).state_dict()
+    b = load_model(make_tiny_checkpoint(tmp_path / "four", seed=3, num_shards=4), torch.float32).state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dtype_conversion_from_bf16_checkpoint(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
+    model = load_model(ckpt, torch.float32)
+    raw = load_file(str(ckpt / "model.safetensors"))
+    assert raw["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(model.lm_head.weight, raw["lm_head.weight"].float())
+
+
+def test_tied_embeddings_without_lm_head(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    model = load_model(ckpt)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_head_dim_absent_defaults_to_hidden_over_heads(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "nohd", head_dim=None)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("head_dim")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert OuroConfig.from_checkpoint(ckpt).head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]
+    load_model(ckpt)
+
+
+def _rewrite(ckpt, change):
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda t: t.pop("model.layers.1.input_layernorm_2.weight"), r"missing tensor.*layers\.1\.input_layernorm_2"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(8)),
+     r"unknown tensor.*q_norm"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.ones(65, 32)),
+     r"tensor model\.layers\.0\.mlp\.up_proj\.weight has shape \(65, 32\), config\.json implies \(64, 32\)"),
+    (lambda t: t.pop("lm_head.weight"), r"missing tensor.*lm_head"),
+])
+def test_bad_tensors_are_named(tmp_path, change, match):
+    ckpt = make_tiny_checkpoint(tmp_path / "bad")
+    _rewrite(ckpt, change)
+    with pytest.raises(CheckpointError, match=match):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(model_type="llama"), "model_type must be 'ouro', got 'llama'"),
+    (dict(vocab_size=None), "required field 'vocab_size'"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "multiple of num_key_value_heads"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+])
+def test_bad_configs_are_named(tmp_path, edit, match):
+    ckpt = make_tiny_checkpoint(tmp_path / "cfg")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(edit)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(ckpt)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_model(tmp_path)
+    ckpt = make_tiny_checkpoint(tmp_path / "nofile")
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        load_model(ckpt)
+    sharded = make_tiny_checkpoint(tmp_path / "shards", num_shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="lists shard model-00002-of-00002"):
+        load_model(sharded)
+
+
+def test_expected_shapes_cover_the_ouro_names():
+    cfg = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=10, hidden_size=8, intermediate_size=16,
+                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+    shapes = expected_shapes(cfg)
+    assert len(shapes) == 5 + 2 * 11
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (4, 8)
+    assert shapes["model.early_exit_gate.bias"] == (1,)
+
+
+def test_eos_comes_from_the_checkpoint(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "eos", eos_token_id=[0, 2])
+    assert OuroConfig.from_checkpoint(ckpt).eos_token_ids == (0, 2)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert OuroConfig.from_checkpoint(ckpt).eos_token_ids == (2,)

@@ -1,0 +1,119 @@
+"""The sampler against the oracle's processed_logprobs, and its counter-based randomness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from ourobatch import SamplingParams
+from ourobatch.engine.sampler import counter_uniforms, processed_logprobs, sample
+from tests.oracle import processed_logprobs as oracle_logprobs
+
+CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.0),
+    dict(temperature=0.5, top_k=3),
+    dict(temperature=1.5, top_p=0.7),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0.9, top_k=6, top_p=0.8, min_p=0.02),
+    dict(temperature=2.0, top_k=-1, top_p=0.95),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_processed_logprobs_match_the_oracle(case, dtype):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(16, 40, generator=g, dtype=torch.float64) * 3
+    params = [SamplingParams(**case)] * 16
+    got = processed_logprobs(logits.to(dtype), params)
+    for i in range(16):
+        ref = oracle_logprobs(logits[i].to(dtype).double(), case["temperature"], case.get("top_k", 0),
+                              case.get("top_p", 1.0), case.get("min_p", 0.0))
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(ref))
+        finite = torch.isfinite(ref)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(got[i][finite].double(), ref[finite], atol=tol, rtol=0)
+
+
+def test_mixed_params_in_one_batch_match_per_row_processing():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(CASES), 25, generator=g, dtype=torch.float64)
+    params = [SamplingParams(**c) for c in CASES]
+    together = processed_logprobs(logits, params)
+    for i, p in enumerate(params):
+        alone = processed_logprobs(logits[i:i + 1], [p])[0]
+        assert torch.equal(together[i], alone)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5]])
+def test_empirical_law_matches_the_processed_distribution(case):
+    """Chi-square goodness of fit over many seeds at significance 1e-3 (deterministic seeds)."""
+    V, draws = 12, 6000
+    logits = torch.tensor([1.2, 0.3, -0.5, 2.0, 0.0, 0.7, -1.0, 1.5, 0.1, -0.2, 0.9, 0.4], dtype=torch.float64)
+    probs = oracle_logprobs(logits, case["temperature"], case.get("top_k", 0), case.get("top_p", 1.0),
+                            case.get("min_p", 0.0)).exp()
+    params = [SamplingParams(seed=seed, **case) for seed in range(draws)]
+    out = sample(logits.expand(draws, V), params, [1] * draws)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token outside the support"
+    expected = probs[support] * draws
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(1 - 1e-3, int(support.sum()) - 1)
+    # and the same test rejects a wrong law (it is able to fail)
+    wrong = torch.softmax(logits, -1)[support] * draws if case != CASES[0] else torch.full_like(expected, draws / V)
+    wrong_stat = float(((counts[support] - wrong) ** 2 / wrong).sum())
+    assert wrong_stat > chi2.ppf(1 - 1e-3, int(support.sum()) - 1)
+
+
+def test_draws_depend_only_on_seed_counter_and_logits():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 30, generator=g, dtype=torch.float64)
+    params = [SamplingParams(seed=1000 + i % 7) for i in range(64)]
+    counters = [1 + i % 5 for i in range(64)]
+    full = sample(logits, params, counters)
+    perm = list(range(64))
+    random.Random(1).shuffle(perm)
+    shuffled = sample(logits[perm], [params[i] for i in perm], [counters[i] for i in perm])
+    assert [full.token_ids[i] for i in perm] == shuffled.token_ids
+    single = [sample(logits[i:i + 1], [params[i]], [counters[i]]).token_ids[0] for i in range(0, 64, 9)]
+    assert single == full.token_ids[::9]
+    # rows with the same logits and seed but another counter draw differently somewhere
+    same = logits[0].expand(200, 30)
+    a = sample(same, [SamplingParams(seed=5)] * 200, list(range(200))).token_ids
+    assert len(set(a)) > 5
+
+
+def test_different_seeds_differ_and_uniforms_are_uniform():
+    seeds = torch.arange(4000, dtype=torch.int64) * 7919 + 3
+    u = counter_uniforms(seeds, torch.ones(4000, dtype=torch.int64), 16)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    stat = float(((hist - 6400) ** 2 / 6400).sum())
+    assert stat < chi2.ppf(1 - 1e-3, 9)
+    # large seeds use their high 32 bits too
+    hi = counter_uniforms(torch.tensor([5, 5 + 2**40]), torch.tensor([1, 1]), 8)
+    assert not torch.equal(hi[0], hi[1])
+
+
+def test_greedy_is_argmax_and_reports_temperature_one_logprob():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9]], dtype=torch.float64)
+    out = sample(logits, [SamplingParams(temperature=0.0, seed=1)], [1])
+    assert out.token_ids == [1]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]), abs=1e-12)
+
+
+def test_top_logprobs_hold_the_k_best_plus_the_sampled_token():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -3.0, 1.0]], dtype=torch.float64)
+    for seed in range(40):
+        out = sample(logits, [SamplingParams(seed=seed, logprobs=2)], [1])
+        top = dict(out.top_logprobs[0])
+        assert {1, 2} <= set(top) and set(top) <= {1, 2, out.token_ids[0]}
+        lp = torch.log_softmax(logits[0], -1)
+        for tok, val in top.items():
+            assert val == pytest.approx(float(lp[tok]), abs=1e-12)

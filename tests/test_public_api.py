@@ -1,0 +1,42 @@
+"""The public facade is small and pinned: this test fails when it drifts."""
+
+import ourobatch
+import ourobatch.engine
+import ourobatch.scheduler
+
+PUBLIC = {
+    "CheckpointError", "CompletionOutput", "EngineClosedError", "EngineConfig", "EngineDeadError",
+    "InvalidTransition", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
+    "SamplingParams", "SyncEngine", "__version__",
+}
+
+
+def test_top_level_all_is_pinned():
+    assert set(ourobatch.__all__) == PUBLIC
+
+
+def test_every_name_in_all_exists():
+    for module in (ourobatch, ourobatch.engine, ourobatch.scheduler):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_errors_form_one_tree():
+    for name in ("CheckpointError", "EngineClosedError", "EngineDeadError", "InvalidTransition",
+                 "RequestRejectedError"):
+        assert issubclass(getattr(ourobatch, name), ourobatch.OurobatchError)
+    assert issubclass(ourobatch.RequestRejectedError, ValueError)
+    assert issubclass(ourobatch.CheckpointError, ValueError)
+
+
+def test_design_field_names():
+    import dataclasses
+
+    completion = {f.name for f in dataclasses.fields(ourobatch.CompletionOutput)}
+    assert {"index", "token_ids", "logprobs", "readout_loops", "cumulative_logprob", "finish_reason", "seed",
+            "weight_version"} <= completion
+    request = {f.name for f in dataclasses.fields(ourobatch.RequestOutput)}
+    assert {"request_id", "prompt_token_ids", "outputs", "finished"} <= request
+    config = {f.name for f in dataclasses.fields(ourobatch.EngineConfig)}
+    assert {"model", "device", "dtype", "mode", "deep_interval", "shallow_loops", "max_num_seqs",
+            "max_model_len", "block_size", "num_kv_blocks"} <= config
