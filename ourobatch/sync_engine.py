@@ -10,7 +10,9 @@ from ourobatch.scheduler.errors import EngineClosedError
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import SamplingParams
 
-from ._core import EngineCore
+from ourobatch.scheduler.frontend import EngineCore
+
+from ._core import build_engine_core
 from .config import EngineConfig
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
@@ -27,7 +29,7 @@ class SyncEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
-        self._core: EngineCore | None = EngineCore(config)
+        self._core: EngineCore | None = build_engine_core(config)
 
     @property
     def core(self) -> EngineCore:

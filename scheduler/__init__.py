@@ -3,6 +3,7 @@
 from .block_manager import BlockManager
 from .cohort import Cohort
 from .core import MODES, RequestUpdate, Scheduler, SchedulerConfig
+from .frontend import EngineCore, ParentRequest, child_seed
 from .errors import (
     CheckpointError,
     EngineClosedError,
@@ -33,12 +34,14 @@ __all__ = [
     "Cohort",
     "CompletionOutput",
     "DeepWork",
+    "EngineCore",
     "EngineClosedError",
     "EngineDeadError",
     "Executor",
     "InvalidTransition",
     "MODES",
     "OurobatchError",
+    "ParentRequest",
     "Phase",
     "PrefillWork",
     "Request",
@@ -57,5 +60,6 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TRANSITIONS",
+    "child_seed",
     "set_status",
 ]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import EngineCore
+from ourobatch._core import build_engine_core
+from ourobatch.scheduler.frontend import EngineCore
 from tests.oracle import expected_readout_loops, load_oracle, processed_logprobs, readout_position
 
 from .conftest import SHAPES
@@ -33,7 +34,7 @@ def run_staggered(core: EngineCore, prompts, params_list, arrival_steps):
 
 def check_against_oracle(core: EngineCore, oracle, requests, B: int, s: int, mode: str):
     T = oracle.total_ut_steps
-    pool = core.pool
+    pool = core.executor.pool
     for r in requests:
         P, toks = r.num_prompt_tokens, r.output_token_ids
         assert r.finish_reason in ("length", "stop")
@@ -82,7 +83,7 @@ def test_generation_matches_oracle(checkpoints, shape, B, s):
     ]
     # block_size 4 and a pool large enough that no block is reused within the test, so the planes
     # of finished requests can still be read back.
-    core = EngineCore(EngineConfig(model=str(ckpt), dtype="float64", mode="deferred", deep_interval=B,
+    core = build_engine_core(EngineConfig(model=str(ckpt), dtype="float64", mode="deferred", deep_interval=B,
                                    shallow_loops=s, block_size=4, num_kv_blocks=512))
     requests = run_staggered(core, prompts, params_list, arrival_steps=[0, 0, 1, 3])
     check_against_oracle(core, oracle, requests, B, s, "deferred")
@@ -99,7 +100,7 @@ def test_eager_matches_oracle_and_deferred(checkpoints, shape, B):
                    for i, t in enumerate([0.0, 1.0, 0.7])]
     results = {}
     for mode in ("eager", "deferred"):
-        core = EngineCore(EngineConfig(model=str(ckpt), dtype="float64", mode=mode, deep_interval=B,
+        core = build_engine_core(EngineConfig(model=str(ckpt), dtype="float64", mode=mode, deep_interval=B,
                                        shallow_loops=2, block_size=4, num_kv_blocks=256))
         reqs = run_staggered(core, prompts, params_list, arrival_steps=[0, 2, 2])
         check_against_oracle(core, oracle, reqs, B, 2, mode)
@@ -141,7 +142,7 @@ def test_loops_readouts_differ_so_the_schedule_is_observable(checkpoints):
 def test_float32_engine_is_close_to_the_float64_oracle(checkpoints):
     ckpt = checkpoints["kv2-L3-T4-hd16"]
     oracle = load_oracle(ckpt)
-    core = EngineCore(EngineConfig(model=str(ckpt), dtype="float32", deep_interval=4, num_kv_blocks=64))
+    core = build_engine_core(EngineConfig(model=str(ckpt), dtype="float32", deep_interval=4, num_kv_blocks=64))
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
     (r,) = run_staggered(core, [[2, 7, 1]], [params], [0])
     out = oracle.forward([2, 7, 1] + r.output_token_ids[:-1])

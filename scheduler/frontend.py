@@ -1,0 +1,192 @@
+"""EngineCore: the request table callers see (one request, n completions) over the Scheduler and an
+Executor. Torch-free: the facade builds the executor and hands it in.
+
+A caller's request (a ParentRequest) fans out to n scheduler requests, one per completion, each with
+its own seed: the request's seed for completion 0, a splitmix64 step away for the others. One step is
+``schedule() -> executor.execute(plan) -> update(plan, result)``; the sync facade calls ``step()``, the
+async driver calls the three parts itself so that ``execute`` runs on its worker thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .core import RequestUpdate, Scheduler, SchedulerConfig
+from .log import get_logger
+from .outputs import CompletionOutput, RequestOutput
+from .params import MAX_SEED, RequestOutputKind, SamplingParams
+from .plan import Executor, StepPlan, StepResult
+from .request import Request
+
+log = get_logger()
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of completion `index`: the request's seed for 0, a splitmix64 step away otherwise."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & MAX_SEED
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    """A caller's request: one prompt, n child requests in the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request] = field(default_factory=list)
+    weight_version: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+    def output(self, since: list[int] | None = None) -> RequestOutput:
+        """The cumulative output, or with `since` (tokens already delivered per child) only what is new."""
+        outs = []
+        for i, c in enumerate(self.children):
+            start = since[i] if since is not None else 0
+            stop = c.output_token_ids[-1] if c.finish_reason == "stop" and c.output_token_ids else None
+            top = c.top_logprobs[start:] if c.top_logprobs is not None else None
+            outs.append(CompletionOutput(
+                index=i, token_ids=c.output_token_ids[start:], logprobs=c.logprobs[start:],
+                readout_loops=c.readout_loops[start:],
+                cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
+                seed=c.params.seed if c.params.seed is not None else 0, weight_version=self.weight_version,
+                top_logprobs=[dict(t) for t in top] if top is not None else None,
+                stop_reason=stop, error=c.error,
+            ))
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished)
+
+    def num_tokens(self) -> list[int]:
+        return [c.num_output_tokens for c in self.children]
+
+    def snapshot(self, kind: RequestOutputKind, since: list[int]) -> RequestOutput | None:
+        """What a stream of `kind` delivers now, given `since`; None when there is nothing to deliver."""
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return self.output() if self.finished else None
+        if kind == RequestOutputKind.DELTA:
+            if self.num_tokens() == since and not self.finished:
+                return None
+            return self.output(since)
+        return self.output()
+
+
+class EngineCore:
+    """Owns the scheduler and the executor. Not thread-safe: one driver calls it from one thread."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, executor: Executor,
+                 extra_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.scheduler = Scheduler(scheduler_config)
+        self.executor = executor
+        self.parents: dict[str, ParentRequest] = {}
+        self.weight_version = 0
+        self._parent_of: dict[str, str] = {}  # child request id -> parent request id
+        self._extra_stats = extra_stats
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
+            request_id: str | None = None) -> ParentRequest:
+        """Validate and queue a request; raises (and changes nothing) on bad input."""
+        params = SamplingParams.coerce(params)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        for cid in child_ids:
+            if cid in self.scheduler.requests:
+                raise ValueError(f"request_id {cid!r} is already in use by a live request")
+        parent = ParentRequest(request_id, [], params, weight_version=self.weight_version)
+        for i, cid in enumerate(child_ids):
+            # Child 0 is validated first; the others differ only in seed and id, so they cannot fail.
+            child_params = params if params.seed is None else params.with_seed(child_seed(params.seed, i))
+            parent.children.append(self.scheduler.add(cid, prompt_token_ids, child_params))
+            self._parent_of[cid] = request_id
+        parent.prompt_token_ids = list(parent.children[0].prompt_token_ids)
+        self.parents[request_id] = parent
+        log.debug("request_added", request_id=request_id, prompt_tokens=len(parent.prompt_token_ids),
+                  max_tokens=params.max_tokens, n=params.n)
+        return parent
+
+    def abort(self, request_id: str) -> ParentRequest | None:
+        """End a live request with finish_reason 'abort'; unknown or finished ids are ignored."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.abort(child.request_id)
+        self._forget(parent)
+        log.info("request_aborted", request_id=request_id)
+        return parent
+
+    def fail_all(self, message: str) -> list[ParentRequest]:
+        """End every live request with 'error' (the engine is going down)."""
+        updates = self.scheduler.fail_all(message)
+        return self._touched(updates)
+
+    def _forget(self, parent: ParentRequest) -> None:
+        del self.parents[parent.request_id]
+        for child in parent.children:
+            self._parent_of.pop(child.request_id, None)
+
+    # ------------------------------------------------------------------ stepping
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def schedule(self) -> StepPlan:
+        return self.scheduler.schedule()
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[ParentRequest]:
+        """Apply a step's result; return the parents that changed (finished ones are forgotten here)."""
+        for failure in result.failures:
+            log.warning("step_phase_failed", step=plan.step_id, phase=failure.phase.value,
+                        requests=list(failure.request_ids), error=failure.message)
+        if plan.deep:
+            log.info("deep_boundary", step=plan.step_id, cohorts=sorted({d.cohort_id for d in plan.deep}),
+                     requests=len(plan.deep), rows=sum(d.num_rows for d in plan.deep))
+        return self._touched(self.scheduler.update(plan, result))
+
+    def step(self) -> list[ParentRequest]:
+        """Run one whole step on the calling thread."""
+        plan = self.schedule()
+        if plan.is_empty and not plan.released_request_ids:
+            return []
+        return self.update(plan, self.executor.execute(plan))
+
+    def _touched(self, updates: list[RequestUpdate]) -> list[ParentRequest]:
+        touched: dict[str, ParentRequest] = {}
+        for u in updates:
+            parent = self.parents.get(self._parent_of.get(u.request.request_id, ""))
+            if parent is not None:
+                touched[parent.request_id] = parent
+                if u.num_new_tokens and u.request.num_output_tokens == 1:
+                    log.debug("request_prefilled", request_id=parent.request_id,
+                              cohort=u.request.cohort_id)
+        for parent in touched.values():
+            if parent.finished:
+                self._forget(parent)
+                c = parent.children[0]
+                event = "request_failed" if c.finish_reason == "error" else "request_finished"
+                log.info(event, request_id=parent.request_id, finish_reason=c.finish_reason,
+                         tokens=c.num_output_tokens, cohort=c.cohort_id, error=c.error)
+        return list(touched.values())
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dict(self.scheduler.stats())
+        stats["weight_version"] = self.weight_version
+        if self._extra_stats is not None:
+            stats.update(self._extra_stats())
+        return stats
