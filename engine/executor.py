@@ -13,6 +13,7 @@ scheduler decides who ends with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -47,6 +48,12 @@ class ModelExecutor:
         self.device = torch.device(device)
         self.total_ut_steps = model.config.total_ut_steps
         self.retained: dict[str, RetainedRows] = {}
+        # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.
+        self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
+
+    def _enter(self, phase: Phase, works) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, tuple(w.request_id for w in works))
 
     # ------------------------------------------------------------------ the seam
 
@@ -60,11 +67,13 @@ class ModelExecutor:
 
         if plan.prefills:
             try:
+                self._enter(Phase.PREFILL, plan.prefills)
                 to_sample += self._prefill(plan.prefills)
             except Exception as exc:  # noqa: BLE001 - reported to the scheduler as data
                 failures.append(_failure(Phase.PREFILL, plan.prefills, exc))
         if plan.shallow:
             try:
+                self._enter(Phase.SHALLOW, plan.shallow)
                 to_sample += self._shallow(plan.shallow)
             except Exception as exc:  # noqa: BLE001
                 failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
@@ -72,6 +81,7 @@ class ModelExecutor:
         deep = [d for d in plan.deep if d.request_id not in failed]
         if deep:
             try:
+                self._enter(Phase.DEEP, deep)
                 to_sample += self._deep(deep)
             except Exception as exc:  # noqa: BLE001
                 failures.append(_failure(Phase.DEEP, deep, exc))

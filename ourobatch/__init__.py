@@ -14,7 +14,7 @@ from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 from .config import EngineConfig
 
 # The engines pull in torch; load them on first use so `import ourobatch.scheduler` stays torch-free.
-_LAZY = {"SyncEngine": "ourobatch.sync_engine"}
+_LAZY = {"Engine": "ourobatch.async_engine", "SyncEngine": "ourobatch.sync_engine"}
 
 
 def __getattr__(name: str):
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CompletionOutput",
+    "Engine",
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",

@@ -102,3 +102,34 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, num_shards: int = 1
              "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+class InjectedFault(RuntimeError):
+    """The exception a FaultInjector raises inside an engine phase."""
+
+
+class FaultInjector:
+    """Raise InjectedFault inside chosen engine phases (set as ``executor.fault_hook``).
+
+    ``FaultInjector("deep", calls={0})`` fails the first deep call; ``FaultInjector("shallow",
+    when=lambda ids: "req-3" in ids)`` fails every shallow call that feeds req-3. Phases:
+    "prefill", "shallow", "deep".
+    """
+
+    def __init__(self, phase: str, calls: set[int] | None = None, when=None) -> None:
+        from ourobatch.scheduler.plan import Phase
+
+        self.phase = Phase(phase)
+        self.calls = calls
+        self.when = when
+        self.num_calls = 0
+        self.num_raised = 0
+
+    def __call__(self, phase, request_ids: tuple[str, ...]) -> None:
+        if phase != self.phase:
+            return
+        n = self.num_calls
+        self.num_calls += 1
+        if (self.calls is None or n in self.calls) and (self.when is None or self.when(request_ids)):
+            self.num_raised += 1
+            raise InjectedFault(f"injected {phase.value} failure (call {n})")

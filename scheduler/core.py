@@ -182,6 +182,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_pending_releases(self) -> bool:
+        """Requests ended since the last plan whose engine-side state the next plan will drop."""
+        return bool(self._released)
+
     def schedule(self) -> StepPlan:
         """Plan one step: every decoding request's shallow step, boundary deep calls, new prefills."""
         cfg = self.config

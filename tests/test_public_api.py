@@ -5,7 +5,7 @@ import ourobatch.engine
 import ourobatch.scheduler
 
 PUBLIC = {
-    "CheckpointError", "CompletionOutput", "EngineClosedError", "EngineConfig", "EngineDeadError",
+    "CheckpointError", "CompletionOutput", "Engine", "EngineClosedError", "EngineConfig", "EngineDeadError",
     "InvalidTransition", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
     "SamplingParams", "SyncEngine", "__version__",
 }

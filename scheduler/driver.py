@@ -1,0 +1,262 @@
+"""The anyio driver: one loop task runs EngineCore steps, each on a single worker thread, and wakes
+per-request output collectors. Torch-free.
+
+Theory of operation. The event loop thread owns the EngineCore: ``add``, ``abort``, ``schedule`` and
+``update`` only ever run there, so they need no locks. Only ``executor.execute(plan)`` runs on the
+worker (``anyio.to_thread.run_sync`` behind a CapacityLimiter of 1: one step at a time), so while the
+accelerator works the event loop keeps admitting, streaming and cancelling. An abort during a step
+frees the request's blocks at once; nothing can reuse them before ``update`` for that step has run,
+because the next plan is only made after it.
+
+Delivery never blocks the engine: each request has one collector holding an Event; a step only sets
+it. Consumers build their output from the request's state when they wake, so however slow a consumer
+is, what it gets is coalesced (everything since its last read), like vLLM's per-request collector.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import anyio
+
+from .errors import EngineClosedError, EngineDeadError
+from .frontend import EngineCore, ParentRequest
+from .log import get_logger
+from .outputs import RequestOutput
+from .params import RequestOutputKind, SamplingParams
+
+log = get_logger()
+
+
+@dataclass(eq=False)
+class _Collector:
+    parent: ParentRequest
+    kind: RequestOutputKind
+    event: anyio.Event
+    delivered: list[int]  # tokens already handed to the consumer, per completion
+    sent_final: bool = False
+    killed: bool = False  # ended by the engine dying: the consumer gets EngineDeadError
+
+
+    def notify(self) -> None:
+        self.event.set()
+
+    def pending(self) -> bool:
+        return self.parent.num_tokens() != self.delivered or (self.parent.finished and not self.sent_final)
+
+
+class AsyncDriver:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._collectors: dict[str, _Collector] = {}
+        self._wakeup = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)
+        self._closing = False
+        self._error: BaseException | None = None  # EngineDeadError / EngineClosedError once stopped
+        self.step_in_flight = False
+        self.num_steps = 0
+        self._owner_thread = threading.get_ident()
+        self._orphans: collections.deque[_Collector] = collections.deque()  # released off-thread
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Step until close() is called. Never raises for engine errors: callers get EngineDeadError."""
+        try:
+            while not self._closing:
+                if not self.core.has_unfinished and not self.core.scheduler.has_pending_releases:
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                while self._orphans:
+                    self._release(self._orphans.popleft())
+                plan = self.core.schedule()
+                self.step_in_flight = True
+                try:
+                    result = await anyio.to_thread.run_sync(self.core.executor.execute, plan,
+                                                            limiter=self._limiter)
+                finally:
+                    self.step_in_flight = False
+                touched = self.core.update(plan, result)
+                self.num_steps += 1
+                for parent in touched:
+                    self._notify(parent.request_id)
+                await anyio.lowlevel.checkpoint()  # let callers run between steps
+        except Exception as exc:  # noqa: BLE001 - an engine bug or an executor breaking its contract
+            log.error("engine_dead", error=f"{type(exc).__name__}: {exc}")
+            dead = EngineDeadError(f"the engine stopped on an unrecoverable error: {type(exc).__name__}: {exc}")
+            dead.__cause__ = exc
+            self._stop(dead)
+            return
+        self._stop(EngineClosedError("the engine was closed"))
+
+    def close(self) -> None:
+        """Ask the loop to stop after the step in flight (if any)."""
+        self._closing = True
+        self._wakeup.set()
+
+    def _stop(self, error: BaseException) -> None:
+        self._error = error
+        if isinstance(error, EngineDeadError):
+            for parent in self.core.fail_all(str(error)):
+                collector = self._collectors.get(parent.request_id)
+                if collector is not None:
+                    collector.killed = True
+        else:
+            for request_id in list(self.core.parents):
+                self.core.abort(request_id)
+        for collector in list(self._collectors.values()):
+            collector.notify()
+
+    @property
+    def is_running(self) -> bool:
+        return self._error is None
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _notify(self, request_id: str) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is not None:
+            collector.notify()
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
+            request_id: str | None = None,
+            kind: RequestOutputKind | None = None) -> _Collector:
+        """Validate and queue a request (raises, changing nothing, on bad input); wake the loop."""
+        self._check_running()
+        if request_id is not None and request_id in self._collectors:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        parent = self.core.add(prompt_token_ids, params, request_id)
+        collector = _Collector(parent, kind if kind is not None else parent.params.output_kind, anyio.Event(),
+                               [0] * len(parent.children))
+        self._collectors[parent.request_id] = collector
+        self._wakeup.set()
+        return collector
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request; True if it was live. Synchronous, so it works while being cancelled."""
+        parent = self.core.abort(request_id)
+        self._notify(request_id)
+        if parent is not None:
+            self._wakeup.set()  # the next plan releases its engine-side rows
+        return parent is not None
+
+    def _release(self, collector: _Collector) -> None:
+        """The consumer is gone: abort the request if it still runs, drop its collector."""
+        if threading.get_ident() != self._owner_thread:
+            self._orphans.append(collector)  # e.g. a stream garbage-collected on another thread
+            return
+        request_id = collector.parent.request_id
+        if self._collectors.get(request_id) is collector:
+            del self._collectors[request_id]
+        if not collector.parent.finished:
+            self.abort(request_id)
+
+    def _raise_if_dead(self, collector: _Collector) -> None:
+        if collector.killed:
+            assert self._error is not None
+            raise self._error
+
+    async def wait_final(self, collector: _Collector) -> RequestOutput:
+        """The finished output; EngineDeadError if the engine died first."""
+        try:
+            while not collector.parent.finished:
+                await self._wait(collector)
+            self._raise_if_dead(collector)
+            return collector.parent.output()
+        finally:
+            self._release(collector)
+
+    def open_stream(self, collector: _Collector) -> "RequestStream":
+        return RequestStream(self, collector)
+
+    def _take(self, collector: _Collector) -> RequestOutput | None:
+        parent, kind = collector.parent, collector.kind
+        finished = parent.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            collector.delivered = parent.num_tokens()
+            return None
+        if kind == RequestOutputKind.DELTA:
+            out = parent.output(since=collector.delivered)
+        else:
+            out = parent.output()
+        collector.delivered = parent.num_tokens()
+        collector.sent_final = finished
+        return out
+
+    async def _wait(self, collector: _Collector) -> None:
+        if self._error is not None and not collector.parent.finished:
+            raise self._error
+        await collector.event.wait()
+        collector.event = anyio.Event()
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.core.stats()
+        stats["engine_steps"] = self.num_steps
+        stats["num_streams"] = len(self._collectors)
+        stats["step_in_flight"] = self.step_in_flight
+        return stats
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Closing it early (``aclose()``, leaving
+    ``async with``, cancellation, or dropping the last reference after ``break``) aborts the request.
+    Raises EngineDeadError if the engine dies while the request runs."""
+
+    def __init__(self, driver: AsyncDriver, collector: _Collector) -> None:
+        self._driver = driver
+        self._collector = collector
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._collector.parent.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        collector, driver = self._collector, self._driver
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            while True:
+                driver._raise_if_dead(collector)
+                if collector.pending():
+                    out = driver._take(collector)
+                    if collector.sent_final:
+                        self._close()
+                    if out is not None:
+                        return out
+                    if self._closed:
+                        raise StopAsyncIteration
+                    continue
+                await driver._wait(collector)
+        except BaseException:
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._driver._release(self._collector)
+
+    async def aclose(self) -> None:
+        self._close()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._close()
