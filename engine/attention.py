@@ -1,22 +1,30 @@
-"""Causal attention of new rows against a request's paged history (reference torch implementation).
+"""Causal attention of new rows against a request's paged history.
 
 Every call serves contiguous new rows per request: one row (a shallow step), B rows (a deep call over
-retained rows) or a prompt chunk (prefill). Their keys are written to the plane first, so row i at
-position p attends to the plane's positions 0..p.
+retained rows) or a whole prompt (prefill). Keys are written to the plane first, so row i at position
+p attends to the plane's positions 0..p.
+
+Backends: `paged_attention` (plain torch, the reference, loops over requests on the host) and the
+Triton kernel in triton_attention.py (reads each KV block once for all new rows of a request; used on
+CUDA, inside CUDA graphs). Prefill from position 0 needs no history: dense causal SDPA over the prompt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from .kv_cache import KVPool
+if TYPE_CHECKING:
+    from .batch import BatchMeta
+    from .kv_cache import KVPool
 
 
 @dataclass
 class SeqSpan:
-    """One request's rows inside a batch of concatenated rows."""
+    """One request's rows inside a batch of concatenated rows (host view)."""
 
     row_start: int  # first row of this request in the batch
     num_rows: int  # new rows, at positions context_len - num_rows .. context_len - 1
@@ -24,7 +32,7 @@ class SeqSpan:
     block_ids: tuple[int, ...]
 
 
-def paged_attention(q: torch.Tensor, pool: KVPool, loop: int, layer: int, spans: list[SeqSpan],
+def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, spans: list[SeqSpan],
                     scale: float) -> torch.Tensor:
     # q: [rows, heads, head_dim] -> out: [rows, heads, head_dim]
     out = torch.empty_like(q)
@@ -45,3 +53,44 @@ def paged_attention(q: torch.Tensor, pool: KVPool, loop: int, layer: int, spans:
                               dim=-1).to(qs.dtype)
         out[rows] = torch.matmul(probs, v.transpose(0, 1).to(qs.dtype)).transpose(0, 1)
     return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[SeqSpan],
+                      scale: float) -> torch.Tensor:
+    """Dense causal attention within each prompt (no history: every span starts at position 0).
+
+    q: [rows, heads, d]; k, v: [rows, kv_heads, d] (this call's keys) -> [rows, heads, d].
+    Prompts of equal length run as one batched SDPA call.
+    """
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    by_len: dict[int, list[SeqSpan]] = {}
+    for span in spans:
+        assert span.context_len == span.num_rows, "prefill attention needs prompts from position 0"
+        by_len.setdefault(span.num_rows, []).append(span)
+    for n, group in by_len.items():
+        idx = torch.cat([torch.arange(s.row_start, s.row_start + n, device=q.device) for s in group])
+        qg = q[idx].view(len(group), n, *q.shape[1:]).transpose(1, 2)  # [b, heads, n, d]
+        kg = k[idx].view(len(group), n, *k.shape[1:]).transpose(1, 2)
+        vg = v[idx].view(len(group), n, *v.shape[1:]).transpose(1, 2)
+        if groups > 1:
+            kg = kg.repeat_interleave(groups, dim=1)
+            vg = vg.repeat_interleave(groups, dim=1)
+        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
+        out[idx] = og.transpose(1, 2).reshape(len(group) * n, *q.shape[1:])
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: "KVPool", loop: int, layer: int,
+           meta: "BatchMeta", scale: float, backend: str) -> torch.Tensor:
+    """Attention for one layer of one loop; k, v are this call's keys (already written to the pool)."""
+    if meta.prefill and meta.spans is not None:
+        return prefill_attention(q, k, v, meta.spans, scale)
+    if backend == "triton":
+        from .triton_attention import triton_paged_attention
+
+        k_plane, v_plane = pool.k[loop - 1, layer], pool.v[loop - 1, layer]
+        return triton_paged_attention(q, k_plane, v_plane, meta.block_tables, meta.context_lens,
+                                      meta.query_start, meta.max_rows, scale)
+    assert meta.spans is not None, "the reference attention needs host spans"
+    return paged_attention(q, pool, loop, layer, meta.spans, scale)

@@ -4,15 +4,19 @@ Order within a step: prefills (loops 1..T), the shallow call (one fed token per 
 loops 1..last_loop), the deep call (retained rows of every boundary request, loops first_loop..T, one
 batch), then one batched sampling pass over every work item that carries a SampleSpec.
 
-Retained rows (deferred mode) are per-request tensors kept here, keyed by request id: the loop-s
-readout of each fed position whose deep loops have not run. A DeepWork consumes them; a released
-request's rows are dropped unread. A failing phase is reported as a StepFailure, never raised: the
-scheduler decides who ends with it.
+Retained rows (deferred mode) are the loop-s readouts of fed positions whose deep loops have not run.
+They live in one device buffer ``retained[table_row, i]`` (i < deep_interval), written by the shallow
+call and read by the deep call, so neither needs per-request host work; a released request's rows are
+simply forgotten. A failing phase is reported as a StepFailure, never raised: the scheduler decides
+who ends with it.
+
+On CUDA with the Triton backend, shallow and deep calls replay CUDA graphs captured per batch-size
+bucket (cuda_graphs.py); elsewhere the same functions run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,30 +34,60 @@ from ourobatch.scheduler.plan import (
 )
 
 from .attention import SeqSpan
+from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
-from .model import BatchMeta, OuroForCausalLM
+from .model import OuroForCausalLM
 from .sampler import sample
 
 
 @dataclass
 class RetainedRows:
-    start_position: int  # position of rows[0]
-    rows: list[torch.Tensor] = field(default_factory=list)  # each [hidden], loop-s readouts
+    start_position: int  # position of retained row 0
+    count: int = 0  # rows held in the device buffer
+
+
+@dataclass
+class _Readout:
+    """Rows of one readout tensor to sample from, with their specs."""
+
+    hidden: torch.Tensor  # [n, hidden]
+    items: list[tuple[str, SampleSpec]]
 
 
 class ModelExecutor:
-    def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
+                 max_num_seqs: int = 256, max_blocks_per_seq: int = 256, deep_interval: int = 1,
+                 attention: str = "auto", cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
-        self.total_ut_steps = model.config.total_ut_steps
+        cfg = model.config
+        self.total_ut_steps = cfg.total_ut_steps
+        self.block_size = pool.block_size
+        if attention == "auto":
+            from_triton = self.device.type == "cuda"
+            if from_triton:
+                from .triton_attention import supports
+
+                from_triton = supports(cfg.head_dim, pool.k.dtype)
+            attention = "triton" if from_triton else "torch"
+        self.attention = attention
+        model.set_attention_backend(attention)
+        self.tables = BlockTables(max_num_seqs, max_blocks_per_seq, pool.scratch_block, self.device)
+        dtype = next(model.parameters()).dtype
+        self.retained_rows = torch.zeros(max_num_seqs + 1, max(deep_interval, 1), cfg.hidden_size, dtype=dtype,
+                                         device=self.device)
         self.retained: dict[str, RetainedRows] = {}
         # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.
         self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and attention == "triton"
+        self.graphs = None
+        if cuda_graphs:
+            from .cuda_graphs import GraphCache
 
-    def _enter(self, phase: Phase, works) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase, tuple(w.request_id for w in works))
+            self.graphs = GraphCache(self, max_num_seqs)
+        self.timing: list[float] | None = None  # set to a list to record GPU ms per step (CUDA events)
 
     # ------------------------------------------------------------------ the seam
 
@@ -61,20 +95,22 @@ class ModelExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.released_request_ids:
             self.retained.pop(rid, None)
+            self.tables.release(rid)
         failures: list[StepFailure] = []
-        to_sample: list[tuple[str, SampleSpec, torch.Tensor]] = []  # (request, spec, readout row)
+        readouts: list[_Readout] = []
         failed: set[str] = set()
+        events = self._start_timing()
 
         if plan.prefills:
             try:
                 self._enter(Phase.PREFILL, plan.prefills)
-                to_sample += self._prefill(plan.prefills)
+                readouts += self._prefill(plan.prefills)
             except Exception as exc:  # noqa: BLE001 - reported to the scheduler as data
                 failures.append(_failure(Phase.PREFILL, plan.prefills, exc))
         if plan.shallow:
             try:
                 self._enter(Phase.SHALLOW, plan.shallow)
-                to_sample += self._shallow(plan.shallow)
+                readouts += self._shallow(plan.shallow)
             except Exception as exc:  # noqa: BLE001
                 failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
                 failed.update(w.request_id for w in plan.shallow)
@@ -82,93 +118,167 @@ class ModelExecutor:
         if deep:
             try:
                 self._enter(Phase.DEEP, deep)
-                to_sample += self._deep(deep)
+                readouts += self._deep(deep)
             except Exception as exc:  # noqa: BLE001
                 failures.append(_failure(Phase.DEEP, deep, exc))
             finally:
                 for d in deep:  # consumed, or discarded with a failed (closing) cohort
                     self.retained.pop(d.request_id, None)
         sampled: list[SampledToken] = []
-        if to_sample:
+        if readouts:
             try:
-                sampled = self._sample(to_sample)
+                sampled = self._sample(readouts)
             except Exception as exc:  # noqa: BLE001
-                failures.append(StepFailure(Phase.SAMPLE, tuple(r for r, _, _ in to_sample), repr(exc)))
+                ids = tuple(rid for r in readouts for rid, _ in r.items)
+                failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
+        self._stop_timing(events)
         return StepResult(plan.step_id, tuple(sampled), tuple(failures))
+
+    def _enter(self, phase: Phase, works) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, tuple(w.request_id for w in works))
 
     # ------------------------------------------------------------------ phases
 
-    def _meta(self, items: list[tuple[tuple[int, ...], int, int]]) -> BatchMeta:
-        """items: (block_ids, first position, num rows) per request, rows contiguous in that order."""
-        positions, slots, spans = [], [], []
-        row = 0
-        for block_ids, start, n in items:
-            pos = torch.arange(start, start + n, device=self.device)
-            positions.append(pos)
-            slots.append(self.pool.slots_for(block_ids, pos))
-            spans.append(SeqSpan(row, n, start + n, block_ids))
+    def _spans(self, works, starts: list[int], num_rows: list[int]) -> list[SeqSpan] | None:
+        if self.attention != "torch":
+            return None
+        spans, row = [], 0
+        for w, start, n in zip(works, starts, num_rows):
+            spans.append(SeqSpan(row, n, start + n, w.block_ids))
             row += n
-        return BatchMeta(torch.cat(positions), torch.cat(slots), spans)
+        return spans
 
-    def _prefill(self, works: tuple[PrefillWork, ...]) -> list[tuple[str, SampleSpec, torch.Tensor]]:
-        ids = torch.tensor([t for w in works for t in w.token_ids], dtype=torch.long, device=self.device)
-        meta = self._meta([(w.block_ids, w.start_position, len(w.token_ids)) for w in works])
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _prefill(self, works: tuple[PrefillWork, ...]) -> list[_Readout]:
+        rows = [self.tables.row(w.request_id, w.block_ids) for w in works]
+        starts = [w.start_position for w in works]
+        lens = [len(w.token_ids) for w in works]
+        meta = varlen_meta(self.tables, rows, starts, lens, [w.block_ids for w in works], self.block_size,
+                           prefill=all(s == 0 for s in starts), device=self.device)
+        ids = self._index([t for w in works for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
-        out = []
-        for w, span in zip(works, meta.spans):
-            if w.sample is not None:
-                out.append((w.request_id, w.sample, h_T[span.row_start + span.num_rows - 1]))
-        return out
+        last = [span.row_start + span.num_rows - 1 for span in meta.spans]
+        items = [(w.request_id, w.sample) for w in works if w.sample is not None]
+        keep = [i for i, w in zip(last, works) if w.sample is not None]
+        return [_Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
 
-    def _shallow(self, works: tuple[ShallowWork, ...]) -> list[tuple[str, SampleSpec, torch.Tensor]]:
-        out = []
-        by_depth: dict[int, list[ShallowWork]] = {}
+    def _shallow(self, works: tuple[ShallowWork, ...]) -> list[_Readout]:
+        out: list[_Readout] = []
+        groups: dict[tuple[int, bool], list[ShallowWork]] = {}
         for w in works:
-            by_depth.setdefault(w.last_loop, []).append(w)
-        for last_loop, group in by_depth.items():
-            ids = torch.tensor([w.token_id for w in group], dtype=torch.long, device=self.device)
-            meta = self._meta([(w.block_ids, w.position, 1) for w in group])
-            readouts = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, last_loop)
-            for i, w in enumerate(group):
-                if w.retain:
+            groups.setdefault((w.last_loop, w.retain), []).append(w)
+        for (last_loop, retain), group in groups.items():
+            rows = [self.tables.row(w.request_id, w.block_ids) for w in group]
+            slots = []
+            if retain:
+                for w in group:
                     kept = self.retained.get(w.request_id)
                     if kept is None:
                         kept = self.retained[w.request_id] = RetainedRows(w.position)
-                    assert kept.start_position + len(kept.rows) == w.position, (
-                        f"req {w.request_id}: retained rows end at {kept.start_position + len(kept.rows)}, "
-                        f"fed position {w.position}")
-                    kept.rows.append(readouts[-1][i])
+                    if kept.start_position + kept.count != w.position:
+                        raise RuntimeError(f"req {w.request_id}: retained rows end at "
+                                           f"{kept.start_position + kept.count}, fed position {w.position}")
+                    slots.append(kept.count)
+            positions = [w.position for w in group]
+            readouts = self._run_shallow([w.token_id for w in group], rows, positions, slots if retain else None,
+                                         last_loop, group)
+            if retain:
+                for w in group:
+                    self.retained[w.request_id].count += 1
+            by_loop: dict[int, list[int]] = {}
+            for i, w in enumerate(group):
                 if w.sample is not None:
-                    out.append((w.request_id, w.sample, readouts[w.sample.loop - 1][i]))
+                    by_loop.setdefault(w.sample.loop, []).append(i)
+            for loop, idx in by_loop.items():
+                h = readouts[loop - 1]
+                if len(idx) != len(group):
+                    h = h.index_select(0, self._index(idx))
+                out.append(_Readout(h, [(group[i].request_id, group[i].sample) for i in idx]))
         return out
 
-    def _deep(self, works: list[DeepWork]) -> list[tuple[str, SampleSpec, torch.Tensor]]:
-        rows = []
+    def _run_shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
+                     retain_slots: list[int] | None, last_loop: int, works) -> list[torch.Tensor]:
+        """Loops 1..last_loop over one fed token per request; returns readouts [n, hidden] of each loop."""
+        if self.graphs is not None:
+            return self.graphs.shallow(token_ids, rows, positions, retain_slots, last_loop)
+        row_t, pos_t = self._index(rows), self._index(positions)
+        meta = uniform_meta(self.tables, row_t, pos_t, 1, self.block_size,
+                            self._spans(works, positions, [1] * len(rows)))
+        readouts = self.model.run_loops(self.model.embed(self._index(token_ids)), meta, self.pool, 1, last_loop)
+        if retain_slots is not None:
+            self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
+        return readouts
+
+    def _deep(self, works: list[DeepWork]) -> list[_Readout]:
         first_loop = works[0].first_loop
+        R = works[0].num_rows
         for d in works:
             assert d.first_loop == first_loop, "one deep call runs one loop range"
             kept = self.retained.get(d.request_id)
-            if kept is None or kept.start_position != d.start_position or len(kept.rows) != d.num_rows:
-                have = None if kept is None else (kept.start_position, len(kept.rows))
+            if kept is None or kept.start_position != d.start_position or kept.count != d.num_rows:
+                have = None if kept is None else (kept.start_position, kept.count)
                 raise RuntimeError(f"req {d.request_id}: deep work wants rows ({d.start_position}, "
                                    f"{d.num_rows}) but the engine retains {have}")
-            rows.extend(kept.rows)
-        h = torch.stack(rows)  # [sum rows, hidden], loop first_loop-1 readouts
-        meta = self._meta([(d.block_ids, d.start_position, d.num_rows) for d in works])
-        h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
-        out = []
-        for d, span in zip(works, meta.spans):
-            if d.sample is not None:
-                out.append((d.request_id, d.sample, h_T[span.row_start + span.num_rows - 1]))
-        return out
+        rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
+        starts = [d.start_position for d in works]
+        if all(d.num_rows == R for d in works):
+            h_last = self._run_deep(rows, starts, R, first_loop, works)
+        else:  # the general case (different row counts): host-built metadata, eager
+            h_last = self._run_deep_varlen(rows, starts, [d.num_rows for d in works], first_loop, works)
+        items = [(d.request_id, d.sample) for d in works if d.sample is not None]
+        keep = [i for i, d in enumerate(works) if d.sample is not None]
+        if len(keep) != len(works):
+            h_last = h_last.index_select(0, self._index(keep))
+        return [_Readout(h_last, items)] if items else []
 
-    def _sample(self, items: list[tuple[str, SampleSpec, torch.Tensor]]) -> list[SampledToken]:
-        logits = self.model.logits(torch.stack([h for _, _, h in items]))
-        result = sample(logits, [spec.params for _, spec, _ in items], [spec.token_index for _, spec, _ in items])
+    def _run_deep(self, rows: list[int], starts: list[int], R: int, first_loop: int, works) -> torch.Tensor:
+        """Loops first_loop..T over R retained rows per request; returns each request's last-row readout."""
+        if self.graphs is not None:
+            return self.graphs.deep(rows, starts, R, first_loop)
+        row_t = self._index(rows)
+        meta = uniform_meta(self.tables, row_t, self._index(starts), R, self.block_size,
+                            self._spans(works, starts, [R] * len(rows)))
+        h = self.retained_rows[row_t, :R].reshape(len(rows) * R, -1)
+        h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
+        return h_T.view(len(rows), R, -1)[:, -1]
+
+    def _run_deep_varlen(self, rows: list[int], starts: list[int], num_rows: list[int], first_loop: int,
+                         works) -> torch.Tensor:
+        meta = varlen_meta(self.tables, rows, starts, num_rows, [d.block_ids for d in works], self.block_size,
+                           prefill=False, device=self.device)
+        h = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
+        h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
+        return h_T.index_select(0, self._index([s.row_start + s.num_rows - 1 for s in meta.spans]))
+
+    def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
+        h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
+        items = [it for r in readouts for it in r.items]
+        logits = self.model.logits(h)
+        result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items])
         return [
             SampledToken(rid, tok, lp, spec.loop, top)
-            for (rid, spec, _), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
+            for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
         ]
+
+    # ------------------------------------------------------------------ timing
+
+    def _start_timing(self):
+        if self.timing is None or self.device.type != "cuda":
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _stop_timing(self, events) -> None:
+        if events is None:
+            return
+        start, end = events
+        end.record()
+        end.synchronize()
+        self.timing.append(start.elapsed_time(end))
 
 
 def _failure(phase: Phase, works, exc: Exception) -> StepFailure:

@@ -16,13 +16,15 @@ import torch
 class KVPool:
     def __init__(self, num_loops: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_loops, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # One extra block at index num_blocks: the scratch block that padding rows of a CUDA graph write to.
+        shape = (num_loops, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         # Uninitialised on purpose: only slots a request has written are ever read, and untouched pages
         # of a large CPU pool cost no memory.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_block = num_blocks
 
     @property
     def num_bytes(self) -> int:

@@ -8,13 +8,12 @@ loops s+1..T over retained loop-s rows at their original positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import SeqSpan, paged_attention
+from .attention import attend
+from .batch import BatchMeta
 from .config import OuroConfig
 from .kv_cache import KVPool
 
@@ -57,15 +56,6 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotated * sin
 
 
-@dataclass
-class BatchMeta:
-    """Where the rows of one forward call sit: built once per call by the executor."""
-
-    positions: torch.Tensor  # [rows] absolute positions
-    slots: torch.Tensor  # [rows] flat KV slot of each row (same in every loop plane)
-    spans: list[SeqSpan]  # one per request, rows contiguous
-
-
 class OuroAttention(nn.Module):
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
@@ -76,17 +66,33 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
         self.scale = d**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): q, k, v stacked, one GEMM
+        self.backend = "torch"  # "torch" (reference) or "triton"
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight; the three projections become views of it (state_dict unchanged)."""
+        fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).contiguous()
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj.weight = nn.Parameter(fused[:q_dim], requires_grad=False)
+        self.k_proj.weight = nn.Parameter(fused[q_dim:q_dim + kv_dim], requires_grad=False)
+        self.v_proj.weight = nn.Parameter(fused[q_dim + kv_dim:], requires_grad=False)
+        self.qkv_weight = fused
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool, loop: int,
                 layer: int) -> torch.Tensor:
         # x: [rows, hidden] -> [rows, hidden]
         rows = x.shape[0]
-        q = rope(self.q_proj(x).view(rows, self.num_heads, self.head_dim), meta.positions)
-        k = rope(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), meta.positions)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split([q_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rope(q.reshape(rows, self.num_heads, self.head_dim), meta.positions)
+        k = rope(k.reshape(rows, self.num_kv_heads, self.head_dim), meta.positions)
+        v = v.reshape(rows, self.num_kv_heads, self.head_dim)
         pool.write(loop, layer, meta.slots, k, v)  # keys are stored after RoPE
-        a = paged_attention(q, pool, loop, layer, meta.spans, self.scale)
-        return self.o_proj(a.reshape(rows, self.num_heads * self.head_dim))
+        a = attend(q, k, v, pool, loop, layer, meta, self.scale, self.backend)
+        return self.o_proj(a.reshape(rows, q_dim))
 
 
 class OuroMLP(nn.Module):
@@ -96,8 +102,19 @@ class OuroMLP(nn.Module):
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
+        inter = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(fused[:inter], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(fused[inter:], requires_grad=False)
+        self.gate_up_weight = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -137,6 +154,18 @@ class OuroForCausalLM(nn.Module):
         self.model = OuroModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def set_attention_backend(self, backend: str) -> None:
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

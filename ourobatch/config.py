@@ -30,9 +30,13 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests decoding at once
     max_model_len: int = 4096  # prompt + max_tokens of one request, at most
     block_size: int = 16  # positions per KV block
-    num_kv_blocks: int | None = None  # None: room for max_num_seqs * max_model_len, capped by kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # cap on the automatic KV pool size
+    num_kv_blocks: int | None = None  # None: CPU: max_num_seqs * max_model_len capped by kv_cache_memory_gb;
+    #                                   CUDA: what gpu_memory_utilization leaves free after the weights
+    kv_cache_memory_gb: float = 1.0  # CPU: cap on the automatic KV pool size
     max_num_batched_tokens: int = 8192  # prompt tokens prefilled per step (a longer prompt goes alone)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory the engine may hold (weights + KV)
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA when the shapes allow), "triton" or "torch"
+    cuda_graphs: bool | None = None  # None: on for CUDA with the Triton backend
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)):
@@ -51,5 +55,13 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"EngineConfig.attention_backend must be one of ('auto', 'triton', 'torch'), got "
+                             f"{self.attention_backend!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")

@@ -1,0 +1,107 @@
+"""Where the rows of one forward call sit in the paged pool: block-table rows and batch metadata.
+
+Block tables live on the device in one buffer, one row per live request, written once when the request
+first appears (its blocks are reserved whole at admission and never change). A step then sends only
+small index vectors (table row, first position, token id per request); slots and positions are
+computed on the device, which keeps the hot path free of per-request host work and lets the same
+function run eagerly or inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import SeqSpan
+
+
+class BlockTables:
+    """Device-side block tables: ``table[row]`` holds one request's block ids (padded with the scratch block)."""
+
+    def __init__(self, capacity: int, width: int, scratch_block: int, device: torch.device) -> None:
+        # row `capacity` is the scratch row: every entry is the scratch block (padding rows of a graph)
+        self.table = torch.full((capacity + 1, width), scratch_block, dtype=torch.int32, device=device)
+        self.capacity = capacity
+        self.width = width
+        self.scratch_row = capacity
+        self.scratch_block = scratch_block
+        self.row_of: dict[str, int] = {}
+        self.block_ids_of: dict[str, tuple[int, ...]] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def row(self, request_id: str, block_ids: tuple[int, ...]) -> int:
+        row = self.row_of.get(request_id)
+        if row is not None:
+            return row
+        if not self._free:
+            raise RuntimeError(f"more than {self.capacity} live requests in the executor")
+        if len(block_ids) > self.width:
+            raise RuntimeError(f"req {request_id}: {len(block_ids)} blocks, block tables hold {self.width}")
+        row = self._free.pop()
+        padded = list(block_ids) + [self.scratch_block] * (self.width - len(block_ids))
+        self.table[row].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=False)
+        self.row_of[request_id] = row
+        self.block_ids_of[request_id] = block_ids
+        return row
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        self.block_ids_of.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+
+@dataclass
+class BatchMeta:
+    """One forward call's rows. Tensors are on the device; `spans` is the host view (None in graphs)."""
+
+    positions: torch.Tensor  # [rows] int64 absolute positions
+    slots: torch.Tensor  # [rows] int64 flat KV slot of each row (the same in every loop plane)
+    block_tables: torch.Tensor  # [seqs, width] int32
+    context_lens: torch.Tensor  # [seqs] int32: positions visible to each sequence's last row
+    query_start: torch.Tensor  # [seqs + 1] int32: row offsets of each sequence
+    max_rows: int  # most rows of one sequence (sizes the attention tile)
+    prefill: bool  # every sequence is a whole prompt from position 0: dense causal attention
+    spans: list[SeqSpan] | None = None
+
+
+def uniform_meta(tables: BlockTables, row_ids: torch.Tensor, starts: torch.Tensor, rows_per_seq: int,
+                 block_size: int, spans: list[SeqSpan] | None = None) -> BatchMeta:
+    """Metadata for `rows_per_seq` contiguous rows per sequence, computed on the device (graph-safe).
+
+    row_ids, starts: [seqs] int64 (table row and first position of each sequence).
+    """
+    R = rows_per_seq
+    seqs = row_ids.shape[0]
+    offs = torch.arange(R, device=row_ids.device, dtype=torch.int64)
+    positions = (starts[:, None] + offs[None, :]).reshape(-1)  # [seqs * R]
+    block_tables = tables.table.index_select(0, row_ids)  # [seqs, width]
+    seq_of_row = torch.arange(seqs, device=row_ids.device).repeat_interleave(R)
+    blocks = block_tables[seq_of_row, positions // block_size].to(torch.int64)
+    slots = blocks * block_size + positions % block_size
+    context_lens = (starts + R).to(torch.int32)
+    query_start = (torch.arange(seqs + 1, device=row_ids.device, dtype=torch.int32) * R)
+    return BatchMeta(positions, slots, block_tables, context_lens, query_start, R, False, spans)
+
+
+def varlen_meta(tables: BlockTables, row_ids: list[int], starts: list[int], num_rows: list[int],
+                block_ids: list[tuple[int, ...]], block_size: int, prefill: bool,
+                device: torch.device) -> BatchMeta:
+    """Metadata for sequences with different row counts (prefills, and the general case), built on the host."""
+    positions, spans, row = [], [], 0
+    for block_table, start, n in zip(block_ids, starts, num_rows):
+        positions.extend(range(start, start + n))
+        spans.append(SeqSpan(row, n, start + n, block_table))
+        row += n
+    pos = torch.tensor(positions, dtype=torch.int64)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(num_rows))
+    rows_t = torch.tensor(row_ids, dtype=torch.int64)
+    host_tables = tables.table.index_select(0, rows_t.to(tables.table.device)).cpu()
+    slots = host_tables[seq_of_row, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    query_start = torch.zeros(len(starts) + 1, dtype=torch.int32)
+    query_start[1:] = torch.tensor(num_rows).cumsum(0)
+    context_lens = torch.tensor([s + n for s, n in zip(starts, num_rows)], dtype=torch.int32)
+    to = dict(device=device, non_blocking=True)
+    return BatchMeta(pos.to(**to), slots.to(**to), host_tables.to(**to), context_lens.to(**to),
+                     query_start.to(**to), max(num_rows), prefill, spans)
