@@ -10,6 +10,7 @@ from ourobatch.engine.config import OuroConfig
 from ourobatch.engine.executor import ModelExecutor
 from ourobatch.engine.kv_cache import KVPool
 from ourobatch.engine.loader import load_model
+from ourobatch.engine.model import OuroForCausalLM
 from ourobatch.scheduler.core import SchedulerConfig
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.log import get_logger
@@ -36,7 +37,7 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     mc = model_config
     per_block = (2 * mc.total_ut_steps * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads
                  * mc.head_dim * torch.empty((), dtype=dtype).element_size())
-    wanted = math.ceil(config.max_num_seqs * config.max_model_len / config.block_size)
+    wanted = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES
@@ -47,8 +48,10 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     return max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
 
 
-def build_engine_core(config: EngineConfig) -> EngineCore:
-    """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights)."""
+def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None) -> EngineCore:
+    """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
+
+    `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
     dtype = resolve_dtype(config)
     mc = OuroConfig.from_checkpoint(config.model)
     T = mc.total_ut_steps
@@ -56,8 +59,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         raise ValueError(
             f"EngineConfig.shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} for this checkpoint "
             f"(total_ut_steps={T}), got {config.shallow_loops}")
-    model = load_model(config.model, dtype, config.device)
-    model.fuse_projections()
+    if model is None:
+        model = load_model(config.model, dtype, config.device)
+        model.fuse_projections()
     num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
     pool = KVPool(T, mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim,
                   dtype, config.device)

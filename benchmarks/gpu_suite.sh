@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
+# GPU tests, run the throughput benchmark, leave everything under $OUT, print a short table last.
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all] [benchmark args...]", carry=[".whl"])
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 benchmarks/throughput.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -40
+fi
+exit $status
