@@ -81,10 +81,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: 
     return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: "KVPool", loop: int, layer: int,
-           meta: "BatchMeta", scale: float, backend: str) -> torch.Tensor:
-    """Attention for one layer of one loop; k, v are this call's keys (already written to the pool)."""
+def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool: "KVPool", loop: int,
+           layer: int, meta: "BatchMeta", scale: float, backend: str) -> torch.Tensor:
+    """Attention for one layer of one loop. k, v: this call's keys and values, already written to the
+    pool (None: read them back from their slots)."""
     if meta.prefill and meta.spans is not None:
+        if k is None or v is None:
+            k_plane, v_plane = pool.plane(loop, layer)
+            k, v = k_plane[meta.slots], v_plane[meta.slots]
         return prefill_attention(q, k, v, meta.spans, scale)
     if backend == "triton":
         from .triton_attention import triton_paged_attention

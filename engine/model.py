@@ -154,6 +154,8 @@ class OuroForCausalLM(nn.Module):
         self.model = OuroModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.fused_kernels = False
+        self._inv_freq: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
@@ -162,10 +164,13 @@ class OuroForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def set_attention_backend(self, backend: str) -> None:
+        """"torch": the reference path. "triton": the Triton attention kernel plus the fused elementwise
+        kernels of triton_fused.py (CUDA; needs fuse_projections())."""
         if backend not in ("torch", "triton"):
             raise ValueError(f"attention backend must be 'torch' or 'triton', got {backend!r}")
         for layer in self.model.layers:
             layer.self_attn.backend = backend
+        self.fused_kernels = backend == "triton"
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
@@ -177,12 +182,46 @@ class OuroForCausalLM(nn.Module):
         h: [rows, hidden], the input of first_loop (embeddings for loop 1, else loop first_loop-1's
         readout). Writes each loop's keys and values at the rows' slots in that loop's plane.
         """
+        if self.fused_kernels:
+            return self._run_loops_fused(h, meta, pool, first_loop, last_loop)
         readouts = []
         for loop in range(first_loop, last_loop + 1):
             for layer in self.model.layers:
                 h = layer(h, meta, self.rope, pool, loop)
             h = self.model.norm(h)  # loop `loop`'s readout and loop+1's input
             readouts.append(h)
+        return readouts
+
+    def _run_loops_fused(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
+                         last_loop: int) -> list[torch.Tensor]:
+        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm."""
+        from . import triton_fused as fused
+
+        cfg, layers = self.config, self.model.layers
+        eps, Hq, Hkv, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self._inv_freq is None or self._inv_freq.device != h.device:
+            self._inv_freq = cfg.rope_theta ** (
+                -torch.arange(0, d, 2, device=h.device, dtype=torch.float32) / d)
+        rows = h.shape[0]
+        readouts = []
+        x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
+        for loop in range(first_loop, last_loop + 1):
+            for i, layer in enumerate(layers):
+                attn = layer.self_attn
+                k_plane, v_plane = pool.plane(loop, layer.layer)
+                q = fused.rope_store_kv(F.linear(x, attn.qkv_weight), meta.positions, meta.slots, self._inv_freq,
+                                        k_plane, v_plane, Hq, Hkv, d)
+                a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
+                o = F.linear(a.reshape(rows, Hq * d), attn.o_proj.weight)
+                h, x = fused.add_rms_norm2(h, o, layer.input_layernorm_2.weight,
+                                           layer.post_attention_layernorm.weight, eps)
+                m = F.linear(fused.silu_mul(F.linear(x, layer.mlp.gate_up_weight)), layer.mlp.down_proj.weight)
+                w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
+                h, x = fused.add_rms_norm2(h, m, layer.post_attention_layernorm_2.weight, w_next, eps)
+            readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
+            if loop < last_loop:
+                h = x
+                x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         return readouts
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
