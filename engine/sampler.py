@@ -92,8 +92,23 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return torch.log_softmax(z, dim=-1)
 
 
+def _is_plain(p: SamplingParams, vocab: int) -> bool:
+    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.num_top_logprobs
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SamplerOutput:
     """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token."""
+    vocab = logits.shape[1]
+    if logits.is_cuda and all(_is_plain(p, vocab) for p in params):
+        from .triton_sampler import sample_plain
+
+        dev = logits.device
+        temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32)
+        ints = torch.tensor([[p.seed or 0 for p in params], token_indices, [p.is_greedy for p in params]],
+                            dtype=torch.int64)
+        ints, temps = ints.to(dev, non_blocking=True), temps.to(dev, non_blocking=True)
+        tokens, lps = sample_plain(logits, temps, ints[0], ints[1], ints[2])
+        return SamplerOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
     logprobs = processed_logprobs(logits, params)  # [rows, vocab]
     rows, vocab = logprobs.shape
     dev = logprobs.device
