@@ -31,6 +31,7 @@ from ourobatch.scheduler.plan import (
     StepFailure,
     StepPlan,
     StepResult,
+    VerifyResult,
 )
 
 from .attention import SeqSpan
@@ -38,6 +39,7 @@ from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .sampler import sample
+from .verify import verify_drafts
 
 
 @dataclass
@@ -115,10 +117,14 @@ class ModelExecutor:
                 failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
                 failed.update(w.request_id for w in plan.shallow)
         deep = [d for d in plan.deep if d.request_id not in failed]
+        verified: list[VerifyResult] = []
         if deep:
             try:
                 self._enter(Phase.DEEP, deep)
-                readouts += self._deep(deep)
+                if deep[0].verify:
+                    verified = self._deep_verify(deep)
+                else:
+                    readouts += self._deep(deep)
             except Exception as exc:  # noqa: BLE001
                 failures.append(_failure(Phase.DEEP, deep, exc))
             finally:
@@ -132,7 +138,7 @@ class ModelExecutor:
                 ids = tuple(rid for r in readouts for rid, _ in r.items)
                 failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
         self._stop_timing(events)
-        return StepResult(plan.step_id, tuple(sampled), tuple(failures))
+        return StepResult(plan.step_id, tuple(sampled), tuple(failures), tuple(verified))
 
     def _enter(self, phase: Phase, works) -> None:
         if self.fault_hook is not None:
@@ -252,6 +258,29 @@ class ModelExecutor:
         h = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
         h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
         return h_T.index_select(0, self._index([s.row_start + s.num_rows - 1 for s in meta.spans]))
+
+    def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
+        """Deep loops over every retained row, then the acceptance test of each request's drafts."""
+        for d in works:
+            kept = self.retained.get(d.request_id)
+            if kept is None or kept.start_position != d.start_position or kept.count != d.num_rows:
+                have = None if kept is None else (kept.start_position, kept.count)
+                raise RuntimeError(f"req {d.request_id}: deep work wants rows ({d.start_position}, "
+                                   f"{d.num_rows}) but the engine retains {have}")
+        rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
+        num_rows = [d.num_rows for d in works]
+        meta = varlen_meta(self.tables, rows, [d.start_position for d in works], num_rows,
+                           [d.block_ids for d in works], self.block_size, prefill=False, device=self.device)
+        h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
+        h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
+        logits_s, logits_T = self.model.logits(h_s), self.model.logits(h_T)
+        results = []
+        for d, span in zip(works, meta.spans):
+            rows_ = slice(span.row_start, span.row_start + span.num_rows)
+            first = d.sample.token_index - len(d.draft_token_ids)
+            results.append(verify_drafts(d.request_id, d.draft_token_ids, first, d.sample.params,
+                                         logits_s[rows_], logits_T[rows_]))
+        return results
 
     def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
         h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden

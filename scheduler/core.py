@@ -26,6 +26,7 @@ from .errors import RequestRejectedError
 from .params import MAX_SEED, SamplingParams
 from .plan import (
     DeepWork,
+    VerifyResult,
     Phase,
     PrefillWork,
     SampleSpec,
@@ -36,8 +37,8 @@ from .plan import (
 )
 from .request import Request, RequestStatus, set_status
 
-Mode = Literal["deferred", "eager"]
-MODES: tuple[str, ...] = ("deferred", "eager")
+Mode = Literal["deferred", "eager", "verify"]
+MODES: tuple[str, ...] = ("deferred", "eager", "verify")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,9 @@ class Scheduler:
             "shallow_rows": 0,
             "deep_calls": 0,
             "deep_rows": 0,
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
+            "rolled_back_positions": 0,
             "boundaries": 0,
             "tokens_generated": 0,
             "requests_added": 0,
@@ -207,6 +211,9 @@ class Scheduler:
                 continue
             boundary = cohort.is_boundary_step()
             for r in decoding:
+                if cfg.mode == "verify":
+                    self._plan_verify(r, cohort.cohort_id, boundary, shallow, deep)
+                    continue
                 k = r.num_output_tokens  # feed generated token k
                 pos = r.num_prompt_tokens + k - 1
                 nxt = k + 1
@@ -243,6 +250,27 @@ class Scheduler:
             c["deep_calls"] += 1
             c["deep_rows"] += sum(d.num_rows for d in deep)
         return plan
+
+    def _plan_verify(self, r: Request, cohort_id: int, boundary: bool, shallow: list[ShallowWork],
+                     deep: list[DeepWork]) -> None:
+        """Verify mode: draft from loop s between boundaries; at a boundary verify every draft against loop T.
+
+        A request whose drafts already reach max_tokens, or end in a stop token, feeds nothing more and
+        waits for the boundary (it cannot end on an unverified token).
+        """
+        s, T = self.config.shallow_loops, self.config.total_ut_steps
+        drafts = r.draft_token_ids
+        k = r.num_output_tokens + len(drafts)  # tokens so far, verified or not
+        idle = k >= r.params.max_tokens or (bool(drafts) and drafts[-1] in r.stop_token_ids)
+        frontier = r.num_prompt_tokens + k - 1  # end of the fed positions; token k goes here when fed
+        if not idle:
+            last = drafts[-1] if drafts else r.output_token_ids[-1]
+            spec = None if boundary else SampleSpec(s, k + 1, r.params)
+            shallow.append(ShallowWork(r.request_id, last, frontier, r.block_ids, s, True, spec))
+            frontier += 1
+        if boundary and frontier > r.num_deep_positions:
+            deep.append(DeepWork(r.request_id, cohort_id, r.num_deep_positions, frontier - r.num_deep_positions,
+                                 r.block_ids, s + 1, SampleSpec(T, k + 1, r.params), tuple(drafts), True))
 
     def _admit(self) -> list[PrefillWork]:
         cfg = self.config
@@ -305,11 +333,25 @@ class Scheduler:
                 r.num_deep_positions = w.position + 1
         for d in plan.deep:
             r = self.requests.get(d.request_id)
-            if r is not None and d.request_id not in failed:
+            if r is not None and d.request_id not in failed and not d.verify:
                 r.num_deep_positions = d.start_position + d.num_rows
 
+        verified = {v.request_id: v for v in result.verified}
+        for d in plan.deep:
+            r = self.requests.get(d.request_id)
+            if not d.verify or r is None or d.request_id in failed:
+                continue
+            v = verified.get(d.request_id)
+            if v is None:
+                r.error = "the executor returned no verification for this request"
+                self._finish(r, RequestStatus.FINISHED_ERROR)
+            else:
+                self._apply_verify(r, d, v)
+            updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
+
         sampled = {t.request_id: t for t in result.sampled}
-        expected = [w.request_id for w in (*plan.prefills, *plan.shallow, *plan.deep) if w.sample is not None]
+        expected = [w.request_id for w in (*plan.prefills, *plan.shallow, *plan.deep)
+                    if w.sample is not None and not getattr(w, "verify", False)]
         for rid in expected:
             r = self.requests.get(rid)
             if r is None or rid in failed:
@@ -319,6 +361,10 @@ class Scheduler:
                 r.error = "the executor returned no token for this request"
                 self._finish(r, RequestStatus.FINISHED_ERROR)
                 updates[rid] = RequestUpdate(r, 0, True)
+                continue
+            if self.config.mode == "verify" and r.status == RequestStatus.DECODING:
+                r.draft_token_ids.append(tok.token_id)  # unverified: not an output until its boundary
+                self.counters["drafted_tokens"] += 1
                 continue
             self._append(r, tok.token_id, tok.logprob, tok.loop, tok.top_logprobs)
             finished = self._check_stop(r)
@@ -331,6 +377,27 @@ class Scheduler:
                 r.cohort_id = cohort.cohort_id
             updates[rid] = RequestUpdate(r, 1, finished)
         return list(updates.values())
+
+    def _apply_verify(self, r: Request, d: DeepWork, v: "VerifyResult") -> None:
+        """Accept a prefix of the drafts, then the residual or next token; roll the rest back."""
+        T = self.config.total_ut_steps
+        drafts = r.draft_token_ids
+        assert tuple(drafts) == d.draft_token_ids and 0 <= v.num_accepted <= len(drafts)
+        r.draft_token_ids = []
+        r.num_drafted += len(drafts)
+        r.num_accepted += v.num_accepted
+        self.counters["accepted_tokens"] += v.num_accepted
+        fed = d.start_position + d.num_rows  # the deep frontier this call filled
+        tokens = list(zip(drafts[:v.num_accepted], v.accepted_logprobs))
+        if v.token_id is not None:
+            tokens.append((v.token_id, v.logprob if v.logprob is not None else 0.0))
+        for token_id, logprob in tokens:
+            self._append(r, token_id, logprob, T, None)
+            if self._check_stop(r):
+                break
+        # every position whose token is verified and fed keeps its planes; the rest is rolled back
+        r.num_deep_positions = r.num_prompt_tokens + r.num_output_tokens - 1
+        self.counters["rolled_back_positions"] += max(0, fed - r.num_deep_positions)
 
     def _append(self, r: Request, token_id: int, logprob: float, loop: int,
                 top: tuple[tuple[int, float], ...] | None) -> None:

@@ -64,6 +64,11 @@ class DeepWork:
     block_ids: tuple[int, ...]  # scheduler
     first_loop: int  # scheduler: shallow_loops + 1
     sample: SampleSpec | None  # scheduler: loop T at the last row (the boundary readout)
+    # scheduler, verify mode: the unverified tokens drawn from loop s since the last boundary. Row i's
+    # loop-T distribution verifies draft i; a row after the last draft yields the next token. The
+    # drafts' token indices are sample.token_index - len(draft_token_ids) + i.
+    draft_token_ids: tuple[int, ...] = ()
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,18 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of verifying one request's drafts against loop T (verify mode)."""
+
+    request_id: str
+    num_accepted: int  # engine: drafts accepted, a prefix of DeepWork.draft_token_ids
+    accepted_logprobs: tuple[float, ...]  # engine: loop-T processed log-prob of each accepted draft
+    token_id: int | None  # engine: the residual draw at the first rejection, or the token after all
+    #                       accepted drafts (None when all were accepted and no row follows them)
+    logprob: float | None  # engine: loop-T processed log-prob of token_id
+
+
+@dataclass(frozen=True)
 class StepFailure:
     """A phase of the step raised; the scheduler ends the affected requests with finish_reason='error'."""
 
@@ -118,6 +135,7 @@ class StepResult:
     step_id: int  # engine: the plan's step_id
     sampled: tuple[SampledToken, ...] = ()
     failures: tuple[StepFailure, ...] = field(default=())
+    verified: tuple[VerifyResult, ...] = ()  # verify mode: one per DeepWork with verify=True
 
 
 class Executor(Protocol):

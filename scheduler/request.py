@@ -80,6 +80,9 @@ class Request:
     block_ids: tuple[int, ...] = ()  # one table for all T planes; reserved whole at admission
     cohort_id: int | None = None
     num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled
+    draft_token_ids: list[int] = field(default_factory=list)  # verify mode: drawn from loop s, unverified
+    num_drafted: int = 0  # verify mode: drafts checked against loop T
+    num_accepted: int = 0  # verify mode: drafts accepted
     error: str | None = None  # why it ended with finish_reason "error"
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from ourobatch.scheduler.plan import Phase, SampledToken, StepFailure, StepPlan, StepResult
+from ourobatch.scheduler.plan import Phase, SampledToken, StepFailure, StepPlan, StepResult, VerifyResult
 
 STOP = 0  # the fake checkpoint's eos
 
@@ -31,7 +31,7 @@ class FakeExecutor:
         for rid in plan.released_request_ids:
             self.retained.pop(rid, None)
         failing = self.fail.get(plan.step_id)
-        failures, sampled = [], []
+        failures, sampled, verified = [], [], []
         specs = []
         if plan.prefills:
             if failing == Phase.PREFILL:
@@ -64,10 +64,28 @@ class FakeExecutor:
                 for d in deep:
                     kept = self.retained.pop(d.request_id)
                     assert kept == list(range(d.start_position, d.start_position + d.num_rows)), (d, kept)
-                    specs.append((d.request_id, d.sample))
+                    if d.verify:
+                        verified.append(self.verify(d))
+                    else:
+                        specs.append((d.request_id, d.sample))
             for d in deep:
                 self.retained.pop(d.request_id, None)
         for rid, spec in specs:
             if spec is not None:
                 sampled.append(SampledToken(rid, self.token(rid, spec.token_index), -0.5, spec.loop))
-        return StepResult(plan.step_id, tuple(sampled), tuple(failures))
+        return StepResult(plan.step_id, tuple(sampled), tuple(failures), tuple(verified))
+
+    def verify(self, d) -> VerifyResult:
+        """Accept a pseudo-random prefix of the drafts; a rejection rolls the fed frontier back."""
+        drafts = d.draft_token_ids
+        assert d.num_rows in (len(drafts), len(drafts) + 1), d
+        first = d.sample.token_index - len(drafts)
+        accepted = 0
+        while accepted < len(drafts) and zlib.crc32(f"{d.request_id}/a{first + accepted}".encode()) % 4:
+            accepted += 1
+        j = first + accepted
+        token = self.token(d.request_id, j) if accepted < len(drafts) or d.num_rows > len(drafts) else None
+        # row i fed the token before draft i: positions after the last accepted draft's row roll back
+        keep = d.start_position + accepted + 1
+        self.fed[d.request_id] = [p for p in self.fed[d.request_id] if p < keep]
+        return VerifyResult(d.request_id, accepted, (-0.25,) * accepted, token, -0.5 if token is not None else None)

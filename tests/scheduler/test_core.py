@@ -277,12 +277,30 @@ def test_seed_is_resolved_at_admission_and_kept():
     assert sched.add("b", [1], SamplingParams(max_tokens=3, seed=42)).params.seed == 42
 
 
+def check_cohort_clocks(sched, B, mode):
+    """All decoding members of a cohort share its clock: each fed exactly `phase` tokens since its last
+    boundary (a verify-mode member waiting on unverified drafts may have fed fewer)."""
+    for cohort in sched.cohorts.values():
+        for m in cohort.member_ids:
+            r = sched.requests[m]
+            if r.status != RequestStatus.DECODING:
+                continue
+            k = r.num_output_tokens + len(r.draft_token_ids)
+            since = r.num_prompt_tokens + k - 1 - r.num_deep_positions  # fed since the deep frontier
+            if mode == "eager":
+                assert since == 0 and (r.num_output_tokens - 1) % B == cohort.phase
+            elif mode == "verify":
+                assert since <= cohort.phase and len(r.draft_token_ids) <= cohort.phase
+            else:
+                assert since == cohort.phase == (r.num_output_tokens - 1) % B
+
+
 def test_randomized_driver_keeps_every_invariant():
     """Random arrivals, aborts, stops and injected failures; invariants checked after every step."""
     rng = random.Random(1234)
     for trial in range(25):
         B = rng.choice([1, 2, 3, 4, 8])
-        mode = rng.choice(["deferred", "eager"])
+        mode = rng.choice(["deferred", "eager", "verify"])
         sched = make_scheduler(deep_interval=B, mode=mode, num_kv_blocks=rng.randint(8, 40), block_size=4,
                                max_num_seqs=rng.randint(1, 8))
         ex = FakeExecutor(vocab_size=50)
@@ -319,18 +337,7 @@ def test_randomized_driver_keeps_every_invariant():
             # blocks used == blocks reserved by live requests
             live_blocks = [b for r in sched.requests.values() for b in r.block_ids]
             assert len(live_blocks) == len(set(live_blocks)) == sched.blocks.num_used
-            # all decoding members of a cohort share its clock
-            for cohort in sched.cohorts.values():
-                members = [sched.requests[m] for m in cohort.member_ids]
-                ks = {(r.num_output_tokens - 1) % B for r in members if r.status == RequestStatus.DECODING}
-                assert len(ks) <= 1
-                if ks:
-                    assert ks == {cohort.phase}
-            # a decoding request's deep planes never lag more than one block
-            for r in sched.requests.values():
-                if r.status == RequestStatus.DECODING:
-                    fed = r.num_prompt_tokens + r.num_output_tokens - 1
-                    assert 0 <= fed - r.num_deep_positions < B or mode == "eager" and fed == r.num_deep_positions
+            check_cohort_clocks(sched, B, mode)
         for rid in list(sched.requests):
             sched.abort(rid)
         assert sched.blocks.num_used == 0
