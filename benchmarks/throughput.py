@@ -42,6 +42,9 @@ CONFIGS = {  # name -> (mode, deep_interval)
     "deferred2": ("deferred", 2),
     "deferred4": ("deferred", 4),
     "deferred8": ("deferred", 8),
+    "verify2": ("verify", 2),
+    "verify4": ("verify", 4),
+    "verify8": ("verify", 8),
 }
 
 
@@ -68,16 +71,17 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
     decode_steps = decode_tokens = max_running = 0
     t_start = time.perf_counter()
     while core.has_unfinished:
+        generated = core.scheduler.counters["tokens_generated"]
         t0 = time.perf_counter()
         plan = core.schedule()
         result = ex.execute(plan)
         core.update(plan, result)
         t1 = time.perf_counter()
         max_running = max(max_running, len(plan.shallow))
-        if not plan.prefills and plan.shallow:
+        if not plan.prefills and (plan.shallow or plan.deep):
             decode_steps += 1
             decode_wall += t1 - t0
-            decode_tokens += len(result.sampled)
+            decode_tokens += core.scheduler.counters["tokens_generated"] - generated  # verified tokens only
             if ex.timing:
                 decode_gpu += ex.timing[-1] / 1e3
     total = time.perf_counter() - t_start
@@ -93,6 +97,9 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
         peak_memory_gib=after.get("peak_memory_bytes", 0) / 2**30,
         graph_captures=ex.graphs.num_captures if ex.graphs is not None else 0,
     )
+    drafted = after["drafted_tokens"] - before["drafted_tokens"]
+    if mode == "verify":
+        row["acceptance_rate"] = (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafted, 1)
     if row["gpu_ms_per_step"] is not None:
         row["host_overhead_pct"] = 100 * (1 - row["gpu_ms_per_step"] / row["wall_ms_per_step"])
     del core, ex
@@ -107,14 +114,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['device_name']}, commit {meta['commit']}, torch {meta['torch']}, "
              f"{meta['dtype']}, temperature {meta['temperature']}.", "",
              "| N | prompt | output | config | tok/s | x interval 1 | wall ms/step | GPU ms/step | host % | "
-             "deep calls | deep rows | max conc. | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "deep calls | deep rows | max conc. | peak GiB | accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gpu = f"{r['gpu_ms_per_step']:.2f}" if r.get("gpu_ms_per_step") is not None else "-"
         host = f"{r['host_overhead_pct']:.1f}" if r.get("host_overhead_pct") is not None else "-"
         lines.append(f"| {r['N']} | {r['prompt']} | {r['output']} | {r['config']} | {r['decode_tokens_per_s']:.0f} | "
                      f"{r.get('ratio', float('nan')):.2f} | {r['wall_ms_per_step']:.2f} | {gpu} | {host} | "
-                     f"{r['deep_calls']} | {r['deep_rows']} | {r['max_concurrent']} | {r['peak_memory_gib']:.1f} |")
+                     f"{r['deep_calls']} | {r['deep_rows']} | {r['max_concurrent']} | {r['peak_memory_gib']:.1f} | "
+                     + (f"{r['acceptance_rate']:.2f} |" if "acceptance_rate" in r else "- |"))
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for results.json, results.md, ratios.png")
     ap.add_argument("--scenarios", default="8x512x512,64x512x512,256x512x512,64x3584x512",
                     help="comma-separated NxPROMPTxOUTPUT")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    ap.add_argument("--configs", default="interval1,eager4,deferred2,deferred4,deferred8",
+                    help=f"comma-separated, from {list(CONFIGS)}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)

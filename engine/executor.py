@@ -39,7 +39,7 @@ from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .sampler import sample
-from .verify import verify_drafts
+from .verify import VerifyItem, verify_batch
 
 
 @dataclass
@@ -273,14 +273,9 @@ class ModelExecutor:
                            [d.block_ids for d in works], self.block_size, prefill=False, device=self.device)
         h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
         h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
-        logits_s, logits_T = self.model.logits(h_s), self.model.logits(h_T)
-        results = []
-        for d, span in zip(works, meta.spans):
-            rows_ = slice(span.row_start, span.row_start + span.num_rows)
-            first = d.sample.token_index - len(d.draft_token_ids)
-            results.append(verify_drafts(d.request_id, d.draft_token_ids, first, d.sample.params,
-                                         logits_s[rows_], logits_T[rows_]))
-        return results
+        items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
+                            d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
+        return verify_batch(items, self.model.logits(h_s), self.model.logits(h_T))
 
     def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
         h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden

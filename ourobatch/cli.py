@@ -40,6 +40,9 @@ Modes (--mode):
             after each deep call is read from loop T. --deep-interval 1 is ordinary full-depth decoding.
   eager     The same readout schedule, but the deep loops run for every token as soon as it is fed
             (no batching): the control that isolates the batching effect. Same tokens and log-probs.
+  verify    Lossless: tokens between deep calls are drafts from loop s; each deep call verifies them
+            against loop T by speculative rejection sampling and rolls back from the first rejection.
+            The output follows full-depth decoding exactly (greedy: the same tokens as interval 1).
 
 Input: one JSON object per line, with "prompt_token_ids" (list of ints) or "prompt" (text; needs a
 tokenizer.json beside the checkpoint and the `tokenizers` package), an optional "request_id" (default

@@ -59,7 +59,7 @@ class ParentRequest:
                 cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
                 seed=c.params.seed if c.params.seed is not None else 0, weight_version=self.weight_version,
                 top_logprobs=[dict(t) for t in top] if top is not None else None,
-                stop_reason=stop, error=c.error,
+                stop_reason=stop, error=c.error, num_drafted=c.num_drafted, num_accepted=c.num_accepted,
             ))
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished)
 

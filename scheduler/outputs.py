@@ -20,6 +20,8 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams(logprobs=k > 0)
     stop_reason: int | None = None  # the stop token id when finish_reason == "stop"
     error: str | None = None  # what failed when finish_reason == "error"
+    num_drafted: int = 0  # verify mode: loop-s drafts checked against loop T
+    num_accepted: int = 0  # verify mode: drafts accepted (the rest were rolled back)
 
     @property
     def finished(self) -> bool:

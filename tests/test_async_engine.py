@@ -107,6 +107,22 @@ async def test_stream_kinds(engine, kind):
         assert lengths == sorted(lengths) and len(outs) > 1
 
 
+async def test_verify_mode_streams_only_verified_tokens(ckpt):
+    async with Engine(config(ckpt, mode="verify", deep_interval=4)) as engine:
+        params = sp(14, seed=3, temperature=1.0, output_kind="CUMULATIVE")
+        seen = []
+        async with engine.stream([5, 6], params) as stream:
+            async for out in stream:
+                seen.append(list(out.outputs[0].token_ids))
+        final = seen[-1]
+        for earlier in seen:  # a rollback never retracts a token already streamed
+            assert final[:len(earlier)] == earlier
+        assert len(seen) < 14  # tokens arrive a verified block at a time
+        c = (await engine.generate([5, 6], sp(14, seed=3, temperature=1.0))).outputs[0]
+        assert c.token_ids == final and c.readout_loops == [4] * 14
+        assert c.num_drafted >= c.num_accepted and engine.stats()["drafted_tokens"] >= c.num_drafted
+
+
 async def test_slow_consumer_gets_coalesced_outputs_and_never_stalls_the_engine(engine):
     stream = engine.stream([2, 2], sp(30, seed=1, output_kind="DELTA"))
     first = await stream.__anext__()

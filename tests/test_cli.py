@@ -153,6 +153,19 @@ def test_eager_mode_gives_the_same_tokens_as_deferred(tmp_path, ckpt):
         assert x["outputs"][0]["logprobs"] == pytest.approx(y["outputs"][0]["logprobs"], abs=1e-9)
 
 
+def test_verify_mode_greedy_equals_interval_one(tmp_path, ckpt):
+    rows = [{"prompt_token_ids": p} for p in PROMPTS]
+    common = dict(max_tokens=9, temperature=0, ignore_eos=True)
+    rc1, d1 = run(tmp_path, rows, engine_args(ckpt, mode="deferred", deep_interval=1, **common))
+    out1 = read_jsonl(d1)
+    rc2, d2 = run(tmp_path, rows, engine_args(ckpt, mode="verify", deep_interval=4, **common))
+    out2 = read_jsonl(d2)
+    assert rc1 == rc2 == 0
+    for x, y in zip(out1, out2):
+        assert x["outputs"][0]["token_ids"] == y["outputs"][0]["token_ids"]
+        assert y["outputs"][0]["readout_loops"] == [4] * 9
+
+
 def test_stdin_to_stdout_with_progress_bar(ckpt, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n'))
     args = [a for a in engine_args(ckpt, max_tokens=5, ignore_eos=True) if a != "--no-progress"]
@@ -245,11 +258,11 @@ def test_usage_errors_exit_2(tmp_path, ckpt, capsys):
     assert "stop-token-ids" in capsys.readouterr().err
 
 
-def test_help_explains_both_modes():
+def test_help_explains_the_modes():
     proc = subprocess.run([sys.executable, "-m", "ourobatch", "generate", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert "deferred" in text and "eager" in text
+    assert "deferred" in text and "eager" in text and "verify" in text
     assert "--deep-interval 1 is ordinary full-depth decoding" in " ".join(text.split())
     assert "example:" in text and "python -m ourobatch generate" in text
