@@ -35,7 +35,7 @@ from ourobatch.scheduler.plan import (
 )
 
 from .attention import SeqSpan
-from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
+from .batch import BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .sampler import sample
@@ -218,16 +218,20 @@ class ModelExecutor:
             self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
         return readouts
 
-    def _deep(self, works: list[DeepWork]) -> list[_Readout]:
-        first_loop = works[0].first_loop
-        R = works[0].num_rows
+    def _check_retained(self, works: list[DeepWork]) -> None:
+        """Every deep work must cover exactly the rows this executor retains for its request."""
         for d in works:
-            assert d.first_loop == first_loop, "one deep call runs one loop range"
+            assert d.first_loop == works[0].first_loop, "one deep call runs one loop range"
             kept = self.retained.get(d.request_id)
             if kept is None or kept.start_position != d.start_position or kept.count != d.num_rows:
                 have = None if kept is None else (kept.start_position, kept.count)
                 raise RuntimeError(f"req {d.request_id}: deep work wants rows ({d.start_position}, "
                                    f"{d.num_rows}) but the engine retains {have}")
+
+    def _deep(self, works: list[DeepWork]) -> list[_Readout]:
+        self._check_retained(works)
+        first_loop = works[0].first_loop
+        R = works[0].num_rows
         rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
         starts = [d.start_position for d in works]
         if all(d.num_rows == R for d in works):
@@ -261,12 +265,7 @@ class ModelExecutor:
 
     def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
         """Deep loops over every retained row, then the acceptance test of each request's drafts."""
-        for d in works:
-            kept = self.retained.get(d.request_id)
-            if kept is None or kept.start_position != d.start_position or kept.count != d.num_rows:
-                have = None if kept is None else (kept.start_position, kept.count)
-                raise RuntimeError(f"req {d.request_id}: deep work wants rows ({d.start_position}, "
-                                   f"{d.num_rows}) but the engine retains {have}")
+        self._check_retained(works)
         rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
         num_rows = [d.num_rows for d in works]
         meta = varlen_meta(self.tables, rows, [d.start_position for d in works], num_rows,

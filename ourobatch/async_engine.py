@@ -21,7 +21,7 @@ from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 
 from ._core import build_engine_core
-from .config import EngineConfig
+from .config import EngineConfig, batch_arguments, resolve_config
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -37,13 +37,7 @@ class Engine:
     """The async engine. All methods must be called from the event loop the engine runs in."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        if config is None:
-            config = EngineConfig(**kwargs)
-        elif kwargs:
-            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = resolve_config(config, kwargs)
         self._state = _State.NEW
         self._driver: AsyncDriver | None = None
         self._task_group: TaskGroup | None = None
@@ -170,21 +164,10 @@ class Engine:
         All prompts are validated and queued first: if one is rejected, none runs and the error is raised.
         """
         driver = self.driver
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of token-id lists")
-        if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
-        if request_ids is not None and len(request_ids) != len(prompts):
-            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
         collectors = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-                collectors.append(driver.add(prompt, p, None if request_ids is None else request_ids[i],
-                                             kind=RequestOutputKind.FINAL_ONLY))
+            for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
+                collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
         except BaseException:
             for c in collectors:
                 driver._release(c)

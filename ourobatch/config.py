@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 from ourobatch.scheduler.core import MODES
+from ourobatch.scheduler.params import SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 
@@ -65,3 +67,33 @@ class EngineConfig:
             raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+
+def resolve_config(config: "EngineConfig | None", kwargs: dict[str, Any]) -> "EngineConfig":
+    """The engines' constructor argument: an EngineConfig, or its fields as keyword arguments."""
+    if config is None:
+        return EngineConfig(**kwargs)
+    if kwargs:
+        raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    return config
+
+
+def batch_arguments(prompts: Sequence[Sequence[int]], params: Any,
+                    request_ids: Sequence[str] | None) -> list[tuple[Sequence[int], SamplingParams, str | None]]:
+    """generate_batch's arguments, checked: one (prompt, params, request_id) per prompt.
+
+    `params` is one SamplingParams (or dict, or None) for every prompt, or a list with one per prompt."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of token-id lists")
+    if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        per_prompt = [SamplingParams.coerce(p) for p in params]
+    else:
+        per_prompt = [SamplingParams.coerce(params)] * len(prompts)
+    if request_ids is not None and len(request_ids) != len(prompts):
+        raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
+    ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+    return list(zip(prompts, per_prompt, ids))

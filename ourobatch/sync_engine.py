@@ -13,7 +13,7 @@ from ourobatch.scheduler.params import SamplingParams
 from ourobatch.scheduler.frontend import EngineCore
 
 from ._core import build_engine_core
-from .config import EngineConfig
+from .config import EngineConfig, batch_arguments, resolve_config
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -22,13 +22,7 @@ class SyncEngine:
     """Generate on the calling thread. ``with SyncEngine(EngineConfig(model=...)) as llm: ...``"""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        if config is None:
-            config = EngineConfig(**kwargs)
-        elif kwargs:
-            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = config = resolve_config(config, kwargs)
         self._core: EngineCore | None = build_engine_core(config)
 
     @property
@@ -60,20 +54,10 @@ class SyncEngine:
         If any prompt is rejected, nothing is generated and the error is raised.
         """
         core = self.core
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of token-id lists")
-        if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-            per_prompt = [SamplingParams.coerce(p) for p in params]
-        else:
-            per_prompt = [SamplingParams.coerce(params)] * len(prompts)
-        if request_ids is not None and len(request_ids) != len(prompts):
-            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
         parents = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-                parents.append(core.add(prompt, p, None if request_ids is None else request_ids[i]))
+            for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
+                parents.append(core.add(prompt, p, request_id))
         except BaseException:
             for parent in parents:  # all or nothing: a bad prompt leaves no request behind
                 core.abort(parent.request_id)

@@ -31,7 +31,6 @@ from .plan import (
     PrefillWork,
     SampleSpec,
     ShallowWork,
-    StepFailure,
     StepPlan,
     StepResult,
 )
@@ -350,8 +349,8 @@ class Scheduler:
             updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
 
         sampled = {t.request_id: t for t in result.sampled}
-        expected = [w.request_id for w in (*plan.prefills, *plan.shallow, *plan.deep)
-                    if w.sample is not None and not getattr(w, "verify", False)]
+        sampling = (*plan.prefills, *plan.shallow, *(d for d in plan.deep if not d.verify))
+        expected = [w.request_id for w in sampling if w.sample is not None]
         for rid in expected:
             r = self.requests.get(rid)
             if r is None or rid in failed:

@@ -17,7 +17,6 @@ from ourobatch import (
     SamplingParams,
     SyncEngine,
 )
-from ourobatch.scheduler import RequestStatus
 from ourobatch.testing import FaultInjector, make_tiny_checkpoint
 from tests.oracle import load_oracle, processed_logprobs, readout_position
 
