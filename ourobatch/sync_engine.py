@@ -21,9 +21,11 @@ ParamsLike = SamplingParams | Mapping[str, Any] | None
 class SyncEngine:
     """Generate on the calling thread. ``with SyncEngine(EngineConfig(model=...)) as llm: ...``"""
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, model: Any = None, **kwargs: Any) -> None:
+        """`model`: an already loaded OuroForCausalLM of this checkpoint, dtype and device, to share between
+        engines (harnesses that run many configurations load the weights once)."""
         self.config = config = resolve_config(config, kwargs)
-        self._core: EngineCore | None = build_engine_core(config)
+        self._core: EngineCore | None = build_engine_core(config, model=model)
 
     @property
     def core(self) -> EngineCore:
