@@ -35,7 +35,7 @@ from ourobatch.scheduler.plan import (
 )
 
 from .attention import SeqSpan
-from .batch import BlockTables, uniform_meta, varlen_meta
+from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .sampler import sample
@@ -237,7 +237,8 @@ class ModelExecutor:
         if all(d.num_rows == R for d in works):
             h_last = self._run_deep(rows, starts, R, first_loop, works)
         else:  # the general case (different row counts): host-built metadata, eager
-            h_last = self._run_deep_varlen(rows, starts, [d.num_rows for d in works], first_loop, works)
+            meta, _, h_T = self._run_deep_varlen(works)
+            h_last = h_T.index_select(0, self._index([s.row_start + s.num_rows - 1 for s in meta.spans]))
         items = [(d.request_id, d.sample) for d in works if d.sample is not None]
         keep = [i for i, d in enumerate(works) if d.sample is not None]
         if len(keep) != len(works):
@@ -255,23 +256,21 @@ class ModelExecutor:
         h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
         return h_T.view(len(rows), R, -1)[:, -1]
 
-    def _run_deep_varlen(self, rows: list[int], starts: list[int], num_rows: list[int], first_loop: int,
-                         works) -> torch.Tensor:
-        meta = varlen_meta(self.tables, rows, starts, num_rows, [d.block_ids for d in works], self.block_size,
-                           prefill=False, device=self.device)
-        h = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
-        h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
-        return h_T.index_select(0, self._index([s.row_start + s.num_rows - 1 for s in meta.spans]))
-
-    def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
-        """Deep loops over every retained row, then the acceptance test of each request's drafts."""
-        self._check_retained(works)
+    def _run_deep_varlen(self, works: list[DeepWork]) -> tuple[BatchMeta, torch.Tensor, torch.Tensor]:
+        """Deep loops over every retained row of requests with different row counts (host-built metadata,
+        no graph). Returns the metadata, the retained loop-s rows and their loop-T readouts."""
         rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
         num_rows = [d.num_rows for d in works]
         meta = varlen_meta(self.tables, rows, [d.start_position for d in works], num_rows,
                            [d.block_ids for d in works], self.block_size, prefill=False, device=self.device)
         h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
         h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
+        return meta, h_s, h_T
+
+    def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
+        """Deep loops over every retained row, then the acceptance test of each request's drafts."""
+        self._check_retained(works)
+        meta, h_s, h_T = self._run_deep_varlen(works)
         items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
                             d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
         return verify_batch(items, self.model.logits(h_s), self.model.logits(h_T))
