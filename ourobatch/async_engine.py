@@ -86,7 +86,7 @@ class Engine:
         finally:
             if self._driver is not None and self._driver.is_running:
                 self._driver.close()
-                self._driver._stop(EngineClosedError("the engine was closed"))  # cancelled host task
+                self._driver.stop(EngineClosedError("the engine was closed"))  # cancelled host task
             self._state = _State.CLOSED
             self._stopped.set()
 
@@ -117,8 +117,8 @@ class Engine:
     def driver(self) -> AsyncDriver:
         if self._state == _State.RUNNING and self._driver is not None and self._driver.is_running:
             return self._driver
-        if self._driver is not None and self._driver._error is not None:
-            raise self._driver._error
+        if self._driver is not None and self._driver.error is not None:
+            raise self._driver.error
         if self._state in (_State.NEW, _State.STARTING):
             raise EngineClosedError("the engine is not started: use `async with Engine(...)` or `await serve()`")
         raise EngineClosedError("the engine is closed")
@@ -170,7 +170,7 @@ class Engine:
                 collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
         except BaseException:
             for c in collectors:
-                driver._release(c)
+                driver.release(c)
             raise
         results: list[RequestOutput | None] = [None] * len(collectors)
         bar = tqdm(total=len(collectors), desc="generate", unit="req", disable=not use_tqdm)
@@ -186,7 +186,7 @@ class Engine:
         finally:
             bar.close()
             for c in collectors:  # on cancellation, every request not yet finished is aborted
-                driver._release(c)
+                driver.release(c)
         return [r for r in results if r is not None]
 
     def stats(self) -> dict[str, Any]:

@@ -72,7 +72,7 @@ class AsyncDriver:
                     self._wakeup = anyio.Event()
                     continue
                 while self._orphans:
-                    self._release(self._orphans.popleft())
+                    self.release(self._orphans.popleft())
                 plan = self.core.schedule()
                 self.step_in_flight = True
                 try:
@@ -89,16 +89,18 @@ class AsyncDriver:
             log.error("engine_dead", error=f"{type(exc).__name__}: {exc}")
             dead = EngineDeadError(f"the engine stopped on an unrecoverable error: {type(exc).__name__}: {exc}")
             dead.__cause__ = exc
-            self._stop(dead)
+            self.stop(dead)
             return
-        self._stop(EngineClosedError("the engine was closed"))
+        self.stop(EngineClosedError("the engine was closed"))
 
     def close(self) -> None:
         """Ask the loop to stop after the step in flight (if any)."""
         self._closing = True
         self._wakeup.set()
 
-    def _stop(self, error: BaseException) -> None:
+    def stop(self, error: BaseException) -> None:
+        """End the engine: an EngineDeadError fails every live request (its callers get the error); an
+        EngineClosedError aborts them. Later calls raise `error`."""
         self._error = error
         if isinstance(error, EngineDeadError):
             for parent in self.core.fail_all(str(error)):
@@ -114,6 +116,11 @@ class AsyncDriver:
     @property
     def is_running(self) -> bool:
         return self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the driver stopped (EngineDeadError or EngineClosedError); None while it runs."""
+        return self._error
 
     def _check_running(self) -> None:
         if self._error is not None:
@@ -148,7 +155,7 @@ class AsyncDriver:
             self._wakeup.set()  # the next plan releases its engine-side rows
         return parent is not None
 
-    def _release(self, collector: _Collector) -> None:
+    def release(self, collector: _Collector) -> None:
         """The consumer is gone: abort the request if it still runs, drop its collector."""
         if threading.get_ident() != self._owner_thread:
             self._orphans.append(collector)  # e.g. a stream garbage-collected on another thread
@@ -172,7 +179,7 @@ class AsyncDriver:
             self._raise_if_dead(collector)
             return collector.parent.output()
         finally:
-            self._release(collector)
+            self.release(collector)
 
     def open_stream(self, collector: _Collector) -> "RequestStream":
         return RequestStream(self, collector)
@@ -246,7 +253,7 @@ class RequestStream:
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._driver._release(self._collector)
+            self._driver.release(self._collector)
 
     async def aclose(self) -> None:
         self._close()
