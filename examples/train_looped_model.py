@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--curriculum", action="store_true",
+                    help="start at 1 hop and add one whenever the last loop's teacher-forced token accuracy "
+                         "passes 0.9, up to --hops")
     args = ap.parse_args(argv)
     if args.toy:
         args.nodes, args.hops, args.answers, args.hidden, args.batch = 6, 2, 2, 32, 32
@@ -183,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if args.device.startswith("cuda") else torch.autocast(
         "cpu", enabled=False)
     T = model.config.total_ut_steps
+    hops = 1 if args.curriculum else args.hops
     while time.time() - start < budget:
-        ids, P = make_batch(args.batch, args.nodes, args.hops, args.answers, gen, args.device)
+        ids, P = make_batch(args.batch, args.nodes, hops, args.answers, gen, args.device)
         frac = (time.time() - start) / budget
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * frac))
@@ -198,8 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if step % 100 == 0 and hops < args.hops:
+            acc = float((logits[-1][:, P - 1:].argmax(-1) == target).float().mean())
+            if acc > 0.9:
+                hops += 1
+                print(f"step {step}: last-loop token accuracy {acc:.3f}, curriculum -> {hops} hops", flush=True)
         if step % 500 == 0:
-            print(f"step {step} t={time.time() - start:.0f}s loss per loop "
+            print(f"step {step} t={time.time() - start:.0f}s hops={hops} loss per loop "
                   + " ".join(f"{x.item():.3f}" for x in losses), flush=True)
         step += 1
     seconds = time.time() - start
