@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,11 +94,6 @@ class OuroConfig:
             eos = json.loads(gen.read_text()).get("eos_token_id")
             if eos is not None:
                 ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
-                config = _replace(config, eos_token_ids=tuple(int(e) for e in ids))
+                config = dataclasses.replace(config, eos_token_ids=tuple(int(e) for e in ids))
         return config
 
-
-def _replace(config: OuroConfig, **changes: Any) -> OuroConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)

@@ -15,6 +15,7 @@ No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) ca
 
 from __future__ import annotations
 
+import operator
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -151,16 +152,16 @@ class Scheduler:
         if not prompt:
             raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
         vocab = self.config.vocab_size
+        ids = []
         for i, tok in enumerate(prompt):
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                # numpy / torch integer scalars are fine
-                if hasattr(tok, "__index__") and not isinstance(tok, bool):
-                    tok = tok.__index__()
-                else:
-                    raise TypeError(f"prompt_token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}")
+            # ints and integer scalars (numpy, torch) are fine; bools and floats are not
+            if isinstance(tok, bool) or not hasattr(tok, "__index__"):
+                raise TypeError(f"prompt_token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}")
+            tok = operator.index(tok)
             if not 0 <= tok < vocab:
                 raise ValueError(f"prompt_token_ids[{i}] = {tok} is outside the vocabulary [0, {vocab})")
-        return tuple(int(t) for t in prompt)
+            ids.append(tok)
+        return tuple(ids)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
         """End a live request with finish_reason 'abort'. Unknown or finished ids are ignored."""

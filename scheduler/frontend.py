@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .core import RequestUpdate, Scheduler, SchedulerConfig
 from .log import get_logger
 from .outputs import CompletionOutput, RequestOutput
-from .params import MAX_SEED, RequestOutputKind, SamplingParams
+from .params import MAX_SEED, SamplingParams
 from .plan import Executor, StepPlan, StepResult
 from .request import Request
 
@@ -65,16 +65,6 @@ class ParentRequest:
 
     def num_tokens(self) -> list[int]:
         return [c.num_output_tokens for c in self.children]
-
-    def snapshot(self, kind: RequestOutputKind, since: list[int]) -> RequestOutput | None:
-        """What a stream of `kind` delivers now, given `since`; None when there is nothing to deliver."""
-        if kind == RequestOutputKind.FINAL_ONLY:
-            return self.output() if self.finished else None
-        if kind == RequestOutputKind.DELTA:
-            if self.num_tokens() == since and not self.finished:
-                return None
-            return self.output(since)
-        return self.output()
 
 
 class EngineCore:
