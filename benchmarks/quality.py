@@ -71,7 +71,8 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    # the interval always contains p (its score statistic is 0 there); min/max only undo rounding at 0 and 1
+    return min(p, max(0.0, center - half)), max(p, min(1.0, center + half))
 
 
 def strip_stop(token_ids: Sequence[int], finish_reason: str | None) -> list[int]:
