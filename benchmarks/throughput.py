@@ -19,6 +19,7 @@ import gc
 import json
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -36,22 +37,25 @@ OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num
                  max_position_embeddings=65536, bos_token_id=0, eos_token_id=0)
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)
-CONFIGS = {  # name -> (mode, deep_interval)
-    "interval1": ("eager", 1),
-    "eager4": ("eager", 4),
-    "deferred2": ("deferred", 2),
-    "deferred4": ("deferred", 4),
-    "deferred8": ("deferred", 8),
-    "verify2": ("verify", 2),
-    "verify4": ("verify", 4),
-    "verify8": ("verify", 8),
-}
+CONFIG_RE = re.compile(r"^(?:interval1|(eager|deferred|verify)(\d+)(?:s(\d+))?)$")
+CONFIG_HELP = ("interval1 (full depth), eagerB, deferredB or verifyB, each optionally with sS for shallow_loops S "
+               "(default --shallow-loops), e.g. deferred4s3")
+
+
+def parse_config(name: str, default_s: int) -> tuple[str, int, int]:
+    """'deferred4s3' -> ('deferred', 4, 3); 'interval1' -> ('eager', 1, default_s)."""
+    m = CONFIG_RE.match(name)
+    if m is None:
+        raise ValueError(f"unknown config {name!r}: {CONFIG_HELP}")
+    if m.group(1) is None:
+        return "eager", 1, default_s
+    return m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else default_s
 
 
 def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> dict:
-    mode, B = CONFIGS[name]
+    mode, B, s = parse_config(name, args.shallow_loops)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
-                       shallow_loops=args.shallow_loops, max_num_seqs=N, max_model_len=P + M,
+                       shallow_loops=s, max_num_seqs=N, max_model_len=P + M,
                        max_num_batched_tokens=max(8192, 8 * P), gpu_memory_utilization=args.gpu_memory_utilization)
     core = build_engine_core(cfg, model=model)
     ex = core.executor
@@ -60,7 +64,7 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
     prompts = [[rng.randrange(vocab) for _ in range(P)] for _ in range(N)]
     # warm-up: capture the graphs of this batch size (shallow and deep calls), compile kernels
     for i, p in enumerate(prompts):
-        core.add(p, SamplingParams(max_tokens=2 * B + 2, seed=10_000 + i, ignore_eos=True))
+        core.add(p, SamplingParams(max_tokens=min(M, 2 * B + 2), seed=10_000 + i, ignore_eos=True))
     while core.has_unfinished:
         core.step()
     for i, p in enumerate(prompts):
@@ -87,7 +91,7 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
     total = time.perf_counter() - t_start
     after = core.stats()
     row = dict(
-        config=name, mode=mode, deep_interval=B, shallow_loops=args.shallow_loops, N=N, prompt=P, output=M,
+        config=name, mode=mode, deep_interval=B, shallow_loops=s, N=N, prompt=P, output=M,
         decode_tokens=decode_tokens, decode_steps=decode_steps, decode_seconds=decode_wall,
         decode_tokens_per_s=decode_tokens / decode_wall if decode_wall else 0.0,
         wall_ms_per_step=1e3 * decode_wall / max(decode_steps, 1),
@@ -135,7 +139,7 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         return
     scen = sorted({(r["N"], r["prompt"]) for r in rows})
-    names = [n for n in CONFIGS if any(r["config"] == n for r in rows)]
+    names = list(dict.fromkeys(r["config"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default="8x512x512,64x512x512,256x512x512,64x3584x512",
                     help="comma-separated NxPROMPTxOUTPUT")
     ap.add_argument("--configs", default="interval1,eager4,deferred2,deferred4,deferred8",
-                    help=f"comma-separated, from {list(CONFIGS)}")
+                    help=f"comma-separated: {CONFIG_HELP}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)
@@ -170,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.configs.split(",")
     for n in names:
-        if n not in CONFIGS:
-            ap.error(f"unknown config {n!r}; choose from {list(CONFIGS)}")
+        try:
+            parse_config(n, args.shallow_loops)
+        except ValueError as exc:
+            ap.error(str(exc))
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
     model_dir = args.model
     if model_dir is None:

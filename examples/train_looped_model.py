@@ -217,9 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.toy:
         args.nodes, args.hops, args.answers, args.hidden, args.batch = 7, 2, 2, 32, 32
         args.eval_n, args.heldout = min(args.eval_n, 200), min(args.heldout, 50)
-    weights = [float(w) for w in args.loop_weights.split(",")]
+    try:
+        weights = [float(w) for w in args.loop_weights.split(",")]
+    except ValueError:
+        weights = []
     if len(weights) != 4 or min(weights) < 0 or sum(weights) <= 0:
-        ap.error(f"--loop-weights: need 4 non-negative numbers, got {args.loop_weights!r}")
+        ap.error(f"--loop-weights: need 4 comma-separated non-negative numbers, got {args.loop_weights!r}")
+    for name in ("nodes", "hops", "answers", "hidden", "layers", "batch", "eval_n", "heldout"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.answers * args.hops >= args.nodes:
+        ap.error(f"--answers x --hops = {args.answers * args.hops} must be < --nodes = {args.nodes} (a longer "
+                 f"chain wraps around the cycle, and later answers could be copied from earlier tokens)")
+    if args.hidden % max(2, args.hidden // 64):
+        ap.error(f"--hidden must split into equal heads (an even number below 128, else a multiple of 64), "
+                 f"got {args.hidden}")
     task = dict(nodes=args.nodes, hops=args.hops, answers=args.answers)
     model, raw = build_model(args)
     T = model.config.total_ut_steps

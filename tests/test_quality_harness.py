@@ -165,3 +165,28 @@ def test_kl_matches_oracle(ckpt, prompts, dtype, tol):
                 assert kl == 0.0
             else:
                 assert want > 1e-3 and kl == pytest.approx(want, rel=tol, abs=tol), f"token {j}"
+
+
+def test_harness_on_the_shipped_model(tmp_path):
+    """End to end on models/pointer-chase, where depth matters: the numbers agree with each other and with
+    what the model card says about each loop."""
+    model = ROOT / "models" / "pointer-chase"
+    out = tmp_path / "out"
+    configs = "interval1,eager4,deferred4,deferred4s3,verify4s3"
+    rc = quality.main(["--model", str(model), "--tasks", str(model / "heldout_tasks.jsonl"), "--out", str(out),
+                       "--limit", "60", "--configs", configs, "--no-warmup"])
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert list(rows) == configs.split(",")
+    full, eager, s2, s3, verify = (rows[n] for n in configs.split(","))
+    assert full["accuracy"] >= 0.9 and full["agree_exact"] == 1.0 and full["kl_all"] == 0.0
+    for key in ("accuracy", "agree_exact", "agree_prefix", "kl_all", "kl_shallow", "loop_fractions"):
+        assert eager[key] == s2[key], key
+    # answer tokens 2-4 read from loop 2 (the card: loop 2 never gets an answer right)
+    assert s2["accuracy"] <= full["accuracy"] - 0.10 and s2["agree_exact"] <= 1.0 - 0.10
+    assert set(k for k, v in s2["loop_fractions"].items() if v > 0) == {"2", "4"}
+    # loop 3 is close to loop 4 (the card: 0.974 vs 0.9985): smaller cost, smaller KL
+    assert s2["accuracy"] < s3["accuracy"] <= full["accuracy"] and s3["kl_shallow"] < s2["kl_shallow"] / 10
+    # verify is lossless whatever the drafts; loop-3 drafts are mostly accepted
+    assert verify["agree_exact"] == 1.0 and verify["accuracy"] == full["accuracy"] and verify["kl_all"] == 0.0
+    assert verify["acceptance_rate"] > 0.8
