@@ -20,7 +20,9 @@ and is scored on:
   from is from the full-depth one at the same prefix. Tokens read from loop T contribute exactly 0.
   `kl_all` is the mean over all generated tokens, `kl_shallow` the mean over tokens not read from loop T.
 - loop_fractions: the fraction of generated tokens read from each loop.
-- acceptance_rate (verify): stats()["accepted_tokens"] / stats()["drafted_tokens"] of the measured call.
+- acceptance_rate (verify): stats()["accepted_tokens"] / stats()["drafted_tokens"] of the measured call,
+  the share of all drafts kept; acceptance_per_position: accepted / stats()["tested_drafts"], the
+  probability that a draft the test reaches is accepted (drafts after a rejection are never tested).
 - throughput: generated tokens / wall seconds of the whole generate_batch call (prefill included), and
   its ratio to interval 1 in the same run. On CPU (and for small task sets anywhere) indicative only;
   benchmarks/throughput.py is the throughput benchmark.
@@ -255,8 +257,11 @@ def run_config(cfg: dict, model, args, tasks: list[dict], max_tokens: int, T: in
     row["kl_all"] = sum(v for v, _ in flat) / len(flat) if flat else 0.0
     row["kl_shallow"] = sum(shallow) / len(shallow) if shallow else None
     drafted = after["drafted_tokens"] - before["drafted_tokens"]
-    row["acceptance_rate"] = ((after["accepted_tokens"] - before["accepted_tokens"]) / drafted
-                              if cfg["mode"] == "verify" and drafted else None)
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    tested = after["tested_drafts"] - before["tested_drafts"]
+    is_verify = cfg["mode"] == "verify"
+    row["acceptance_rate"] = accepted / drafted if is_verify and drafted else None
+    row["acceptance_per_position"] = accepted / tested if is_verify and tested else None
     details = [dict(config=cfg["name"], task=i, token_ids=c.token_ids, readout_loops=c.readout_loops,
                     finish_reason=c.finish_reason, correct=ok, kl=kl)
                for i, (c, ok, kl) in enumerate(zip(comps, correct, kls))]
@@ -277,6 +282,12 @@ def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _accepted(r: dict) -> str:
+    if r["acceptance_rate"] is None:
+        return "-"
+    return f"{r['acceptance_rate']:.3f} / {_f(r.get('acceptance_per_position'))}"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Quality of ourobatch modes on `{meta['model']}`: {meta['num_tasks']} tasks, {meta['device']}, "
              f"{meta['dtype']}, temperature {meta['temperature']}, max_tokens {meta['max_tokens']}, {meta['date']}.",
@@ -284,14 +295,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{'**' + CPU_NOTE + '**' if meta['device'] == 'cpu' else 'throughput from a quality run is indicative'}."
              " KL: mean per-token KL(loop T || readout loop) over all tokens / over tokens not read from loop T.",
              "", "| config | mode | B | s | accuracy [95% CI] | agree exact | agree prefix | KL all | KL shallow "
-             "| tokens per loop | accepted | tok/s | x interval 1 |", "|" + "---|" * 13]
+             "| tokens per loop | accepted (all / per position) | tok/s | x interval 1 |", "|" + "---|" * 13]
     for r in rows:
         lo, hi = r["accuracy_ci95"]
         loops = " ".join(f"{k}:{v:.2f}" for k, v in r["loop_fractions"].items() if v > 0)
         lines.append(f"| {r['config']} | {r['mode']} | {r['deep_interval']} | {r['shallow_loops']} | "
                      f"{r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | {_f(r['agree_exact'])} | {_f(r['agree_prefix'])} | "
                      f"{_f(r['kl_all'], '.4g')} | {_f(r['kl_shallow'], '.4g')} | {loops} | "
-                     f"{_f(r['acceptance_rate'])} | {r['tokens_per_s']:.1f} | {_f(r['throughput_ratio'], '.2f')} |")
+                     f"{_accepted(r)} | {r['tokens_per_s']:.1f} | {_f(r['throughput_ratio'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -103,7 +103,10 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
     )
     drafted = after["drafted_tokens"] - before["drafted_tokens"]
     if mode == "verify":
-        row["acceptance_rate"] = (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafted, 1)
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        row["acceptance_rate"] = accepted / max(drafted, 1)  # share of all drafts kept
+        # per-position acceptance probability: the a of E = (1 - a^B) / (1 - a) (docs/benchmarks.md)
+        row["acceptance_per_position"] = accepted / max(after["tested_drafts"] - before["tested_drafts"], 1)
     if row["gpu_ms_per_step"] is not None:
         row["host_overhead_pct"] = 100 * (1 - row["gpu_ms_per_step"] / row["wall_ms_per_step"])
     del core, ex
@@ -118,7 +121,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['device_name']}, commit {meta['commit']}, torch {meta['torch']}, "
              f"{meta['dtype']}, temperature {meta['temperature']}.", "",
              "| N | prompt | output | config | tok/s | x interval 1 | wall ms/step | GPU ms/step | host % | "
-             "deep calls | deep rows | max conc. | peak GiB | accepted |",
+             "deep calls | deep rows | max conc. | peak GiB | accepted (all / per position) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gpu = f"{r['gpu_ms_per_step']:.2f}" if r.get("gpu_ms_per_step") is not None else "-"
@@ -126,7 +129,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['N']} | {r['prompt']} | {r['output']} | {r['config']} | {r['decode_tokens_per_s']:.0f} | "
                      f"{r.get('ratio', float('nan')):.2f} | {r['wall_ms_per_step']:.2f} | {gpu} | {host} | "
                      f"{r['deep_calls']} | {r['deep_rows']} | {r['max_concurrent']} | {r['peak_memory_gib']:.1f} | "
-                     + (f"{r['acceptance_rate']:.2f} |" if "acceptance_rate" in r else "- |"))
+                     + (f"{r['acceptance_rate']:.2f} / {r['acceptance_per_position']:.2f} |"
+                        if "acceptance_rate" in r else "- |"))
     return "\n".join(lines) + "\n"
 
 
@@ -169,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--branch-scale", type=float, default=1.0,
+                    help="multiply every layer's branch-output norm weights (input_layernorm_2, "
+                         "post_attention_layernorm_2) by this after loading and set model.norm's weight to 1. A "
+                         "speed-only knob for verify: with a small scale consecutive loops' readouts nearly agree, "
+                         "so random weights reach a high acceptance rate; every kernel and shape, hence the cost "
+                         "of a step, is unchanged")
     args = ap.parse_args(argv)
+    if not args.branch_scale > 0:
+        ap.error(f"--branch-scale must be > 0, got {args.branch_scale}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.configs.split(",")
@@ -188,8 +200,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {model_dir} in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     dtype = resolve_dtype(EngineConfig(model=model_dir, device=args.device, dtype=args.dtype))
     model = load_model(model_dir, dtype, args.device)
+    if args.branch_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.input_layernorm_2.weight.mul_(args.branch_scale)
+                layer.post_attention_layernorm_2.weight.mul_(args.branch_scale)
+            model.model.norm.weight.fill_(1.0)  # else every loop multiplies the state by it once more
     model.fuse_projections()
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype,
+                branch_scale=args.branch_scale,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
                 torch=torch.__version__, temperature=args.temperature,
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -95,6 +95,7 @@ class Scheduler:
             "deep_rows": 0,
             "drafted_tokens": 0,
             "accepted_tokens": 0,
+            "tested_drafts": 0,  # drafts the acceptance test reached: accepted ones + the first rejected one
             "rolled_back_positions": 0,
             "boundaries": 0,
             "tokens_generated": 0,
@@ -387,6 +388,8 @@ class Scheduler:
         r.num_drafted += len(drafts)
         r.num_accepted += v.num_accepted
         self.counters["accepted_tokens"] += v.num_accepted
+        # the test stops at the first rejection: drafts after it were never tested
+        self.counters["tested_drafts"] += v.num_accepted + (v.num_accepted < len(drafts))
         fed = d.start_position + d.num_rows  # the deep frontier this call filled
         tokens = list(zip(drafts[:v.num_accepted], v.accepted_logprobs))
         if v.token_id is not None:

@@ -80,8 +80,9 @@ def test_checkpoint_files_and_loader(card):
 
 
 def test_tokenizer_round_trips_the_tasks(tasks, card):
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    from tokenizers import Tokenizer  # in the test extra
+
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     assert tok.get_vocab_size() == OuroConfig.from_checkpoint(MODEL).vocab_size
     for t in tasks[:20]:
         text = tok.decode(t["prompt_token_ids"], skip_special_tokens=False)

@@ -105,7 +105,7 @@ def test_verify_is_lossless(run):
     r = run[2]["verify4"]
     assert r["agree_exact"] == 1.0 and r["agree_prefix"] == 1.0 and r["accuracy"] == 1.0
     assert r["kl_all"] == 0.0 and r["kl_shallow"] is None and r["loop_fractions"]["4"] == 1.0
-    assert r["acceptance_rate"] is not None and 0.0 <= r["acceptance_rate"] <= 1.0
+    assert r["acceptance_rate"] is not None and 0.0 <= r["acceptance_rate"] <= r["acceptance_per_position"] <= 1.0
 
 
 def test_confidence_intervals_contain_accuracy(run):
@@ -189,4 +189,5 @@ def test_harness_on_the_shipped_model(tmp_path):
     assert s2["accuracy"] < s3["accuracy"] <= full["accuracy"] and s3["kl_shallow"] < s2["kl_shallow"] / 10
     # verify is lossless whatever the drafts; loop-3 drafts are mostly accepted
     assert verify["agree_exact"] == 1.0 and verify["accuracy"] == full["accuracy"] and verify["kl_all"] == 0.0
-    assert verify["acceptance_rate"] > 0.8
+    assert verify["acceptance_rate"] > 0.8 and verify["acceptance_per_position"] >= verify["acceptance_rate"]
+    assert full["acceptance_per_position"] is None and s2["acceptance_per_position"] is None

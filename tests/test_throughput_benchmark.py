@@ -50,3 +50,24 @@ def test_tiny_run(tmp_path):
     assert rows["interval1"]["deep_calls"] == rows["eager4"]["deep_calls"] == 0
     md = (tmp_path / "out" / "results.md").read_text()
     assert all(f"| {name} |" in md for name in rows)
+
+
+def test_branch_scale_raises_acceptance_only(tmp_path):
+    """--branch-scale makes consecutive loops' readouts agree (high verify acceptance) without changing the
+    work: the deferred rows' deep-call arithmetic is the same."""
+    rows = {}
+    for scale in ("1.0", "0.001"):
+        out = tmp_path / scale
+        assert throughput.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--scenarios", "4x8x17",
+                                "--configs", "interval1,deferred4s3,verify4s3", "--branch-scale", scale,
+                                "--out", str(out), "--workdir", str(tmp_path / "ckpt")]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["meta"]["branch_scale"] == float(scale)
+        rows[scale] = {r["config"]: r for r in results["rows"]}
+    low, high = rows["1.0"]["verify4s3"], rows["0.001"]["verify4s3"]
+    assert high["acceptance_per_position"] > 0.95 > low["acceptance_per_position"]
+    assert 0 <= low["acceptance_rate"] <= low["acceptance_per_position"] <= 1
+    for key in ("deep_calls", "deep_rows", "decode_tokens"):
+        assert rows["1.0"]["deferred4s3"][key] == rows["0.001"]["deferred4s3"][key], key
+    with pytest.raises(SystemExit):
+        throughput.main(["--device", "cpu", "--tiny", "--branch-scale", "0", "--out", str(tmp_path / "x")])

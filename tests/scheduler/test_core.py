@@ -344,3 +344,29 @@ def test_randomized_driver_keeps_every_invariant():
         plan = sched.schedule()
         ex.execute(plan)
         assert ex.retained == {}  # every retained row was consumed or released
+
+
+def test_verify_counters_count_tested_drafts():
+    """tested_drafts = accepted drafts + one per block whose test hit a rejection (later drafts are
+    discarded untested); accepted / tested is the per-position acceptance probability."""
+    sched = make_scheduler(deep_interval=4, mode="verify")
+    ex = FakeExecutor(vocab_size=50)
+    calls = []
+    inner = ex.verify
+
+    def recording_verify(d):
+        v = inner(d)
+        calls.append((len(d.draft_token_ids), v.num_accepted))
+        return v
+
+    ex.verify = recording_verify
+    for i in range(6):
+        sched.add(f"r{i}", [1, 2, 3], params(23, seed=i))
+    while sched.requests:
+        sched.update(plan := sched.schedule(), ex.execute(plan))
+    c = sched.counters
+    rejected_blocks = sum(acc < n for n, acc in calls)
+    assert rejected_blocks > 0 and sum(acc == n for n, acc in calls) > 0  # both cases exercised
+    assert c["accepted_tokens"] == sum(acc for _, acc in calls)
+    assert c["tested_drafts"] == c["accepted_tokens"] + rejected_blocks
+    assert c["drafted_tokens"] >= sum(n for n, _ in calls) >= c["tested_drafts"]
