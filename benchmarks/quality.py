@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
@@ -98,32 +97,12 @@ def prefix_fraction(a: Sequence[int], b: Sequence[int]) -> float:
 def dense_loop_readouts(model: OuroForCausalLM, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
     """Every loop's normed readout at `positions` of `token_ids`: [T, len(positions), hidden].
 
-    A plain no-cache forward over the model's own modules: causal attention over the whole sequence in
-    every layer of every loop (the math of tests/oracle.py, in the model's dtype)."""
+    The model's no-cache forward (OuroForCausalLM.dense_loops: causal attention over the whole sequence in
+    every layer of every loop, the math of tests/oracle.py, in the model's dtype)."""
     device = model.lm_head.weight.device
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
-    pos = torch.arange(ids.shape[0], device=device)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)[None]
     keep = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
-    S = ids.shape[0]
-    h = model.embed(ids)
-    out = []
-    for _ in range(model.config.total_ut_steps):
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = model.rope(attn.q_proj(x).view(S, attn.num_heads, attn.head_dim), pos)
-            k = model.rope(attn.k_proj(x).view(S, attn.num_kv_heads, attn.head_dim), pos)
-            v = attn.v_proj(x).view(S, attn.num_kv_heads, attn.head_dim)
-            groups = attn.num_heads // attn.num_kv_heads
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=attn.scale)
-            h = h + layer.input_layernorm_2(attn.o_proj(a.transpose(0, 1).reshape(S, -1)))
-            h = h + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(h)))
-        h = model.model.norm(h)  # this loop's readout and the next loop's input
-        out.append(h.index_select(0, keep))
-    return torch.stack(out)
+    return torch.stack([h[0].index_select(0, keep) for h in model.dense_loops(ids)])
 
 
 @torch.inference_mode()

@@ -231,3 +231,29 @@ class OuroForCausalLM(nn.Module):
     def exit_gate(self, h: torch.Tensor) -> torch.Tensor:
         # h: [rows, hidden] -> [rows] gate logits (sigmoid gives lambda_t)
         return self.model.early_exit_gate(h).squeeze(-1)
+
+    def dense_loops(self, token_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Every loop's normed readout over whole sequences with no KV pool: causal attention recomputed
+        over all positions in every layer of every loop. token_ids: [b, L] -> T x [b, L, hidden].
+
+        The no-cache, differentiable path: training (examples/train_looped_model.py) and the quality
+        harness's readout KL use it; serving uses run_loops."""
+        b, L = token_ids.shape
+        pos = torch.arange(L, device=token_ids.device).repeat(b)
+        h = self.embed(token_ids)
+        readouts = []
+        for _ in range(self.config.total_ut_steps):
+            for layer in self.model.layers:
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                q = self.rope(attn.q_proj(x).reshape(b * L, attn.num_heads, attn.head_dim), pos)
+                k = self.rope(attn.k_proj(x).reshape(b * L, attn.num_kv_heads, attn.head_dim), pos)
+                v = attn.v_proj(x)
+                q, k, v = (t.reshape(b, L, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, L, d]
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale,
+                                                   enable_gqa=attn.num_heads != attn.num_kv_heads)
+                h = h + layer.input_layernorm_2(attn.o_proj(a.transpose(1, 2).reshape(b, L, -1)))
+                h = h + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(h)))
+            h = self.model.norm(h)  # this loop's readout and the next loop's input
+            readouts.append(h)
+        return readouts

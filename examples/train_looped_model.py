@@ -62,28 +62,8 @@ def make_batch(n: int, nodes: int, hops: int, answers: int, gen: torch.Generator
 
 
 def dense_forward(model: OuroForCausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
-    """All loops over whole sequences, no cache (training and evaluation). ids: [b, L] -> T x [b, L, V]."""
-    cfg = model.config
-    b, L = ids.shape
-    pos = torch.arange(L, device=ids.device).repeat(b)
-    h = model.model.embed_tokens(ids)
-    outs = []
-    for _ in range(cfg.total_ut_steps):
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).reshape(b * L, attn.num_heads, attn.head_dim)
-            k = attn.k_proj(x).reshape(b * L, attn.num_kv_heads, attn.head_dim)
-            v = attn.v_proj(x).view(b, L, attn.num_kv_heads, attn.head_dim)
-            q = model.rope(q, pos).view(b, L, attn.num_heads, -1)
-            k = model.rope(k, pos).view(b, L, attn.num_kv_heads, -1)
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                               enable_gqa=attn.num_heads != attn.num_kv_heads)
-            h = h + layer.input_layernorm_2(attn.o_proj(a.transpose(1, 2).reshape(b, L, -1)))
-            h = h + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(h)))
-        h = model.model.norm(h)  # loop t's readout and loop t+1's input
-        outs.append(model.lm_head(h))
-    return outs
+    """Every loop's logits over whole sequences, no cache: ids [b, L] -> T x [b, L, V]."""
+    return [model.logits(h) for h in model.dense_loops(ids)]
 
 
 @torch.no_grad()
