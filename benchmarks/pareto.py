@@ -21,6 +21,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts, not a package
+from bench_plot import accuracy_plot  # noqa: E402
+
 
 def config_key(row: dict) -> tuple:
     """Rows of either harness -> (mode, B, s); B = 1 is full depth whatever the mode or s."""
@@ -62,34 +65,12 @@ def markdown(rows: list[dict], qmeta: dict, tmeta: dict, scenario: str) -> str:
 
 
 def plot(rows: list[dict], qmeta: dict, tmeta: dict, scenario: str, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("warning: matplotlib is not importable; no plot", file=sys.stderr)
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = {"full": "k", "eager": "tab:gray", "deferred": "tab:blue", "verify": "tab:green"}
-    for i, r in enumerate(r for r in rows if r["speedup"] is not None):
-        x, y = r["speedup"], r["accuracy"]
-        lo, hi = r["accuracy_ci95"]
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3, color=colors[config_key(r)[0]])
-        ax.annotate(r["config"], (x, y), textcoords="offset points", xytext=(4, (10, -14, 22, -26)[i % 4]),
-                    fontsize=8, arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"))
-    ax.axvline(1.0, color="k", lw=0.6, ls=":")
-    ax.set_ylim(-0.15, 1.15)  # room for the labels above and below
-    ax.set_yticks([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
-    ax.set_xlabel(f"decode speed-up over interval 1 ({tmeta.get('device_name', tmeta.get('device'))}, "
-                  f"{tmeta['dtype']}, N x prompt x output = {scenario})")
-    ax.set_ylabel(f"accuracy, 95% Wilson CI ({qmeta['device']} {qmeta['dtype']})")
-    ax.set_title(f"{Path(qmeta['model']).name}: {qmeta['num_tasks']} tasks; speed from the throughput benchmark",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return accuracy_plot(rows, "speedup", path,
+                         xlabel=f"decode speed-up over interval 1 ({tmeta.get('device_name', tmeta.get('device'))}, "
+                                f"{tmeta['dtype']}, N x prompt x output = {scenario})",
+                         ylabel=f"accuracy, 95% Wilson CI ({qmeta['device']} {qmeta['dtype']})",
+                         title=f"{Path(qmeta['model']).name}: {qmeta['num_tasks']} tasks; speed from the throughput "
+                               f"benchmark")
 
 
 def main(argv: list[str] | None = None) -> int:

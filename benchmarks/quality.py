@@ -49,6 +49,9 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts, not a package
+from bench_plot import accuracy_plot  # noqa: E402
+
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch._core import resolve_dtype
 from ourobatch.engine.config import OuroConfig
@@ -286,31 +289,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("warning: matplotlib is not importable; pareto.png skipped", file=sys.stderr)
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, r in enumerate(rows):
-        x, y = r["throughput_ratio"] or 0.0, r["accuracy"]
-        lo, hi = r["accuracy_ci95"]
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
-        ax.annotate(r["config"], (x, y), textcoords="offset points", xytext=(5, 4 - 10 * (i % 3)), fontsize=8)
-    ax.axvline(1.0, color="k", lw=0.6, ls=":")
-    ax.set_ylim(-0.03, 1.05)
     note = f" ({CPU_NOTE})" if meta["device"] == "cpu" else ""
-    ax.set_xlabel(f"decode tokens/s relative to interval 1{note}")
-    ax.set_ylabel("accuracy (95% Wilson CI)")
-    ax.set_title(f"{Path(meta['model']).name}: {meta['num_tasks']} tasks, T={meta['total_ut_steps']}, "
-                 f"temperature {meta['temperature']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return accuracy_plot(rows, "throughput_ratio", path, xlabel=f"decode tokens/s relative to interval 1{note}",
+                         ylabel="accuracy (95% Wilson CI)",
+                         title=f"{Path(meta['model']).name}: {meta['num_tasks']} tasks, T={meta['total_ut_steps']}, "
+                               f"temperature {meta['temperature']}")
 
 
 def main(argv: list[str] | None = None) -> int:
