@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ourobatch_pareto", ROOT / "benchmarks" / "pareto.py")
-pareto = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pareto)
+from tests.benchmark_scripts import load_benchmark
+
+pareto = load_benchmark("pareto")
 
 
 def q(config, mode, B, s, acc):

@@ -25,10 +25,6 @@ MODEL = ROOT / "models" / "pointer-chase"
 Z = 3.29  # two-sided 99.9% normal quantile: the card and the held-out set are independent samples
 
 
-def _tasks() -> list[dict]:
-    return [json.loads(line) for line in (MODEL / "heldout_tasks.jsonl").read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def card() -> dict:
     """The model card's per-loop exact match, from training.json, checked against the README table."""
@@ -40,7 +36,7 @@ def card() -> dict:
 
 @pytest.fixture(scope="module")
 def tasks() -> list[dict]:
-    return _tasks()
+    return [json.loads(line) for line in (MODEL / "heldout_tasks.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ readout schedule and with the float64 oracle."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -15,6 +14,7 @@ import torch
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
+from tests.benchmark_scripts import load_benchmark
 from tests.oracle import expected_readout_loops, load_oracle, readout_position
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,14 +22,7 @@ M = 10  # generated tokens per task (no eos: every completion has exactly M)
 CONFIGS = "interval1,eager4,deferred4s2,verify4"
 
 
-def _load_harness():
-    spec = importlib.util.spec_from_file_location("ourobatch_quality_harness", ROOT / "benchmarks" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-quality = _load_harness()
+quality = load_benchmark("quality")
 
 
 @pytest.fixture(scope="module")

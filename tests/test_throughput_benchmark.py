@@ -3,23 +3,13 @@ arithmetic of the rows it reports (its timings are never asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("ourobatch_throughput_bench", ROOT / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load()
+throughput = load_benchmark("throughput")
 
 
 def test_parse_config():
