@@ -81,6 +81,9 @@ class Scheduler:
         self.cohorts: dict[int, Cohort] = {}  # open and closing cohorts with members
         self._open_cohort: Cohort | None = None
         self._released: list[str] = []
+        # step id -> the request incarnations its plan ran. update() matches results to these objects,
+        # never to whatever request holds the id now: an id aborted mid-step may already be reused.
+        self._planned: dict[int, dict[str, Request]] = {}
         self._next_arrival = 0
         self._next_step = 0
         self._next_cohort = 0
@@ -239,6 +242,8 @@ class Scheduler:
         prefills = self._admit()
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
+        self._planned[plan.step_id] = {w.request_id: self.requests[w.request_id]
+                                       for w in (*prefills, *shallow, *deep)}
         self._next_step += 1
         c = self.counters
         c["steps"] += 1
@@ -307,39 +312,48 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's result: append tokens, advance deep positions, stop, fail, free."""
         assert result.step_id == plan.step_id, f"result of step {result.step_id} for plan {plan.step_id}"
+        planned = self._planned.pop(plan.step_id, {})
+
+        def live(rid: str) -> Request | None:
+            # The incarnation this plan ran, if it is still running (aborted ones ignore their results).
+            r = planned.get(rid)
+            return r if r is not None and not r.is_finished else None
+
         updates: dict[str, RequestUpdate] = {}
         failed: set[str] = set()
         for failure in result.failures:
-            ids = set(failure.request_ids)
+            ids = {rid: live(rid) for rid in failure.request_ids}
             if failure.phase == Phase.DEEP:
                 for d in plan.deep:
                     if d.request_id in ids:
-                        ids |= set(self._close_cohort(d.cohort_id))
-            for rid in ids:
+                        # members of a closing cohort are the live requests that joined it (ids are unique
+                        # among live requests, and a reused id cannot have joined before this update)
+                        for member in self._close_cohort(d.cohort_id):
+                            ids.setdefault(member, self.requests.get(member))
+            for rid, request in ids.items():
                 failed.add(rid)
-                request = self.requests.get(rid)
-                if request is not None:
+                if request is not None and not request.is_finished:
                     request.error = f"{failure.phase.value} failed: {failure.message}"
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     updates[rid] = RequestUpdate(request, 0, True)
 
         T = self.config.total_ut_steps
         for p in plan.prefills:
-            r = self.requests.get(p.request_id)
+            r = live(p.request_id)
             if r is not None and p.request_id not in failed:
                 r.num_deep_positions = p.start_position + len(p.token_ids)
         for w in plan.shallow:
-            r = self.requests.get(w.request_id)
+            r = live(w.request_id)
             if r is not None and w.request_id not in failed and w.last_loop == T:
                 r.num_deep_positions = w.position + 1
         for d in plan.deep:
-            r = self.requests.get(d.request_id)
+            r = live(d.request_id)
             if r is not None and d.request_id not in failed and not d.verify:
                 r.num_deep_positions = d.start_position + d.num_rows
 
         verified = {v.request_id: v for v in result.verified}
         for d in plan.deep:
-            r = self.requests.get(d.request_id)
+            r = live(d.request_id)
             if not d.verify or r is None or d.request_id in failed:
                 continue
             v = verified.get(d.request_id)
@@ -354,7 +368,7 @@ class Scheduler:
         sampling = (*plan.prefills, *plan.shallow, *(d for d in plan.deep if not d.verify))
         expected = [w.request_id for w in sampling if w.sample is not None]
         for rid in expected:
-            r = self.requests.get(rid)
+            r = live(rid)
             if r is None or rid in failed:
                 continue  # aborted while the step ran, or already failed
             tok = sampled.get(rid)
