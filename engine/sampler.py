@@ -4,6 +4,10 @@ Processing order (every row, vectorised): temperature (greedy rows use 1), min-p
 processed log-probs are log_softmax over the tokens kept. That is the distribution a token is drawn
 from, and its log-prob is what is reported (vLLM's processed_logprobs).
 
+Ties have one rule on every path: the lower token id ranks first (top-p's cut, top log-probs, the greedy
+argmax; the exponential race's argmax too, though its keys almost never tie), so a row's result never
+depends on an unstable sort, the batch around it, or the device.
+
 Randomness is a pure function: the uniform for vocabulary entry i of a request's j-th generated token is
 hash(seed, j, stream, i), so a draw never depends on which other rows share the batch, on the device,
 on when the request arrived, or on the mode. The draw is an exponential race,
@@ -82,7 +86,9 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     top_ps = [p.top_p for p in params]
     if any(tp < 1.0 for tp in top_ps):
         probs = torch.softmax(z, dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Stable: tied probabilities rank the lower token id first, so which of them survive the cut is
+        # defined (the same alone, in any batch, on any device), not left to an unstable sort.
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass ranked strictly before each token
         keep_sorted = before < torch.tensor(top_ps, dtype=dtype, device=dev)[:, None]
         keep_sorted[:, 0] = True
@@ -110,26 +116,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
         tokens, lps = sample_plain(logits, temps, ints[0], ints[1], ints[2])
         return SamplerOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
     logprobs = processed_logprobs(logits, params)  # [rows, vocab]
-    rows, vocab = logprobs.shape
     dev = logprobs.device
     greedy = torch.tensor([p.is_greedy for p in params], device=dev)
     seeds = torch.tensor([p.seed or 0 for p in params], dtype=torch.int64, device=dev)
     counters = torch.tensor(token_indices, dtype=torch.int64, device=dev)
     u = counter_uniforms(seeds, counters, vocab)
     race = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
-    drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))
+    drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))  # argmax: the first (lowest id) max
     chosen = logprobs.gather(1, drawn[:, None]).squeeze(1)
 
-    num_top = [p.num_top_logprobs for p in params]
-    tops: list[tuple[tuple[int, float], ...] | None] = [None] * rows
-    k_max = max(num_top)
-    if k_max > 0:
-        top_vals, top_ids = logprobs.topk(min(k_max, vocab), dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     token_list, chosen_list = drawn.tolist(), chosen.tolist()
-    for i, k in enumerate(num_top):
-        if k > 0:
-            entries = dict(zip(top_ids[i][:k], top_vals[i][:k]))
-            entries[token_list[i]] = chosen_list[i]  # vLLM also reports the sampled token
-            tops[i] = tuple(entries.items())
+    tops = top_logprobs(logprobs, token_list, chosen_list, [p.num_top_logprobs for p in params])
     return SamplerOutput(token_list, chosen_list, tops)
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], chosen: list[float],
+                 num_top: list[int]) -> list[tuple[tuple[int, float], ...] | None]:
+    """Per row with num_top[i] = k > 0: the k best processed log-probs, then the sampled token (as vLLM
+    reports it) with its log-prob `chosen[i]`; None for rows with k = 0. logprobs: [rows, vocab].
+    Ties rank the lower token id first (a stable sort; topk leaves the order of ties unspecified)."""
+    tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(num_top)
+    wanted = [i for i, k in enumerate(num_top) if k > 0]
+    if not wanted:
+        return tops
+    k_max = min(max(num_top), logprobs.shape[1])
+    rows = logprobs if len(wanted) == len(num_top) else logprobs[torch.tensor(wanted, device=logprobs.device)]
+    vals, ids = rows.sort(dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :k_max].tolist(), ids[:, :k_max].tolist()
+    for n, i in enumerate(wanted):
+        entries = dict(zip(ids[n][:num_top[i]], vals[n][:num_top[i]]))
+        entries[token_ids[i]] = chosen[i]
+        tops[i] = tuple(entries.items())
+    return tops

@@ -1,8 +1,8 @@
 """One-kernel sampling for rows with temperature only (no top-k / top-p / min-p, no top log-probs):
 the common RL rollout case. Same function as sampler.sample: the same counter-based uniforms (the hash
 is the same integer arithmetic, with the 16-bit split that never overflows), the same exponential race,
-the same processed log-prob. Reads each row of logits twice (max/logsumexp, then the race) instead of
-the dozens of [rows, vocab] passes the vectorised torch path makes.
+the same processed log-prob, the same tie rule (the lowest token id wins). Reads each row of logits
+twice (max/logsumexp, then the race) instead of the dozens of [rows, vocab] passes of the torch path.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def _sample_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, counters_ptr, gr
         race = lp.to(tl.float64) - tl.log(-tl.log(u))
         key = tl.where(greedy, lp.to(tl.float64), race)
         key = tl.where(valid, key, float("-inf"))
+        # Ties go to the lowest token id, as torch.argmax: the first max within a block, and a later
+        # block replaces the running best only when strictly greater.
         blk_best = tl.max(key, 0)
-        blk_idx = tl.argmax(key, 0)
+        blk_idx = tl.argmax(key, 0, tie_break_left=True)
         blk_lp = tl.sum(tl.where(tl.arange(0, BLOCK) == blk_idx, lp, 0.0), 0)
         better = blk_best > best
         best = tl.where(better, blk_best, best)

@@ -117,3 +117,64 @@ def test_top_logprobs_hold_the_k_best_plus_the_sampled_token():
         lp = torch.log_softmax(logits[0], -1)
         for tok, val in top.items():
             assert val == pytest.approx(float(lp[tok]), abs=1e-12)
+
+
+# ------------------------------------------------------------------ ties (one rule: the lower token id first)
+
+
+def tie_heavy_rows(rows: int, seed: int, V: int = 24) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Logits quantized to 2-4 distinct values (many exact ties), with varied processing params."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    levels = torch.randint(2, 5, (rows, 1), generator=g)
+    logits = (torch.rand(rows, V, generator=g, dtype=torch.float64) * levels).floor() * 0.75
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.6, 1.0, 1.7]), seed=rng.randrange(2**40),
+                             top_p=rng.choice([0.13, 0.37, 0.55, 0.71, 0.93, 1.0]),
+                             top_k=rng.choice([0, 0, 3, 7]), min_p=rng.choice([0.0, 0.0, 0.3]),
+                             logprobs=rng.choice([0, 2, 5]))
+              for _ in range(rows)]
+    return logits, params
+
+
+def ranked_by_id_on_ties(lp: torch.Tensor, k: int) -> list[int]:
+    finite = [(-float(v), i) for i, v in enumerate(lp.tolist())]
+    return [i for _, i in sorted(finite)[:k]]
+
+
+def test_tied_tokens_follow_the_oracle_rule():
+    """top-p keeps the tied tokens the oracle keeps (ties rank the lower id first): an unstable sort kept
+    an arbitrary subset (hundreds of these rows differed)."""
+    logits, params = tie_heavy_rows(6000, seed=11)
+    got = processed_logprobs(logits, params)
+    differ = 0
+    for i, p in enumerate(params):
+        ref = oracle_logprobs(logits[i], p.temperature, p.top_k, p.top_p, p.min_p)
+        same_support = torch.equal(torch.isinf(got[i]), torch.isinf(ref))
+        finite = torch.isfinite(ref)
+        differ += not (same_support and torch.allclose(got[i][finite], ref[finite], atol=1e-12, rtol=0))
+    assert differ == 0, f"{differ} of {len(params)} tie-heavy rows differ from the oracle"
+
+
+def test_ties_pick_the_lowest_token_id_for_greedy_and_top_logprobs():
+    logits, params = tie_heavy_rows(500, seed=12)
+    out = sample(logits, params, [1] * len(params))
+    lp = processed_logprobs(logits, params)
+    for i, p in enumerate(params):
+        if p.is_greedy:
+            assert out.token_ids[i] == ranked_by_id_on_ties(lp[i], 1)[0]
+        if p.num_top_logprobs:
+            best = ranked_by_id_on_ties(lp[i], p.num_top_logprobs)
+            top = dict(out.top_logprobs[i])
+            assert list(top)[:len(best)] == best  # the k best in rank order, then the sampled token
+            assert set(top) == set(best) | {out.token_ids[i]}
+            assert all(v == float(lp[i, t]) for t, v in top.items())
+
+
+def test_tied_rows_draw_the_same_alone_and_in_a_batch_of_64():
+    logits, params = tie_heavy_rows(64, seed=13)
+    together = sample(logits, params, list(range(1, 65)))
+    for i in range(64):
+        alone = sample(logits[i:i + 1], [params[i]], [i + 1])
+        assert alone.token_ids[0] == together.token_ids[i]
+        assert alone.logprobs[0] == together.logprobs[i]
+        assert alone.top_logprobs[0] == together.top_logprobs[i]

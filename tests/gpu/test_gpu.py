@@ -196,3 +196,32 @@ def test_kv_pool_is_sized_from_free_memory(ckpt):
     total = torch.cuda.get_device_properties(0).total_memory
     assert stats["kv_pool_bytes"] < 0.2 * total
     assert stats["kv_capacity_tokens"] > 0 and stats["peak_memory_bytes"] > stats["kv_pool_bytes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [24, 5000])  # 5000: ties across the Triton sampler's 2048-wide blocks
+def test_tied_logits_draw_the_same_alone_and_in_a_batch_of_64(dtype, vocab):
+    """The tie rule (the lower token id first) on CUDA: the torch path (top-p/top-k/min-p/top log-probs)
+    and the Triton path (temperature only) give each row the same result alone and in a batch of 64,
+    greedy picks the lowest tied id, and top-p keeps the tokens the oracle keeps."""
+    from ourobatch.engine.sampler import processed_logprobs, sample
+    from tests.engine.test_sampler import ranked_by_id_on_ties, tie_heavy_rows
+    from tests.oracle import processed_logprobs as oracle_logprobs
+
+    cpu_logits, params = tie_heavy_rows(64, seed=21, V=vocab)
+    logits = cpu_logits.to("cuda", dtype)
+    plain = [SamplingParams(temperature=p.temperature, seed=p.seed) for p in params]  # the Triton sampler
+    counters = [1 + i % 9 for i in range(64)]
+    for ps in (params, plain):
+        together = sample(logits, ps, counters)
+        for i in range(64):
+            alone = sample(logits[i:i + 1], [ps[i]], [counters[i]])
+            assert alone.token_ids[0] == together.token_ids[i], i
+            assert alone.logprobs[0] == together.logprobs[i], i
+            assert alone.top_logprobs[0] == together.top_logprobs[i], i
+            if ps[i].is_greedy:
+                assert together.token_ids[i] == ranked_by_id_on_ties(logits[i].double().cpu(), 1)[0], i
+    got = processed_logprobs(logits, params).cpu()
+    for i, p in enumerate(params):
+        ref = oracle_logprobs(logits[i].double().cpu(), p.temperature, p.top_k, p.top_p, p.min_p)
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(ref)), i
