@@ -77,7 +77,9 @@ class ModelExecutor:
         model.set_attention_backend(attention)
         self.tables = BlockTables(max_num_seqs, max_blocks_per_seq, pool.scratch_block, self.device)
         dtype = next(model.parameters()).dtype
-        self.retained_rows = torch.zeros(max_num_seqs + 1, max(deep_interval, 1), cfg.hidden_size, dtype=dtype,
+        # A request holds at most deep_interval retained rows, and never more than it has positions.
+        max_retained = max(1, min(deep_interval, max_blocks_per_seq * self.block_size))
+        self.retained_rows = torch.zeros(max_num_seqs + 1, max_retained, cfg.hidden_size, dtype=dtype,
                                          device=self.device)
         self.retained: dict[str, RetainedRows] = {}
         # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.

@@ -20,6 +20,33 @@ from .config import EngineConfig
 log = get_logger()
 
 
+def check_machine(config: EngineConfig, num_cuda_devices: int | None = None) -> None:
+    """The options that depend on this machine, checked before anything is loaded: a CUDA device must
+    exist, and the Triton backend and CUDA graphs run only on one. `num_cuda_devices`: for tests."""
+    if num_cuda_devices is None:
+        num_cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_cuda = config.device.startswith("cuda")
+    if on_cuda:
+        index = int(config.device.partition(":")[2] or 0)
+        if num_cuda_devices == 0:
+            raise ValueError(f"EngineConfig.device={config.device!r}, but this machine has no CUDA device "
+                             f"(or torch was built without CUDA); use device='cpu'")
+        if index >= num_cuda_devices:
+            raise ValueError(f"EngineConfig.device={config.device!r}, but this machine has {num_cuda_devices} "
+                             f"CUDA device(s): use 'cuda' or cuda:0 .. cuda:{num_cuda_devices - 1}")
+    if config.attention_backend == "triton" and not on_cuda:
+        raise ValueError(f"EngineConfig.attention_backend='triton' needs a CUDA device (device={config.device!r});"
+                         f" use attention_backend='auto' or 'torch'")
+    if config.cuda_graphs:
+        if not on_cuda:
+            raise ValueError(f"EngineConfig.cuda_graphs=True needs a CUDA device (device={config.device!r}); "
+                             f"use cuda_graphs=None or False")
+        if config.attention_backend == "torch":
+            raise ValueError("EngineConfig.cuda_graphs=True needs the Triton attention backend, but "
+                             "attention_backend='torch'; use attention_backend='auto' or 'triton', or "
+                             "cuda_graphs=None or False")
+
+
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
     name = config.dtype
     if name == "auto":
@@ -37,7 +64,7 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     mc = model_config
     per_block = (2 * mc.total_ut_steps * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads
                  * mc.head_dim * torch.empty((), dtype=dtype).element_size())
-    wanted = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
+    wanted = config.max_num_seqs * math.ceil(effective_max_model_len(config, mc) / config.block_size)
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES
@@ -48,42 +75,88 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     return max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
 
 
-def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None) -> EngineCore:
-    """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
-
-    `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
-    dtype = resolve_dtype(config)
-    mc = OuroConfig.from_checkpoint(config.model)
+def check_checkpoint_fit(config: EngineConfig, mc: OuroConfig) -> None:
+    """The options that depend on the checkpoint's config.json (cheap: no weights are read)."""
     T = mc.total_ut_steps
     if config.shallow_loops > T - 1:
         raise ValueError(
             f"EngineConfig.shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} for this checkpoint "
             f"(total_ut_steps={T}), got {config.shallow_loops}")
+
+
+def check_attention(config: EngineConfig, head_dim: int, dtype: torch.dtype) -> None:
+    """CUDA: the Triton kernel must handle the checkpoint's head_dim and the dtype when it is asked for
+    (attention_backend='triton') or needed (cuda_graphs=True, which captures the Triton path)."""
+    if not config.device.startswith("cuda") or config.attention_backend == "torch":
+        return
+    if not (config.attention_backend == "triton" or config.cuda_graphs):
+        return  # 'auto' falls back to the torch reference by itself
+    try:
+        from ourobatch.engine.triton_attention import supports
+    except ImportError:
+        why = "the `triton` package is not installed"
+    else:
+        if supports(head_dim, dtype):
+            return
+        why = (f"the Triton kernel needs a power-of-two head_dim >= 16 and a 16/32-bit float dtype, "
+               f"got head_dim={head_dim}, dtype={str(dtype).removeprefix('torch.')}")
+    if config.attention_backend == "triton":
+        raise ValueError(f"EngineConfig.attention_backend='triton' cannot run: {why}; use 'auto' or 'torch'")
+    raise ValueError(f"EngineConfig.cuda_graphs=True needs the Triton attention backend, which cannot run: {why};"
+                     f" use cuda_graphs=None or False")
+
+
+def effective_max_model_len(config: EngineConfig, mc: OuroConfig) -> int:
+    """max_model_len capped by the checkpoint's max_position_embeddings (RoPE is not extrapolated)."""
+    return min(config.max_model_len, mc.max_position_embeddings)
+
+
+def make_scheduler_config(config: EngineConfig, mc: OuroConfig, num_blocks: int) -> SchedulerConfig:
+    """The scheduler's view of an engine; the CLI also builds one before loading, to check its input."""
+    return SchedulerConfig(
+        num_kv_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_model_len=effective_max_model_len(config, mc),
+        max_num_batched_tokens=config.max_num_batched_tokens, total_ut_steps=mc.total_ut_steps,
+        shallow_loops=config.shallow_loops, deep_interval=config.deep_interval, mode=config.mode,
+        vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
+
+
+def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None) -> EngineCore:
+    """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
+
+    `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
+    check_machine(config)
+    dtype = resolve_dtype(config)
+    mc = OuroConfig.from_checkpoint(config.model)
+    T = mc.total_ut_steps
+    check_checkpoint_fit(config, mc)
+    check_attention(config, mc.head_dim, dtype)
+    max_model_len = effective_max_model_len(config, mc)
+    if max_model_len < config.max_model_len:
+        log.warning("max_model_len_capped", requested=config.max_model_len,
+                    max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
     if model is None:
         model = load_model(config.model, dtype, config.device)
         model.fuse_projections()
     num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
     pool = KVPool(T, mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim,
                   dtype, config.device)
-    max_model_len = min(config.max_model_len, mc.max_position_embeddings)
     executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
                              max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
                              deep_interval=config.deep_interval, attention=config.attention_backend,
                              cuda_graphs=config.cuda_graphs)
-    scheduler_config = SchedulerConfig(
-        num_kv_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, total_ut_steps=T,
-        shallow_loops=config.shallow_loops, deep_interval=config.deep_interval, mode=config.mode,
-        vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
+    scheduler_config = make_scheduler_config(config, mc, num_blocks)
+
     def extra_stats() -> dict:
-        stats = {"kv_capacity_tokens": pool.num_blocks * pool.block_size, "kv_pool_bytes": pool.num_bytes,
-                 "attention_backend": executor.attention, "cuda_graphs": executor.graphs is not None}
+        stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,
+                 "kv_pool_bytes": pool.num_bytes, "attention_backend": executor.attention,
+                 "cuda_graphs": executor.graphs is not None}
         if config.device.startswith("cuda"):
             stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(torch.device(config.device))
         return stats
 
     core = EngineCore(scheduler_config, executor, extra_stats=extra_stats)
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
-             shallow_loops=config.shallow_loops, kv_blocks=num_blocks, dtype=str(dtype), device=config.device)
+             shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
+             dtype=str(dtype), device=config.device)
     return core

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -10,6 +11,8 @@ from ourobatch.scheduler.core import MODES
 from ourobatch.scheduler.params import SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+DEVICE_RE = re.compile(r"cpu|cuda(?::\d+)?")  # whether the machine has that device is checked at build
 
 
 def _positive_int(name: str, value: object, low: int = 1) -> None:
@@ -26,8 +29,9 @@ class EngineConfig:
     model: str | Path  # a folder with config.json and model.safetensors (Hugging Face Ouro format)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 / float64 / bfloat16 / float16
-    mode: str = "deferred"  # "deferred" | "eager" (see DESIGN.md section 1)
-    deep_interval: int = 4  # B: deep loops run every B decoded tokens; 1 = ordinary full-depth decoding
+    mode: str = "deferred"  # "deferred" | "eager" | "verify" (see docs/semantics.md)
+    deep_interval: int = 4  # B: deep loops run every B decoded tokens; 1 = ordinary full-depth decoding;
+    #                         at most max_model_len (a larger B could never reach a boundary)
     shallow_loops: int = 2  # s: loops run for every decoded token (1 .. total_ut_steps - 1)
     max_num_seqs: int = 256  # requests decoding at once
     max_model_len: int = 4096  # prompt + max_tokens of one request, at most
@@ -49,10 +53,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str):
             raise TypeError(f"EngineConfig.device must be a str like 'cpu' or 'cuda', got {self.device!r}")
+        if not DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda' or 'cuda:N' (N = 0, 1, ...), got "
+                             f"{self.device!r}")
         _positive_int("deep_interval", self.deep_interval)
         _positive_int("shallow_loops", self.shallow_loops)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, 2)
+        if self.deep_interval > self.max_model_len:
+            raise ValueError(f"EngineConfig.deep_interval must satisfy 1 <= deep_interval <= max_model_len "
+                             f"({self.max_model_len}), got {self.deep_interval}")
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
@@ -60,8 +70,8 @@ class EngineConfig:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"EngineConfig.attention_backend must be one of ('auto', 'triton', 'torch'), got "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")
         if self.cuda_graphs not in (None, True, False):
             raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")

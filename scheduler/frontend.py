@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .core import RequestUpdate, Scheduler, SchedulerConfig
+from .errors import RequestRejectedError
 from .log import get_logger
 from .outputs import CompletionOutput, RequestOutput
 from .params import MAX_SEED, SamplingParams
@@ -86,6 +87,9 @@ class EngineCore:
             request_id: str | None = None) -> ParentRequest:
         """Validate and queue a request; raises (and changes nothing) on bad input."""
         params = SamplingParams.coerce(params)
+        if params.n > self.scheduler.config.max_num_seqs:  # one request's samples fit in one batch
+            raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
+                                       f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

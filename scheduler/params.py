@@ -14,6 +14,8 @@ from typing import Any, Mapping
 # vLLM treats temperatures below this as greedy.
 GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1
+# Completions per request at most. An engine also refuses n above its max_num_seqs (EngineCore.add).
+MAX_N = 4096
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -50,7 +52,7 @@ class SamplingParams:
     Greedy decoding (``temperature`` 0) reports them with temperature treated as 1.
     """
 
-    n: int = 1  # completions per prompt
+    n: int = 1  # completions per prompt, 1 <= n <= MAX_N (4096) and <= the engine's max_num_seqs
     temperature: float = 1.0  # 0 (or < 1e-5) = greedy
     top_p: float = 1.0  # in (0, 1]; 1 disables
     top_k: int = 0  # 0 or -1 disables
@@ -63,7 +65,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # for streaming
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
+        _check_int("n", self.n, 1, MAX_N)
         temperature = _check_float("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {temperature}")
