@@ -121,16 +121,23 @@ def make_scheduler_config(config: EngineConfig, mc: OuroConfig, num_blocks: int)
         vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
 
 
+def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]:
+    """Every check that needs no weights (the machine, config.json, the kernels); cheap, so callers like
+    the CLI run it before reading their input. Returns the checkpoint's config and the resolved dtype."""
+    check_machine(config)
+    dtype = resolve_dtype(config)
+    mc = OuroConfig.from_checkpoint(config.model)
+    check_checkpoint_fit(config, mc)
+    check_attention(config, mc.head_dim, dtype)
+    return mc, dtype
+
+
 def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None) -> EngineCore:
     """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
-    check_machine(config)
-    dtype = resolve_dtype(config)
-    mc = OuroConfig.from_checkpoint(config.model)
+    mc, dtype = check_before_loading(config)
     T = mc.total_ut_steps
-    check_checkpoint_fit(config, mc)
-    check_attention(config, mc.head_dim, dtype)
     max_model_len = effective_max_model_len(config, mc)
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,

@@ -1,6 +1,6 @@
 """The command line: ``python -m ourobatch generate --model DIR [options] < prompts.jsonl > out.jsonl``.
 
-Reads JSONL prompts, validates every line before anything runs, generates them all with
+Reads JSONL prompts, validates every line before the model loads, generates them all with
 ``SyncEngine.generate_batch`` and writes one JSONL output per input line, in input order.
 ``main(argv)`` returns the exit code (0 ok, 2 bad input or a library error) so tests can call it.
 """
@@ -45,9 +45,10 @@ Modes (--mode):
             The output follows full-depth decoding exactly (greedy: the same tokens as interval 1).
 
 Input: one JSON object per line, with "prompt_token_ids" (list of ints) or "prompt" (text; needs a
-tokenizer.json beside the checkpoint and the `tokenizers` package), an optional "request_id" (default
-"line-N") and an optional "sampling_params" object whose fields override the command-line defaults.
-Blank lines are skipped. Every line is checked before anything runs; a bad line exits with code 2.
+tokenizer.json beside the checkpoint and the `tokenizers` package; a word outside its vocabulary is an
+error), an optional "request_id" (default "line-N") and an optional "sampling_params" object whose fields
+override the command-line defaults. Blank lines are skipped. Every line is checked (against config.json
+and the tokenizer) before the model loads; a bad line exits with code 2.
 
 Output: one JSON object per input line, in input order: request_id, prompt_token_ids and outputs, a
 list of {index, token_ids, logprobs, readout_loops, cumulative_logprob, finish_reason, seed[, text]
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint folder (config.json + model.safetensors [+ tokenizer.json])")
     io.add_argument("--input", default="-", metavar="FILE", help="JSONL prompts (default: - = stdin)")
     io.add_argument("--output", default="-", metavar="FILE", help="JSONL outputs (default: - = stdout)")
-    io.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    io.add_argument("--no-progress", action="store_true",
+                    help="no progress bar on stderr (there is none when stderr is not a terminal)")
 
     eng = gen.add_argument_group("engine (EngineConfig)")
     d = EngineConfig.__dataclass_fields__
@@ -191,6 +193,18 @@ class _LazyTokenizer:
             raise RuntimeError(self._error)
         return self._tok
 
+    def unknown_words(self, text: str, encoding: Any) -> tuple[list[str], str]:
+        """Words of `text` that the tokenizer maps to its unk token (a WordLevel or WordPiece vocabulary
+        does so silently), and that token; ([], "") for tokenizers without one (byte-level BPE)."""
+        tok = self.get()
+        unk = getattr(tok.model, "unk_token", None)
+        unk_id = tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return [], ""
+        words = [text[a:b] for tid, (a, b) in zip(encoding.ids, encoding.offsets)
+                 if tid == unk_id and text[a:b] != unk]  # the unk token written out is a real token
+        return list(dict.fromkeys(words)), unk
+
     def available(self) -> bool:
         if not self.exists:
             return False
@@ -243,7 +257,13 @@ def _parse_line(lineno: int, text: str, defaults: dict[str, Any], tokenizer: _La
         except RuntimeError as exc:
             raise ValueError(f'a text "prompt" needs a tokenizer, but {exc}; '
                              f'give "prompt_token_ids" instead') from None
-        ids = list(tok.encode(prompt).ids)
+        encoding = tok.encode(prompt)
+        unknown, unk = tokenizer.unknown_words(prompt, encoding)
+        if unknown:
+            shown = ", ".join(repr(w) for w in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+            raise ValueError(f'"prompt" has {len(unknown)} word(s) not in the vocabulary of {tokenizer.path.name}: '
+                             f"{shown} (the tokenizer would silently read each as {unk!r})")
+        ids = list(encoding.ids)
     if not ids:
         raise ValueError("the prompt is empty (it must hold at least one token)")
 
@@ -298,16 +318,17 @@ def _join_errors(errors: list[str]) -> str:
     return "\n".join(shown + ([f"... and {more} more bad line(s)"] if more > 0 else []))
 
 
-def check_against_engine(llm: Any, lines: Iterable[PromptLine]) -> None:
-    """Run every request through the engine's own admission checks (vocabulary, max_model_len, KV pool)
-    on a throwaway scheduler, so a rejected request is reported with its line number and nothing runs."""
-    from ourobatch.scheduler import Scheduler
+def check_requests(scheduler_config: Any, lines: Iterable[PromptLine]) -> None:
+    """Run every request through the engine's own admission checks (vocabulary, max_model_len, KV pool,
+    n <= max_num_seqs) on a throwaway EngineCore that never steps, so a rejected request is reported with
+    its line number and nothing runs. Needs only the checkpoint's config.json, not its weights."""
+    from ourobatch.scheduler.frontend import EngineCore
 
-    probe = Scheduler(llm.core.scheduler.config)
+    probe = EngineCore(scheduler_config, executor=None)  # type: ignore[arg-type]  # add() never executes
     errors = []
     for line in lines:
         try:
-            probe.add(line.request_id, line.prompt_token_ids, line.params)
+            probe.add(line.prompt_token_ids, line.params, line.request_id)
         except (TypeError, ValueError) as exc:
             errors.append(f"input line {line.lineno}: {exc}")
     if errors:
@@ -384,6 +405,15 @@ def _generate(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad sampling option: {exc}") from None
 
+    # Everything that needs no weights, before the (slow) load: the machine, config.json, every line.
+    from ourobatch._core import (  # torch loads here, not for --help
+        auto_num_blocks,
+        check_before_loading,
+        effective_max_model_len,
+        make_scheduler_config,
+    )
+
+    model_config, dtype = check_before_loading(config)
     tokenizer = _LazyTokenizer(model_dir)
     source = _open_input(args.input)
     try:
@@ -391,21 +421,31 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         if source is not sys.stdin:
             source.close()
+    # The automatic KV pool on CUDA depends on the memory the weights leave: checked again once loaded.
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None and not config.device.startswith("cuda"):
+        num_blocks = auto_num_blocks(config, model_config, dtype)
+    pool_unknown = num_blocks is None
+    if pool_unknown:  # room for one request of max_model_len: the pool check passes, the others run
+        num_blocks = math.ceil(effective_max_model_len(config, model_config) / config.block_size)
+    check_requests(make_scheduler_config(config, model_config, num_blocks), lines)
     decoder = tokenizer.get() if tokenizer.available() else None
     if decoder is None and tokenizer.exists:
         print(f"ourobatch: warning: not decoding text: {tokenizer._error}", file=sys.stderr)
 
-    from ourobatch.sync_engine import SyncEngine  # torch loads here, not for --help
+    from ourobatch.sync_engine import SyncEngine
 
     t0 = time.perf_counter()
     with SyncEngine(config) as llm:
         load_s = time.perf_counter() - t0
-        check_against_engine(llm, lines)
+        if pool_unknown:
+            check_requests(llm.core.scheduler.config, lines)
         sink = _open_output(args.output)
         try:
             t1 = time.perf_counter()
+            # A progress bar only on a terminal: in a log file or a pipe its frames are noise.
             outputs = llm.generate_batch([ln.prompt_token_ids for ln in lines], [ln.params for ln in lines],
-                                         use_tqdm=not args.no_progress,
+                                         use_tqdm=not args.no_progress and sys.stderr.isatty(),
                                          request_ids=[ln.request_id for ln in lines])
             wall = time.perf_counter() - t1
             for out in outputs:

@@ -166,16 +166,28 @@ def test_verify_mode_greedy_equals_interval_one(tmp_path, ckpt):
         assert y["outputs"][0]["readout_loops"] == [4] * 9
 
 
-def test_stdin_to_stdout_with_progress_bar(ckpt, monkeypatch, capsys):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_stdin_to_stdout_with_a_progress_bar_only_on_a_terminal(ckpt, monkeypatch, capsys, terminal):
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n'))
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", _Terminal())
     args = [a for a in engine_args(ckpt, max_tokens=5, ignore_eos=True) if a != "--no-progress"]
     assert main(args) == 0
     captured = capsys.readouterr()
+    err = sys.stderr.getvalue() if terminal else captured.err
     out = [json.loads(line) for line in captured.out.splitlines()]
     assert [o["prompt_token_ids"] for o in out] == [[1, 2], [3]]
     assert all(len(o["outputs"][0]["token_ids"]) == 5 for o in out)
-    assert "generate" in captured.err and "2/2" in captured.err  # the tqdm bar
-    assert "tokens/s" in captured.err.strip().splitlines()[-1]
+    # The tqdm bar ("generate: ... 2/2") on a terminal; in a pipe or a log file only the summary line.
+    assert ("2/2" in err and "generate" in err) is terminal
+    assert "tokens/s" in err.strip().splitlines()[-1]
+    if not terminal:
+        assert len(err.strip().splitlines()) == 1 and "\r" not in err
 
 
 def test_text_prompts_with_a_tokenizer(tmp_path, tok_ckpt):
@@ -203,6 +215,19 @@ def test_text_prompts_with_a_tokenizer(tmp_path, tok_ckpt):
 GOOD = {"prompt_token_ids": [1, 2, 3]}
 
 
+@pytest.fixture
+def never_load(monkeypatch) -> list[str]:
+    """Records (and refuses) any attempt to load weights: bad input must fail before the slow load."""
+    calls: list[str] = []
+
+    def load_model(path, *args, **kwargs):
+        calls.append(str(path))
+        raise RuntimeError("the weights were loaded although the input is bad")
+
+    monkeypatch.setattr("ourobatch._core.load_model", load_model)
+    return calls
+
+
 @pytest.mark.parametrize("rows, line, needle", [
     ([GOOD, '{"prompt_token_ids": [1, 2', GOOD], 2, "not valid JSON"),
     ([GOOD, "[1, 2, 3]"], 2, "JSON object"),
@@ -216,14 +241,35 @@ GOOD = {"prompt_token_ids": [1, 2, 3]}
      "already used"),
     ([GOOD, {"prompt_token_ids": [1, 99]}], 2, "vocabulary"),  # the engine's own admission checks
     ([GOOD, GOOD, GOOD, {"prompt_token_ids": [1], "sampling_params": {"max_tokens": 500}}], 4, "max_model_len"),
+    ([GOOD, {"prompt_token_ids": [1], "sampling_params": {"n": 300}}], 2, "max_num_seqs=256"),
+    ([GOOD, {"prompt_token_ids": [1], "sampling_params": {"stop_token_ids": [31]}}], 2, "stop_token_ids"),
 ])
-def test_bad_input_exits_2_naming_the_line_and_generates_nothing(tmp_path, ckpt, capsys, rows, line, needle):
+def test_bad_input_exits_2_naming_the_line_and_generates_nothing(tmp_path, ckpt, capsys, never_load, rows, line,
+                                                                 needle):
     rc, dst = run(tmp_path, rows, engine_args(ckpt, max_tokens=4))
     err = capsys.readouterr().err
     assert rc == 2
     assert f"line {line}" in err and needle in err
     assert "Traceback" not in err
     assert not dst.exists()  # validated before anything ran or was written
+    assert never_load == []  # ... and before the weights were loaded
+
+
+def test_unknown_words_of_a_text_prompt_are_an_error(tmp_path, tok_ckpt, capsys, never_load):
+    rows = [{"prompt": "w3 w4"}, {"prompt": "w3 hello w4 wat hello"}, GOOD]
+    rc, dst = run(tmp_path, rows, engine_args(tok_ckpt, max_tokens=4))
+    err = capsys.readouterr().err
+    assert rc == 2 and "line 2" in err and "'hello', 'wat'" in err and "[UNK]" in err
+    assert "line 1" not in err and not dst.exists() and never_load == []
+
+
+def test_unknown_words_with_the_shipped_tokenizer(tmp_path, capsys, never_load):
+    # models/pointer-chase/tokenizer.json maps every unknown word to id 0 (its unk token, also its eos).
+    rows = [{"prompt": "n12 n4>n3 n2"}, {"prompt": "n12 what n2"}]
+    rc, dst = run(tmp_path, rows, ["generate", "--model", str(ROOT / "models" / "pointer-chase"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "input line 2" in err and "'what'" in err and "<|endoftext|>" in err
+    assert "line 1" not in err and never_load == []
 
 
 def test_text_prompt_without_the_tokenizers_package(tmp_path, tok_ckpt, monkeypatch, capsys):
