@@ -7,7 +7,9 @@ rejection the token is redrawn from the residual max(0, p_T - p_s), renormalised
 accepted and a row follows them, the next token is drawn from that row's p_T. The output follows p_T
 exactly. Randomness is counter-based: acceptance uses stream 1 and the residual draw stream 2 at the
 draft's token index, the next token the ordinary stream 0, so verification is reproducible and
-independent of the batch. All requests of a deep call are verified together (three host syncs).
+independent of the batch. All requests of a deep call are verified together (three host syncs, a
+fourth for top log-probs). Every verified token reports loop T's processed log-prob and, with
+`logprobs=k`, loop T's top log-probs at its position, as full-depth decoding would.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.scheduler.plan import VerifyResult
 
-from .sampler import counter_uniforms, processed_logprobs, sample
+from .sampler import counter_uniforms, processed_logprobs, sample, top_logprobs
 
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
@@ -44,7 +46,7 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
     # every draft of every request at once
     d_rows = [it.row_start + i for it in items for i in range(len(it.drafts))]
     accepted = [0] * len(items)
-    t_lp_list: list[float] = []
+    draft_lps: list[list[float]] = [[] for _ in items]  # loop-T processed log-prob of each draft
     if d_rows:
         rows_t = torch.tensor(d_rows, dtype=torch.int64, device=dev)
         x = torch.tensor([t for it in items for t in it.drafts], dtype=torch.int64, device=dev)
@@ -61,13 +63,11 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         for n, it in enumerate(items):
             flags = ok_list[pos:pos + len(it.drafts)]
             accepted[n] = flags.index(False) if False in flags else len(it.drafts)
+            draft_lps[n] = t_lp_list[pos:pos + len(it.drafts)]
             pos += len(it.drafts)
 
-    results: list[VerifyResult | None] = [None] * len(items)
-    starts, pos = [], 0
-    for it in items:
-        starts.append(pos)
-        pos += len(it.drafts)
+    # the token after the accepted drafts, at row row_start + accepted: (token, loop-T log-prob) or None
+    nxt: list[tuple[int, float] | None] = [None] * len(items)
     rejected = [n for n, it in enumerate(items) if accepted[n] < len(it.drafts)]
     if rejected:  # residual draws at the first rejection
         rows_t = torch.tensor([items[n].row_start + accepted[n] for n in rejected], dtype=torch.int64, device=dev)
@@ -83,20 +83,44 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         tok = torch.where(greedy, lp_T[rows_t].argmax(-1), (residual.log() - torch.log(-torch.log(u))).argmax(-1))
         tok_lp = lp_T[rows_t].gather(1, tok[:, None]).squeeze(1)
         for n, t, lp in zip(rejected, tok.tolist(), tok_lp.tolist()):
-            it, a = items[n], accepted[n]
-            results[n] = VerifyResult(it.request_id, a, tuple(t_lp_list[starts[n]:starts[n] + a]), t, lp)
-    bonus = [n for n, it in enumerate(items) if results[n] is None and it.num_rows > len(it.drafts)]
+            nxt[n] = (t, lp)
+    bonus = [n for n, it in enumerate(items) if nxt[n] is None and it.num_rows > len(it.drafts)]
     if bonus:  # every draft accepted: the next token from the last row's loop T
         rows_t = torch.tensor([items[n].row_start + len(items[n].drafts) for n in bonus], dtype=torch.int64,
                               device=dev)
         out = sample(logits_T[rows_t], [items[n].params for n in bonus],
                      [items[n].first_index + len(items[n].drafts) for n in bonus])
         for n, t, lp in zip(bonus, out.token_ids, out.logprobs):
-            it = items[n]
-            results[n] = VerifyResult(it.request_id, len(it.drafts), tuple(t_lp_list[starts[n]:starts[n] + len(it.drafts)]),
-                                      t, lp)
+            nxt[n] = (t, lp)
+
+    tops = _verified_top_logprobs(items, accepted, draft_lps, nxt, lp_T)
+    results = []
+    for n, it in enumerate(items):  # nxt is None when all were accepted and no row follows them
+        token, lp = nxt[n] if nxt[n] is not None else (None, None)
+        results.append(VerifyResult(it.request_id, accepted[n], tuple(draft_lps[n][:accepted[n]]), token, lp, tops[n]))
+    return results
+
+
+def _verified_top_logprobs(items: list[VerifyItem], accepted: list[int], draft_lps: list[list[float]],
+                           nxt: list[tuple[int, float] | None], lp_T: torch.Tensor):
+    """Loop T's top log-probs at every verified token (the accepted drafts, then the next token) of the
+    requests that ask for them: like any other token's, the k best processed log-probs plus the token."""
+    rows, tokens, lps, ks, owner = [], [], [], [], []
     for n, it in enumerate(items):
-        if results[n] is None:  # all accepted, no row after them (the request ends on its last draft)
-            results[n] = VerifyResult(it.request_id, len(it.drafts),
-                                      tuple(t_lp_list[starts[n]:starts[n] + len(it.drafts)]), None, None)
-    return results  # type: ignore[return-value]
+        if it.params.num_top_logprobs <= 0:
+            continue
+        verified = list(zip(it.drafts[:accepted[n]], draft_lps[n][:accepted[n]]))
+        if nxt[n] is not None:
+            verified.append(nxt[n])
+        for i, (token, lp) in enumerate(verified):  # verified token i was read at row row_start + i
+            rows.append(it.row_start + i)
+            tokens.append(token)
+            lps.append(lp)
+            ks.append(it.params.num_top_logprobs)
+            owner.append(n)
+    per_request: list[list] = [[] for _ in items]
+    if rows:
+        flat = top_logprobs(lp_T[torch.tensor(rows, dtype=torch.int64, device=lp_T.device)], tokens, lps, ks)
+        for n, top in zip(owner, flat):
+            per_request[n].append(top)
+    return [tuple(t) for t in per_request]

@@ -408,8 +408,11 @@ class Scheduler:
         tokens = list(zip(drafts[:v.num_accepted], v.accepted_logprobs))
         if v.token_id is not None:
             tokens.append((v.token_id, v.logprob if v.logprob is not None else 0.0))
-        for token_id, logprob in tokens:
-            self._append(r, token_id, logprob, T, None)
+        # loop T's top log-probs of each verified token (the engine fills them when params.logprobs > 0)
+        assert not v.top_logprobs or len(v.top_logprobs) == len(tokens)
+        tops = v.top_logprobs or (None,) * len(tokens)
+        for (token_id, logprob), top in zip(tokens, tops):
+            self._append(r, token_id, logprob, T, top)
             if self._check_stop(r):
                 break
         # every position whose token is verified and fed keeps its planes; the rest is rolled back

@@ -117,6 +117,9 @@ class VerifyResult:
     token_id: int | None  # engine: the residual draw at the first rejection, or the token after all
     #                       accepted drafts (None when all were accepted and no row follows them)
     logprob: float | None  # engine: loop-T processed log-prob of token_id
+    # engine, when params.logprobs > 0: loop T's top log-probs (the k best plus the token, as SampledToken's)
+    # of each accepted draft, then of token_id when it is not None; () when not asked for
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,55 @@ def test_sampled_verify_logprobs_and_planes_match_the_oracle(checkpoints, shape,
         assert r.num_drafted >= r.num_accepted
 
 
+def oracle_top(ref: torch.Tensor, k: int, token: int) -> dict[int, float]:
+    """The k best processed log-probs (ties: the lower id first), then the sampled token."""
+    ranked = sorted(range(ref.shape[0]), key=lambda i: (-float(ref[i]), i))[:k]
+    top = {i: float(ref[i]) for i in ranked}
+    top[token] = float(ref[token])
+    return top
+
+
+@pytest.mark.parametrize("B,s", [(2, 2), (3, 1), (4, 2)])
+def test_sampled_verify_top_logprobs_are_loop_T_top_k_at_every_token(checkpoints, B, s):
+    """Every verified token (accepted draft, residual draw, token after the drafts) reports loop T's top-k
+    plus itself, like every other token; verify used to report it for token 1 only (sizes [3, 0, 0, ...])."""
+    ckpt = checkpoints["kv1-L2-T4"]
+    oracle = load_oracle(ckpt)
+    T = oracle.total_ut_steps
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    params = [SamplingParams(max_tokens=13, temperature=t, seed=70 + i, top_k=k, logprobs=n, ignore_eos=True)
+              for i, (t, k, n) in enumerate([(1.0, 0, 3), (1.3, 8, 5), (0.8, 0, 1)])]
+    core = build_engine_core(EngineConfig(model=str(ckpt), dtype="float64", mode="verify", deep_interval=B,
+                                          shallow_loops=s, block_size=4, num_kv_blocks=512))
+    requests = run_staggered(core, prompts, params, arrival_steps=[0, 1, 1])
+    assert core.stats()["rolled_back_positions"] > 0 and core.stats()["accepted_tokens"] > 0
+    for r in requests:
+        P, toks, p = r.num_prompt_tokens, r.output_token_ids, r.params
+        assert r.top_logprobs is not None and len(r.top_logprobs) == len(toks)
+        out = oracle.forward(list(r.prompt_token_ids) + toks[:-1])
+        for j, (tok, top) in enumerate(zip(toks, r.top_logprobs), start=1):
+            ref = processed_logprobs(out.logits[T - 1, readout_position(P, j)], p.temperature, p.top_k)
+            want = oracle_top(ref, p.logprobs, tok)
+            assert list(top) == list(want), (r.request_id, j)
+            assert all(abs(top[t] - want[t]) < 1e-6 for t in want), (r.request_id, j)
+
+
+@pytest.mark.parametrize("B,s", [(2, 1), (4, 2), (8, 3)])
+def test_greedy_verify_top_logprobs_equal_interval_one(checkpoints, B, s):
+    ckpt = checkpoints["kv2-L3-T4-hd16"]
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [3, 3]]
+    greedy = SamplingParams(max_tokens=15, temperature=0.0, logprobs=4, ignore_eos=True)
+    with engine(ckpt, mode="deferred", deep_interval=1) as full:
+        ref = [o.outputs[0] for o in full.generate_batch(prompts, greedy)]
+    with engine(ckpt, mode="verify", deep_interval=B, shallow_loops=s) as llm:
+        got = [o.outputs[0] for o in llm.generate_batch(prompts, greedy)]
+    for g, r in zip(got, ref):
+        assert g.token_ids == r.token_ids
+        assert [list(t) for t in g.top_logprobs] == [list(t) for t in r.top_logprobs]
+        for a, b in zip(g.top_logprobs, r.top_logprobs):
+            assert all(abs(a[t] - b[t]) < 1e-9 for t in b)
+
+
 def full_depth_law(oracle, prompt, n_tokens, V):
     """P(t_1..t_n) under full-depth sampling at temperature 1, by enumeration with the oracle."""
     T = oracle.total_ut_steps
