@@ -194,7 +194,7 @@ def run_config(cfg: dict, model, args, tasks: list[dict], max_tokens: int, T: in
     stops = tuple(args.stop_token_ids)
     params = [SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed + i,
                              stop_token_ids=stops) for i in range(len(tasks))]
-    with SyncEngine(econf, model=model) as llm:
+    with SyncEngine(econf, loaded_model=model) as llm:
         if args.warmup:  # first-call costs (allocations, kernels, CUDA graphs) stay out of the timing
             n = min(len(prompts), args.max_num_seqs)
             llm.generate_batch(prompts[:n], SamplingParams(max_tokens=min(max_tokens, 2 * cfg["deep_interval"] + 2),

@@ -10,6 +10,7 @@ write they make (KV slots, retained rows) is idempotent, so capturing mid-genera
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -32,11 +33,16 @@ class _Graph:
 
 class GraphCache:
     def __init__(self, executor: "ModelExecutor", max_num_seqs: int) -> None:
-        self.ex = executor
+        self.ex = weakref.proxy(executor)  # no executor <-> graphs cycle: closing frees both at once
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
+
+    def close(self) -> None:
+        """Drop every captured graph and the memory pool they share."""
+        self.graphs.clear()
+        self.pool = None
 
     def _bucket(self, n: int) -> int:
         for b in self.buckets:

@@ -16,6 +16,7 @@ bucket (cuda_graphs.py); elsewhere the same functions run eagerly.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -275,17 +276,50 @@ class ModelExecutor:
         meta, h_s, h_T = self._run_deep_varlen(works)
         items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
                             d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
-        return verify_batch(items, self.model.logits(h_s), self.model.logits(h_T))
+        logits_s, logits_T = self.model.logits(h_s), self.model.logits(h_T)
+        row_ids = [d.request_id for d, span in zip(works, meta.spans) for _ in range(span.num_rows)]
+        finite = torch.isfinite(logits_s).all(-1) & torch.isfinite(logits_T).all(-1)  # [rows]
+        try:
+            return verify_batch(items, logits_s, logits_T)
+        finally:  # checked after verify_batch's own syncs (no extra stall); wins over what NaNs broke there
+            _require_finite(finite, row_ids)
 
     def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
         h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
         items = [it for r in readouts for it in r.items]
         logits = self.model.logits(h)
-        result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items])
+        finite = torch.isfinite(logits).all(-1)  # [rows]
+        try:
+            result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items])
+        finally:  # checked after the sampler's own sync (no extra stall); wins over what NaNs broke there
+            _require_finite(finite, [rid for rid, _ in items])
         return [
             SampledToken(rid, tok, lp, spec.loop, top)
             for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
         ]
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Drop the weights, the KV pool, CUDA graphs (and their memory pool) and every buffer, so an
+        engine that closes gives its device memory back (RL loops open and close engines in one process).
+        The executor is unusable afterwards."""
+        on_cuda = self.device.type == "cuda"
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        self.model = None  # type: ignore[assignment]
+        self.pool = None  # type: ignore[assignment]
+        self.tables = None  # type: ignore[assignment]
+        self.retained_rows = None  # type: ignore[assignment]
+        self.retained.clear()
+        self.fault_hook = None
+        # torch builds modules on the meta device with reference cycles (nn.Embedding's init frames), so
+        # the model is only freed by the cycle collector: run it now rather than some time later.
+        gc.collect()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info
 
     # ------------------------------------------------------------------ timing
 
@@ -303,6 +337,16 @@ class ModelExecutor:
         end.record()
         end.synchronize()
         self.timing.append(start.elapsed_time(end))
+
+
+def _require_finite(finite: torch.Tensor, row_ids: list[str]) -> None:
+    """A NaN/inf logit would be sampled as a NaN log-prob: raise instead, so the phase fails its requests
+    (finish_reason "error") and no such token or log-prob is ever emitted. finite: [rows] bool."""
+    flags = finite.tolist()
+    if not all(flags):
+        bad = list(dict.fromkeys(rid for rid, ok in zip(row_ids, flags) if not ok))
+        raise FloatingPointError(f"non-finite logits (NaN or inf) for request(s) {bad[:8]}"
+                                 f"{' ...' if len(bad) > 8 else ''}: the weights or activations overflowed")
 
 
 def _failure(phase: Phase, works, exc: Exception) -> StepFailure:

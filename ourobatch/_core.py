@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -132,7 +133,8 @@ def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]
     return mc, dtype
 
 
-def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None) -> EngineCore:
+def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None,
+                      should_stop: Callable[[], bool] | None = None) -> EngineCore:
     """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
@@ -143,7 +145,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
         log.warning("max_model_len_capped", requested=config.max_model_len,
                     max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
     if model is None:
-        model = load_model(config.model, dtype, config.device)
+        model = load_model(config.model, dtype, config.device, should_stop)
         model.fuse_projections()
     num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
     pool = KVPool(T, mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim,

@@ -8,6 +8,7 @@ different tasks run ``await engine.serve()`` in a task of their own and call ``a
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Any, Mapping, Sequence
 
 import anyio
@@ -29,8 +30,9 @@ ParamsLike = SamplingParams | Mapping[str, Any] | None
 class _State(enum.IntEnum):
     NEW = 0
     STARTING = 1
-    RUNNING = 2
-    CLOSED = 3
+    CLOSING = 2  # aclose() during startup: the load stops at its next tensor
+    RUNNING = 3
+    CLOSED = 4
 
 
 class Engine:
@@ -44,51 +46,85 @@ class Engine:
         self._stopped: anyio.Event | None = None
         self._ready: anyio.Event | None = None
         self._startup_error: BaseException | None = None
+        self._cancel_startup = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> "Engine":
+        # Load before entering the task group, so a startup error (a bad checkpoint) reaches the caller
+        # as itself, not wrapped in an ExceptionGroup.
+        if not await self._start():
+            raise EngineClosedError("the engine was closed while starting")
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
-        try:
-            await task_group.start(self.serve)
-        except BaseException as exc:
-            await task_group.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+        task_group.start_soon(self._run)
         self._task_group = task_group
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
-        await self.aclose()
+    async def __aexit__(self, *exc_info: Any) -> None:
         task_group, self._task_group = self._task_group, None
         assert task_group is not None
-        return await task_group.__aexit__(*exc_info)
+        with anyio.CancelScope(shield=True):  # leaving the block always closes (at most one step's wait)
+            await self.aclose()
+        # The loop task has ended: leave the group without the body's exception, so that exception
+        # propagates as itself instead of inside an ExceptionGroup.
+        await task_group.__aexit__(None, None, None)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Load the model (on a worker thread) and run the engine until aclose(). Run it once."""
+        """Load the model (on a worker thread) and run the engine until aclose(). Run it once.
+
+        aclose() while the model is still loading stops the load at the next tensor and returns."""
+        if await self._start():
+            task_status.started()
+            await self._run()
+
+    async def _start(self) -> bool:
+        """Build the engine core on a worker thread; False if aclose() stopped the startup."""
         if self._state != _State.NEW:
             raise RuntimeError("Engine.serve() runs once per engine; make a new Engine to serve again")
         self._state = _State.STARTING
         self._stopped = anyio.Event()
         ready = self._ensure_ready_event()
+        cancel = self._cancel_startup
         try:
-            try:
-                core = await anyio.to_thread.run_sync(build_engine_core, self.config)
-            except BaseException as exc:
+            # abandon_on_cancel: a cancelled host task does not wait for the load; `cancel` (set in the
+            # finally) makes the worker stop at its next tensor and drop what it allocated.
+            core = await anyio.to_thread.run_sync(build_engine_core, self.config, None, cancel.is_set,
+                                                  abandon_on_cancel=True)
+        except BaseException as exc:
+            cancel.set()
+            closed = isinstance(exc, EngineClosedError) and self._state == _State.CLOSING
+            if not closed and isinstance(exc, Exception):  # a cancelled host task is not a startup error
                 self._startup_error = exc
-                raise
-            finally:
-                ready.set()
-            self._driver = AsyncDriver(core)
-            self._state = _State.RUNNING
-            task_status.started()
-            await self._driver.run()
-        finally:
-            if self._driver is not None and self._driver.is_running:
-                self._driver.close()
-                self._driver.stop(EngineClosedError("the engine was closed"))  # cancelled host task
             self._state = _State.CLOSED
+            ready.set()
             self._stopped.set()
+            if closed:
+                return False
+            raise
+        if self._state == _State.CLOSING:  # aclose() came after the last tensor was loaded
+            core.close()
+            self._state = _State.CLOSED
+            ready.set()
+            self._stopped.set()
+            return False
+        self._driver = AsyncDriver(core)
+        self._state = _State.RUNNING
+        ready.set()
+        return True
+
+    async def _run(self) -> None:
+        driver, stopped = self._driver, self._stopped
+        assert driver is not None and stopped is not None
+        try:
+            await driver.run()
+        finally:
+            if driver.is_running:  # the host task was cancelled
+                driver.close()
+                driver.stop(EngineClosedError("the engine was closed"))
+            driver.release_resources()  # weights, KV pool and graphs go now, not when the Engine is dropped
+            self._state = _State.CLOSED
+            stopped.set()
 
     def _ensure_ready_event(self) -> anyio.Event:
         if self._ready is None:
@@ -102,12 +138,18 @@ class Engine:
         await self._ensure_ready_event().wait()
         if self._startup_error is not None:
             raise EngineClosedError(f"the engine failed to start: {self._startup_error}") from self._startup_error
+        if self._state != _State.RUNNING:
+            raise EngineClosedError("the engine was closed while starting")
 
     async def aclose(self) -> None:
-        """Stop the engine: live requests end with finish_reason 'abort'; later calls raise EngineClosedError."""
+        """Stop the engine: live requests end with finish_reason 'abort', the weights, KV pool and CUDA
+        graphs are freed; later calls raise EngineClosedError. During startup it stops the load."""
         if self._state == _State.NEW:
             self._state = _State.CLOSED
             return
+        if self._state == _State.STARTING:
+            self._state = _State.CLOSING
+            self._cancel_startup.set()
         if self._driver is not None:
             self._driver.close()
         if self._stopped is not None:
@@ -119,7 +161,7 @@ class Engine:
             return self._driver
         if self._driver is not None and self._driver.error is not None:
             raise self._driver.error
-        if self._state in (_State.NEW, _State.STARTING):
+        if self._state in (_State.NEW, _State.STARTING, _State.CLOSING):
             raise EngineClosedError("the engine is not started: use `async with Engine(...)` or `await serve()`")
         raise EngineClosedError("the engine is closed")
 
@@ -173,20 +215,28 @@ class Engine:
                 driver.release(c)
             raise
         results: list[RequestOutput | None] = [None] * len(collectors)
+        errors: list[Exception] = []
         bar = tqdm(total=len(collectors), desc="generate", unit="req", disable=not use_tqdm)
 
-        async def wait_one(i: int) -> None:
-            results[i] = await driver.wait_final(collectors[i])
+        async def wait_one(i: int, tg: TaskGroup) -> None:
+            try:
+                results[i] = await driver.wait_final(collectors[i])
+            except Exception as exc:  # EngineDeadError: every waiter gets it; raise it once, unwrapped
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+                return
             bar.update(1)
 
         try:
             async with anyio.create_task_group() as tg:
                 for i in range(len(collectors)):
-                    tg.start_soon(wait_one, i)
+                    tg.start_soon(wait_one, i, tg)
         finally:
             bar.close()
-            for c in collectors:  # on cancellation, every request not yet finished is aborted
+            for c in collectors:  # on cancellation or error, every request not yet finished is aborted
                 driver.release(c)
+        if errors:
+            raise errors[0]
         return [r for r in results if r is not None]
 
     def stats(self) -> dict[str, Any]:

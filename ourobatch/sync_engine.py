@@ -1,16 +1,22 @@
-"""SyncEngine: the blocking facade for scripts, tests and the CLI. One plain loop over EngineCore.step()."""
+"""SyncEngine: the blocking facade for scripts, tests and the CLI. One plain loop over EngineCore.step().
+
+Thread safety. One lock guards the core. A caller adds its requests under the lock, then loops: take
+the lock, stop if all of its own requests have finished, else run one step. A step advances every
+caller's requests, whichever thread runs it, so several threads share one batch (and each returns as
+soon as its own requests are done) instead of corrupting each other's state.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from ourobatch.scheduler.errors import EngineClosedError
+from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import SamplingParams
-
-from ourobatch.scheduler.frontend import EngineCore
 
 from ._core import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
@@ -19,19 +25,26 @@ ParamsLike = SamplingParams | Mapping[str, Any] | None
 
 
 class SyncEngine:
-    """Generate on the calling thread. ``with SyncEngine(EngineConfig(model=...)) as llm: ...``"""
+    """Generate on the calling thread. ``with SyncEngine(EngineConfig(model=...)) as llm: ...``
 
-    def __init__(self, config: EngineConfig | None = None, *, model: Any = None, **kwargs: Any) -> None:
-        """`model`: an already loaded OuroForCausalLM of this checkpoint, dtype and device, to share between
-        engines (harnesses that run many configurations load the weights once)."""
+    Safe to share between threads (see the module docstring). It has no stream or abort: use the async
+    ``Engine`` for those."""
+
+    def __init__(self, config: EngineConfig | None = None, *, loaded_model: Any = None, **kwargs: Any) -> None:
+        """`config`, or EngineConfig's fields as keywords (``SyncEngine(model="path", dtype=...)``, as
+        ``Engine`` takes them). `loaded_model`: an already loaded OuroForCausalLM of this checkpoint,
+        dtype and device, to share between engines (harnesses that run many configurations load the
+        weights once)."""
         self.config = config = resolve_config(config, kwargs)
-        self._core: EngineCore | None = build_engine_core(config, model=model)
+        self._lock = threading.RLock()
+        self._core: EngineCore | None = build_engine_core(config, model=loaded_model)
 
     @property
     def core(self) -> EngineCore:
-        if self._core is None:
+        core = self._core
+        if core is None:
             raise EngineClosedError("this SyncEngine is closed")
-        return self._core
+        return core
 
     def __enter__(self) -> "SyncEngine":
         return self
@@ -40,7 +53,13 @@ class SyncEngine:
         self.close()
 
     def close(self) -> None:
-        self._core = None
+        """Free the weights, the KV pool and any CUDA graphs now. Waits for a step another thread runs."""
+        with self._lock:
+            core, self._core = self._core, None
+            if core is not None:
+                for request_id in list(core.parents):
+                    core.abort(request_id)
+                core.close()
 
     def generate(self, prompt_token_ids: Sequence[int], params: ParamsLike = None,
                  request_id: str | None = None) -> RequestOutput:
@@ -55,26 +74,34 @@ class SyncEngine:
         `params` is one SamplingParams (or dict) for all prompts, or a list with one per prompt.
         If any prompt is rejected, nothing is generated and the error is raised.
         """
-        core = self.core
+        arguments = batch_arguments(prompts, params, request_ids)
         parents = []
-        try:
-            for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
-                parents.append(core.add(prompt, p, request_id))
-        except BaseException:
-            for parent in parents:  # all or nothing: a bad prompt leaves no request behind
-                core.abort(parent.request_id)
-            raise
+        with self._lock:
+            core = self.core
+            try:
+                for prompt, p, request_id in arguments:
+                    parents.append(core.add(prompt, p, request_id))
+            except BaseException:
+                for parent in parents:  # all or nothing: a bad prompt leaves no request behind
+                    core.abort(parent.request_id)
+                raise
         bar = tqdm(total=len(parents), desc="generate", unit="req", disable=not use_tqdm)
         try:
-            pending = {p.request_id for p in parents}
-            while pending:
-                for parent in core.step():
-                    if parent.finished and parent.request_id in pending:
-                        pending.discard(parent.request_id)
-                        bar.update(1)
+            done = 0
+            while True:
+                with self._lock:
+                    finished = sum(p.finished for p in parents)
+                    if finished == len(parents):
+                        break
+                    self.core.step()  # may finish other threads' requests too: they read their own
+                bar.update(finished - done)
+                done = finished
+            bar.update(len(parents) - done)
         except BaseException:
-            for parent in parents:
-                core.abort(parent.request_id)
+            with self._lock:
+                if self._core is not None:
+                    for parent in parents:
+                        self._core.abort(parent.request_id)
             raise
         finally:
             bar.close()
@@ -82,4 +109,5 @@ class SyncEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, shallow_steps, prefill_tokens, kv_blocks_used, kv_blocks_total, ..."""
-        return self.core.stats()
+        with self._lock:
+            return self.core.stats()

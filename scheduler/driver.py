@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -67,12 +68,12 @@ class AsyncDriver:
         """Step until close() is called. Never raises for engine errors: callers get EngineDeadError."""
         try:
             while not self._closing:
+                while self._orphans:  # streams dropped without closing: abort here, between steps
+                    self.release(self._orphans.popleft())
                 if not self.core.has_unfinished and not self.core.scheduler.has_pending_releases:
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
-                while self._orphans:
-                    self.release(self._orphans.popleft())
                 plan = self.core.schedule()
                 self.step_in_flight = True
                 try:
@@ -88,6 +89,8 @@ class AsyncDriver:
         except Exception as exc:  # noqa: BLE001 - an engine bug or an executor breaking its contract
             log.error("engine_dead", error=f"{type(exc).__name__}: {exc}")
             dead = EngineDeadError(f"the engine stopped on an unrecoverable error: {type(exc).__name__}: {exc}")
+            # keep the traceback's lines but not its frames' locals (they hold the model and the KV pool)
+            traceback.clear_frames(exc.__traceback__)
             dead.__cause__ = exc
             self.stop(dead)
             return
@@ -112,6 +115,12 @@ class AsyncDriver:
                 self.core.abort(request_id)
         for collector in list(self._collectors.values()):
             collector.notify()
+
+    def release_resources(self) -> None:
+        """Free the executor's weights, KV pool and graphs. Call after stop(), with no step in flight."""
+        assert self._error is not None and not self.step_in_flight
+        if not self.core.is_closed:
+            self.core.close()
 
     @property
     def is_running(self) -> bool:
@@ -148,17 +157,23 @@ class AsyncDriver:
         return collector
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request; True if it was live. Synchronous, so it works while being cancelled."""
+        """Abort a live request; True if it was live. Synchronous, so it works while being cancelled.
+        Call it on the event loop thread, never from a finalizer (see defer_release)."""
         parent = self.core.abort(request_id)
         self._notify(request_id)
         if parent is not None:
             self._wakeup.set()  # the next plan releases its engine-side rows
         return parent is not None
 
+    def defer_release(self, collector: _Collector) -> None:
+        """release() from a finalizer: the garbage collector may run anywhere (inside schedule(), on
+        another thread), so only queue the collector; the loop releases it between steps."""
+        self._orphans.append(collector)  # deque.append is atomic
+
     def release(self, collector: _Collector) -> None:
         """The consumer is gone: abort the request if it still runs, drop its collector."""
         if threading.get_ident() != self._owner_thread:
-            self._orphans.append(collector)  # e.g. a stream garbage-collected on another thread
+            self.defer_release(collector)
             return
         request_id = collector.parent.request_id
         if self._collectors.get(request_id) is collector:
@@ -265,5 +280,8 @@ class RequestStream:
         self._close()
 
     def __del__(self) -> None:
+        # Never abort synchronously here: a finalizer runs wherever the cyclic GC happens to run,
+        # possibly in the middle of Scheduler.schedule(). The loop aborts the request between steps.
         if not getattr(self, "_closed", True):
-            self._close()
+            self._closed = True
+            self._driver.defer_release(self._collector)

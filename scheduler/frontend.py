@@ -9,6 +9,7 @@ async driver calls the three parts itself so that ``execute`` runs on its worker
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -79,7 +80,6 @@ class EngineCore:
         self.weight_version = 0
         self._parent_of: dict[str, str] = {}  # child request id -> parent request id
         self._extra_stats = extra_stats
-        self._next_id = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -91,8 +91,8 @@ class EngineCore:
             raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
                                        f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
         if request_id is None:
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
+            # A uuid, not a counter: a counter's "req-3" can be a caller's own live id.
+            request_id = f"req-{uuid.uuid4().hex}"
         elif not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
         if request_id in self.parents:
@@ -128,6 +128,19 @@ class EngineCore:
         """End every live request with 'error' (the engine is going down)."""
         updates = self.scheduler.fail_all(message)
         return self._touched(updates)
+
+    def close(self) -> None:
+        """Release the executor (weights, KV pool, graphs). Call once no step runs; live requests must
+        have ended. The scheduler's bookkeeping (plain Python) stays readable."""
+        executor, self.executor = self.executor, None  # type: ignore[assignment]
+        self._extra_stats = None
+        close = getattr(executor, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def is_closed(self) -> bool:
+        return self.executor is None
 
     def _forget(self, parent: ParentRequest) -> None:
         del self.parents[parent.request_id]

@@ -41,5 +41,10 @@ class _Logger:
         self._log("error", event, **fields)
 
 
+# A library attaches a NullHandler and nothing else: without it, a host that configured no logging at
+# all would get our warnings on stderr through Python's last-resort handler.
+logging.getLogger("ourobatch").addHandler(logging.NullHandler())
+
+
 def get_logger(name: str = "ourobatch") -> _Logger:
     return _Logger(name)
