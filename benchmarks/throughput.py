@@ -1,6 +1,6 @@
 """Decode throughput of ourobatch's modes, side by side in one process and one run.
 
-Interval 1 (full depth: `eager` with deep_interval 1, one 4-loop graph per step), `eager` B=4 (same
+Interval 1 (full depth: `deferred` with deep_interval 1, as in benchmarks/quality.py), `eager` B=4 (same
 work, mixed readout: the control), `deferred` B = 2, 4, 8, for each scenario N requests x prompt P x
 output M (ignore_eos, temperature 1). Writes an Ouro-1.4B-shaped random-weight checkpoint in the real
 HF format unless --model is given. For each run: decode tokens/s, mean wall and GPU time per decode
@@ -38,17 +38,17 @@ OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)
 CONFIG_RE = re.compile(r"^(?:interval1|(eager|deferred|verify)(\d+)(?:s(\d+))?)$")
-CONFIG_HELP = ("interval1 (full depth), eagerB, deferredB or verifyB, each optionally with sS for shallow_loops S "
-               "(default --shallow-loops), e.g. deferred4s3")
+CONFIG_HELP = ("interval1 (full depth: deferred, B = 1), eagerB, deferredB or verifyB, each optionally with sS for "
+               "shallow_loops S (default --shallow-loops), e.g. deferred4s3")
 
 
 def parse_config(name: str, default_s: int) -> tuple[str, int, int]:
-    """'deferred4s3' -> ('deferred', 4, 3); 'interval1' -> ('eager', 1, default_s)."""
+    """'deferred4s3' -> ('deferred', 4, 3); 'interval1' -> ('deferred', 1, default_s), as in quality.py."""
     m = CONFIG_RE.match(name)
     if m is None:
         raise ValueError(f"unknown config {name!r}: {CONFIG_HELP}")
     if m.group(1) is None:
-        return "eager", 1, default_s
+        return "deferred", 1, default_s
     return m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else default_s
 
 

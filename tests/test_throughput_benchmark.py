@@ -13,13 +13,21 @@ throughput = load_benchmark("throughput")
 
 
 def test_parse_config():
-    assert throughput.parse_config("interval1", 2) == ("eager", 1, 2)
+    assert throughput.parse_config("interval1", 2) == ("deferred", 1, 2)
     assert throughput.parse_config("deferred4", 2) == ("deferred", 4, 2)
     assert throughput.parse_config("deferred8s3", 2) == ("deferred", 8, 3)
     assert throughput.parse_config("verify2s1", 3) == ("verify", 2, 1)
     for bad in ("deferred", "interval2", "fast4", "deferred4s", "eager4s2x"):
         with pytest.raises(ValueError, match="unknown config"):
             throughput.parse_config(bad, 2)
+
+
+def test_interval1_is_the_same_config_in_both_harnesses():
+    # One meaning everywhere (docs/recipe.md): deferred with deep_interval 1, i.e. full depth.
+    quality = load_benchmark("quality")
+    ref = quality.parse_configs("interval1", 4, explicit=True)[0]
+    assert (ref["mode"], ref["deep_interval"], ref["shallow_loops"]) == throughput.parse_config("interval1", 2)
+    assert throughput.parse_config("interval1", 2) == ("deferred", 1, 2)
 
 
 def test_tiny_run(tmp_path):
@@ -30,14 +38,14 @@ def test_tiny_run(tmp_path):
     assert rc == 0
     rows = {r["config"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
     assert [(r["mode"], r["deep_interval"], r["shallow_loops"]) for r in rows.values()] == [
-        ("eager", 1, 2), ("eager", 4, 2), ("deferred", 4, 1), ("deferred", 2, 3)]
+        ("deferred", 1, 2), ("eager", 4, 2), ("deferred", 4, 1), ("deferred", 2, 3)]
     for name, r in rows.items():
         assert r["decode_tokens"] == N * (M - 1), name  # token 1 comes from the prefill
         assert r["ratio"] == pytest.approx(r["decode_tokens_per_s"] / rows["interval1"]["decode_tokens_per_s"])
     # the last token is never fed: M - 1 decode steps, a boundary every B of them, N x B rows per deep call
-    for name, B in (("deferred4s1", 4), ("deferred2s3", 2)):
+    for name, B in (("interval1", 1), ("deferred4s1", 4), ("deferred2s3", 2)):
         assert rows[name]["deep_calls"] == (M - 1) // B and rows[name]["deep_rows"] == N * B * ((M - 1) // B)
-    assert rows["interval1"]["deep_calls"] == rows["eager4"]["deep_calls"] == 0
+    assert rows["eager4"]["deep_calls"] == 0
     md = (tmp_path / "out" / "results.md").read_text()
     assert all(f"| {name} |" in md for name in rows)
 
