@@ -56,17 +56,23 @@ def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, span
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[SeqSpan],
-                      scale: float) -> torch.Tensor:
-    """Dense causal attention within each prompt (no history: every span starts at position 0).
+                      scale: float, pool: "KVPool | None" = None, loop: int = 0, layer: int = 0) -> torch.Tensor:
+    """Dense causal attention of prompt chunks.
 
     q: [rows, heads, d]; k, v: [rows, kv_heads, d] (this call's keys) -> [rows, heads, d].
-    Prompts of equal length run as one batched SDPA call.
+    Chunks from position 0 of equal length run as one batched SDPA call. A chunk after shared or cached
+    blocks (context_len > num_rows) reads its whole history from the pool (this call's keys are already
+    written there) and runs SDPA with the causal mask aligned to its last row.
     """
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
     by_len: dict[int, list[SeqSpan]] = {}
     for span in spans:
-        assert span.context_len == span.num_rows, "prefill attention needs prompts from position 0"
+        if span.context_len > span.num_rows:
+            assert pool is not None, "a prefill chunk with history needs the pool"
+            out[span.row_start:span.row_start + span.num_rows] = _chunk_with_history(q, pool, loop, layer, span,
+                                                                                      scale, groups)
+            continue
         by_len.setdefault(span.num_rows, []).append(span)
     for n, group in by_len.items():
         idx = torch.cat([torch.arange(s.row_start, s.row_start + n, device=q.device) for s in group])
@@ -81,6 +87,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: 
     return out
 
 
+def _chunk_with_history(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, span: SeqSpan, scale: float,
+                        groups: int) -> torch.Tensor:
+    # rows at positions ctx - n .. ctx - 1 attend to positions 0 .. their own
+    n, ctx = span.num_rows, span.context_len
+    k, v = pool.read(loop, layer, span.block_ids, ctx)  # [ctx, kv_heads, d]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    qs = q[span.row_start:span.row_start + n].transpose(0, 1)[None]  # [1, heads, n, d]
+    mask = (torch.arange(ctx, device=q.device)[None, :]
+            <= torch.arange(ctx - n, ctx, device=q.device)[:, None])  # [n, ctx]
+    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None].to(qs.dtype), v.transpose(0, 1)[None].to(qs.dtype),
+                                       attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool: "KVPool", loop: int,
            layer: int, meta: "BatchMeta", scale: float, backend: str) -> torch.Tensor:
     """Attention for one layer of one loop. k, v: this call's keys and values, already written to the
@@ -89,7 +111,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
         if k is None or v is None:
             k_plane, v_plane = pool.plane(loop, layer)
             k, v = k_plane[meta.slots], v_plane[meta.slots]
-        return prefill_attention(q, k, v, meta.spans, scale)
+        return prefill_attention(q, k, v, meta.spans, scale, pool, loop, layer)
     if backend == "triton":
         from .triton_attention import triton_paged_attention
 

@@ -1,8 +1,8 @@
 """Where the rows of one forward call sit in the paged pool: block-table rows and batch metadata.
 
-Block tables live on the device in one buffer, one row per live request, written once when the request
-first appears (its blocks are reserved whole at admission and never change). A step then sends only
-small index vectors (table row, first position, token id per request); slots and positions are
+Block tables live on the device in one buffer, one row per live request, written when the request
+first appears and extended when its block list grows (lazy allocation: a block every block_size
+positions; all growths of a step are written in one copy). A step then sends only small index vectors (table row, first position, token id per request); slots and positions are
 computed on the device, which keeps the hot path free of per-request host work and lets the same
 function run eagerly or inside a CUDA graph.
 """
@@ -29,10 +29,17 @@ class BlockTables:
         self.row_of: dict[str, int] = {}
         self.block_ids_of: dict[str, tuple[int, ...]] = {}
         self._free = list(range(capacity - 1, -1, -1))
+        self._pending: list[tuple[int, int, int]] = []  # (row, column, block) growths not yet written
 
     def row(self, request_id: str, block_ids: tuple[int, ...]) -> int:
         row = self.row_of.get(request_id)
         if row is not None:
+            known = self.block_ids_of[request_id]
+            if len(block_ids) != len(known):  # grown since the last step (a block is never replaced)
+                if len(block_ids) > self.width:
+                    raise RuntimeError(f"req {request_id}: {len(block_ids)} blocks, block tables hold {self.width}")
+                self.grow(row, len(known), block_ids[len(known):])
+                self.block_ids_of[request_id] = block_ids
             return row
         if not self._free:
             raise RuntimeError(f"more than {self.capacity} live requests in the executor")
@@ -44,6 +51,17 @@ class BlockTables:
         self.row_of[request_id] = row
         self.block_ids_of[request_id] = block_ids
         return row
+
+    def grow(self, row: int, start: int, new_ids: tuple[int, ...]) -> None:
+        self._pending.extend((row, start + i, b) for i, b in enumerate(new_ids))
+
+    def flush(self) -> None:
+        """Write every growth since the last flush in one copy (call before the step's first forward)."""
+        if not self._pending:
+            return
+        idx = torch.tensor(self._pending, dtype=torch.int64).to(self.table.device, non_blocking=True)
+        self._pending.clear()
+        self.table[idx[:, 0], idx[:, 1]] = idx[:, 2].to(torch.int32)
 
     def release(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)

@@ -101,6 +101,9 @@ class ModelExecutor:
         for rid in plan.released_request_ids:
             self.retained.pop(rid, None)
             self.tables.release(rid)
+        for w in (*plan.prefills, *plan.shallow, *plan.deep):  # new rows and grown block lists
+            self.tables.row(w.request_id, w.block_ids)
+        self.tables.flush()
         failures: list[StepFailure] = []
         readouts: list[_Readout] = []
         failed: set[str] = set()
@@ -165,8 +168,10 @@ class ModelExecutor:
         rows = [self.tables.row(w.request_id, w.block_ids) for w in works]
         starts = [w.start_position for w in works]
         lens = [len(w.token_ids) for w in works]
+        # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
+        # (start > 0) reads that history from the pool
         meta = varlen_meta(self.tables, rows, starts, lens, [w.block_ids for w in works], self.block_size,
-                           prefill=all(s == 0 for s in starts), device=self.device)
+                           prefill=True, device=self.device)
         ids = self._index([t for w in works for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
         last = [span.row_start + span.num_rows - 1 for span in meta.spans]

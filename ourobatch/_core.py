@@ -119,7 +119,9 @@ def make_scheduler_config(config: EngineConfig, mc: OuroConfig, num_blocks: int)
         max_model_len=effective_max_model_len(config, mc),
         max_num_batched_tokens=config.max_num_batched_tokens, total_ut_steps=mc.total_ut_steps,
         shallow_loops=config.shallow_loops, deep_interval=config.deep_interval, mode=config.mode,
-        vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
+        vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
+        kv_allocation=config.kv_allocation, enable_prefix_caching=config.enable_prefix_caching,
+        kv_watermark=config.kv_watermark)
 
 
 def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]:
@@ -164,7 +166,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
             stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(torch.device(config.device))
         return stats
 
-    core = EngineCore(scheduler_config, executor, extra_stats=extra_stats)
+    core = EngineCore(scheduler_config, executor, extra_stats=extra_stats, seed=config.seed)
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
              shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
              dtype=str(dtype), device=config.device)

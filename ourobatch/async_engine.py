@@ -239,6 +239,12 @@ class Engine:
             raise errors[0]
         return [r for r in results if r is not None]
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped.
+        Blocks that running requests hold stay theirs; nothing is dropped mid-step (the scheduler's state
+        changes only on the event loop, between steps)."""
+        return self.driver.core.reset_prefix_cache()
+
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, boundaries, shallow_steps, prefill_tokens, kv_blocks_used, ..."""
         return self.driver.stats()

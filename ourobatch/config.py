@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ourobatch.scheduler.core import MODES
-from ourobatch.scheduler.params import SamplingParams
+from ourobatch.scheduler.kv_manager import KV_ALLOCATIONS
+from ourobatch.scheduler.params import MAX_SEED, SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -24,14 +25,22 @@ def _positive_int(name: str, value: object, low: int = 1) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to build an engine. See docs/recipe.md for choosing mode, deep_interval and shallow_loops."""
+    """How to build an engine. See docs/recipe.md for choosing mode, deep_interval and shallow_loops.
+
+    The defaults serve the checkpoint's own policy: full-depth decoding (``deep_interval=1``). Deferred
+    and eager decoding (``deep_interval=B > 1``) are explicit opt-ins that trade quality for speed: every
+    token between two boundaries is read from the shallow loop s instead of loop T (on the shipped
+    pointer-chase model, ``shallow_loops=2`` loses nearly every answer and ``shallow_loops=3`` about 1-2
+    points; docs/quality.md). ``mode="verify"`` with B > 1 keeps full depth's output distribution."""
 
     model: str | Path  # a folder with config.json and model.safetensors (Hugging Face Ouro format)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 / float64 / bfloat16 / float16
-    mode: str = "deferred"  # "deferred" | "eager" | "verify" (see docs/semantics.md)
-    deep_interval: int = 4  # B: deep loops run every B decoded tokens; 1 = ordinary full-depth decoding;
-    #                         at most max_model_len (a larger B could never reach a boundary)
+    mode: str = "deferred"  # "deferred" | "eager" | "verify" (see docs/semantics.md); matters when B > 1
+    deep_interval: int = 1  # B: deep loops run every B decoded tokens. 1 (the default) = ordinary full-depth
+    #                         decoding, the checkpoint's own policy. B > 1 is an opt-in: deferred/eager read
+    #                         the tokens between boundaries from loop s (faster, lossy: measure it,
+    #                         docs/quality.md); verify keeps full depth's output law. At most max_model_len
     shallow_loops: int = 2  # s: loops run for every decoded token (1 .. total_ut_steps - 1)
     max_num_seqs: int = 256  # requests decoding at once
     max_model_len: int = 4096  # prompt + max_tokens of one request, at most
@@ -43,8 +52,21 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory the engine may hold (weights + KV)
     attention_backend: str = "auto"  # "auto" (Triton on CUDA when the shapes allow), "triton" or "torch"
     cuda_graphs: bool | None = None  # None: on for CUDA with the Triton backend
+    kv_allocation: str = "lazy"  # "lazy": KV blocks as positions are written, preempt (recompute) when the
+    #                              pool runs dry; "reserve": prompt + max_tokens reserved at admission
+    enable_prefix_caching: bool = True  # reuse computed prompt blocks across requests (n samples always share)
+    kv_watermark: float = 0.01  # lazy: share of the KV pool kept free when admitting
+    seed: int = 0  # engine seed: unseeded request i (in add order) gets a seed derived from (seed, i)
 
     def __post_init__(self) -> None:
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"EngineConfig.kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"EngineConfig.enable_prefix_caching must be True or False, got "
+                            f"{self.enable_prefix_caching!r}")
+        if (isinstance(self.kv_watermark, bool) or not isinstance(self.kv_watermark, (int, float))
+                or not 0 <= self.kv_watermark < 1):
+            raise ValueError(f"EngineConfig.kv_watermark must be a number in [0, 1), got {self.kv_watermark!r}")
         if not isinstance(self.model, (str, Path)):
             raise TypeError(f"EngineConfig.model must be a path to a checkpoint folder, got {self.model!r}")
         if self.mode not in MODES:
@@ -75,6 +97,9 @@ class EngineConfig:
                              f"{self.attention_backend!r}")
         if self.cuda_graphs not in (None, True, False):
             raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        _positive_int("seed", self.seed, 0)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"EngineConfig.seed must satisfy 0 <= seed <= {MAX_SEED}, got {self.seed}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -107,6 +107,11 @@ class SyncEngine:
             bar.close()
         return [p.output() for p in parents]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped."""
+        with self._lock:
+            return self.core.reset_prefix_cache()
+
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, shallow_steps, prefill_tokens, kv_blocks_used, kv_blocks_total, ..."""
         with self._lock:

@@ -3,11 +3,14 @@
 Theory of operation. Every engine step, each open cohort advances its decoding members by exactly one
 shallow step (one token fed per request, loops 1..s). When that step completes a block of
 ``deep_interval`` steps (the cohort's boundary), the same plan also carries one DeepWork per member over
-its retained rows, so one deep call holds every member's rows. New requests are admitted FIFO when their
-whole KV need (P + max_tokens - 1 positions) fits and ``max_num_seqs`` allows; they are prefilled,
-sample token 1 from loop T, join the open cohort and wait (ALIGNING) for its next block start.
-Termination frees the request's blocks at once and lists it in the next plan's released ids, which
-drops its unread retained rows in the engine: their deep loops never run.
+its retained rows, so one deep call holds every member's rows. KV blocks are taken lazily, as positions
+are written (kv_manager.py); when the coming step's writes do not fit, the newest requests are
+preempted and later recomputed, and waiting requests are admitted in order while blocks and
+``max_num_seqs`` allow (admission.py). Admitted requests are prefilled, sample their next token from
+loop T, join the open cohort and wait (ALIGNING) for its next block start. Verify mode's drafts and
+their acceptance are planned and applied in verify_plan.py. Termination frees the request's blocks at
+once and lists it in the next plan's released ids, which drops its unread retained rows in the engine:
+their deep loops never run.
 
 No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) calls these methods.
 ``abort`` may be called while a plan is being executed; ``update`` then ignores that request's results.
@@ -15,26 +18,20 @@ No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) ca
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
+from . import admission, verify_plan
 from .block_manager import BlockManager
+from .kv_manager import KVManager
 from .cohort import Cohort
 from .errors import RequestRejectedError
 from .params import MAX_SEED, SamplingParams
-from .plan import (
-    DeepWork,
-    VerifyResult,
-    Phase,
-    PrefillWork,
-    SampleSpec,
-    ShallowWork,
-    StepPlan,
-    StepResult,
-)
+from .plan import DeepWork, Phase, SampleSpec, ShallowWork, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
 
 Mode = Literal["deferred", "eager", "verify"]
@@ -54,6 +51,9 @@ class SchedulerConfig:
     mode: str
     vocab_size: int
     eos_token_ids: frozenset[int] = frozenset()
+    kv_allocation: str = "lazy"  # "lazy": blocks as positions are written, preempt when dry; "reserve": all at admission
+    enable_prefix_caching: bool = True  # keep computed prompt blocks for later requests with the same prefix
+    kv_watermark: float = 0.01  # lazy: share of the pool kept free at admission, so decode rarely runs dry
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class Scheduler:
             raise ValueError(f"deep_interval must be >= 1, got {B}")
         self.config = config
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        if not 0 <= config.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {config.kv_watermark!r}")
+        self.kv = KVManager(self.blocks, config.kv_allocation, config.enable_prefix_caching,
+                            math.ceil(config.kv_watermark * config.num_kv_blocks))
         self.requests: dict[str, Request] = {}  # every live (not finished) request
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[int, Cohort] = {}  # open and closing cohorts with members
@@ -102,6 +106,11 @@ class Scheduler:
             "rolled_back_positions": 0,
             "boundaries": 0,
             "tokens_generated": 0,
+            "preemptions": 0,
+            "recomputed_tokens": 0,  # tokens prefilled again after a preemption (outputs included)
+            "prefix_cache_hits": 0,  # prefill tokens whose KV was shared instead of computed
+            "prefill_tokens_requested": 0,  # tokens of every (re)prefill
+            "prefill_tokens_computed": 0,  # of those, the ones run through the model
             "requests_added": 0,
             "finished_stop": 0,
             "finished_length": 0,
@@ -201,6 +210,7 @@ class Scheduler:
         T, s = cfg.total_ut_steps, cfg.shallow_loops
         shallow: list[ShallowWork] = []
         deep: list[DeepWork] = []
+        preempted = admission.make_room(self)
         for cohort in list(self.cohorts.values()):
             members = [self.requests[rid] for rid in cohort.member_ids]
             decoding = [r for r in members if r.status == RequestStatus.DECODING]
@@ -215,8 +225,11 @@ class Scheduler:
                 continue
             boundary = cohort.is_boundary_step()
             for r in decoding:
+                position = admission.feed_position(self.config.mode, r)
+                if position is not None:  # _make_room left room for it
+                    self.kv.grow(r, self.kv.blocks_to_write(r, position))
                 if cfg.mode == "verify":
-                    self._plan_verify(r, cohort.cohort_id, boundary, shallow, deep)
+                    verify_plan.plan_verify(self, r, cohort.cohort_id, boundary, shallow, deep)
                     continue
                 k = r.num_output_tokens  # feed generated token k
                 pos = r.num_prompt_tokens + k - 1
@@ -239,7 +252,7 @@ class Scheduler:
                 self.counters["boundaries"] += 1
             cohort.advance()
 
-        prefills = self._admit()
+        prefills = [] if preempted else admission.admit(self)  # no admission in a step that had to preempt
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
         self._planned[plan.step_id] = {w.request_id: self.requests[w.request_id]
@@ -249,6 +262,7 @@ class Scheduler:
         c["steps"] += 1
         c["prefills"] += len(prefills)
         c["prefill_tokens"] += sum(len(p.token_ids) for p in prefills)
+        c["prefill_tokens_computed"] += sum(len(p.token_ids) for p in prefills)
         if shallow:
             c["shallow_steps"] += 1
             c["shallow_rows"] += len(shallow)
@@ -256,48 +270,6 @@ class Scheduler:
             c["deep_calls"] += 1
             c["deep_rows"] += sum(d.num_rows for d in deep)
         return plan
-
-    def _plan_verify(self, r: Request, cohort_id: int, boundary: bool, shallow: list[ShallowWork],
-                     deep: list[DeepWork]) -> None:
-        """Verify mode: draft from loop s between boundaries; at a boundary verify every draft against loop T.
-
-        A request whose drafts already reach max_tokens, or end in a stop token, feeds nothing more and
-        waits for the boundary (it cannot end on an unverified token).
-        """
-        s, T = self.config.shallow_loops, self.config.total_ut_steps
-        drafts = r.draft_token_ids
-        k = r.num_output_tokens + len(drafts)  # tokens so far, verified or not
-        idle = k >= r.params.max_tokens or (bool(drafts) and drafts[-1] in r.stop_token_ids)
-        frontier = r.num_prompt_tokens + k - 1  # end of the fed positions; token k goes here when fed
-        if not idle:
-            last = drafts[-1] if drafts else r.output_token_ids[-1]
-            spec = None if boundary else SampleSpec(s, k + 1, r.params)
-            shallow.append(ShallowWork(r.request_id, last, frontier, r.block_ids, s, True, spec))
-            frontier += 1
-        if boundary and frontier > r.num_deep_positions:
-            deep.append(DeepWork(r.request_id, cohort_id, r.num_deep_positions, frontier - r.num_deep_positions,
-                                 r.block_ids, s + 1, SampleSpec(T, k + 1, r.params), tuple(drafts), True))
-
-    def _admit(self) -> list[PrefillWork]:
-        cfg = self.config
-        prefills: list[PrefillWork] = []
-        budget = cfg.max_num_batched_tokens
-        num_running = len(self.requests) - len(self.waiting)
-        while self.waiting and num_running < cfg.max_num_seqs:
-            r = self.waiting[0]
-            need = self.blocks.blocks_for(r.num_cache_positions)
-            if not self.blocks.can_allocate(need):
-                break  # FIFO backpressure: wait for blocks to come back
-            if prefills and r.num_prompt_tokens > budget:
-                break
-            self.waiting.popleft()
-            r.block_ids = self.blocks.allocate(need)
-            set_status(r, RequestStatus.PREFILLING)
-            prefills.append(PrefillWork(r.request_id, r.prompt_token_ids, 0, r.block_ids,
-                                        SampleSpec(cfg.total_ut_steps, 1, r.params)))
-            budget -= r.num_prompt_tokens
-            num_running += 1
-        return prefills
 
     def _cohort_for_new_request(self) -> Cohort:
         if self._open_cohort is None or self._open_cohort.is_closed:
@@ -342,6 +314,7 @@ class Scheduler:
             r = live(p.request_id)
             if r is not None and p.request_id not in failed:
                 r.num_deep_positions = p.start_position + len(p.token_ids)
+                self.kv.on_prefilled(r)
         for w in plan.shallow:
             r = live(w.request_id)
             if r is not None and w.request_id not in failed and w.last_loop == T:
@@ -361,7 +334,7 @@ class Scheduler:
                 r.error = "the executor returned no verification for this request"
                 self._finish(r, RequestStatus.FINISHED_ERROR)
             else:
-                self._apply_verify(r, d, v)
+                verify_plan.apply_verify(self, r, d, v)
             updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
 
         sampled = {t.request_id: t for t in result.sampled}
@@ -392,32 +365,6 @@ class Scheduler:
                 r.cohort_id = cohort.cohort_id
             updates[rid] = RequestUpdate(r, 1, finished)
         return list(updates.values())
-
-    def _apply_verify(self, r: Request, d: DeepWork, v: "VerifyResult") -> None:
-        """Accept a prefix of the drafts, then the residual or next token; roll the rest back."""
-        T = self.config.total_ut_steps
-        drafts = r.draft_token_ids
-        assert tuple(drafts) == d.draft_token_ids and 0 <= v.num_accepted <= len(drafts)
-        r.draft_token_ids = []
-        r.num_drafted += len(drafts)
-        r.num_accepted += v.num_accepted
-        self.counters["accepted_tokens"] += v.num_accepted
-        # the test stops at the first rejection: drafts after it were never tested
-        self.counters["tested_drafts"] += v.num_accepted + (v.num_accepted < len(drafts))
-        fed = d.start_position + d.num_rows  # the deep frontier this call filled
-        tokens = list(zip(drafts[:v.num_accepted], v.accepted_logprobs))
-        if v.token_id is not None:
-            tokens.append((v.token_id, v.logprob if v.logprob is not None else 0.0))
-        # loop T's top log-probs of each verified token (the engine fills them when params.logprobs > 0)
-        assert not v.top_logprobs or len(v.top_logprobs) == len(tokens)
-        tops = v.top_logprobs or (None,) * len(tokens)
-        for (token_id, logprob), top in zip(tokens, tops):
-            self._append(r, token_id, logprob, T, top)
-            if self._check_stop(r):
-                break
-        # every position whose token is verified and fed keeps its planes; the rest is rolled back
-        r.num_deep_positions = r.num_prompt_tokens + r.num_output_tokens - 1
-        self.counters["rolled_back_positions"] += max(0, fed - r.num_deep_positions)
 
     def _append(self, r: Request, token_id: int, logprob: float, loop: int,
                 top: tuple[tuple[int, float], ...] | None) -> None:
@@ -455,13 +402,25 @@ class Scheduler:
         if was_waiting:
             self.waiting.remove(r)
             return
-        self.blocks.free(r.block_ids)
+        self.kv.free(r)
+        self.leave_cohort(r)
+        self._released.append(r.request_id)
+
+    def release(self, request_id: str) -> None:
+        """List `request_id` in the next plan's released ids: the engine drops its rows and table row."""
+        self._released.append(request_id)
+
+    def leave_cohort(self, r: Request) -> None:
         cohort = self.cohorts.get(r.cohort_id) if r.cohort_id is not None else None
         if cohort is not None:
             cohort.member_ids.pop(r.request_id, None)
             if not cohort.member_ids and (cohort.is_closed or cohort is not self._open_cohort):
                 del self.cohorts[cohort.cohort_id]
-        self._released.append(r.request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (their KV is stale after a weight update); returns how many.
+        Blocks that live requests hold stay theirs."""
+        return self.blocks.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection
 
@@ -472,5 +431,7 @@ class Scheduler:
         stats["num_cohorts"] = len(self.cohorts)
         stats["kv_blocks_used"] = self.blocks.num_used
         stats["kv_blocks_total"] = self.blocks.num_blocks
-        stats["kv_blocks_reserved_by_live_requests"] = sum(len(r.block_ids) for r in self.requests.values())
+        stats["kv_blocks_held_by_live_requests"] = len({b for r in self.requests.values() for b in r.block_ids})
+        stats["kv_usage"] = self.blocks.num_used / self.blocks.num_blocks
+        stats["prefix_cache_blocks"] = self.blocks.num_cached
         return stats

@@ -159,9 +159,9 @@ class AsyncDriver:
     def abort(self, request_id: str) -> bool:
         """Abort a live request; True if it was live. Synchronous, so it works while being cancelled.
         Call it on the event loop thread, never from a finalizer (see defer_release)."""
-        parent = self.core.abort(request_id)
-        self._notify(request_id)
+        parent = self.core.abort(request_id)  # a parent id, or "{id}:{index}" for one of n completions
         if parent is not None:
+            self._notify(parent.request_id)
             self._wakeup.set()  # the next plan releases its engine-side rows
         return parent is not None
 

@@ -34,6 +34,11 @@ def child_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & MAX_SEED
 
 
+def request_seed(engine_seed: int, index: int) -> int:
+    """Seed of the engine's `index`-th unseeded request (0-based, in add order): reproducible run to run."""
+    return child_seed(engine_seed ^ 0x2545F4914F6CDD1D, index + 1)
+
+
 @dataclass(eq=False)
 class ParentRequest:
     """A caller's request: one prompt, n child requests in the scheduler."""
@@ -73,8 +78,10 @@ class EngineCore:
     """Owns the scheduler and the executor. Not thread-safe: one driver calls it from one thread."""
 
     def __init__(self, scheduler_config: SchedulerConfig, executor: Executor,
-                 extra_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 extra_stats: Callable[[], Mapping[str, Any]] | None = None, seed: int = 0) -> None:
         self.scheduler = Scheduler(scheduler_config)
+        self.seed = seed  # the engine seed: unseeded requests get request_seed(seed, i)
+        self._num_unseeded = 0  # unseeded requests added so far: i of the next one
         self.executor = executor
         self.parents: dict[str, ParentRequest] = {}
         self.weight_version = 0
@@ -87,6 +94,9 @@ class EngineCore:
             request_id: str | None = None) -> ParentRequest:
         """Validate and queue a request; raises (and changes nothing) on bad input."""
         params = SamplingParams.coerce(params)
+        if params.stop:  # text needs a tokenizer: the front ends that hold one cut the text themselves
+            raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
+                             f"ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
         if params.n > self.scheduler.config.max_num_seqs:  # one request's samples fit in one batch
             raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
                                        f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
@@ -101,12 +111,19 @@ class EngineCore:
         for cid in child_ids:
             if cid in self.scheduler.requests:
                 raise ValueError(f"request_id {cid!r} is already in use by a live request")
+        unseeded = params.seed is None
+        if unseeded:  # request i of this engine gets a seed derived from (engine seed, i), reported back
+            params = params.with_seed(request_seed(self.seed, self._num_unseeded))
+        if params.min_tokens:  # the sampler masks these while fewer than min_tokens exist (vLLM's set)
+            eos = () if params.ignore_eos else self.scheduler.config.eos_token_ids
+            params = params.with_all_stop_token_ids(eos)
         parent = ParentRequest(request_id, [], params, weight_version=self.weight_version)
         for i, cid in enumerate(child_ids):
             # Child 0 is validated first; the others differ only in seed and id, so they cannot fail.
-            child_params = params if params.seed is None else params.with_seed(child_seed(params.seed, i))
+            child_params = params.with_seed(child_seed(params.seed, i))
             parent.children.append(self.scheduler.add(cid, prompt_token_ids, child_params))
             self._parent_of[cid] = request_id
+        self._num_unseeded += unseeded
         parent.prompt_token_ids = list(parent.children[0].prompt_token_ids)
         self.parents[request_id] = parent
         log.debug("request_added", request_id=request_id, prompt_tokens=len(parent.prompt_token_ids),
@@ -114,10 +131,19 @@ class EngineCore:
         return parent
 
     def abort(self, request_id: str) -> ParentRequest | None:
-        """End a live request with finish_reason 'abort'; unknown or finished ids are ignored."""
+        """End a live request with finish_reason 'abort'; unknown or finished ids are ignored.
+
+        With n > 1, ``"{request_id}:{index}"`` ends one completion only (its siblings keep running), as a
+        collector does when a sample reaches its length or a reward model has seen enough."""
         parent = self.parents.get(request_id)
         if parent is None:
-            return None
+            parent = self.parents.get(self._parent_of.get(request_id, ""))
+            if parent is None or not self.scheduler.abort(request_id):
+                return None
+            log.info("completion_aborted", request_id=parent.request_id, completion=request_id)
+            if parent.finished:
+                self._forget(parent)
+            return parent
         for child in parent.children:
             self.scheduler.abort(child.request_id)
         self._forget(parent)
@@ -128,6 +154,12 @@ class EngineCore:
         """End every live request with 'error' (the engine is going down)."""
         updates = self.scheduler.fail_all(message)
         return self._touched(updates)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block (blocks live requests hold stay theirs); returns how many."""
+        dropped = self.scheduler.reset_prefix_cache()
+        log.info("prefix_cache_reset", blocks=dropped)
+        return dropped
 
     def close(self) -> None:
         """Release the executor (weights, KV pool, graphs). Call once no step runs; live requests must

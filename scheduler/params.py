@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # vLLM treats temperatures below this as greedy.
@@ -61,8 +61,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (kept in the output)
     ignore_eos: bool = False  # True: the checkpoint's eos does not end the request
     max_tokens: int = 16  # generated tokens at most (>= 1)
-    logprobs: int | None = None  # k > 0: also report the top-k processed log-probs of every position
+    logprobs: int | None = None  # k > 0: also report the top-k processed log-probs of every position;
+    #                                True / False are 1 / 0 (as in vLLM, where bool is an int)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # for streaming
+    min_tokens: int = 0  # stop tokens and eos are masked (never sampled) until this many tokens exist
+    # Penalties: vLLM's names; only the neutral values are supported (anything else is a ValueError).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Text options, used by the front ends that hold a tokenizer (ourobatch.LLM, the HTTP server). The
+    # token engines (Engine, SyncEngine) produce no text: they reject `stop` strings, ignore the rest.
+    stop: tuple[str, ...] = ()  # strings that end the completion (the text is cut before them)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    detokenize: bool = True  # produce CompletionOutput.text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's option; tokenizer.json (fast) decoders ignore it
+    # Set by the engine, not by callers (vLLM's private field of the same name): stop_token_ids plus the
+    # checkpoint's eos unless ignore_eos, the tokens masked while fewer than min_tokens exist.
+    _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -93,8 +109,34 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("max_tokens", self.max_tokens, 1)
+        if isinstance(self.logprobs, bool):
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   allowed=f"0 <= min_tokens <= max_tokens ({self.max_tokens})")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if _check_float(name, getattr(self, name)) != neutral:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported: ourobatch "
+                                 f"samples without penalties, so only {name}={neutral} (no penalty) is allowed")
+            object.__setattr__(self, name, neutral)
+        stops = self.stop
+        if stops is None:
+            stops = ()
+        if isinstance(stops, str):
+            stops = (stops,)
+        if isinstance(stops, bytes) or not hasattr(stops, "__iter__"):
+            raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {stops!r}")
+        stops = tuple(stops)
+        for text in stops:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {text!r}")
+        object.__setattr__(self, "stop", stops)
+        for name in ("include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "_all_stop_token_ids", frozenset(self._all_stop_token_ids))
         kind = self.output_kind
         if not isinstance(kind, RequestOutputKind):
             try:
@@ -112,6 +154,20 @@ class SamplingParams:
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
 
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """stop_token_ids plus the checkpoint's eos (unless ignore_eos), once the engine has set them."""
+        return self._all_stop_token_ids | frozenset(self.stop_token_ids)
+
+    def masked_token_ids(self, token_index: int) -> frozenset[int]:
+        """Tokens that generated token `token_index` (1-based) may not be: the stop set while fewer than
+        min_tokens tokens exist, as vLLM masks their logits; empty otherwise."""
+        return self.all_stop_token_ids if token_index <= self.min_tokens else frozenset()
+
+    def with_all_stop_token_ids(self, eos_token_ids: "frozenset[int] | tuple[int, ...]") -> "SamplingParams":
+        """A copy whose stop set holds stop_token_ids plus `eos_token_ids` (the engine calls this)."""
+        return dataclasses.replace(self, _all_stop_token_ids=frozenset(eos_token_ids) | set(self.stop_token_ids))
+
     @classmethod
     def coerce(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
         """Accept a SamplingParams, a plain dict of vLLM/verl field names, or None (the defaults)."""
@@ -120,7 +176,7 @@ class SamplingParams:
         if isinstance(params, cls):
             return params
         if isinstance(params, Mapping):
-            known = {f.name for f in dataclasses.fields(cls)}
+            known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
             unknown = sorted(set(params) - known)
             if unknown:
                 raise ValueError(

@@ -1,11 +1,13 @@
 """A request's state, its ordered status, and the one table of allowed status transitions.
 
     WAITING ──► PREFILLING ──► ALIGNING ──► DECODING ──► FINISHED_*
-       │             │             │            │
-       └─────────────┴─────────────┴────────────┴──► FINISHED_ABORTED / FINISHED_ERROR
+       ▲ │           │             │  │         │  │
+       │ └───────────┴─────────────┴──┼─────────┴──┼──► FINISHED_ABORTED / FINISHED_ERROR
+       └──────────────────────────────┴────────────┘    preempted (KV room): back to WAITING
 
-WAITING: queued, holds no KV. PREFILLING: its whole KV need is reserved and its prefill is in the
-current plan. ALIGNING: prefilled (token 1 sampled), waiting for its cohort's next block start.
+WAITING: queued, holds no KV (a preempted request keeps the tokens it produced). PREFILLING: holds
+the blocks of its (re)prefill (prompt + outputs so far) and the prefill is in the current plan.
+ALIGNING: prefilled (its next token sampled from loop T), waiting for its cohort's next block start.
 DECODING: takes one shallow step every engine step, and a deep call at each cohort boundary.
 Terminal statuses sort last, so ``status >= FINISHED_STOPPED`` means finished.
 """
@@ -53,8 +55,8 @@ _ENDS = frozenset({_S.FINISHED_STOPPED, _S.FINISHED_LENGTH}) | _ENDS_EARLY
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.PREFILLING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.PREFILLING: frozenset({_S.ALIGNING}) | _ENDS,
-    _S.ALIGNING: frozenset({_S.DECODING}) | _ENDS_EARLY,
-    _S.DECODING: _ENDS,
+    _S.ALIGNING: frozenset({_S.DECODING, _S.WAITING}) | _ENDS_EARLY,  # WAITING: preempted
+    _S.DECODING: frozenset({_S.WAITING}) | _ENDS,
     _S.FINISHED_STOPPED: frozenset(),
     _S.FINISHED_LENGTH: frozenset(),
     _S.FINISHED_ABORTED: frozenset(),
@@ -70,14 +72,19 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # seed resolved at admission
     stop_token_ids: frozenset[int]  # params.stop_token_ids plus the checkpoint's eos unless ignore_eos
-    arrival_index: int  # admission order; FIFO among waiting requests
+    arrival_index: int  # add order (unique per incarnation); FIFO among waiting requests, preempt newest
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     readout_loops: list[int] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    block_ids: tuple[int, ...] = ()  # one table for all T planes; reserved whole at admission
+    block_ids: tuple[int, ...] = ()  # one table for all T planes; grows as positions are written
+    num_cached_tokens: int = 0  # tokens of the last (re)prefill whose KV was shared, not computed
+    pending_block_keys: list = field(default_factory=list)  # (key, block) this prefill computes
+    num_preemptions: int = 0
+    num_outputs_at_prefill: int = 0  # outputs fed by the last (re)prefill: 0, or k after a preemption
+    num_bypassed: int = 0  # times later requests were admitted while this one did not fit
     cohort_id: int | None = None
     num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled
     draft_token_ids: list[int] = field(default_factory=list)  # verify mode: drawn from loop s, unverified

@@ -8,7 +8,7 @@ import pytest
 
 from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
 
-from .conftest import make_scheduler, run_step
+from .conftest import check_block_refs, make_scheduler, run_step
 from .fakes import STOP, FakeExecutor
 
 
@@ -108,24 +108,30 @@ def test_eager_mode_runs_every_token_full_depth_with_the_same_readout_schedule()
     assert [w.sample.loop for w in shallow] == [4 if (k + 1 - 1) % B == 0 else 2 for k in range(1, 10)]
 
 
-def test_last_token_position_is_never_reserved_or_fed():
+@pytest.mark.parametrize("allocation", ["reserve", "lazy"])
+def test_last_token_position_is_never_reserved_or_fed(allocation):
     bs = 4
     for P, M in [(3, 2), (4, 1), (2, 7), (5, 8)]:
-        sched, ex = make_scheduler(block_size=bs), FakeExecutor()
+        sched, ex = make_scheduler(block_size=bs, kv_allocation=allocation), FakeExecutor()
         r = sched.add("r", list(range(1, P + 1)), params(M, ignore_eos=True))
         run_step(sched, ex)
-        assert len(r.block_ids) == -(-(P + M - 1) // bs)
-        drain(sched, ex)
+        # reserve: the whole need at admission; lazy: the prompt's blocks only
+        assert len(r.block_ids) == -(-(P + M - 1 if allocation == "reserve" else P) // bs)
+        most = len(r.block_ids)
+        while sched.has_unfinished:
+            run_step(sched, ex)
+            most = max(most, len(r.block_ids))
+        assert most == -(-(P + M - 1) // bs)  # lazy grows to exactly the positions written
         assert max(ex.fed["r"]) == P + M - 2
 
 
 def test_max_num_seqs_and_fifo_backpressure():
-    sched, ex = make_scheduler(num_kv_blocks=6, block_size=4, max_num_seqs=2), FakeExecutor()
+    sched, ex = make_scheduler(num_kv_blocks=6, block_size=4, max_num_seqs=2, kv_allocation="reserve"), FakeExecutor()
     for i in range(5):
         sched.add(f"r{i}", [1, 2, 3, 4], params(5, ignore_eos=True))  # 8 positions = 2 blocks each
     plan, _ = run_step(sched, ex)
     assert [p.request_id for p in plan.prefills] == ["r0", "r1"]  # max_num_seqs
-    sched2, ex2 = make_scheduler(num_kv_blocks=5, block_size=4), FakeExecutor()
+    sched2, ex2 = make_scheduler(num_kv_blocks=5, block_size=4, kv_allocation="reserve"), FakeExecutor()
     for i in range(4):
         sched2.add(f"r{i}", [1, 2, 3, 4], params(5, ignore_eos=True))
     plan, _ = run_step(sched2, ex2)
@@ -287,12 +293,13 @@ def check_cohort_clocks(sched, B, mode):
                 continue
             k = r.num_output_tokens + len(r.draft_token_ids)
             since = r.num_prompt_tokens + k - 1 - r.num_deep_positions  # fed since the deep frontier
+            j = r.num_output_tokens - r.num_outputs_at_prefill  # a (re)prefill starts the request's blocks
             if mode == "eager":
-                assert since == 0 and (r.num_output_tokens - 1) % B == cohort.phase
+                assert since == 0 and (j - 1) % B == cohort.phase
             elif mode == "verify":
                 assert since <= cohort.phase and len(r.draft_token_ids) <= cohort.phase
             else:
-                assert since == cohort.phase == (r.num_output_tokens - 1) % B
+                assert since == cohort.phase == (j - 1) % B
 
 
 def test_randomized_driver_keeps_every_invariant():
@@ -334,9 +341,7 @@ def test_randomized_driver_keeps_every_invariant():
                     rid = u.request.request_id
                     assert rid not in ended or ended[rid] == "abort" and u.request.finish_reason == "abort"
                     ended[rid] = u.request.finish_reason
-            # blocks used == blocks reserved by live requests
-            live_blocks = [b for r in sched.requests.values() for b in r.block_ids]
-            assert len(live_blocks) == len(set(live_blocks)) == sched.blocks.num_used
+            check_block_refs(sched)
             check_cohort_clocks(sched, B, mode)
         for rid in list(sched.requests):
             sched.abort(rid)

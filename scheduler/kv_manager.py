@@ -1,0 +1,101 @@
+"""How many KV blocks does a request hold, and when does it get more? Lazy growth, shared prefixes.
+
+Policies (SchedulerConfig.kv_allocation):
+- ``"lazy"`` (default, vLLM's): a request holds blocks for the positions it has written plus what its
+  next step writes. Admission needs the (re)prefill's blocks plus a watermark of free blocks, so a
+  decode step rarely runs dry; when it does, the scheduler preempts (core.py).
+- ``"reserve"``: admission reserves the whole P + max_tokens - 1 positions at once (the control the
+  rollout benchmark compares with); a running request never needs another block.
+
+Shared prefixes. A (re)prefill feeds ``prompt + outputs``. Its full blocks are keyed by their token
+prefix (block_manager.prefix_block_keys). At admission the request takes, instead of computing them,
+(a) blocks registered in the prefix cache by earlier prefills (``enable_prefix_caching``), and
+(b) blocks that another request admitted in the same plan is computing in that same prefill call
+(``pending``: the n samples of a request), which works even with the cache off: within one layer,
+every row's keys are written before any row attends. The block holding the last fed token is never
+shared: its readout must be computed to sample from it, and a shared block is never written.
+Blocks a prefill computed are registered only after its step succeeded (``on_prefilled``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_manager import BlockKey, BlockManager, prefix_block_keys
+from .request import Request
+
+KV_ALLOCATIONS = ("lazy", "reserve")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admitting one request takes from the pool."""
+
+    tokens: tuple[int, ...]  # the (re)prefill's tokens: prompt + outputs so far
+    shared: tuple[int, ...]  # blocks taken as they are (cached or computed by a sibling this step)
+    num_new: int  # fresh blocks to allocate
+    keys: tuple[BlockKey, ...]  # keys of every full block of `tokens`
+    num_taken_evictable: int  # shared blocks that are evictable now (sharing takes them off the free count)
+
+
+class KVManager:
+    def __init__(self, blocks: BlockManager, allocation: str, enable_prefix_caching: bool,
+                 watermark_blocks: int) -> None:
+        if allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {allocation!r}")
+        self.blocks = blocks
+        self.allocation = allocation
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = watermark_blocks if allocation == "lazy" else 0
+
+    def plan_admission(self, r: Request, pending: dict[BlockKey, int]) -> Admission:
+        tokens = r.prompt_token_ids + tuple(r.output_token_ids)
+        bs = self.blocks.block_size
+        keys = prefix_block_keys(tokens, bs)
+        shared: list[int] = []
+        cached = self.blocks.lookup(keys) if self.enable_prefix_caching else []
+        for i, key in enumerate(keys[:(len(tokens) - 1) // bs]):  # never the block of the last token
+            block = pending.get(key, cached[i] if i < len(cached) else None)
+            if block is None:
+                break
+            shared.append(block)
+        positions = len(tokens) if self.allocation == "lazy" else r.num_cache_positions
+        num_new = self.blocks.blocks_for(positions) - len(shared)
+        taken = sum(self.blocks.is_evictable(b) for b in shared)
+        return Admission(tokens, tuple(shared), num_new, tuple(keys), taken)
+
+    def can_admit(self, a: Admission, alone: bool) -> bool:
+        """Room for the prefill, plus the watermark unless nothing else runs (a request that fits the pool
+        alone must always be admissible, or a tiny pool would wait forever)."""
+        headroom = 0 if alone else self.watermark_blocks
+        return self.blocks.can_allocate(a.num_new + a.num_taken_evictable + headroom)
+
+    def admit(self, r: Request, a: Admission, pending: dict[BlockKey, int]) -> int:
+        """Take the blocks; returns the number of tokens whose KV is already there (the prefill's start)."""
+        self.blocks.share(a.shared)
+        r.block_ids = a.shared + self.blocks.allocate(a.num_new)
+        r.pending_block_keys = []
+        for i in range(len(a.shared), len(a.keys)):  # full blocks this prefill computes
+            pending.setdefault(a.keys[i], r.block_ids[i])
+            r.pending_block_keys.append((a.keys[i], r.block_ids[i]))
+        return len(a.shared) * self.blocks.block_size
+
+    def on_prefilled(self, r: Request) -> None:
+        """The prefill succeeded: its full blocks hold every plane of their prefix."""
+        if self.enable_prefix_caching:
+            for key, block in r.pending_block_keys:
+                self.blocks.register(key, block)
+        r.pending_block_keys = []
+
+    def blocks_to_write(self, r: Request, position: int) -> int:
+        """New blocks `r` needs before it writes `position`."""
+        return max(0, position // self.blocks.block_size + 1 - len(r.block_ids))
+
+    def grow(self, r: Request, num_blocks: int) -> None:
+        if num_blocks:
+            r.block_ids = r.block_ids + self.blocks.allocate(num_blocks)
+
+    def free(self, r: Request) -> None:
+        """Give back `r`'s blocks. Its block_ids stay readable (tests read a finished request's planes)."""
+        self.blocks.free(r.block_ids)
+        r.pending_block_keys = []
