@@ -312,3 +312,37 @@ def test_help_explains_the_modes():
     assert "deferred" in text and "eager" in text and "verify" in text
     assert "--deep-interval 1 is ordinary full-depth decoding" in " ".join(text.split())
     assert "example:" in text and "python -m ourobatch generate" in text
+
+
+def _truncate(ckpt: Path) -> None:
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _nan_weight(ckpt: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["lm_head.weight"][3, 1] = float("nan")
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+def _zero_heads(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0, "head_dim": None}))
+
+
+@pytest.mark.parametrize("corrupt, file, needle", [
+    (_truncate, "model.safetensors", "not a readable safetensors file"),
+    (_nan_weight, "model.safetensors", "lm_head.weight has 1 non-finite value"),
+    (_zero_heads, "config.json", "num_attention_heads must be an integer >= 1"),
+])
+def test_a_corrupted_checkpoint_exits_2_with_a_one_line_message(tmp_path, ckpt, capsys, corrupt, file, needle):
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    corrupt(bad)
+    rc, dst = run(tmp_path, [GOOD], engine_args(bad))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("ourobatch: error: ") and str(bad / file) in lines[0] and needle in lines[0]
+    assert not dst.exists()

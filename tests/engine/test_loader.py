@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -116,3 +117,88 @@ def test_eos_comes_from_the_checkpoint(tmp_path):
     assert OuroConfig.from_checkpoint(ckpt).eos_token_ids == (0, 2)
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert OuroConfig.from_checkpoint(ckpt).eos_token_ids == (2,)
+
+
+# ------------------------------------------------------------------ broken checkpoints: always CheckpointError
+
+
+def _edit_config(file: str = "config.json", **fields):
+    def edit(ckpt):
+        cfg = json.loads((ckpt / file).read_text()) if (ckpt / file).is_file() else {}
+        cfg.update(fields)
+        (ckpt / file).write_text(json.dumps(cfg))
+    return edit
+
+
+def _write(file: str, data: bytes | None = None, keep=None):
+    """Replace `file` by `data`, or by the first `keep(size)` bytes of itself."""
+    def edit(ckpt):
+        if data is None:
+            raw = (ckpt / file).read_bytes()
+        (ckpt / file).write_bytes(data if data is not None else raw[:keep(len(raw))])
+    return edit
+
+
+def _poke(name: str, value: float):
+    def edit(ckpt):
+        _rewrite(ckpt, lambda t: t[name].view(-1).__setitem__(3, value))
+    return edit
+
+
+ST, CFG, GEN = "model.safetensors", "config.json", "generation_config.json"
+
+BROKEN = {  # id: (corruption, file named in the message, field or tensor named in it)
+    "safetensors truncated": (_write(ST, keep=lambda n: n // 2), ST, "not a readable safetensors file"),
+    "safetensors header cut": (_write(ST, keep=lambda n: 5), ST, "not a readable safetensors file"),
+    "safetensors empty": (_write(ST, b""), ST, "not a readable safetensors file"),
+    "safetensors garbage": (_write(ST, b"\x07not safetensors at all" * 9), ST, "not a readable safetensors file"),
+    "config a list": (_write(CFG, b"[1, 2, 3]"), CFG, "expected a JSON object, got list"),
+    "config truncated": (_write(CFG, keep=lambda n: n - 9), CFG, "not valid JSON"),
+    "config not text": (_write(CFG, b"\xff\xfe\x00garbage"), CFG, "not valid JSON"),
+    "heads 0": (_edit_config(num_attention_heads=0), CFG, "num_attention_heads must be an integer >= 1, got 0"),
+    "heads 0 no head_dim": (_edit_config(num_attention_heads=0, head_dim=None), CFG, "num_attention_heads"),
+    "kv heads 0": (_edit_config(num_key_value_heads=0), CFG, "num_key_value_heads must be an integer >= 1"),
+    "vocab many": (_edit_config(vocab_size="many"), CFG, "vocab_size must be an integer >= 1, got 'many'"),
+    "vocab bool": (_edit_config(vocab_size=True), CFG, "vocab_size"),
+    "hidden not divisible": (_edit_config(hidden_size=30, head_dim=None), CFG,
+                             r"hidden_size \(30\) must be divisible by num_attention_heads \(4\)"),
+    "odd head_dim": (_edit_config(head_dim=7), CFG, "head_dim must be even"),
+    "negative intermediate": (_edit_config(intermediate_size=-64), CFG, "intermediate_size must be an integer >= 1"),
+    "negative layers": (_edit_config(num_hidden_layers=-1), CFG, "num_hidden_layers"),
+    "zero eps": (_edit_config(rms_norm_eps=0), CFG, "rms_norm_eps must be a finite number > 0"),
+    "rope_theta string": (_edit_config(rope_theta="big"), CFG, "rope_theta"),
+    "total_ut_steps 1": (_edit_config(total_ut_steps=1), CFG, "total_ut_steps must be an integer >= 2"),
+    "tie not bool": (_edit_config(tie_word_embeddings="yes"), CFG, "tie_word_embeddings"),
+    "eos outside vocab": (_edit_config(eos_token_id=31), CFG, r"eos_token_id \[31\] outside the vocabulary"),
+    "eos negative in list": (_edit_config(eos_token_id=[0, -1]), CFG, r"eos_token_id \[-1\] outside"),
+    "eos a string": (_edit_config(eos_token_id="0"), CFG, "eos_token_id must be a token id"),
+    "bos outside vocab": (_edit_config(bos_token_id=99), CFG, r"bos_token_id \[99\] outside"),
+    "generation_config truncated": (_write(GEN, b'{"eos_token_id": '), GEN, "not valid JSON"),
+    "generation_config a list": (_write(GEN, b"[2]"), GEN, "expected a JSON object"),
+    "generation eos outside vocab": (_edit_config(GEN, eos_token_id=[2, 40]), GEN,
+                                     r"eos_token_id \[40\] outside the vocabulary"),
+    "NaN weight": (_poke("lm_head.weight", float("nan")), ST, r"tensor lm_head\.weight has 1 non-finite value"),
+    "inf weight": (_poke("model.layers.1.mlp.up_proj.weight", float("inf")), ST,
+                   r"tensor model\.layers\.1\.mlp\.up_proj\.weight has 1 non-finite"),
+    "-inf norm": (_poke("model.norm.weight", float("-inf")), ST, r"tensor model\.norm\.weight"),
+}
+
+
+@pytest.mark.parametrize("corrupt,file,needle", BROKEN.values(), ids=BROKEN.keys())
+def test_broken_checkpoints_raise_checkpoint_error_naming_the_file_and_field(tmp_path, corrupt, file, needle):
+    ckpt = make_tiny_checkpoint(tmp_path / "ck")
+    corrupt(ckpt)
+    with pytest.raises(CheckpointError) as info:
+        load_model(ckpt, torch.float32)
+    message = str(info.value)
+    assert str(ckpt / file) in message and re.search(needle, message), message
+    assert "\n" not in message
+
+
+def test_weights_that_overflow_the_requested_dtype_are_named(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "big")
+    _rewrite(ckpt, lambda t: t["model.embed_tokens.weight"].view(-1).__setitem__(0, 1e6))  # fp16 max: 65504
+    load_model(ckpt, torch.float32)
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight has 1 non-finite value\(s\) \(NaN or inf\) "
+                                              r"after conversion from torch\.float32 to torch\.float16"):
+        load_model(ckpt, torch.float16)
