@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
-# GPU tests, run the throughput benchmark, leave everything under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all] [benchmark args...]", carry=[".whl"])
+# GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
+# under $OUT, print a short table last.
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout] [benchmark args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,5 +21,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/throughput.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -40
+fi
+if [ "$what" = rollout ]; then  # the RL rollout batch through the async Engine (benchmarks/rollout.py)
+  python3 benchmarks/rollout.py --out "$OUT" "$@" 2>&1 | tee "$OUT/rollout.log" | grep -v '^{' | tail -40
 fi
 exit $status
