@@ -1,6 +1,7 @@
 """Sampling with counter-based randomness and processed log-probabilities.
 
-Processing order (every row, vectorised): temperature (greedy rows use 1), min-p, top-k, top-p; the
+Processing order (every row, vectorised): min_tokens (the stop set is masked while fewer than min_tokens
+tokens exist), temperature (greedy rows use 1), min-p, top-k, top-p; the
 processed log-probs are log_softmax over the tokens kept. That is the distribution a token is drawn
 from, and its log-prob is what is reported (vLLM's processed_logprobs).
 
@@ -61,12 +62,22 @@ class SamplerOutput:
     top_logprobs: list[tuple[tuple[int, float], ...] | None]
 
 
-def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits: [rows, vocab] -> processed log-probs [rows, vocab] (float32 or float64), -inf when excluded."""
+def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                       token_indices: list[int] | None = None) -> torch.Tensor:
+    """logits: [rows, vocab] -> processed log-probs [rows, vocab] (float32 or float64), -inf when excluded.
+
+    `token_indices` (j of each row's generated token) applies min_tokens first: a row whose j is at most
+    its min_tokens has its stop set masked (vLLM's min-tokens logits processor)."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     z = logits.to(dtype)
     rows, vocab = z.shape
     dev = z.device
+    if token_indices is not None and any(p.min_tokens for p in params):
+        masked = [(i, t) for i, (p, j) in enumerate(zip(params, token_indices))
+                  for t in p.masked_token_ids(j) if t < vocab]
+        if masked:
+            r, t = torch.tensor(masked, dtype=torch.int64, device=dev).T
+            z = z.index_put((r, t), torch.tensor(float("-inf"), dtype=dtype, device=dev))
     temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], dtype=dtype, device=dev)
     z = z / temps[:, None]
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
@@ -98,14 +109,15 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return torch.log_softmax(z, dim=-1)
 
 
-def _is_plain(p: SamplingParams, vocab: int) -> bool:
-    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.num_top_logprobs
+def _is_plain(p: SamplingParams, vocab: int, token_index: int) -> bool:
+    return ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.num_top_logprobs
+            and token_index > p.min_tokens)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SamplerOutput:
     """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token."""
     vocab = logits.shape[1]
-    if logits.is_cuda and all(_is_plain(p, vocab) for p in params):
+    if logits.is_cuda and all(_is_plain(p, vocab, j) for p, j in zip(params, token_indices)):
         from .triton_sampler import sample_plain
 
         dev = logits.device
@@ -115,7 +127,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
         ints, temps = ints.to(dev, non_blocking=True), temps.to(dev, non_blocking=True)
         tokens, lps = sample_plain(logits, temps, ints[0], ints[1], ints[2])
         return SamplerOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
-    logprobs = processed_logprobs(logits, params)  # [rows, vocab]
+    logprobs = processed_logprobs(logits, params, token_indices)  # [rows, vocab]
     dev = logprobs.device
     greedy = torch.tensor([p.is_greedy for p in params], device=dev)
     seeds = torch.tensor([p.seed or 0 for p in params], dtype=torch.int64, device=dev)

@@ -41,8 +41,9 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
     """logits_s, logits_T: [rows, vocab], the requests' rows concatenated in `items` order."""
     dev = logits_T.device
     row_params = [it.params for it in items for _ in range(it.num_rows)]
-    lp_T = processed_logprobs(logits_T, row_params).double()  # [rows, vocab]
-    lp_s = processed_logprobs(logits_s, row_params).double()
+    row_index = [it.first_index + i for it in items for i in range(it.num_rows)]  # j of the token row i yields
+    lp_T = processed_logprobs(logits_T, row_params, row_index).double()  # [rows, vocab]
+    lp_s = processed_logprobs(logits_s, row_params, row_index).double()
     # every draft of every request at once
     d_rows = [it.row_start + i for it in items for i in range(len(it.drafts))]
     accepted = [0] * len(items)

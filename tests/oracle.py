@@ -216,14 +216,18 @@ def processed_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    banned_token_ids: "tuple[int, ...] | frozenset[int]" = (),
 ) -> torch.Tensor:
     """Log-probabilities [V] of the distribution the sampler draws from (-inf = excluded).
 
-    Order: temperature, min_p, top_k, top_p, then log_softmax over the kept tokens.
+    Order: banned tokens (min_tokens: the stop set while fewer than min_tokens tokens exist) get logit
+    -inf, then temperature, min_p, top_k, top_p, then log_softmax over the kept tokens.
     Temperature 0 (greedy) is treated as temperature 1 for log-probs.
     """
     z = torch.as_tensor(logits).to(DTYPE).flatten().clone()
     V = z.shape[0]
+    for t in banned_token_ids:  # 0. min_tokens: these logits are -inf, as if the token did not exist
+        z[t] = float("-inf")
 
     # 1. temperature
     if temperature > 0:
