@@ -225,3 +225,26 @@ def test_tied_logits_draw_the_same_alone_and_in_a_batch_of_64(dtype, vocab):
     for i, p in enumerate(params):
         ref = oracle_logprobs(logits[i].double().cpu(), p.temperature, p.top_k, p.top_p, p.min_p)
         assert torch.equal(torch.isinf(got[i]), torch.isinf(ref)), i
+
+
+@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("verify", 4)])
+def test_nan_logits_on_cuda_end_requests_with_error(ckpt, mode, B):
+    """bf16 on CUDA (Triton sampler, CUDA graphs): a NaN weight set after loading fails the requests with
+    an error naming non-finite logits, no NaN log-prob is emitted, and the engine keeps serving."""
+    import math
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+    with SyncEngine(EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", mode=mode,
+                                 deep_interval=B)) as llm:
+        weight = llm.core.executor.model.lm_head.weight
+        kept = weight[5, 0].item()
+        weight[5, 0] = float("nan")
+        outs = llm.generate_batch(PROMPTS, params)
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "error" and "non-finite logits" in c.error
+            assert all(math.isfinite(lp) for lp in c.logprobs)
+        weight[5, 0] = kept
+        again = llm.generate_batch(PROMPTS, params)
+        assert all(o.outputs[0].finish_reason == "length" for o in again)
+        assert llm.stats()["kv_blocks_used"] == 0
