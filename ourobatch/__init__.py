@@ -14,7 +14,7 @@ from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 from .config import EngineConfig
 
 # The engines pull in torch; load them on first use so `import ourobatch.scheduler` stays torch-free.
-_LAZY = {"Engine": "ourobatch.async_engine", "SyncEngine": "ourobatch.sync_engine"}
+_LAZY = {"Engine": "ourobatch.async_engine", "SyncEngine": "ourobatch.sync_engine", "LLM": "ourobatch.llm"}
 
 
 def __getattr__(name: str):
@@ -35,6 +35,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "InvalidTransition",
+    "LLM",
     "OurobatchError",
     "RequestOutput",
     "RequestOutputKind",

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ourobatch",
                                      description="ourobatch: rollout generation for looped language models (Ouro).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (python -m ourobatch serve --help)")
     gen = sub.add_parser("generate", help="generate completions for JSONL prompts",
                          description=DESCRIPTION, epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -459,6 +460,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the HTTP server has its own options (ourobatch.server.cli)
+        from ourobatch.server.cli import main as serve
+
+        return serve(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -6,9 +6,19 @@ import ourobatch.scheduler
 
 PUBLIC = {
     "CheckpointError", "CompletionOutput", "Engine", "EngineClosedError", "EngineConfig", "EngineDeadError",
-    "InvalidTransition", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
+    "InvalidTransition", "LLM", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
     "SamplingParams", "SyncEngine", "__version__",
 }
+
+
+def test_import_ourobatch_needs_neither_torch_nor_the_server_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, ourobatch; ourobatch.SamplingParams(); import ourobatch.compat, ourobatch.text; "
+            "bad = [m for m in ('torch', 'fastapi', 'uvicorn', 'prometheus_client') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_top_level_all_is_pinned():

@@ -1,0 +1,149 @@
+"""``python -m ourobatch serve --model DIR [engine options] [--host 127.0.0.1] [--port 8000]``.
+
+Runs the app (ourobatch.server.app) under uvicorn, bound to 127.0.0.1 unless told otherwise. SIGTERM
+(or Ctrl-C) drains: the listening socket closes, new requests on open connections get 503, requests in
+flight finish (or are aborted after --drain-timeout seconds), the engine closes, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from ourobatch.config import EngineConfig
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+ENGINE_HELP = {
+    "mode": "deferred | eager | verify; matters only with --deep-interval > 1 (default: %(default)s)",
+    "deep_interval": "B: 1 (the default) = full-depth decoding, the checkpoint's own policy. B > 1 is an opt-in: "
+                     "deferred/eager read the tokens between deep calls from loop s (faster, lossy: see "
+                     "docs/quality.md); verify stays exact",
+    "shallow_loops": "s: loops run for every decoded token when B > 1 (default: %(default)s)",
+    "seed": "engine seed: unseeded request i gets a seed derived from (seed, i) (default: %(default)s)",
+}
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = ENGINE_HELP.get(f.name, "(default: %(default)s)")
+        if isinstance(default, bool) or f.name == "cuda_graphs":
+            group.add_argument(flag, type=_bool, default=default, metavar="BOOL", help=help_text)
+        elif isinstance(default, int) or f.name == "num_kv_blocks":
+            group.add_argument(flag, type=int, default=default, metavar="N", help=help_text)
+        elif isinstance(default, float):
+            group.add_argument(flag, type=float, default=default, metavar="X", help=help_text)
+        else:
+            group.add_argument(flag, default=default, help=help_text)
+
+
+def _bool(text: str) -> bool | None:
+    lowered = text.lower()
+    if lowered in ("none", "auto"):
+        return None
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ourobatch serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + "
+                        "model.safetensors [+ tokenizer.json])")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; use 0.0.0.0 "
+                        "to serve other machines, with --api-key)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but "
+                        "/health (default: no key)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json or its folder "
+                        "(default: the model folder's, if any; without one, text prompts are refused)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds "
+                        "in-flight requests get to finish before they are aborted (default: %(default)s)")
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
+    _engine_arguments(parser)
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    return EngineConfig(model=args.model, **values)
+
+
+def load_tokenizer(args: argparse.Namespace) -> Any:
+    from ourobatch.text import Tokenizer
+
+    if args.tokenizer is not None:
+        return Tokenizer.from_path(args.tokenizer)
+    if (Path(args.model) / "tokenizer.json").is_file():
+        return Tokenizer.from_path(args.model)
+    return None
+
+
+def make_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "warning") -> Any:
+    """A uvicorn Server whose SIGTERM / SIGINT drain and then let the process exit normally."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises a captured SIGTERM after shutdown (exit status 143); a drain is a clean exit.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def drain(sig: int, frame: Any) -> None:
+                app.state.draining = True
+                self.handle_exit(sig, frame)
+
+            previous = {sig: signal.signal(sig, drain) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+                            lifespan="on")
+    return DrainingServer(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        config = build_config(args)
+        from ourobatch._core import check_before_loading  # fail before binding the port
+
+        check_before_loading(config)
+        tokenizer = load_tokenizer(args)
+    except (TypeError, ValueError, OSError) as exc:
+        print(f"ourobatch serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from .app import create_app
+
+    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer)
+    server = make_server(app, args.host, args.port, args.drain_timeout, args.log_level)
+    server.run()
+    return EXIT_OK if server.started else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

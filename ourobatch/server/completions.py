@@ -1,0 +1,274 @@
+"""The generation routes: OpenAI's /v1/completions (plain or SSE stream) and SGLang's /generate.
+
+Both queue every prompt first (a rejected prompt is a 400 and nothing runs), then run each prompt's
+engine stream (runner.run_prompt) concurrently inside one producer, which a client disconnect cancels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ourobatch.compat import from_dict
+from ourobatch.scheduler.params import SamplingParams
+from ourobatch.text import Tokenizer, check_text_params
+
+from .protocol import CompletionRequest, GenerateRequest
+from .runner import Delta, open_streams, run_prompt
+from .streaming import EventStream, collect
+
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM writes this for an excluded token
+CLIENT_CLOSED = 499
+
+
+class BadRequest(ValueError):
+    """A 400 with the field that caused it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_LOGPROB
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class Generation:
+    """What the routes share: the engine, the tokenizer and the model's name and eos."""
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self.engine.core.scheduler.config.eos_token_ids
+
+    def encode(self, text: str, field: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest(f"{field} is text, but the server has no tokenizer (no tokenizer.json beside the "
+                             f"model); send token ids", field)
+        return self.tokenizer.encode(text)
+
+    def token_str(self, token_id: int, as_ids: bool) -> str:
+        if as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    async def run(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: Any = None):
+        """Queue every prompt (bad input raises, nothing stays queued); return the producer's body."""
+        for p in params:
+            check_text_params(p, self.tokenizer, "sampling_params")
+        streams = await open_streams(self.engine, prompts, params, request_ids)
+
+        async def produce(send: MemoryObjectSendStream) -> None:
+            async with anyio.create_task_group() as tg:
+                for i, (stream, p) in enumerate(zip(streams, params)):
+                    tg.start_soon(run_prompt, i, stream, p, self.tokenizer, self.eos, send.send)
+
+        return produce
+
+    # ------------------------------------------------------------------ /v1/completions
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        if body.model is not None and body.model != self.model_name:
+            return JSONResponse({"error": {"message": f"The model `{body.model}` does not exist.", "type":
+                                           "NotFoundError", "param": "model", "code": 404}}, status_code=404)
+        params = body.sampling_params()
+        prompts = self._completion_prompts(body.prompt)
+        produce = await self.run(prompts, [params] * len(prompts), [body.request_id] if body.request_id and
+                                 len(prompts) == 1 else None)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        n = params.n
+        num_prompt = sum(len(p) for p in prompts)
+
+        def choice(d: Delta, offset: int) -> dict[str, Any]:
+            out = {"index": d.prompt_index * n + d.index, "text": d.text, "logprobs": None,
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            if params.logprobs is not None:
+                out["logprobs"] = self._openai_logprobs(d, params.logprobs, body.return_tokens_as_token_ids, offset)
+            return out
+
+        if body.stream:
+            async def stream_produce(send: MemoryObjectSendStream) -> None:
+                inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
+                offsets: dict[tuple[int, int], int] = {}
+                total = 0
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_close_after, produce, inner_send)
+                    async with inner_receive:
+                        async for d in inner_receive:
+                            key = (d.prompt_index, d.index)
+                            await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0))]}))
+                            offsets[key] = offsets.get(key, 0) + len(d.text)
+                            total += len(d.token_ids)
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total)}))
+                await send.send(b"data: [DONE]\n\n")
+
+            return EventStream(stream_produce)
+
+        deltas = await collect(request, produce)
+        if deltas is None:
+            return Response(status_code=CLIENT_CLOSED)
+        merged = _merge(deltas)
+        choices = [choice(d, 0) for _, d in sorted(merged.items())]
+        return JSONResponse({**head, "choices": choices,
+                             "usage": _usage(num_prompt, sum(len(d.token_ids) for d in merged.values()))})
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.encode(prompt, "prompt")]
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        return [self.encode(p, f"prompt[{i}]") if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
+
+    def _openai_logprobs(self, d: Delta, k: int, as_ids: bool, offset: int) -> dict[str, Any]:
+        tokens = [self.token_str(t, as_ids) for t in d.token_ids]
+        tops: list[dict[str, float]] = []
+        for i, (tok, lp) in enumerate(zip(d.token_ids, d.logprobs)):
+            top = d.top_logprobs[i] if d.top_logprobs else {tok: lp}
+            entries = list(top.items())[:k] if k > 0 else [(tok, lp)]
+            tops.append({self.token_str(t, as_ids): _finite(v) for t, v in entries})
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in d.logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------------ /generate
+
+    async def generate(self, request: Request, body: GenerateRequest) -> Response:
+        if body.logprob_start_len not in (None, -1):
+            raise BadRequest("logprob_start_len: prompt log-probs are not computed; use -1 or leave it out",
+                             "logprob_start_len")
+        if (body.input_ids is None) == (body.text is None):
+            raise BadRequest("give exactly one of input_ids (token ids) or text", "input_ids")
+        if body.input_ids is not None:
+            ids = body.input_ids
+            if not ids:
+                raise BadRequest("input_ids must not be empty", "input_ids")
+            single = all(isinstance(t, int) for t in ids)
+            prompts = [list(ids)] if single else [list(p) for p in ids]
+        else:
+            single = isinstance(body.text, str)
+            texts = [body.text] if single else list(body.text or [])
+            prompts = [self.encode(t, "text") for t in texts]
+        raw = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * len(prompts)
+        if len(raw) != len(prompts):
+            raise BadRequest(f"got {len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
+        try:
+            params = [from_dict(p, dialect="sglang") for p in raw]
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(str(exc), "sampling_params") from None
+        if body.top_logprobs_num:
+            params = [_with_logprobs(p, body.top_logprobs_num) for p in params]
+        rids = [body.rid] if isinstance(body.rid, str) else body.rid
+        if rids is not None and len(rids) != len(prompts):
+            raise BadRequest(f"got {len(rids)} rid for {len(prompts)} prompts", "rid")
+        produce = await self.run(prompts, params, rids)
+        flat = not (single and params[0].n == 1)
+
+        def record(d: Delta, state: dict[str, Any]) -> dict[str, Any]:
+            state["output_ids"] += d.token_ids
+            state["text"] += d.text
+            state["lps"] += [[_finite(lp), t, None] for t, lp in zip(d.token_ids, d.logprobs)]
+            state["loops"] += d.readout_loops
+            finish = None
+            if d.finish_reason is not None:
+                finish = {"type": d.finish_reason}
+                if d.finish_reason == "stop":
+                    finish["matched"] = d.stop_reason
+                elif d.finish_reason == "length":
+                    finish["length"] = len(state["output_ids"])
+            meta = {"id": state["id"], "finish_reason": finish, "prompt_tokens": len(prompts[d.prompt_index]),
+                    "completion_tokens": len(state["output_ids"]), "cached_tokens": 0,
+                    "readout_loops": state["loops"], "weight_version": d.weight_version, "seed": d.seed}
+            out = {"text": state["text"], "output_ids": state["output_ids"], "meta_info": meta}
+            if body.return_logprob:
+                meta["output_token_logprobs"] = out["output_token_logprobs"] = state["lps"]
+            return out
+
+        states: dict[tuple[int, int], dict[str, Any]] = {}
+
+        def state_of(d: Delta) -> dict[str, Any]:
+            rid = (rids[d.prompt_index] if rids else None) or f"gen-{d.prompt_index}"
+            return states.setdefault((d.prompt_index, d.index), {"id": rid, "output_ids": [], "text": "",
+                                                                  "lps": [], "loops": []})
+
+        if body.stream:
+            async def stream_produce(send: MemoryObjectSendStream) -> None:
+                inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_close_after, produce, inner_send)
+                    async with inner_receive:
+                        async for d in inner_receive:
+                            out = record(d, state_of(d))
+                            out["index"] = d.prompt_index * params[d.prompt_index].n + d.index
+                            await send.send(_sse(out))
+                await send.send(b"data: [DONE]\n\n")
+
+            return EventStream(stream_produce)
+        deltas = await collect(request, produce)
+        if deltas is None:
+            return Response(status_code=CLIENT_CLOSED)
+        results = {}
+        for d in deltas:
+            results[(d.prompt_index, d.index)] = record(d, state_of(d))
+        ordered = [results[k] for k in sorted(results)]
+        return JSONResponse(ordered if flat else ordered[0])
+
+
+async def _close_after(produce: Any, send: MemoryObjectSendStream) -> None:
+    async with send:
+        await produce(send)
+
+
+def _merge(deltas: list[Delta]) -> dict[tuple[int, int], Delta]:
+    """Each completion's deltas joined into one."""
+    merged: dict[tuple[int, int], Delta] = {}
+    for d in deltas:
+        key = (d.prompt_index, d.index)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = Delta(d.prompt_index, d.index, list(d.token_ids), list(d.logprobs),
+                                list(d.top_logprobs) if d.top_logprobs is not None else None, list(d.readout_loops),
+                                d.text, d.finish_reason, d.stop_reason, d.seed, d.weight_version, d.num_tokens)
+            continue
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        if m.top_logprobs is not None and d.top_logprobs is not None:
+            m.top_logprobs += d.top_logprobs
+        m.readout_loops += d.readout_loops
+        m.text += d.text
+        m.finish_reason, m.stop_reason, m.weight_version, m.num_tokens = (d.finish_reason, d.stop_reason,
+                                                                          d.weight_version, d.num_tokens)
+    return merged
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _with_logprobs(p: SamplingParams, k: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(p, logprobs=k)

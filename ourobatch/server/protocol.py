@@ -1,0 +1,114 @@
+"""Request bodies of the HTTP server, as pydantic models: OpenAI's /v1/completions (with vLLM's extra
+sampling fields), SGLang's /generate, and the control endpoints. Unknown fields are rejected (400 naming
+the field), never dropped: a field ourobatch ignored could change what the caller gets."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ourobatch.scheduler.params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class CompletionRequest(_Strict):
+    """OpenAI's legacy completions request, with vLLM's extra sampling fields."""
+
+    model: str | None = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    temperature: float | None = None  # None: 1.0
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own logs; no effect on generation
+    suffix: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = 1.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """The SamplingParams these fields ask for; ValueError/TypeError naming the field otherwise."""
+        if self.echo:
+            raise ValueError("echo=true is not supported (prompt log-probs are not computed); leave echo false")
+        if self.suffix:
+            raise ValueError("suffix is not supported (no fill-in-the-middle); leave it out")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported; leave it out or empty")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n, or leave it out)")
+        values: dict[str, Any] = dict(
+            n=self.n, max_tokens=self.max_tokens if self.max_tokens is not None else 16, seed=self.seed,
+            logprobs=self.logprobs, min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, stop=self.stop or (), skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        if values.get("top_k") == -1:
+            values["top_k"] = 0
+        return SamplingParams(**values)
+
+
+class GenerateRequest(_Strict):
+    """SGLang's /generate: token ids in, token ids (and their log-probs) out."""
+
+    input_ids: Union[list[int], list[list[int]], None] = None
+    text: Union[str, list[str], None] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int | None = None  # only -1 / None: prompt log-probs are not computed
+    rid: Union[str, list[str], None] = None
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+
+
+class AbortRequest(_Strict):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class PauseRequest(_Strict):
+    mode: Literal["abort", "wait", "keep"] = "abort"
+
+
+class UpdateWeightsFromDiskRequest(_Strict):
+    model_path: str
+    weight_version: Union[int, str, None] = None
+    load_format: str | None = None  # only None / "auto": an HF safetensors folder
+    abort_all_requests: bool = False
+
+
+class SleepRequest(_Strict):
+    level: int = Field(default=1, ge=1, le=2)

@@ -1,0 +1,114 @@
+"""One prompt's run through the async Engine, as the HTTP routes need it: per-completion deltas with text,
+stop strings cut the way vLLM cuts them (ourobatch.text), and an end to the request as soon as every
+completion has finished or met a stop string (leaving the engine stream aborts what still runs).
+
+Text is streamed conservatively: while a completion runs, the last len(longest stop string) - 1
+characters and a trailing incomplete character (U+FFFD) are held back, so no part of a stop string is
+ever sent."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from ourobatch.scheduler.outputs import CompletionOutput
+from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.text import StopChecker, Tokenizer, completion_text
+
+
+@dataclass
+class Delta:
+    """What is new in one completion since the previous delta."""
+
+    prompt_index: int
+    index: int  # which of the prompt's n completions
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+    readout_loops: list[int]
+    text: str
+    finish_reason: str | None  # set on the last delta
+    stop_reason: int | str | None
+    seed: int
+    weight_version: int
+    num_tokens: int  # the completion's tokens so far (after a stop-string cut: the tokens it keeps)
+
+
+class _Completion:
+    """The delivery state of one completion."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams, eos: frozenset[int]) -> None:
+        self.tokenizer = tokenizer if params.detokenize else None
+        self.params = params
+        self.eos = eos
+        self.checker = StopChecker(tokenizer, params) if params.stop and tokenizer is not None else None
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.done = False
+
+    def update(self, prompt_index: int, c: CompletionOutput) -> Delta | None:
+        match = self.checker.check(c.token_ids) if self.checker is not None else None
+        keep = match.num_tokens if match is not None else len(c.token_ids)
+        finish, reason = c.finish_reason, None
+        if match is not None:
+            finish, reason, text = "stop", match.stop, match.text
+        elif finish is not None:
+            if finish == "stop" and c.token_ids:
+                last = c.token_ids[-1]
+                reason = None if last in self.eos and not self.params.ignore_eos else last
+            text = completion_text(self.tokenizer, c.token_ids, finish, self.params)
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(c.token_ids, self.params.skip_special_tokens)
+            text = text[:max(0, len(text) - self.holdback)].rstrip("\ufffd")
+        else:
+            text = ""
+        start = self.num_sent_tokens
+        text_delta = text[self.num_sent_chars:]
+        if keep <= start and not text_delta and finish is None:
+            return None
+        self.num_sent_tokens = max(start, keep)
+        self.num_sent_chars = max(self.num_sent_chars, len(text))
+        self.done = finish is not None
+        top = c.top_logprobs[start:keep] if c.top_logprobs is not None else None
+        return Delta(prompt_index, c.index, list(c.token_ids[start:keep]), list(c.logprobs[start:keep]), top,
+                     list(c.readout_loops[start:keep]), text_delta, finish, reason, c.seed, c.weight_version,
+                     keep)
+
+
+async def open_streams(engine: Any, prompts: list[list[int]], params: list[SamplingParams],
+                 request_ids: list[str | None] | None = None) -> list[Any]:
+    """Queue every prompt now (all or nothing: a rejected prompt raises and nothing stays queued)."""
+    streams: list[Any] = []
+    ids = request_ids or [None] * len(prompts)
+    try:
+        for i, (ids_i, p, rid) in enumerate(zip(prompts, params, ids)):
+            engine_params = dataclasses.replace(p, stop=(), output_kind=RequestOutputKind.CUMULATIVE)
+            try:
+                streams.append(engine.stream(ids_i, engine_params, request_id=rid))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+    except BaseException:
+        for s in streams:
+            await s.aclose()  # aborts the request
+        raise
+    return streams
+
+
+async def run_prompt(prompt_index: int, stream: Any, params: SamplingParams, tokenizer: Tokenizer | None,
+                     eos: frozenset[int], emit: Callable[[Delta], Awaitable[None]]) -> None:
+    """Deliver one queued prompt's deltas to `emit` until each completion ends; then abort what still
+    runs (completions cut by a stop string) by leaving the stream."""
+    completions = [_Completion(tokenizer, params, eos) for _ in range(params.n)]
+    async with stream:
+        async for out in stream:
+            for c in out.outputs:
+                state = completions[c.index]
+                if state.done:
+                    continue
+                delta = state.update(prompt_index, c)
+                if delta is not None:
+                    await emit(delta)
+            if all(state.done for state in completions):
+                break

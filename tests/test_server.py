@@ -1,0 +1,244 @@
+"""The HTTP server, started for real on 127.0.0.1 (one per module) on the shipped pointer-chase model:
+the official `openai` client, httpx for /generate and the control routes, outputs compared with an
+in-process engine for the same seeds, disconnects, bad input, /metrics and the API key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ourobatch import EngineConfig, SamplingParams, SyncEngine
+from ourobatch.async_engine import Engine
+from ourobatch.server.app import create_app
+from ourobatch.text import Tokenizer
+from tests.server_helpers import API_KEY, MODEL, ThreadServer, auth, metric_values
+
+NAME = "pointer-chase"
+CONFIG = EngineConfig(model=str(MODEL), max_model_len=64, max_num_seqs=128)
+TASKS = [json.loads(line) for line in (MODEL / "heldout_tasks.jsonl").read_text().splitlines()[:80]]
+TOL = 1e-4  # float32, different batch compositions
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=Tokenizer.from_path(MODEL))
+    with ThreadServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine the server's outputs must equal (same checkpoint, same seeds)."""
+    with SyncEngine(CONFIG) as engine:
+        yield engine
+
+
+def _tokens(logprobs) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+def test_openai_client_completions_match_the_engine(oai, reference):
+    ids = [t["prompt_token_ids"] for t in TASKS[:2]]
+    params = SamplingParams(n=2, temperature=1.3, seed=11, max_tokens=8, logprobs=2)
+    ref = reference.generate_batch(ids, params)
+    r = oai.completions.create(model=NAME, prompt=ids, n=2, temperature=1.3, seed=11, max_tokens=8, logprobs=2,
+                               extra_body={"return_tokens_as_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.prompt_tokens == sum(map(len, ids))
+    for choice, expected in zip(r.choices, [c for o in ref for c in o.outputs]):
+        assert _tokens(choice.logprobs) == expected.token_ids
+        assert choice.logprobs.token_logprobs == pytest.approx(expected.logprobs, abs=TOL)
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        assert choice.finish_reason == expected.finish_reason
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for o in ref for c in o.outputs)
+    # text in, text out (the model's tokenizer.json), greedy = the model's answer
+    tok = Tokenizer.from_path(MODEL)
+    text = tok.decode(ids[0], skip_special_tokens=False)
+    answer = oai.completions.create(model=NAME, prompt=text, max_tokens=8, temperature=0)
+    assert answer.choices[0].text == tok.decode(TASKS[0]["target_token_ids"])
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_openai_streaming_equals_the_plain_response(oai):
+    prompt = TASKS[2]["prompt_token_ids"]
+    plain = oai.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, stop=["n7"])
+    chunks = list(oai.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=5,
+                                         stop=["n7"], stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == plain.choices[0].text and finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_64_concurrent_streams_match_the_in_process_engine(server, reference):
+    prompts = [t["prompt_token_ids"] for t in TASKS[:64]]
+    ref = reference.generate_batch(prompts, [SamplingParams(temperature=2.0, seed=100 + i, max_tokens=6)
+                                             for i in range(64)])
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(i: int) -> tuple[list[int], list[float]]:
+        stream = await client.completions.create(model=NAME, prompt=prompts[i], max_tokens=6, temperature=2.0,
+                                                 seed=100 + i, stream=True, logprobs=0,
+                                                 extra_body={"return_tokens_as_token_ids": True})
+        toks, lps = [], []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                toks += _tokens(chunk.choices[0].logprobs)
+                lps += chunk.choices[0].logprobs.token_logprobs
+        return toks, lps
+
+    async def all_streams():
+        async with client:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(all_streams())
+    for (toks, lps), out in zip(results, ref):
+        assert toks == out.outputs[0].token_ids
+        assert lps == pytest.approx(out.outputs[0].logprobs, abs=TOL)
+    assert len({tuple(t) for t, _ in results}) > 32  # temperature 2: the seeds, not the model, decide
+
+
+def test_generate_token_in_token_out(client, reference):
+    ids = TASKS[3]["prompt_token_ids"]
+    ref = reference.generate(ids, SamplingParams(temperature=1.0, seed=9, max_tokens=8, stop_token_ids=(5,)))
+    r = client.post("/generate", json={"input_ids": ids, "return_logprob": True, "rid": "g1", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 9, "stop_token_ids": [5], "no_stop_trim": True}})
+    assert r.status_code == 200, r.text
+    out, c = r.json(), ref.outputs[0]
+    assert out["output_ids"] == c.token_ids
+    assert [t for _, t, _ in out["output_token_logprobs"]] == c.token_ids
+    assert [lp for lp, _, _ in out["output_token_logprobs"]] == pytest.approx(c.logprobs, abs=TOL)
+    meta = out["meta_info"]
+    assert meta["output_token_logprobs"] == out["output_token_logprobs"] and meta["id"] == "g1"
+    assert meta["finish_reason"]["type"] == c.finish_reason and meta["readout_loops"] == [4] * len(c.token_ids)
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (len(ids), len(c.token_ids), 0)
+    # a batch with n = 2 in vLLM's names: a flat list, prompt-major
+    batch = client.post("/generate", json={"input_ids": [ids, TASKS[4]["prompt_token_ids"]], "sampling_params": {
+        "max_tokens": 3, "temperature": 0, "n": 2}}).json()
+    assert len(batch) == 4 and all(b["meta_info"]["finish_reason"]["type"] == "length" for b in batch)
+    assert batch[0]["output_ids"] == c.token_ids[:3] or batch[0]["output_ids"] == batch[1]["output_ids"]
+
+
+def test_abort_request_and_the_control_routes(client):
+    async def abort_mid_stream() -> list[dict]:
+        async with httpx.AsyncClient(base_url=str(client.base_url), headers=auth(), timeout=120) as ac:
+            body = {"input_ids": TASKS[5]["prompt_token_ids"], "rid": "long", "stream": True,
+                    "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0}}
+            events = []
+            async with ac.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        abort = await ac.post("/abort_request", json={"rid": "long"})
+                        assert abort.json()["success"] is True
+            return events
+
+    events = asyncio.run(abort_mid_stream())
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort" and len(events[-1]["output_ids"]) < 40
+    assert client.post("/abort_request", json={"abort_all": True}).json()["success"] is True
+    assert client.post("/abort_request", json={}).status_code == 400
+    assert client.get("/get_weight_version").json() == {"weight_version": 0}
+    # The RL-contract routes call Engine methods another change adds: 501 (with the method named) until then.
+    routes = [("/pause_generation", {"mode": "wait"}, "pause"), ("/continue_generation", None, "resume"),
+              ("/flush_cache", None, "reset_prefix_cache"), ("/sleep", {"level": 1}, "sleep"),
+              ("/wake_up", None, "wake_up"),
+              ("/update_weights_from_disk", {"model_path": str(MODEL), "weight_version": 1}, "load_weights")]
+    for route, body, method in routes:
+        r = client.post(route, json=body) if body is not None else client.post(route)
+        if hasattr(Engine, method):
+            assert r.status_code == 200 and r.json()["success"] is True, (route, r.text)
+        else:
+            assert r.status_code == 501 and f"Engine.{method}()" in r.json()["error"]["message"], (route, r.text)
+    assert client.post("/pause_generation", json={"mode": "sometimes"}).status_code == 400
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_a_client_that_disconnects_frees_its_kv(server, client):
+    before = metric_values(client)
+    body = {"model": NAME, "prompt": TASKS[6]["prompt_token_ids"], "max_tokens": 40, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as other:
+        with other.stream("POST", "/v1/completions", json=body) as r:
+            next(r.iter_lines())  # the request runs: it holds KV blocks
+            assert metric_values(client)["ourobatch_kv_blocks_used"] > 0
+        # leaving the block closes the connection mid-stream
+    # a plain (non-streaming) request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers=auth(), timeout=httpx.Timeout(120, read=1.0),
+                   json={**body, "stream": False, "max_tokens": 40})
+    key = "ourobatch_requests_finished_total{finish_reason=abort}"
+    for _ in range(10_000):  # the aborts land within a step; each scrape is a round trip, no sleep
+        now = metric_values(client)
+        if now[key] >= before[key] + 2 and now["ourobatch_kv_blocks_used"] == 0:
+            break
+    assert now[key] == before[key] + 2 and now["ourobatch_kv_blocks_used"] == 0
+    assert now["ourobatch_num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": NAME, "prompt": [1, 2], "max_tokens": "many"}, "max_tokens"),
+    ({"model": NAME, "prompt": [1, 2], "top_p": 3}, "top_p"),
+    ({"model": NAME, "prompt": [1, 2], "repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"model": NAME, "prompt": [1, 2], "temprature": 1}, "temprature"),
+    ({"model": NAME, "prompt": [1, 10**6]}, None),
+    ({"model": NAME, "prompt": [1, 2], "max_tokens": 100}, None),
+    ({"model": NAME, "prompt": [], "max_tokens": 2}, "prompt"),
+    ({"model": NAME, "prompt": [1, 2], "echo": True}, None),
+    ({"model": NAME, "prompt": [1, 2], "logprobs": -1}, "logprobs"),
+])
+def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client, body, param):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and (param is None or err["param"] == param), err
+    if param is not None:
+        assert param in err["message"]
+    assert client.post("/v1/completions", json={"model": NAME, "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+
+
+def test_more_bad_input(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"regex": "a+"}})
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "max_tokens": 2}})
+    assert r.status_code == 400 and "twice" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"model": "gpt-5", "prompt": [1]}).status_code == 404
+    assert httpx.get(str(client.base_url) + "/v1/models").status_code == 401  # no key
+    assert httpx.get(str(client.base_url) + "/health").status_code == 200  # health needs none
+
+
+def test_models_and_metrics(oai, client, server):
+    assert [m.id for m in oai.models.list().data] == [NAME]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert families["ourobatch_step_seconds"].type == "histogram"
+    steps = {s.name: s.value for s in families["ourobatch_step_seconds"].samples}
+    assert steps["ourobatch_step_seconds_count"] > 0
+    assert {s.labels["finish_reason"] for s in families["ourobatch_requests_finished"].samples} == \
+        {"stop", "length", "abort", "error"}
+    values = metric_values(client)
+    stats = server.server.config.app.state.engine.stats()  # the engine behind the app (no request runs now)
+    assert values["ourobatch_generation_tokens_total"] == stats["tokens_generated"]
+    assert values["ourobatch_kv_blocks_total"] == stats["kv_blocks_total"]
+    assert values["ourobatch_weight_version"] == stats["weight_version"]
+    assert values["ourobatch_scheduler_steps_total"] == stats["steps"]
+    assert values['ourobatch_http_requests_total{route=/v1/completions,status=400}'] >= 9
