@@ -33,11 +33,16 @@ MAX_REPORTED_ERRORS = 20
 DESCRIPTION = """\
 Generate completions for JSONL prompts with an Ouro (looped) checkpoint.
 
+The default (--deep-interval 1) is ordinary full-depth decoding: the checkpoint's own policy.
+--deep-interval B > 1 opts into a mode below; deferred and eager trade quality for speed (the tokens
+between deep calls are read from loop s: on the shipped pointer-chase model --shallow-loops 2 loses
+nearly every answer, 3 costs 1-2 points; docs/quality.md), verify does not.
+
 Modes (--mode):
   deferred  Every decoded token runs only the shallow loops (1..s, --shallow-loops) and is read out
             from loop s; the deep loops (s+1..T) are deferred and run batched every B tokens
             (--deep-interval) for all retained positions of every request at once. The token right
-            after each deep call is read from loop T. --deep-interval 1 is ordinary full-depth decoding.
+            after each deep call is read from loop T. Lossy for B > 1.
   eager     The same readout schedule, but the deep loops run for every token as soon as it is fed
             (no batching): the control that isolates the batching effect. Same tokens and log-probs.
   verify    Lossless: tokens between deep calls are drafts from loop s; each deep call verifies them
@@ -65,7 +70,8 @@ example:
 
 --seed is the seed of every prompt (a line's sampling_params.seed overrides it), so identical prompts with
 the same seed give identical completions; use --n for several samples of a prompt (each gets its own
-seed). Without a seed each request draws one, reported in the output's "seed".
+seed). Without a seed each request gets one derived from the engine seed (0) and the number of unseeded
+lines before it, reported in the output's "seed": the same input gives the same output every run.
 """
 
 
