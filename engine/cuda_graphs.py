@@ -34,6 +34,7 @@ class _Graph:
 class GraphCache:
     def __init__(self, executor: "ModelExecutor", max_num_seqs: int) -> None:
         self.ex = weakref.proxy(executor)  # no executor <-> graphs cycle: closing frees both at once
+        self.max_num_seqs = max_num_seqs
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()

@@ -40,6 +40,7 @@ from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .sampler import sample
+from . import weights
 from .verify import VerifyItem, verify_batch
 
 
@@ -60,8 +61,11 @@ class _Readout:
 class ModelExecutor:
     def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
                  max_num_seqs: int = 256, max_blocks_per_seq: int = 256, deep_interval: int = 1,
-                 attention: str = "auto", cuda_graphs: bool | None = None) -> None:
+                 attention: str = "auto", cuda_graphs: bool | None = None, logprobs_mode: str = "processed",
+                 head_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.logprobs_mode = logprobs_mode  # "processed" | "raw": which log-probs tokens report
+        self.head_dtype = head_dtype  # dtype of the lm_head matmul (None: the model's)
         self.pool = pool
         self.device = torch.device(device)
         cfg = model.config
@@ -93,6 +97,11 @@ class ModelExecutor:
 
             self.graphs = GraphCache(self, max_num_seqs)
         self.timing: list[float] | None = None  # set to a list to record GPU ms per step (CUDA events)
+        # what sleep/wake_up need to rebuild the model and the buffers (engine/weights.py)
+        self.model_config, self.dtype = cfg, dtype
+        self.retained_shape = tuple(self.retained_rows.shape)
+        self.sleeping_state: dict[str, torch.Tensor] | None = None
+        self.sleep_level = 0  # 0 awake; 1 weights in CPU memory; 2 weights dropped
 
     # ------------------------------------------------------------------ the seam
 
@@ -281,27 +290,44 @@ class ModelExecutor:
         meta, h_s, h_T = self._run_deep_varlen(works)
         items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
                             d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
-        logits_s, logits_T = self.model.logits(h_s), self.model.logits(h_T)
+        logits_s, logits_T = self.model.logits(h_s, self.head_dtype), self.model.logits(h_T, self.head_dtype)
         row_ids = [d.request_id for d, span in zip(works, meta.spans) for _ in range(span.num_rows)]
         finite = torch.isfinite(logits_s).all(-1) & torch.isfinite(logits_T).all(-1)  # [rows]
         try:
-            return verify_batch(items, logits_s, logits_T)
+            return verify_batch(items, logits_s, logits_T, self.logprobs_mode)
         finally:  # checked after verify_batch's own syncs (no extra stall); wins over what NaNs broke there
             _require_finite(finite, row_ids)
 
     def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
         h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
         items = [it for r in readouts for it in r.items]
-        logits = self.model.logits(h)
+        logits = self.model.logits(h, self.head_dtype)
         finite = torch.isfinite(logits).all(-1)  # [rows]
         try:
-            result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items])
+            result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items],
+                            self.logprobs_mode)
         finally:  # checked after the sampler's own sync (no extra stall); wins over what NaNs broke there
             _require_finite(finite, [rid for rid, _ in items])
         return [
             SampledToken(rid, tok, lp, spec.loop, top)
             for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
         ]
+
+    # ------------------------------------------------------------------ weights and sleep
+
+    def update_weights(self, named_tensors) -> list[str]:
+        """Copy (HF name, tensor) pairs into the model in place; WeightUpdateError on a bad one."""
+        if self.sleep_level:
+            raise RuntimeError("the engine is asleep: wake_up() first")
+        return weights.copy_named_tensors(self.model, named_tensors)
+
+    def sleep(self, level: int) -> None:
+        if not self.sleep_level:
+            weights.sleep(self, level)
+
+    def wake_up(self) -> None:
+        if self.sleep_level:
+            weights.wake_up(self)
 
     # ------------------------------------------------------------------ teardown
 
@@ -314,6 +340,7 @@ class ModelExecutor:
             self.graphs.close()
         self.graphs = None
         self.model = None  # type: ignore[assignment]
+        self.sleeping_state = None
         self.pool = None  # type: ignore[assignment]
         self.tables = None  # type: ignore[assignment]
         self.retained_rows = None  # type: ignore[assignment]

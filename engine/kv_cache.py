@@ -28,6 +28,8 @@ class KVPool:
 
     @property
     def num_bytes(self) -> int:
+        if self.k is None:  # the engine sleeps: the pool is freed until wake_up()
+            return 0
         return 2 * self.k.numel() * self.k.element_size()
 
     def plane(self, loop: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,13 @@
 from ourobatch.scheduler.errors import (
     CheckpointError,
     EngineClosedError,
+    EngineBusyError,
     EngineDeadError,
+    InconsistentWeightsError,
     InvalidTransition,
     OurobatchError,
     RequestRejectedError,
+    WeightUpdateError,
 )
 from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
@@ -33,7 +36,9 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineConfig",
+    "EngineBusyError",
     "EngineDeadError",
+    "InconsistentWeightsError",
     "InvalidTransition",
     "LLM",
     "OurobatchError",
@@ -42,5 +47,6 @@ __all__ = [
     "RequestRejectedError",
     "SamplingParams",
     "SyncEngine",
+    "WeightUpdateError",
     "__version__",
 ]

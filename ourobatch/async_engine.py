@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from tqdm.auto import tqdm
 
 from ourobatch.scheduler.driver import AsyncDriver, RequestStream
-from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError
+from ourobatch.engine.loader import checkpoint_files
+from ourobatch.engine.weights import checkpoint_tensors
+from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError, WeightUpdateError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 
+from . import _control
 from ._core import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
+from .training import score_on_executor
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -239,11 +244,93 @@ class Engine:
             raise errors[0]
         return [r for r in results if r is not None]
 
+    # ------------------------------------------------------------------ the RL contract
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation; returns once no step runs. Modes (vLLM's): "abort" ends every live request
+        now with its partial output (finish_reason "abort"); "wait" admits nobody and lets running
+        requests finish; "keep" admits nobody and freezes running requests with their KV (deferred
+        deep work is flushed first: a forced boundary). Requests submitted while paused queue."""
+        await self.driver.pause(mode)
+
+    async def resume(self, *, recompute_kv: bool = False) -> None:
+        """Resume after pause(). recompute_kv=True re-prefills kept requests (prompt + outputs) so their KV
+        is recomputed under the current weights instead of kept."""
+        self.driver.resume(recompute_kv)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.driver.pausing.paused
+
+    async def abort_all(self) -> list[RequestOutput]:
+        """Abort every live request; returns their partial outputs (for resubmitting prompt + output later)."""
+        return self.driver.abort_all()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
+        """Copy (Hugging Face name, tensor) pairs into the engine's weights in place (a generator of buckets
+        is fine; a subset is allowed; each name at most once). Only while paused or idle (EngineBusyError).
+        Returns the new weight_version (default: previous + 1) and drops the prefix cache. A bad tensor
+        raises WeightUpdateError; if others were already copied, new requests get InconsistentWeightsError
+        until an update covering them succeeds."""
+        driver = self.driver
+        core = driver.core
+        _control.check_weight_change(core, "update_weights", driver.pausing.asleep, version)
+        try:  # the copy on the worker thread; the bookkeeping here, on the loop thread that owns the core
+            copied = await driver.on_worker(core.executor.update_weights, named_tensors)
+        except WeightUpdateError as exc:
+            core.record_weight_update(list(exc.copied), failed=True, version=None)
+            raise
+        return core.record_weight_update(copied, failed=False, version=version)
+
+    async def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
+        """update_weights from a Hugging Face checkpoint folder (model.safetensors or shards + index)."""
+        executor = self.driver.core.executor
+        checkpoint_files(Path(path))  # CheckpointError now for a missing or unreadable folder
+        return await self.update_weights(checkpoint_tensors(path, executor.model_config), version=version)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Give the GPU back: level 1 moves the weights to pinned CPU memory, level 2 drops them (wake_up()
+        then needs update_weights / load_weights of every tensor); both free the KV pool and the CUDA
+        graphs. Only while paused or idle; kept requests lose their KV and are recomputed on resume."""
+        driver = self.driver
+        core = driver.core
+        _control.check_weight_change(core, "sleep", driver.pausing.asleep)
+        if driver.pausing.asleep:
+            return
+        _control.before_sleep(core, level)
+        driver.pausing.asleep = True
+        await driver.on_worker(core.executor.sleep, level)
+        _control.after_sleep(core, level)
+
+    async def wake_up(self) -> None:
+        """Undo sleep(): weights (level 1), KV pool and buffers back on the device; graphs recapture lazily."""
+        driver = self.driver
+        if not driver.pausing.asleep:
+            return
+        await driver.on_worker(driver.core.executor.wake_up)
+        driver.pausing.asleep = False
+        driver._wakeup.set()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.driver.pausing.asleep
+
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped.
         Blocks that running requests hold stay theirs; nothing is dropped mid-step (the scheduler's state
         changes only on the event loop, between steps)."""
         return self.driver.core.reset_prefix_cache()
+
+    async def score(self, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],
+                    readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:
+        """No-grad log-prob of each completion token under the engine's current weights, as the engine
+        reports them (its logprobs_mode and head_dtype; `params` matter for "processed"): token j from
+        loop readout_loops[j-1] (default: loop T, full depth). One dense forward on the engine's worker
+        thread, never during a step (ourobatch.training.score)."""
+        executor = self.driver.core.executor
+        return await anyio.to_thread.run_sync(
+            lambda: score_on_executor(executor, prompt_token_ids, completion_token_ids, readout_loops, params),
+            limiter=self.driver._limiter)
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, boundaries, shallow_steps, prefill_tokens, kv_blocks_used, ..."""

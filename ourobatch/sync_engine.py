@@ -9,7 +9,8 @@ soon as its own requests are done) instead of corrupting each other's state.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -18,8 +19,14 @@ from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import SamplingParams
 
+from ourobatch.engine.loader import checkpoint_files
+from ourobatch.engine.weights import checkpoint_tensors
+from ourobatch.scheduler.pausing import PAUSE_MODES
+
+from . import _control
 from ._core import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
+from .training import score_on_executor
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -37,6 +44,9 @@ class SyncEngine:
         weights once)."""
         self.config = config = resolve_config(config, kwargs)
         self._lock = threading.RLock()
+        self._unpaused = threading.Condition(self._lock)  # generate() waits on it while paused or asleep
+        self._paused = False
+        self._asleep = False
         self._core: EngineCore | None = build_engine_core(config, model=loaded_model)
 
     @property
@@ -93,6 +103,9 @@ class SyncEngine:
                     finished = sum(p.finished for p in parents)
                     if finished == len(parents):
                         break
+                    if self._paused or self._asleep:
+                        self._unpaused.wait()  # another thread paused the engine: no step until resume()
+                        continue
                     self.core.step()  # may finish other threads' requests too: they read their own
                 bar.update(finished - done)
                 done = finished
@@ -107,10 +120,96 @@ class SyncEngine:
             bar.close()
         return [p.output() for p in parents]
 
+    # ------------------------------------------------------------------ the RL contract (blocking)
+
+    def pause(self, mode: str = "abort") -> None:
+        """As Engine.pause: "abort" ends live requests now (their generate() calls return the partial
+        outputs); "wait" runs the running requests to their end, admitting nobody; "keep" flushes pending
+        deep work (a forced boundary) and freezes running requests. generate() calls wait until resume()."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._lock:
+            core = self.core
+            if mode == "abort":
+                self.abort_all()
+            else:
+                core.scheduler.admission_paused = True
+                if mode == "wait":
+                    while core.scheduler.num_running:
+                        core.step()
+                elif core.scheduler.needs_flush():
+                    core.scheduler.force_boundary()
+                    core.step()
+            self._paused = core.paused = True
+
+    def resume(self, *, recompute_kv: bool = False) -> None:
+        with self._lock:
+            core = self.core
+            if recompute_kv:
+                core.scheduler.preempt_all()
+            core.scheduler.admission_paused = False
+            self._paused = core.paused = False
+            self._unpaused.notify_all()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every live request; returns their partial outputs."""
+        with self._lock:
+            core, outputs = self.core, []
+            for request_id in list(core.parents):
+                parent = core.parents[request_id]
+                core.abort(request_id)
+                outputs.append(parent.output())
+            return outputs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
+        """As Engine.update_weights (in place; only while paused or idle); returns the new version."""
+        with self._lock:
+            _control.check_weight_change(self.core, "update_weights", self._asleep, version)
+            return _control.copy_weights(self.core, named_tensors, version)
+
+    def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
+        """update_weights from a Hugging Face checkpoint folder."""
+        checkpoint_files(Path(path))  # CheckpointError for a missing or unreadable folder
+        return self.update_weights(checkpoint_tensors(path, self.core.executor.model_config), version=version)
+
+    def sleep(self, level: int = 1) -> None:
+        """As Engine.sleep: weights to CPU (1) or dropped (2); KV pool and graphs freed."""
+        with self._lock:
+            core = self.core
+            _control.check_weight_change(core, "sleep", self._asleep)
+            if not self._asleep:
+                _control.before_sleep(core, level)
+                core.executor.sleep(level)
+                self._asleep = True
+                _control.after_sleep(core, level)
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self._asleep:
+                self.core.executor.wake_up()
+                self._asleep = False
+                self._unpaused.notify_all()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped."""
         with self._lock:
             return self.core.reset_prefix_cache()
+
+    def score(self, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],
+              readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:
+        """No-grad log-prob of each completion token under the engine's weights, as the engine reports them
+        (its logprobs_mode and head_dtype): token j from loop readout_loops[j-1] (default: loop T)."""
+        with self._lock:
+            return score_on_executor(self.core.executor, prompt_token_ids, completion_token_ids, readout_loops,
+                                     params)
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, shallow_steps, prefill_tokens, kv_blocks_used, kv_blocks_total, ..."""

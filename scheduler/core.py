@@ -88,6 +88,9 @@ class Scheduler:
         # step id -> the request incarnations its plan ran. update() matches results to these objects,
         # never to whatever request holds the id now: an id aborted mid-step may already be reused.
         self._planned: dict[int, dict[str, Request]] = {}
+        self.weight_version = 0  # recorded on every token (the front end bumps it on a weight update)
+        self.admission_paused = False  # pause(mode="wait"): running requests finish, nobody is admitted
+        self._force_boundary = False  # pause(mode="keep"): the next step is every cohort's boundary
         self._next_arrival = 0
         self._next_step = 0
         self._next_cohort = 0
@@ -223,7 +226,7 @@ class Scheduler:
                         decoding.append(r)
             if not decoding:
                 continue
-            boundary = cohort.is_boundary_step()
+            boundary = cohort.is_boundary_step() or self._force_boundary
             for r in decoding:
                 position = admission.feed_position(self.config.mode, r)
                 if position is not None:  # _make_room left room for it
@@ -250,9 +253,12 @@ class Scheduler:
                                                True, SampleSpec(s, nxt, r.params)))
             if boundary:
                 self.counters["boundaries"] += 1
+                cohort.phase = cohort.interval - 1  # a forced boundary ends the block too
             cohort.advance()
 
-        prefills = [] if preempted else admission.admit(self)  # no admission in a step that had to preempt
+        self._force_boundary = False
+        admit = not preempted and not self.admission_paused  # no admission in a step that had to preempt
+        prefills = admission.admit(self) if admit else []
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
         self._planned[plan.step_id] = {w.request_id: self.requests[w.request_id]
@@ -371,6 +377,7 @@ class Scheduler:
         r.output_token_ids.append(token_id)
         r.logprobs.append(logprob)
         r.readout_loops.append(loop)
+        r.weight_versions.append(self.weight_version)
         r.cumulative_logprob += logprob
         if r.params.num_top_logprobs > 0:
             if r.top_logprobs is None:
@@ -416,6 +423,32 @@ class Scheduler:
             cohort.member_ids.pop(r.request_id, None)
             if not cohort.member_ids and (cohort.is_closed or cohort is not self._open_cohort):
                 del self.cohorts[cohort.cohort_id]
+
+    # ------------------------------------------------------------------ RL control (pause, weights)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests) - len(self.waiting)
+
+    def needs_flush(self) -> bool:
+        """Deep work is pending: a decoding request has positions whose deep loops have not run."""
+        return any(r.status == RequestStatus.DECODING
+                   and r.num_prompt_tokens + r.num_output_tokens - 1 + len(r.draft_token_ids) > r.num_deep_positions
+                   for r in self.requests.values())
+
+    def force_boundary(self) -> None:
+        """Make the next step every cohort's boundary (deep work flushed, next token from loop T), so no
+        position's deep loops run later than its shallow ones (pause(mode="keep") before a weight update)."""
+        self._force_boundary = True
+
+    def preempt_all(self) -> int:
+        """Preempt every running request (their KV is recomputed on readmission); returns how many."""
+        running = sorted((r for r in self.requests.values()
+                          if r.status in (RequestStatus.ALIGNING, RequestStatus.DECODING)),
+                         key=lambda r: r.arrival_index, reverse=True)
+        for r in running:
+            admission.preempt(self, r)
+        return len(running)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (their KV is stale after a weight update); returns how many.

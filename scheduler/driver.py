@@ -28,6 +28,7 @@ from .frontend import EngineCore, ParentRequest
 from .log import get_logger
 from .outputs import RequestOutput
 from .params import RequestOutputKind, SamplingParams
+from .pausing import PauseControl
 
 log = get_logger()
 
@@ -61,6 +62,7 @@ class AsyncDriver:
         self.num_steps = 0
         self._owner_thread = threading.get_ident()
         self._orphans: collections.deque[_Collector] = collections.deque()  # released off-thread
+        self.pausing = PauseControl(core)
 
     # ------------------------------------------------------------------ the loop
 
@@ -70,7 +72,8 @@ class AsyncDriver:
             while not self._closing:
                 while self._orphans:  # streams dropped without closing: abort here, between steps
                     self.release(self._orphans.popleft())
-                if not self.core.has_unfinished and not self.core.scheduler.has_pending_releases:
+                idle = not self.core.has_unfinished and not self.core.scheduler.has_pending_releases
+                if self.pausing.must_wait() or idle:  # paused, asleep, a weight copy, or nothing to do
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
@@ -165,6 +168,42 @@ class AsyncDriver:
             self._wakeup.set()  # the next plan releases its engine-side rows
         return parent is not None
 
+    # ------------------------------------------------------------------ pause, resume, worker calls
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation (scheduler/pausing.py: 'abort', 'wait' or 'keep'); returns once paused."""
+        self._check_running()
+        done = self.pausing.request(mode)  # validates the mode
+        if mode == "abort":
+            self.abort_all()
+        self._wakeup.set()
+        await done.wait()
+        self._check_running()
+
+    def resume(self, recompute_kv: bool = False) -> None:
+        self._check_running()
+        self.pausing.resume(recompute_kv)
+        self._wakeup.set()
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every live request; returns their partial outputs (tokens, log-probs, readout loops)."""
+        outputs = []
+        for request_id in list(self.core.parents):
+            parent = self.core.parents[request_id]
+            self.abort(request_id)
+            outputs.append(parent.output())
+        return outputs
+
+    async def on_worker(self, fn: Any, *args: Any) -> Any:
+        """Run fn on the worker thread with no step running or starting meanwhile (a hold)."""
+        self._check_running()
+        self.pausing.holds += 1
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            self.pausing.holds -= 1
+            self._wakeup.set()
+
     def defer_release(self, collector: _Collector) -> None:
         """release() from a finalizer: the garbage collector may run anywhere (inside schedule(), on
         another thread), so only queue the collector; the loop releases it between steps."""
@@ -224,6 +263,8 @@ class AsyncDriver:
         stats["engine_steps"] = self.num_steps
         stats["num_streams"] = len(self._collectors)
         stats["step_in_flight"] = self.step_in_flight
+        stats["is_paused"] = self.pausing.paused
+        stats["is_sleeping"] = self.pausing.asleep
         return stats
 
 

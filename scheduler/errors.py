@@ -5,7 +5,11 @@
     ├── RequestRejectedError (ValueError)   a request that can never be served as asked
     ├── CheckpointError (ValueError)    a checkpoint folder that is not a loadable Ouro checkpoint
     ├── EngineClosedError (RuntimeError)    a call on an engine that is closed or not started
-    └── EngineDeadError (RuntimeError)  the engine hit an unrecoverable error; pending callers get this
+    ├── EngineDeadError (RuntimeError)  the engine hit an unrecoverable error; pending callers get this
+    │   └── ReplicaDiedError            a pool replica (Ray actor) died with the request in flight
+    ├── EngineBusyError (RuntimeError)  a weight update or sleep while requests run and the engine is not paused
+    ├── WeightUpdateError (ValueError)  a tensor of a weight update is wrong (name, shape, dtype, repeat, NaN)
+    └── InconsistentWeightsError (RuntimeError)  new requests while a failed update left the model half-updated
 
 Bad arguments (wrong types, values out of range) raise plain ``TypeError`` / ``ValueError`` whose message
 names the field and the allowed values; ``RequestRejectedError`` is a ``ValueError`` too.
@@ -37,3 +41,23 @@ class EngineClosedError(OurobatchError, RuntimeError):
 
 class EngineDeadError(OurobatchError, RuntimeError):
     """Raised to every pending caller when the engine stops on an unrecoverable error."""
+
+
+class ReplicaDiedError(EngineDeadError):
+    """Raised by ourobatch.ray.EnginePool to the requests in flight on a replica that died (not retried)."""
+
+
+class EngineBusyError(OurobatchError, RuntimeError):
+    """Raised by update_weights / load_weights / sleep while requests run and the engine is not paused."""
+
+
+class WeightUpdateError(OurobatchError, ValueError):
+    """Raised for a bad tensor in a weight update; `copied` names the tensors copied before it."""
+
+    def __init__(self, message: str, copied: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.copied = copied
+
+
+class InconsistentWeightsError(OurobatchError, RuntimeError):
+    """Raised for new requests after a weight update failed part-way, until a complete update succeeds."""

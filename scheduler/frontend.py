@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .core import RequestUpdate, Scheduler, SchedulerConfig
-from .errors import RequestRejectedError
+from .errors import EngineBusyError, InconsistentWeightsError, RequestRejectedError
 from .log import get_logger
 from .outputs import CompletionOutput, RequestOutput
 from .params import MAX_SEED, SamplingParams
@@ -65,6 +65,7 @@ class ParentRequest:
                 readout_loops=c.readout_loops[start:],
                 cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
                 seed=c.params.seed if c.params.seed is not None else 0, weight_version=self.weight_version,
+                weight_versions=c.weight_versions[start:], num_preemptions=c.num_preemptions,
                 top_logprobs=[dict(t) for t in top] if top is not None else None,
                 stop_reason=stop, error=c.error, num_drafted=c.num_drafted, num_accepted=c.num_accepted,
             ))
@@ -85,6 +86,8 @@ class EngineCore:
         self.executor = executor
         self.parents: dict[str, ParentRequest] = {}
         self.weight_version = 0
+        self.paused = False  # set by the driver: no step runs, so weights may change under live requests
+        self._dirty_weights: set[str] = set()  # tensors copied by updates that failed part-way
         self._parent_of: dict[str, str] = {}  # child request id -> parent request id
         self._extra_stats = extra_stats
 
@@ -94,6 +97,11 @@ class EngineCore:
             request_id: str | None = None) -> ParentRequest:
         """Validate and queue a request; raises (and changes nothing) on bad input."""
         params = SamplingParams.coerce(params)
+        if self._dirty_weights:
+            raise InconsistentWeightsError(
+                f"a weight update failed after {len(self._dirty_weights)} tensor(s) were copied: the model is "
+                f"half-updated and serves nothing until an update that covers them succeeds (retry it, or "
+                f"load_weights a checkpoint)")
         if params.stop:  # text needs a tokenizer: the front ends that hold one cut the text themselves
             raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
                              f"ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
@@ -154,6 +162,41 @@ class EngineCore:
         """End every live request with 'error' (the engine is going down)."""
         updates = self.scheduler.fail_all(message)
         return self._touched(updates)
+
+    # ------------------------------------------------------------------ weights (the copy itself is the executor's)
+
+    def check_can_change_weights(self, what: str) -> None:
+        """Weights change only while paused or idle: a running request would mix two versions silently."""
+        if self.scheduler.num_running and not self.paused:
+            raise EngineBusyError(f"{what} needs the engine paused or idle: {self.scheduler.num_running} "
+                                  f"request(s) are running; call pause() first (mode 'abort', 'wait' or 'keep')")
+
+    def record_weight_update(self, copied: list[str], failed: bool, version: int | None) -> int:
+        """After a copy: a failure marks the model half-updated; a success that covers every tensor a failed
+        update had copied makes it consistent again, bumps the version and drops the prefix cache."""
+        if failed:
+            self._dirty_weights |= set(copied)
+            if copied:
+                self.scheduler.reset_prefix_cache()
+            return self.weight_version
+        self._dirty_weights -= set(copied)
+        if self._dirty_weights:
+            log.warning("weights_still_inconsistent", missing=sorted(self._dirty_weights)[:5])
+            self.scheduler.reset_prefix_cache()
+            return self.weight_version
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.scheduler.weight_version = self.weight_version
+        dropped = self.scheduler.reset_prefix_cache()  # its KV was computed with the old weights
+        log.info("weights_updated", version=self.weight_version, tensors=len(copied), prefix_blocks_dropped=dropped)
+        return self.weight_version
+
+    def mark_weights_missing(self, names: Iterable[str]) -> None:
+        """sleep(level=2) dropped the weights: nothing is served until they are all loaded again."""
+        self._dirty_weights |= set(names)
+
+    @property
+    def weights_consistent(self) -> bool:
+        return not self._dirty_weights
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block (blocks live requests hold stay theirs); returns how many."""

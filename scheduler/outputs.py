@@ -16,12 +16,14 @@ class CompletionOutput:
     cumulative_logprob: float  # sum of logprobs
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     seed: int  # the seed the request used (drawn at admission when not given)
-    weight_version: int = 0  # version of the weights that produced the tokens
+    weight_version: int = 0  # version of the weights when the request was admitted (per token: weight_versions)
     top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams(logprobs=k > 0)
     stop_reason: int | None = None  # the stop token id when finish_reason == "stop"
     error: str | None = None  # what failed when finish_reason == "error"
     num_drafted: int = 0  # verify mode: loop-s drafts checked against loop T
     num_accepted: int = 0  # verify mode: drafts accepted (the rest were rolled back)
+    weight_versions: list[int] = field(default_factory=list)  # per token: the weight version that produced it
+    num_preemptions: int = 0  # times it was preempted for KV room (each inserted a loop-T readout)
 
     @property
     def finished(self) -> bool:

@@ -77,6 +77,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     readout_loops: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # per output token
     top_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     block_ids: tuple[int, ...] = ()  # one table for all T planes; grows as positions are written

@@ -7,7 +7,7 @@ import ourobatch.scheduler
 PUBLIC = {
     "CheckpointError", "CompletionOutput", "Engine", "EngineClosedError", "EngineConfig", "EngineDeadError",
     "InvalidTransition", "LLM", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
-    "SamplingParams", "SyncEngine", "__version__",
+    "SamplingParams", "SyncEngine", "__version__", "EngineBusyError", "InconsistentWeightsError", "WeightUpdateError",
 }
 
 

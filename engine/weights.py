@@ -1,0 +1,157 @@
+"""Weights in place and the engine's sleep: what an RL loop does between rollout phases.
+
+``copy_named_tensors`` copies (Hugging Face name, tensor) pairs into the live model's parameters in
+place, one tensor at a time (a generator of buckets never has to be held whole): the fused q/k/v and
+gate/up weights are views of the named ones' storage (model.fuse_projections), so a copy into a named
+weight updates the fused GEMM weight too, and CUDA graphs, which captured those storages' addresses,
+stay valid. Every tensor is checked before it is copied (name, shape, floating dtype, finite values,
+at most once per call); a bad one raises WeightUpdateError naming it and listing what was already
+copied, so the caller knows whether the model is now half-updated.
+
+``sleep`` gives the device memory back: level 1 keeps the weights in pinned CPU memory, level 2 drops
+them (wake_up then needs a full update_weights / load_weights); both free the KV pool, the retained-row
+buffer and the CUDA graphs with their memory pool. ``wake_up`` rebuilds them (graphs recapture lazily).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from ourobatch.scheduler.errors import WeightUpdateError
+
+from .config import OuroConfig
+from .loader import checkpoint_files, expected_shapes
+from .model import OuroForCausalLM
+
+if TYPE_CHECKING:
+    from .executor import ModelExecutor
+
+
+def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy each (name, tensor) into `model` in place; returns the names copied, in order."""
+    shapes = expected_shapes(model.config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    copied: list[str] = []
+    seen: set[str] = set()
+
+    def fail(message: str) -> WeightUpdateError:
+        done = f"; {len(copied)} tensor(s) were already copied ({', '.join(copied[:3])}{', ...' if len(copied) > 3 else ''})" \
+            if copied else "; nothing was copied"
+        return WeightUpdateError(message + done, copied=tuple(copied))
+
+    if isinstance(named_tensors, (str, bytes, dict)):
+        raise TypeError("update_weights takes an iterable of (name, tensor) pairs (e.g. model.named_parameters() "
+                        "or dict.items()), got " + type(named_tensors).__name__)
+    try:
+        for item in named_tensors:
+            _copy_one(item, shapes, params, seen, copied, fail)
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # the caller's iterator failed part-way (a shard, a bucket): say what was copied
+        raise fail(f"the update failed: {type(exc).__name__}: {exc}") from exc
+    return copied
+
+
+def _copy_one(item, shapes, params, seen, copied, fail) -> None:
+    if not (isinstance(item, tuple) and len(item) == 2):
+        raise fail(f"each item must be a (name, tensor) pair, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str) or name not in shapes:
+        raise fail(f"unknown tensor name {name!r}: not a tensor of this Ouro checkpoint (e.g. "
+                   f"'model.layers.0.self_attn.q_proj.weight')")
+    if name in seen:
+        raise fail(f"tensor {name} appears twice in one update")
+    seen.add(name)
+    if not isinstance(tensor, torch.Tensor):
+        raise fail(f"tensor {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != shapes[name]:
+        raise fail(f"tensor {name} has shape {tuple(tensor.shape)}, the checkpoint's is {shapes[name]}")
+    if not tensor.is_floating_point():
+        raise fail(f"tensor {name} has dtype {tensor.dtype}; weights must be floating point (they are "
+                   f"converted to the engine's dtype)")
+    if not bool(torch.isfinite(tensor).all()):
+        raise fail(f"tensor {name} holds NaN or inf values")
+    target = params[name]
+    with torch.no_grad():
+        target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+    copied.append(name)
+
+
+def checkpoint_tensors(path: str | Path, config: OuroConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of an HF checkpoint folder, one at a time (single file or shards)."""
+    files = checkpoint_files(Path(path))
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+    if config.tie_word_embeddings and "lm_head.weight" not in files:
+        with safe_open(files["model.embed_tokens.weight"], framework="pt", device="cpu") as f:
+            yield "lm_head.weight", f.get_tensor("model.embed_tokens.weight")
+
+
+# ---------------------------------------------------------------------- sleep / wake
+
+
+def sleep(ex: "ModelExecutor", level: int) -> None:
+    """Free the device: weights to pinned CPU memory (level 1) or dropped (level 2), KV pool, retained
+    rows and CUDA graphs freed. The executor keeps the shapes it needs to wake up."""
+    model = ex.model
+    pin = ex.device.type == "cuda"
+    if level == 1:
+        ex.sleeping_state = {name: (t.detach().to("cpu").pin_memory() if pin else t.detach().to("cpu", copy=True))
+                             for name, t in model.state_dict().items()}
+    else:
+        ex.sleeping_state = None
+    ex.sleep_level = level
+    ex.model = None  # type: ignore[assignment]
+    if ex.graphs is not None:
+        ex.graphs.close()
+    ex.pool.k = ex.pool.v = None  # type: ignore[assignment]
+    ex.retained_rows = None  # type: ignore[assignment]
+    ex.retained.clear()
+    del model
+    gc.collect()
+    if ex.device.type == "cuda":
+        torch.cuda.synchronize(ex.device)
+        torch.cuda.empty_cache()
+
+
+def wake_up(ex: "ModelExecutor") -> None:
+    """Rebuild weights (from the pinned copy, or empty after level 2), the KV pool and the buffers."""
+    config, dtype, device = ex.model_config, ex.dtype, ex.device
+    with torch.device("meta"):
+        model = OuroForCausalLM(config)
+    if ex.sleeping_state is not None:
+        state = {name: t.to(device=device, non_blocking=True) for name, t in ex.sleeping_state.items()}
+    else:  # level 2: the caller must load every tensor before serving (the engine refuses until then)
+        state = {name: torch.zeros(shape, dtype=dtype, device=device)
+                 for name, shape in expected_shapes(config).items()}
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.eval().requires_grad_(False)
+    model.fuse_projections()
+    model.set_attention_backend(ex.attention)
+    ex.model = model
+    ex.sleeping_state = None
+    ex.sleep_level = 0
+    pool = ex.pool
+    shape = (config.total_ut_steps, config.num_hidden_layers, pool.num_blocks + 1, pool.block_size,
+             config.num_key_value_heads, config.head_dim)
+    pool.k = torch.empty(shape, dtype=dtype, device=device)
+    pool.v = torch.empty(shape, dtype=dtype, device=device)
+    ex.retained_rows = torch.zeros(ex.retained_shape, dtype=dtype, device=device)
+    if ex.graphs is not None:
+        from .cuda_graphs import GraphCache
+
+        ex.graphs = GraphCache(ex, ex.graphs.max_num_seqs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
