@@ -155,9 +155,8 @@ class LLM:
                         for j, child in enumerate(parent.children):
                             if stops[i][j] is None:
                                 stops[i][j] = checkers[i][j].check(child.output_token_ids)
-                        if not parent.finished and all(s is not None or c.is_finished
-                                                       for s, c in zip(stops[i], parent.children)):
-                            core.abort(parent.request_id)  # every completion has ended or met a stop string
+                                if stops[i][j] is not None and not child.is_finished:
+                                    core.abort(child.request_id)  # this completion only; siblings run on
                     if parent.finished:
                         done[i] = True
                         bar.update(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
+import socket
 
 import httpx
 import openai
@@ -16,6 +16,7 @@ from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.async_engine import Engine
 from ourobatch.server.app import create_app
 from ourobatch.text import Tokenizer
+from tests.helpers import GatedExecutor
 from tests.server_helpers import API_KEY, MODEL, ThreadServer, auth, metric_values
 
 NAME = "pointer-chase"
@@ -83,6 +84,20 @@ def test_openai_streaming_equals_the_plain_response(oai):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text == plain.choices[0].text and finals == [plain.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_a_stop_string_ends_each_completion_at_once(oai, client):
+    tok = Tokenizer.from_path(MODEL)
+    words = tok.decode(TASKS[7]["target_token_ids"]).split()
+    key = "ourobatch_requests_finished_total{finish_reason=abort}"
+    before = metric_values(client)[key]
+    r = oai.completions.create(model=NAME, prompt=TASKS[7]["prompt_token_ids"], max_tokens=8, temperature=0, n=2,
+                               stop=[words[2]], logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    for c in r.choices:
+        assert c.text == " ".join(words[:2]) + " " and c.finish_reason == "stop"
+        assert c.model_extra["stop_reason"] == words[2]
+        assert _tokens(c.logprobs) == TASKS[7]["target_token_ids"][:3]  # up to the token that completed it
+    assert metric_values(client)[key] == before + 2  # both ended in the engine, not run on to eos
 
 
 def test_64_concurrent_streams_match_the_in_process_engine(server, reference):
@@ -170,26 +185,56 @@ def test_abort_request_and_the_control_routes(client):
     assert client.get("/health").status_code == 200  # still serving
 
 
-def test_a_client_that_disconnects_frees_its_kv(server, client):
-    before = metric_values(client)
+@pytest.fixture
+def gate(server):
+    """Holds engine steps on the worker thread (tests/helpers.py), so a request is provably mid-flight."""
+    core = server.server.config.app.state.engine.core
+    gated = GatedExecutor(core.executor)
+    core.executor = gated
+    yield gated
+    gated.open()
+    core.executor = gated.inner
+
+
+def _abort_count_and_kv(client) -> tuple[float, float]:
+    values = metric_values(client)
+    return values["ourobatch_requests_finished_total{finish_reason=abort}"], values["ourobatch_kv_blocks_used"]
+
+
+def _until_aborted(client, expected_aborts: float) -> None:
+    for _ in range(10_000):  # each scrape is a round trip (no sleep); the abort lands at once
+        aborts, used = _abort_count_and_kv(client)
+        if aborts >= expected_aborts and used == 0:
+            break
+    assert (aborts, used) == (expected_aborts, 0)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_at_once(server, client, gate):
+    before, _ = _abort_count_and_kv(client)
     body = {"model": NAME, "prompt": TASKS[6]["prompt_token_ids"], "max_tokens": 40, "ignore_eos": True,
             "stream": True}
+    gate.hold(after=2)  # the prefill and one decode step run, the third is held in flight
     with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as other:
         with other.stream("POST", "/v1/completions", json=body) as r:
-            next(r.iter_lines())  # the request runs: it holds KV blocks
-            assert metric_values(client)["ourobatch_kv_blocks_used"] > 0
+            lines = r.iter_lines()  # (keep it: a dropped line iterator closes the response)
+            next(lines)  # token 1 arrived
+            assert gate.entered.wait(60)
+            assert _abort_count_and_kv(client)[1] > 0  # mid-flight: it holds KV blocks
         # leaving the block closes the connection mid-stream
-    # a plain (non-streaming) request whose client gives up
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers=auth(), timeout=httpx.Timeout(120, read=1.0),
-                   json={**body, "stream": False, "max_tokens": 40})
-    key = "ourobatch_requests_finished_total{finish_reason=abort}"
-    for _ in range(10_000):  # the aborts land within a step; each scrape is a round trip, no sleep
-        now = metric_values(client)
-        if now[key] >= before[key] + 2 and now["ourobatch_kv_blocks_used"] == 0:
-            break
-    assert now[key] == before[key] + 2 and now["ourobatch_kv_blocks_used"] == 0
-    assert now["ourobatch_num_requests_running"] == 0
+    _until_aborted(client, before + 1)  # freed while the step is still held
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_kv(server, client, gate):
+    before, _ = _abort_count_and_kv(client)
+    body = json.dumps({"model": NAME, "prompt": TASKS[6]["prompt_token_ids"], "max_tokens": 40}).encode()
+    gate.hold(after=0)  # the request's prefill is held in flight
+    with socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert gate.entered.wait(60)  # the request is in the engine
+    _until_aborted(client, before + 1)
+    assert metric_values(client)["ourobatch_num_requests_running"] == 0
 
 
 @pytest.mark.parametrize("body, param", [

@@ -77,7 +77,7 @@ class Generation:
         async def produce(send: MemoryObjectSendStream) -> None:
             async with anyio.create_task_group() as tg:
                 for i, (stream, p) in enumerate(zip(streams, params)):
-                    tg.start_soon(run_prompt, i, stream, p, self.tokenizer, self.eos, send.send)
+                    tg.start_soon(run_prompt, self.engine, i, stream, p, self.tokenizer, self.eos, send.send)
 
         return produce
 

@@ -1,6 +1,6 @@
 """One prompt's run through the async Engine, as the HTTP routes need it: per-completion deltas with text,
-stop strings cut the way vLLM cuts them (ourobatch.text), and an end to the request as soon as every
-completion has finished or met a stop string (leaving the engine stream aborts what still runs).
+and stop strings cut the way vLLM cuts them (ourobatch.text): a completion that meets one is aborted in
+the engine at once (its KV freed; its siblings run on), and it reports finish_reason "stop".
 
 Text is streamed conservatively: while a completion runs, the last len(longest stop string) - 1
 characters and a trailing incomplete character (U+FFFD) are held back, so no part of a stop string is
@@ -96,10 +96,10 @@ async def open_streams(engine: Any, prompts: list[list[int]], params: list[Sampl
     return streams
 
 
-async def run_prompt(prompt_index: int, stream: Any, params: SamplingParams, tokenizer: Tokenizer | None,
-                     eos: frozenset[int], emit: Callable[[Delta], Awaitable[None]]) -> None:
-    """Deliver one queued prompt's deltas to `emit` until each completion ends; then abort what still
-    runs (completions cut by a stop string) by leaving the stream."""
+async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: SamplingParams,
+                     tokenizer: Tokenizer | None, eos: frozenset[int], emit: Callable[[Delta], Awaitable[None]]) -> None:
+    """Deliver one queued prompt's deltas to `emit` until each completion ends. A completion cut by a stop
+    string is aborted in the engine at once (its siblings run on); leaving the stream aborts the rest."""
     completions = [_Completion(tokenizer, params, eos) for _ in range(params.n)]
     async with stream:
         async for out in stream:
@@ -108,7 +108,10 @@ async def run_prompt(prompt_index: int, stream: Any, params: SamplingParams, tok
                 if state.done:
                     continue
                 delta = state.update(prompt_index, c)
-                if delta is not None:
-                    await emit(delta)
+                if delta is None:
+                    continue
+                if delta.finish_reason is not None and c.finish_reason is None:  # cut by a stop string
+                    await engine.abort(stream.request_id if params.n == 1 else f"{stream.request_id}:{c.index}")
+                await emit(delta)
             if all(state.done for state in completions):
                 break
