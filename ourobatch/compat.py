@@ -46,6 +46,8 @@ def _reject(where: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None
 
 def _normalise(values: dict[str, Any]) -> dict[str, Any]:
     """Values in vLLM's spelling -> SamplingParams keyword arguments (None means the default)."""
+    if "max_tokens" in values and values["max_tokens"] is None:  # vLLM: until the context is full
+        raise ValueError("max_tokens=None (generate until max_model_len) is not supported: give a number")
     out = {k: v for k, v in values.items() if v is not None or k == "seed" or k == "logprobs"}
     if out.get("top_k") == -1:
         out["top_k"] = 0

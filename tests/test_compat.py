@@ -56,6 +56,8 @@ def test_to_sampling_params_takes_every_form():
     assert to_sampling_params({"max_tokens": 3, "n": 2}).n == 2
     with pytest.raises(TypeError, match="sampling_params must be"):
         to_sampling_params(42)
+    with pytest.raises(ValueError, match="max_tokens=None"):  # vLLM's "until the context is full"
+        to_sampling_params({"max_tokens": None})
 
 
 def test_a_real_vllm_sampling_params_converts_field_by_field():
