@@ -142,6 +142,11 @@ def test_generate_token_in_token_out(client, reference):
     assert meta["output_token_logprobs"] == out["output_token_logprobs"] and meta["id"] == "g1"
     assert meta["finish_reason"]["type"] == c.finish_reason and meta["readout_loops"] == [4] * len(c.token_ids)
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (len(ids), len(c.token_ids), 0)
+    top = client.post("/generate", json={"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+                                         "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    tops = top["meta_info"]["output_top_logprobs"]
+    assert len(tops) == 2 and all(len(t) == 2 and t[0][0] >= t[1][0] for t in tops)
+    assert [t[0][1] for t in tops] == top["output_ids"]  # greedy: the best is the token
     # a batch with n = 2 in vLLM's names: a flat list, prompt-major
     batch = client.post("/generate", json={"input_ids": [ids, TASKS[4]["prompt_token_ids"]], "sampling_params": {
         "max_tokens": 3, "temperature": 0, "n": 2}}).json()

@@ -6,6 +6,7 @@ engine stream (runner.run_prompt) concurrently inside one producer, which a clie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -89,8 +90,10 @@ class Generation:
                                            "NotFoundError", "param": "model", "code": 404}}, status_code=404)
         params = body.sampling_params()
         prompts = self._completion_prompts(body.prompt)
-        produce = await self.run(prompts, [params] * len(prompts), [body.request_id] if body.request_id and
-                                 len(prompts) == 1 else None)
+        if body.request_id is not None and len(prompts) > 1:
+            raise BadRequest("request_id names one request: send one prompt with it", "request_id")
+        produce = await self.run(prompts, [params] * len(prompts),
+                                 [body.request_id] if body.request_id is not None else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         n = params.n
@@ -179,7 +182,7 @@ class Generation:
         except (TypeError, ValueError) as exc:
             raise BadRequest(str(exc), "sampling_params") from None
         if body.top_logprobs_num:
-            params = [_with_logprobs(p, body.top_logprobs_num) for p in params]
+            params = [dataclasses.replace(p, logprobs=body.top_logprobs_num) for p in params]
         rids = [body.rid] if isinstance(body.rid, str) else body.rid
         if rids is not None and len(rids) != len(prompts):
             raise BadRequest(f"got {len(rids)} rid for {len(prompts)} prompts", "rid")
@@ -191,6 +194,9 @@ class Generation:
             state["text"] += d.text
             state["lps"] += [[_finite(lp), t, None] for t, lp in zip(d.token_ids, d.logprobs)]
             state["loops"] += d.readout_loops
+            k = body.top_logprobs_num
+            if k and d.top_logprobs is not None:
+                state["tops"] += [[[_finite(v), t, None] for t, v in list(top.items())[:k]] for top in d.top_logprobs]
             finish = None
             if d.finish_reason is not None:
                 finish = {"type": d.finish_reason}
@@ -204,6 +210,8 @@ class Generation:
             out = {"text": state["text"], "output_ids": state["output_ids"], "meta_info": meta}
             if body.return_logprob:
                 meta["output_token_logprobs"] = out["output_token_logprobs"] = state["lps"]
+                if body.top_logprobs_num:
+                    meta["output_top_logprobs"] = state["tops"]  # per token: the k best [logprob, id, None]
             return out
 
         states: dict[tuple[int, int], dict[str, Any]] = {}
@@ -211,7 +219,7 @@ class Generation:
         def state_of(d: Delta) -> dict[str, Any]:
             rid = (rids[d.prompt_index] if rids else None) or f"gen-{d.prompt_index}"
             return states.setdefault((d.prompt_index, d.index), {"id": rid, "output_ids": [], "text": "",
-                                                                  "lps": [], "loops": []})
+                                                                  "lps": [], "loops": [], "tops": []})
 
         if body.stream:
             async def stream_produce(send: MemoryObjectSendStream) -> None:
@@ -267,8 +275,3 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
-
-def _with_logprobs(p: SamplingParams, k: int) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(p, logprobs=k)
