@@ -23,6 +23,18 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def head_logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The lm_head matmul in `dtype` (None: the weight's). h: [..., hidden], weight: [vocab, hidden].
+
+    `EngineConfig.head_dtype="float32"` passes float32: a bf16 model's logits are then computed from fp32
+    copies of the readout and the weight (exact conversions) with fp32 output, as RL trainers run their
+    head, instead of being rounded to bf16. The copy is made per call, never cached, so it is always the
+    current weight (in-place updates, sleep) and holds no memory between steps."""
+    if dtype is None or dtype == weight.dtype:
+        return F.linear(h.to(weight.dtype), weight)
+    return F.linear(h.to(dtype), weight.to(dtype))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -224,9 +236,9 @@ class OuroForCausalLM(nn.Module):
                 x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         return readouts
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [rows, hidden] readout -> [rows, vocab]
-        return self.lm_head(h)
+    def logits(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # h: [..., hidden] readout -> [..., vocab], in `dtype` (None: the model's)
+        return head_logits(h, self.lm_head.weight, dtype)
 
     def exit_gate(self, h: torch.Tensor) -> torch.Tensor:
         # h: [rows, hidden] -> [rows] gate logits (sigmoid gives lambda_t)

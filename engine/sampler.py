@@ -3,7 +3,9 @@
 Processing order (every row, vectorised): min_tokens (the stop set is masked while fewer than min_tokens
 tokens exist), temperature (greedy rows use 1), min-p, top-k, top-p; the
 processed log-probs are log_softmax over the tokens kept. That is the distribution a token is drawn
-from, and its log-prob is what is reported (vLLM's processed_logprobs).
+from, and its log-prob is what is reported (vLLM's processed_logprobs). With logprobs_mode="raw" the
+reported log-probs (the token's and the top ones) are log_softmax of the logits before any processing
+instead (vLLM's raw_logprobs: what a trainer's own forward computes); the draw is the same either way.
 
 Ties have one rule on every path: the lower token id ranks first (top-p's cut, top log-probs, the greedy
 argmax; the exponential race's argmax too, though its keys almost never tie), so a row's result never
@@ -109,14 +111,26 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     return torch.log_softmax(z, dim=-1)
 
 
+LOGPROBS_MODES = ("processed", "raw")
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [rows, vocab] -> log_softmax before temperature, filters and min_tokens [rows, vocab],
+    float32 (float64 for float64 logits): logprobs_mode="raw"."""
+    return torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), dim=-1)
+
+
 def _is_plain(p: SamplingParams, vocab: int, token_index: int) -> bool:
     return ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.num_top_logprobs
             and token_index > p.min_tokens)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SamplerOutput:
-    """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+           logprobs_mode: str = "processed") -> SamplerOutput:
+    """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token.
+    logprobs_mode: which log-probs are reported ("processed" or "raw"); the draws do not depend on it."""
     vocab = logits.shape[1]
+    raw = logprobs_mode == "raw"
     if logits.is_cuda and all(_is_plain(p, vocab, j) for p, j in zip(params, token_indices)):
         from .triton_sampler import sample_plain
 
@@ -126,6 +140,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
                             dtype=torch.int64)
         ints, temps = ints.to(dev, non_blocking=True), temps.to(dev, non_blocking=True)
         tokens, lps = sample_plain(logits, temps, ints[0], ints[1], ints[2])
+        if raw and any(p.temperature != 1.0 and not p.is_greedy for p in params):  # else raw == processed
+            z = logits.float()  # [rows, vocab]
+            lps = z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(dim=-1)
         return SamplerOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
     logprobs = processed_logprobs(logits, params, token_indices)  # [rows, vocab]
     dev = logprobs.device
@@ -135,16 +152,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
     u = counter_uniforms(seeds, counters, vocab)
     race = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
     drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))  # argmax: the first (lowest id) max
-    chosen = logprobs.gather(1, drawn[:, None]).squeeze(1)
+    reported = raw_logprobs(logits) if raw else logprobs  # [rows, vocab]
+    chosen = reported.gather(1, drawn[:, None]).squeeze(1)
 
     token_list, chosen_list = drawn.tolist(), chosen.tolist()
-    tops = top_logprobs(logprobs, token_list, chosen_list, [p.num_top_logprobs for p in params])
+    tops = top_logprobs(reported, token_list, chosen_list, [p.num_top_logprobs for p in params])
     return SamplerOutput(token_list, chosen_list, tops)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], chosen: list[float],
                  num_top: list[int]) -> list[tuple[tuple[int, float], ...] | None]:
-    """Per row with num_top[i] = k > 0: the k best processed log-probs, then the sampled token (as vLLM
+    """Per row with num_top[i] = k > 0: the k best reported log-probs, then the sampled token (as vLLM
     reports it) with its log-prob `chosen[i]`; None for rows with k = 0. logprobs: [rows, vocab].
     Ties rank the lower token id first (a stable sort; topk leaves the order of ties unspecified)."""
     tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(num_top)

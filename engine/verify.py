@@ -8,8 +8,9 @@ accepted and a row follows them, the next token is drawn from that row's p_T. Th
 exactly. Randomness is counter-based: acceptance uses stream 1 and the residual draw stream 2 at the
 draft's token index, the next token the ordinary stream 0, so verification is reproducible and
 independent of the batch. All requests of a deep call are verified together (three host syncs, a
-fourth for top log-probs). Every verified token reports loop T's processed log-prob and, with
-`logprobs=k`, loop T's top log-probs at its position, as full-depth decoding would.
+fourth for top log-probs). Every verified token reports loop T's log-prob and, with `logprobs=k`, loop
+T's top log-probs at its position, as full-depth decoding would: processed, or with logprobs_mode="raw"
+loop T's raw log_softmax (acceptance always compares the processed distributions the tokens follow).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.scheduler.plan import VerifyResult
 
-from .sampler import counter_uniforms, processed_logprobs, sample, top_logprobs
+from .sampler import counter_uniforms, processed_logprobs, raw_logprobs, sample, top_logprobs
 
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
@@ -37,17 +38,20 @@ class VerifyItem:
     num_rows: int  # len(drafts) or len(drafts) + 1
 
 
-def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torch.Tensor) -> list[VerifyResult]:
+def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torch.Tensor,
+                 logprobs_mode: str = "processed") -> list[VerifyResult]:
     """logits_s, logits_T: [rows, vocab], the requests' rows concatenated in `items` order."""
     dev = logits_T.device
     row_params = [it.params for it in items for _ in range(it.num_rows)]
     row_index = [it.first_index + i for it in items for i in range(it.num_rows)]  # j of the token row i yields
     lp_T = processed_logprobs(logits_T, row_params, row_index).double()  # [rows, vocab]
     lp_s = processed_logprobs(logits_s, row_params, row_index).double()
+    # what is reported: loop T's processed log-probs, or its raw ones (the acceptance test uses lp_T)
+    rep_T = raw_logprobs(logits_T).double() if logprobs_mode == "raw" else lp_T
     # every draft of every request at once
     d_rows = [it.row_start + i for it in items for i in range(len(it.drafts))]
     accepted = [0] * len(items)
-    draft_lps: list[list[float]] = [[] for _ in items]  # loop-T processed log-prob of each draft
+    draft_lps: list[list[float]] = [[] for _ in items]  # loop-T reported log-prob of each draft
     if d_rows:
         rows_t = torch.tensor(d_rows, dtype=torch.int64, device=dev)
         x = torch.tensor([t for it in items for t in it.drafts], dtype=torch.int64, device=dev)
@@ -59,7 +63,8 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         greedy = torch.tensor([it.params.is_greedy for it in items for _ in it.drafts], device=dev)
         u = counter_uniforms(seeds, counters, 1, stream=STREAM_ACCEPT)[:, 0]
         ok = torch.where(greedy, x == lp_T[rows_t].argmax(-1), torch.log(u) < (t_lp - s_lp))  # u < p_T/p_s
-        ok_list, t_lp_list = ok.tolist(), t_lp.tolist()
+        ok_list = ok.tolist()
+        t_lp_list = (rep_T[rows_t].gather(1, x[:, None]).squeeze(1) if rep_T is not lp_T else t_lp).tolist()
         pos = 0
         for n, it in enumerate(items):
             flags = ok_list[pos:pos + len(it.drafts)]
@@ -82,7 +87,7 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         u = counter_uniforms(seeds, counters, residual.shape[1], stream=STREAM_RESIDUAL)
         greedy = torch.tensor([items[n].params.is_greedy for n in rejected], device=dev)
         tok = torch.where(greedy, lp_T[rows_t].argmax(-1), (residual.log() - torch.log(-torch.log(u))).argmax(-1))
-        tok_lp = lp_T[rows_t].gather(1, tok[:, None]).squeeze(1)
+        tok_lp = rep_T[rows_t].gather(1, tok[:, None]).squeeze(1)
         for n, t, lp in zip(rejected, tok.tolist(), tok_lp.tolist()):
             nxt[n] = (t, lp)
     bonus = [n for n, it in enumerate(items) if nxt[n] is None and it.num_rows > len(it.drafts)]
@@ -90,11 +95,11 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         rows_t = torch.tensor([items[n].row_start + len(items[n].drafts) for n in bonus], dtype=torch.int64,
                               device=dev)
         out = sample(logits_T[rows_t], [items[n].params for n in bonus],
-                     [items[n].first_index + len(items[n].drafts) for n in bonus])
+                     [items[n].first_index + len(items[n].drafts) for n in bonus], logprobs_mode)
         for n, t, lp in zip(bonus, out.token_ids, out.logprobs):
             nxt[n] = (t, lp)
 
-    tops = _verified_top_logprobs(items, accepted, draft_lps, nxt, lp_T)
+    tops = _verified_top_logprobs(items, accepted, draft_lps, nxt, rep_T)
     results = []
     for n, it in enumerate(items):  # nxt is None when all were accepted and no row follows them
         token, lp = nxt[n] if nxt[n] is not None else (None, None)
@@ -103,9 +108,9 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
 
 
 def _verified_top_logprobs(items: list[VerifyItem], accepted: list[int], draft_lps: list[list[float]],
-                           nxt: list[tuple[int, float] | None], lp_T: torch.Tensor):
+                           nxt: list[tuple[int, float] | None], reported: torch.Tensor):
     """Loop T's top log-probs at every verified token (the accepted drafts, then the next token) of the
-    requests that ask for them: like any other token's, the k best processed log-probs plus the token."""
+    requests that ask for them: like any other token's, the k best reported log-probs plus the token."""
     rows, tokens, lps, ks, owner = [], [], [], [], []
     for n, it in enumerate(items):
         if it.params.num_top_logprobs <= 0:
@@ -121,7 +126,7 @@ def _verified_top_logprobs(items: list[VerifyItem], accepted: list[int], draft_l
             owner.append(n)
     per_request: list[list] = [[] for _ in items]
     if rows:
-        flat = top_logprobs(lp_T[torch.tensor(rows, dtype=torch.int64, device=lp_T.device)], tokens, lps, ks)
+        flat = top_logprobs(reported[torch.tensor(rows, dtype=torch.int64, device=reported.device)], tokens, lps, ks)
         for n, top in zip(owner, flat):
             per_request[n].append(top)
     return [tuple(t) for t in per_request]

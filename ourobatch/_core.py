@@ -55,6 +55,11 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_head_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The lm_head matmul's dtype: None (the model's) for head_dtype="auto"."""
+    return None if config.head_dtype == "auto" else getattr(torch, config.head_dtype)
+
+
 # CUDA memory kept out of the KV pool for activations, graphs and the sampler's [rows, vocab] buffers.
 ACTIVATION_RESERVE_BYTES = 3 * 2**30
 
@@ -155,7 +160,8 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
                              max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
                              deep_interval=config.deep_interval, attention=config.attention_backend,
-                             cuda_graphs=config.cuda_graphs)
+                             cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
+                             head_dtype=resolve_head_dtype(config))
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
 
     def extra_stats() -> dict:

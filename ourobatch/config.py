@@ -13,6 +13,8 @@ from ourobatch.scheduler.params import MAX_SEED, SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+LOGPROBS_MODES = ("processed", "raw")
+HEAD_DTYPES = ("auto", "float32")
 DEVICE_RE = re.compile(r"cpu|cuda(?::\d+)?")  # whether the machine has that device is checked at build
 
 
@@ -57,6 +59,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse computed prompt blocks across requests (n samples always share)
     kv_watermark: float = 0.01  # lazy: share of the KV pool kept free when admitting
     seed: int = 0  # engine seed: unseeded request i (in add order) gets a seed derived from (seed, i)
+    logprobs_mode: str = "processed"  # reported log-probs: "processed" (the distribution the token was drawn
+    #                                   from) or "raw" (log_softmax of the logits before temperature and
+    #                                   filters: what a trainer's forward computes). Draws never change
+    head_dtype: str = "auto"  # lm_head matmul: "auto" (the model dtype) or "float32" (fp32 logits from an
+    #                           fp32 copy of the weight, as RL trainers run their head)
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -100,6 +107,10 @@ class EngineConfig:
         _positive_int("seed", self.seed, 0)
         if self.seed > MAX_SEED:
             raise ValueError(f"EngineConfig.seed must satisfy 0 <= seed <= {MAX_SEED}, got {self.seed}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"EngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"EngineConfig.head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -1,0 +1,241 @@
+"""Replay scoring for the learner: a rollout's log-probs recomputed with one dense, differentiable forward.
+
+Why one dense forward is enough (docs/semantics.md, "Replay"): loop r's readout at position p depends only
+on loops 1..r at positions <= p, and the engine's deep loops always run at the original positions against
+the true deep KV. So the log-prob the engine reported for generated token j is a function of the dense
+model alone: take loop ``readout_loops[j-1]``'s readout at position ``prompt_len + j - 2`` (the position
+before the token), apply the lm_head, and log_softmax (raw) or process it as the sampler did (processed).
+That is exact for deferred, eager and verify rollouts and for preempted requests, as long as the weights
+did not change while the request ran (``CompletionOutput.weight_versions`` says when they did).
+
+The model contract (``LoopedModel``): ``loop_readouts(input_ids [b, S]) -> T tensors [b, S, hidden]``,
+each loop's normed readout (Ouro applies ``model.norm`` at the end of every loop; that output is loop t's
+readout and loop t+1's input), and ``lm_head_weight`` [vocab, hidden]. ``as_looped_model`` adapts
+ourobatch's own ``OuroForCausalLM``; ``NormHookModel`` adapts any other implementation of the same
+checkpoint (the Hugging Face remote code, a trainer's own class) by hooking its final norm, which runs
+once per loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import nn
+
+from ourobatch.engine.model import OuroForCausalLM, head_logits
+from ourobatch.engine.sampler import LOGPROBS_MODES, processed_logprobs, raw_logprobs
+from ourobatch.scheduler.params import SamplingParams
+
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+@runtime_checkable
+class LoopedModel(Protocol):
+    """What readout_logprobs needs of a model (any implementation of an Ouro checkpoint)."""
+
+    def loop_readouts(self, input_ids: torch.Tensor) -> Sequence[torch.Tensor]:
+        """input_ids [b, S] -> T tensors [b, S, hidden]: each loop's normed readout, causal, no cache."""
+        ...
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]"""
+        ...
+
+
+class OurobatchLoopedModel:
+    """ourobatch's OuroForCausalLM as a LoopedModel (its dense_loops; fused projections are fine)."""
+
+    def __init__(self, model: OuroForCausalLM) -> None:
+        self.model = model
+
+    def loop_readouts(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        return self.model.dense_loops(input_ids)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
+
+class NormHookModel:
+    """Any implementation of an Ouro checkpoint as a LoopedModel: one call of `forward(input_ids)` with a
+    forward hook on `norm`, the module Ouro applies at the end of every loop, collects the T readouts.
+
+    Defaults follow the Hugging Face layout: `norm` = model.model.norm, `lm_head_weight` =
+    model.lm_head.weight, `forward` = ``model.model(input_ids=ids)`` (the base model: no [b, S, vocab]
+    logits). Pass `forward` for other call conventions (e.g. ``lambda ids: m.model(input_ids=ids,
+    use_cache=False)``). Each forward must call `norm` exactly total_ut_steps times."""
+
+    def __init__(self, model: nn.Module, *, norm: nn.Module | None = None,
+                 lm_head_weight: torch.Tensor | None = None,
+                 forward: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.model = model
+        self.norm = norm if norm is not None else model.model.norm
+        self._lm_head_weight = lm_head_weight
+        self.forward = forward if forward is not None else (lambda ids: model.model(input_ids=ids))
+
+    def loop_readouts(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        readouts: list[torch.Tensor] = []
+        handle = self.norm.register_forward_hook(lambda module, args, out: readouts.append(out))
+        try:
+            self.forward(input_ids)
+        finally:
+            handle.remove()
+        return readouts
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._lm_head_weight if self._lm_head_weight is not None else self.model.lm_head.weight
+
+
+def as_looped_model(model: Any) -> LoopedModel:
+    """ourobatch's OuroForCausalLM (adapted) or anything that already meets the LoopedModel contract."""
+    if isinstance(model, OuroForCausalLM):
+        return OurobatchLoopedModel(model)
+    if isinstance(model, LoopedModel):
+        return model
+    raise TypeError(f"model must be an ourobatch OuroForCausalLM or a LoopedModel (loop_readouts(input_ids) -> "
+                    f"T x [b, S, hidden] and lm_head_weight; wrap other implementations in NormHookModel), "
+                    f"got {type(model).__name__}")
+
+
+def _per_row(name: str, value: Any, b: int) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != b:
+            raise ValueError(f"{name} has {len(value)} entries for {b} sequences")
+        return list(value)
+    return [value] * b
+
+
+def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int]],
+                     readout_loops: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, *,
+                     prompt_len: int | Sequence[int], params: ParamsLike | Sequence[ParamsLike] = None,
+                     logprobs_mode: str = "raw", head_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The log-prob of every generated token under the loop that produced it; differentiable.
+
+    - `model`: ourobatch's OuroForCausalLM or a LoopedModel (see the module docstring). Gradients flow
+      into its parameters when they require grad.
+    - `input_ids`: one sequence [S] or a batch [b, S] (a tensor, or a list of token lists of any lengths):
+      row i is its prompt, then its completion, then anything (right padding is never read).
+    - `readout_loops`: one list per row (`CompletionOutput.readout_loops`); its length is the number of
+      generated tokens C_i, and token j (1-based) is scored from loop readout_loops[j-1] at position
+      prompt_len + j - 2. For a full-depth rollout it is [T] * C_i.
+    - `prompt_len`: one int, or one per row.
+    - `params`: the SamplingParams (or dict) the rollout used, one for all rows or one per row; only
+      logprobs_mode="processed" reads them (temperature, top_k, top_p, min_p; min_tokens masks the stop
+      set as the engine did: pass ``params.with_all_stop_token_ids(eos_ids)`` to include the eos).
+    - `logprobs_mode`: "raw" (log_softmax of the logits, the default: what the engine reports with
+      ``EngineConfig(logprobs_mode="raw")``) or "processed" (the engine's default).
+    - `head_dtype`: the lm_head matmul's dtype (None: the weight's; torch.float32 for
+      ``EngineConfig(head_dtype="float32")``).
+
+    Returns [b, C] (or [C] for one unbatched sequence), float32 (float64 for a float64 model), C the
+    longest completion; entries past a row's completion are 0.
+    """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    lm = as_looped_model(model)
+    weight = lm.lm_head_weight
+    single = (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1) or (
+        not isinstance(input_ids, torch.Tensor) and len(input_ids) > 0 and isinstance(input_ids[0], int))
+    ids = _as_batch(input_ids, weight.device, single)  # [b, S]
+    b, S = ids.shape
+    if isinstance(readout_loops, torch.Tensor):
+        readout_loops = readout_loops.tolist()
+    loops = [list(readout_loops)] if single else list(readout_loops)
+    if len(loops) != b:
+        raise ValueError(f"readout_loops has {len(loops)} rows for {b} sequences")
+    prompt_lens = _per_row("prompt_len", prompt_len, b)
+    row_params = [SamplingParams.coerce(p) for p in _per_row("params", params, b)]
+    for i, (P, L) in enumerate(zip(prompt_lens, loops)):
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"prompt_len must be an int >= 1, got {P!r} for row {i}")
+        if P + len(L) > S:
+            raise ValueError(f"row {i}: prompt_len {P} + {len(L)} readout loops exceed its {S} input tokens")
+
+    readouts = lm.loop_readouts(ids)  # T x [b, S, hidden]
+    T = len(readouts)
+    # one entry per generated token: (row, column j-1, readout position, loop, token id, token index j)
+    entries = [(i, j, P + j - 1, r, j + 1) for i, (P, L) in enumerate(zip(prompt_lens, loops))
+               for j, r in enumerate(L)]
+    bad = [(i, r) for i, _, _, r, _ in entries if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= T]
+    if bad:
+        raise ValueError(f"readout_loops must be ints in 1..{T} (the model's loops), got {bad[0][1]!r} in row {bad[0][0]}")
+    C = max((len(L) for L in loops), default=0)
+    dev = weight.device
+    if not entries:
+        out = torch.zeros(b, C, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32, device=dev)
+        return out[0] if single else out
+    rows, cols, pos, loop_ids, token_index = (torch.tensor(v, dtype=torch.int64, device=dev)
+                                              for v in zip(*entries))
+    tokens = ids[rows, pos + 1]  # generated token j sits one position after its readout
+    # gather each token's readout row from its own loop: [N, hidden], in entry order
+    parts, order = [], []
+    for r in sorted(set(loop_ids.tolist())):
+        sel = (loop_ids == r).nonzero().squeeze(1)
+        parts.append(readouts[r - 1][rows[sel], pos[sel]])
+        order.append(sel)
+    h = torch.cat(parts)[torch.argsort(torch.cat(order))]
+    logits = head_logits(h, weight, head_dtype)  # [N, vocab]
+    if logprobs_mode == "raw":
+        lp = raw_logprobs(logits)
+    else:
+        lp = processed_logprobs(logits, [row_params[i] for i, *_ in entries], token_index.tolist())
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)  # [N]
+    out = torch.zeros(b, C, dtype=chosen.dtype, device=dev).index_put((rows, cols), chosen)
+    return out[0] if single else out
+
+
+def _as_batch(input_ids: Any, device: torch.device, single: bool) -> torch.Tensor:
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids[None] if single else input_ids
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [S] or [b, S], got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        return ids.to(device=device, dtype=torch.int64)
+    rows = [list(input_ids)] if single else [list(r) for r in input_ids]
+    if not rows:
+        raise ValueError("input_ids is empty")
+    S = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (S - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+@torch.inference_mode()
+def score(model: OuroForCausalLM, prompt: Sequence[int], completion: Sequence[int],
+          readout_loops: Sequence[int] | None = None, *, params: ParamsLike = None,
+          logprobs_mode: str = "processed", head_dtype: torch.dtype | None = None) -> list[float]:
+    """No-grad log-probs of `completion` after `prompt` through an engine's model (Engine.score): one per
+    completion token, from loop readout_loops[j-1] (default: every token from loop T, full depth)."""
+    prompt, completion = list(prompt), list(completion)
+    config = model.config
+    T, V = config.total_ut_steps, config.vocab_size
+    if not prompt:
+        raise ValueError("prompt must hold at least one token id")
+    bad = [t for t in prompt + completion if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
+    if bad:
+        raise ValueError(f"token ids must be ints in 0..{V - 1}, got {bad[0]!r}")
+    if len(prompt) + len(completion) > config.max_position_embeddings:
+        raise ValueError(f"prompt + completion ({len(prompt) + len(completion)} tokens) exceed the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
+    loops = [T] * len(completion) if readout_loops is None else list(readout_loops)
+    if len(loops) != len(completion):
+        raise ValueError(f"readout_loops has {len(loops)} entries for {len(completion)} completion tokens")
+    if not completion:
+        return []
+    ids = torch.tensor(prompt + completion, dtype=torch.int64, device=model.lm_head.weight.device)
+    lps = readout_logprobs(model, ids, loops, prompt_len=len(prompt), params=params, logprobs_mode=logprobs_mode,
+                           head_dtype=head_dtype)
+    return lps.tolist()
+
+
+def score_on_executor(executor: Any, prompt: Sequence[int], completion: Sequence[int],
+                      readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:
+    """score() through an engine's executor: its model, logprobs_mode and head_dtype (Engine.score and
+    SyncEngine.score call this on the thread that runs steps, never during one)."""
+    return score(executor.model, prompt, completion, readout_loops, params=params,
+                 logprobs_mode=executor.logprobs_mode, head_dtype=executor.head_dtype)
+
+
+__all__ = ["LoopedModel", "NormHookModel", "OurobatchLoopedModel", "as_looped_model", "readout_logprobs", "score",
+           "score_on_executor"]
