@@ -1,0 +1,27 @@
+"""ourobatch.ray: data-parallel scale-out on Ray (the optional `ray` extra: ``pip install ourobatch[ray]``).
+
+``EnginePool(config, num_replicas)`` runs one Engine per Ray actor (one GPU each) and offers the Engine
+API over them; ``EngineActor`` is the actor. See docs/scaling.md. Ray is imported on first use of those
+names, so ``import ourobatch`` (and this package's ReplicaDiedError) never needs it.
+"""
+
+from ourobatch.scheduler.errors import ReplicaDiedError
+
+_LAZY = {"EnginePool": "ourobatch.ray.pool", "EngineActor": "ourobatch.ray.actor"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+                raise
+            raise ImportError(f"ourobatch.ray.{name} needs Ray: pip install 'ourobatch[ray]' (or 'ray>=2.40')") from exc
+        return getattr(module, name)
+    raise AttributeError(f"module 'ourobatch.ray' has no attribute {name!r}")
+
+
+__all__ = ["EngineActor", "EnginePool", "ReplicaDiedError"]

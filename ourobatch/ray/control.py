@@ -1,0 +1,147 @@
+"""Engine calls broadcast to every replica (weights, pause / resume, sleep / wake_up, prefix cache), and
+what a restarted replica must catch up on before it serves again.
+
+Every broadcast calls ``Engine.<method>`` by name on each ready replica (EngineActor.call) and holds one
+lock, which a restarting replica also takes while it catches up, so a replica either took part in a
+broadcast or replays it: never neither. The catch-up log holds the weight updates since the checkpoint
+(each update's tensors are one object in Ray's object store, put there once and read by every replica;
+an update whose tensor names later updates all overwrite is dropped from the log) and the pause and
+sleep state, so a restarted replica serves exactly what the others serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from ourobatch.async_engine import Engine
+from ourobatch.scheduler.log import get_logger
+
+from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failure
+
+log = get_logger()
+
+VERSIONED = ("update_weights", "load_weights")
+
+
+@dataclass
+class _LogEntry:
+    method: str  # "update_weights" | "load_weights"
+    payload: Any  # ObjectRef of the (name, tensor) list, or the checkpoint path
+    version: int
+    names: frozenset[str] | None  # tensor names of an update (None: a checkpoint folder, names unknown)
+
+
+class Control:
+    """The pool's broadcasts and catch-up log. Runs on the pool's event loop."""
+
+    def __init__(self, timeout_s: float, on_failure: Callable[[Replica, str], None]) -> None:
+        self.lock = asyncio.Lock()
+        self.timeout_s = timeout_s
+        self.weight_version = 0
+        self._log: list[_LogEntry] = []
+        self._paused: tuple[tuple, dict] | None = None  # pause()'s arguments while paused
+        self._asleep: tuple[tuple, dict] | None = None  # sleep()'s arguments while asleep
+        self._on_failure = on_failure
+        self.inconsistent: str | None = None  # set when a broadcast changed weights on some replicas only
+
+    @property
+    def paused(self) -> bool:
+        return self._paused is not None
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+    async def call(self, replica: Replica, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Engine.<method> on one replica, bounded by timeout_s; the actor's own exception is raised."""
+        try:
+            return await asyncio.wait_for(await_ref(replica.actor.call.remote(method, *args, **kwargs)),
+                                          self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"replica {replica.index}: Engine.{method} did not return within "
+                               f"{self.timeout_s}s (control_timeout_s)") from None
+        except Exception as exc:
+            cause = cause_of(exc)
+            if cause is exc:
+                raise
+            raise cause from None
+
+    async def broadcast(self, replicas: Iterable[Replica], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call Engine.<method> on every ready replica; returns their results (replica order).
+
+        A replica that dies meanwhile is left out (it catches up when it is back); any other error is
+        raised once every call has ended."""
+        if not callable(getattr(Engine, method, None)):
+            raise NotImplementedError(f"Engine.{method} does not exist in this ourobatch version, so the pool "
+                                      f"cannot broadcast it")
+        async with self.lock:
+            return await self._broadcast_locked(list(replicas), method, args, kwargs)
+
+    async def _broadcast_locked(self, replicas: list[Replica], method: str, args: tuple, kwargs: dict) -> list[Any]:
+        targets = [r for r in replicas if r.state == ReplicaState.READY]
+        outcomes = await asyncio.gather(*(self.call(r, method, *args, **kwargs) for r in targets),
+                                        return_exceptions=True)
+        results, errors = [], []
+        for r, outcome in zip(targets, outcomes):
+            if isinstance(outcome, BaseException) and is_actor_failure(outcome):
+                self._on_failure(r, f"died during {method}: {outcome}")
+            elif isinstance(outcome, BaseException):
+                errors.append((r, outcome))
+            else:
+                results.append(outcome)
+        if errors:
+            if method in VERSIONED and results:  # some replicas took the new weights, some did not
+                self.inconsistent = (f"{method} succeeded on {len(results)} replica(s) and failed on replica "
+                                     f"{errors[0][0].index}: {errors[0][1]}")
+                log.error("pool_weights_inconsistent", reason=self.inconsistent)
+            raise errors[0][1]
+        if method in ("pause", "resume"):
+            self._paused = (args, kwargs) if method == "pause" else None
+        elif method in ("sleep", "wake_up"):
+            self._asleep = (args, kwargs) if method == "sleep" else None
+        return results
+
+    async def update(self, replicas: Iterable[Replica], method: str, payload: Any,
+                     names: frozenset[str] | None, version: int | None) -> int:
+        """update_weights / load_weights on every ready replica with one version; returns it."""
+        if not callable(getattr(Engine, method, None)):
+            raise NotImplementedError(f"Engine.{method} does not exist in this ourobatch version")
+        async with self.lock:
+            new_version = self.weight_version + 1 if version is None else version
+            results = await self._broadcast_locked(list(replicas), method, (payload,), {"version": new_version})
+            wrong = [v for v in results if v != new_version]
+            if wrong:
+                self.inconsistent = f"{method}: replicas report versions {sorted(set(results))}, not {new_version}"
+                raise RuntimeError(self.inconsistent)
+            self.inconsistent = None
+            self.weight_version = new_version
+            self._record(_LogEntry(method, payload, new_version, names))
+            return new_version
+
+    def _record(self, entry: _LogEntry) -> None:
+        covered: set[str] = set(entry.names or ())
+        kept = [entry]
+        for old in reversed(self._log):  # newest first: drop an update whose every tensor is overwritten later
+            if old.names is not None and old.names <= covered:
+                continue
+            kept.append(old)
+            covered |= old.names or set()
+        self._log = kept[::-1]
+
+    async def catch_up(self, replica: Replica) -> None:
+        """Bring a restarted replica (fresh from its checkpoint) to the pool's weights and state. Call
+        with the lock held."""
+        for entry in self._log:
+            version = await self.call(replica, entry.method, entry.payload, version=entry.version)
+            if version != entry.version:
+                raise RuntimeError(f"replica {replica.index}: {entry.method} replay reports version {version}, "
+                                   f"expected {entry.version}")
+        if self._paused is not None:
+            await self.call(replica, "pause", *self._paused[0], **self._paused[1])
+        if self._asleep is not None:
+            await self.call(replica, "sleep", *self._asleep[0], **self._asleep[1])
+        if self._log:
+            log.info("replica_caught_up", replica=replica.index, weight_version=self.weight_version,
+                     updates=len(self._log))

@@ -1,0 +1,258 @@
+"""One caller request in the pool: its completions, assembled from the outputs of one or more engine
+requests on the replicas, and the stream the caller reads. Ray-free.
+
+A Flight starts as one engine request (all n completions, on one replica). When that replica dies and
+the pool retries, each unfinished completion i becomes an engine request of its own: prompt + the tokens
+i already has, ``max_tokens`` (and ``min_tokens``) less what it has, so the outputs stitch: token ids,
+log-probs, readout loops and top log-probs are appended, the counters added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ourobatch.scheduler.frontend import child_seed
+from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
+from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from .pool import EnginePool
+
+
+@dataclass
+class Completion:
+    """Completion i as the caller sees it (cumulative)."""
+
+    index: int
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    readout_loops: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    weight_version: int = 0
+    stop_reason: int | None = None
+    error: str | None = None
+    # the counters of the engine requests before the current one (a retry restarts them at 0)
+    base_logprob: float = 0.0
+    base_drafted: int = 0
+    base_accepted: int = 0
+    cumulative_logprob: float = 0.0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    def absorb(self, out: CompletionOutput) -> int:
+        """Append a delta (or a final output that is all of it) of the current engine request; returns
+        how many tokens it added."""
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.readout_loops += out.readout_loops
+        if out.top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + [dict(t) for t in out.top_logprobs]
+        self.cumulative_logprob = self.base_logprob + out.cumulative_logprob
+        self.num_drafted = self.base_drafted + out.num_drafted
+        self.num_accepted = self.base_accepted + out.num_accepted
+        self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+        self.weight_version = out.weight_version
+        return len(out.token_ids)
+
+    def start_retry(self) -> None:
+        self.base_logprob, self.base_drafted, self.base_accepted = (self.cumulative_logprob, self.num_drafted,
+                                                                    self.num_accepted)
+
+    def output(self, start: int = 0) -> CompletionOutput:
+        top = self.top_logprobs[start:] if self.top_logprobs is not None else None
+        return CompletionOutput(index=self.index, token_ids=self.token_ids[start:], logprobs=self.logprobs[start:],
+                                readout_loops=self.readout_loops[start:], cumulative_logprob=self.cumulative_logprob,
+                                finish_reason=self.finish_reason, seed=self.seed, weight_version=self.weight_version,
+                                top_logprobs=top, stop_reason=self.stop_reason, error=self.error,
+                                num_drafted=self.num_drafted, num_accepted=self.num_accepted)
+
+
+@dataclass(eq=False)
+class SubRequest:
+    """One engine request of a flight on one replica: completions `indexes` of the flight."""
+
+    flight: "Flight"
+    engine_id: str  # the request id on the replica
+    prompt_token_ids: list[int]
+    params: SamplingParams  # as sent (seeded, output_kind chosen by the pool)
+    indexes: list[int]  # flight completion of each of its completions
+    replica: int | None = None  # where it runs (None: not placed yet)
+    task: asyncio.Task | None = None
+    generator: Any = None  # the Ray streaming generator while it runs
+    charged: int = 0  # tokens of load it holds on its replica
+    aborted: set[int] = field(default_factory=set)  # completions aborted before it reached a replica
+
+    def abort_ids(self, targets: list[int]) -> list[str]:
+        """Engine request ids that abort the flight completions `targets` it serves."""
+        local = [k for k, i in enumerate(self.indexes) if i in targets]
+        if not local:
+            return []
+        if len(local) == len(self.indexes):
+            return [self.engine_id]
+        return [f"{self.engine_id}:{k}" for k in local]  # one completion of an n > 1 engine request
+
+    def mark_aborted(self, targets: list[int]) -> None:
+        """Aborted before placement: all of it ends here; some of it is aborted once it is placed."""
+        self.aborted |= {i for i in self.indexes if i in targets}
+        if self.aborted >= set(self.indexes):
+            self.flight.finish_unplaced(self.indexes, "abort")
+
+    def pending_aborts(self) -> list[str]:
+        return self.abort_ids(sorted(self.aborted))
+
+    def remaining(self) -> int:
+        """Tokens this engine request may still generate (the router's load)."""
+        done = sum(len(self.flight.completions[i].token_ids) for i in self.indexes)
+        return max(0, self.flight.params.max_tokens * len(self.indexes) - done)
+
+
+class Flight:
+    """A caller's request: n completions, the engine requests serving them, and its waiting consumer."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params  # seeded
+        self.kind = kind  # what the caller reads
+        assert params.seed is not None
+        self.completions = [Completion(i, child_seed(params.seed, i)) for i in range(params.n)]
+        self.subs: list[SubRequest] = []  # live engine requests
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.delivered = [0] * params.n
+        self.sent_final = False
+        self.num_retries = 0
+        self.retry = False  # the pool's retry_aborted when the request was added
+        self.abandoned = False  # the caller is gone: nothing reads it
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(c.finish_reason is not None for c in self.completions)
+
+    def merge(self, sub: SubRequest, out: RequestOutput) -> int:
+        """Fold one engine output of `sub` in; returns the tokens added."""
+        added = sum(self.completions[sub.indexes[c.index]].absorb(c) for c in out.outputs)
+        self.event.set()
+        return added
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.finished:
+            self.error = error
+        self.event.set()
+
+    def finish_unplaced(self, indexes: list[int], reason: str) -> None:
+        """End completions that never reached a replica (aborted before placement)."""
+        for i in indexes:
+            if self.completions[i].finish_reason is None:
+                self.completions[i].finish_reason = reason
+        self.event.set()
+
+    def retry_subrequests(self, sub: SubRequest) -> list[SubRequest]:
+        """Engine requests that continue `sub`'s unfinished completions elsewhere, one per completion:
+        prompt + its tokens, the token budget less what it has, a seed of its own (a continuation is
+        a fresh draw given its prefix, as after a preemption: docs/scaling.md)."""
+        self.num_retries += 1
+        subs = []
+        for i in sub.indexes:
+            c = self.completions[i]
+            if c.finish_reason is not None:
+                continue
+            have = len(c.token_ids)
+            c.start_retry()
+            params = dataclasses.replace(
+                self.params, n=1, max_tokens=self.params.max_tokens - have,
+                min_tokens=max(0, self.params.min_tokens - have),
+                seed=child_seed(c.seed, have + 1) if have else c.seed)
+            engine_id = f"{self.request_id}:{i}~retry{self.num_retries}"
+            subs.append(SubRequest(self, engine_id, self.prompt_token_ids + c.token_ids, params, [i]))
+        return subs
+
+    def output(self, since: list[int] | None = None) -> RequestOutput:
+        outs = [c.output(since[i] if since is not None else 0) for i, c in enumerate(self.completions)]
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished)
+
+    def num_tokens(self) -> list[int]:
+        return [len(c.token_ids) for c in self.completions]
+
+    def pending(self) -> bool:
+        return self.num_tokens() != self.delivered or (self.finished and not self.sent_final)
+
+    def take(self) -> RequestOutput | None:
+        """What the caller reads now, per its output kind (None: nothing for it yet)."""
+        if self.error is not None:
+            raise self.error
+        finished = self.finished
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            self.delivered = self.num_tokens()
+            return None
+        out = self.output(since=self.delivered if self.kind == RequestOutputKind.DELTA else None)
+        self.delivered = self.num_tokens()
+        self.sent_final = finished
+        return out
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        self.event.clear()
+
+
+class PoolStream:
+    """Async iterator over one pool request's outputs (Engine.stream's contract). Closing it early
+    (``aclose()``, leaving ``async with``, cancelling the consumer, or dropping it) aborts the request.
+    Raises ReplicaDiedError if its replica dies (unless the pool retries it)."""
+
+    def __init__(self, pool: "EnginePool", flight: Flight) -> None:
+        self._pool = pool
+        self._flight = flight
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._flight.request_id
+
+    def __aiter__(self) -> "PoolStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        flight = self._flight
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            while True:
+                if flight.error is not None or flight.pending():
+                    out = flight.take()
+                    if flight.sent_final:
+                        self._close()
+                    if out is not None:
+                        return out
+                    if self._closed:
+                        raise StopAsyncIteration
+                    continue
+                await flight.wait()
+        except BaseException:
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool._release(self._flight)
+
+    async def aclose(self) -> None:
+        self._close()
+
+    async def __aenter__(self) -> "PoolStream":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._pool._release_later(self._flight)

@@ -1,0 +1,354 @@
+"""ourobatch.ray on a local CPU Ray cluster: a 2-replica EnginePool gives a single engine's outputs in every
+mode, survives a killed replica (named error or retry, restart, catch-up), and fans weight updates out.
+
+One ray.init for the module and one pool at a time (`pools` keeps the last one open for the next test):
+a pool's startup (two worker processes importing torch) is most of this file's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import pytest_asyncio
+import ray
+import torch
+
+from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch.ray import EnginePool, ReplicaDiedError
+from ourobatch.ray.routing import Router
+from ourobatch.ray.stats import sum_stats
+from ourobatch.scheduler.errors import EngineDeadError
+from ourobatch.testing import make_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+LIMIT = 60  # seconds: every wait on the pool is bounded, so a hang fails the test instead of CI
+
+MODES = {"deferred4": dict(mode="deferred", deep_interval=4), "eager4": dict(mode="eager", deep_interval=4),
+         "verify4": dict(mode="verify", deep_interval=4), "interval1": dict(deep_interval=1)}
+
+
+def config(ckpt, mode: str, **kw) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), dtype="float64", block_size=4, num_kv_blocks=512, max_model_len=512,
+                        **MODES[mode], **kw)
+
+
+def sp(max_tokens=12, seed=0, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
+
+
+def assert_same(got, want) -> None:
+    """Pool output == single-engine output: tokens, readout loops, finish, seeds exactly; log-probs to 1e-9."""
+    assert got.request_id == want.request_id and got.prompt_token_ids == want.prompt_token_ids
+    assert len(got.outputs) == len(want.outputs)
+    for a, b in zip(got.outputs, want.outputs):
+        assert (a.index, a.token_ids, a.readout_loops, a.finish_reason, a.seed) == \
+               (b.index, b.token_ids, b.readout_loops, b.finish_reason, b.seed)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-9)
+        assert (a.num_drafted, a.num_accepted) == (b.num_drafted, b.num_accepted)
+        assert (a.top_logprobs is None) == (b.top_logprobs is None)
+        for ta, tb in zip(a.top_logprobs or [], b.top_logprobs or []):
+            assert ta.keys() == tb.keys() and list(ta.values()) == pytest.approx(list(tb.values()), abs=1e-9)
+
+
+def reference(cfg: EngineConfig, prompts, params, request_ids):
+    with SyncEngine(cfg) as llm:
+        return llm.generate_batch(prompts, params, request_ids=request_ids)
+
+
+# ---------------------------------------------------------------------- routing (no Ray)
+
+def test_router_least_outstanding_work_then_lowest_index():
+    r = Router(3, block_size=4, affinity_tokens=0)
+    assert r.choose([1, 2, 3, 4, 5], [10, 3, 3]) == 1
+    assert r.choose([1], [None, 7, 2]) == 2
+    assert r.choose([1], [None, None, None]) is None
+
+
+def test_router_prefix_affinity_yields_to_balance():
+    r = Router(2, block_size=4, affinity_tokens=8, affinity_slack_tokens=100)
+    system = [9, 9, 9, 9, 8, 8, 8, 8]
+    assert r.choose(system + [1], [0, 0]) == 0  # a new prefix lands on the least loaded replica
+    assert r.choose(system + [2, 3], [50, 0]) == 0  # same first 8 tokens: same replica, within the slack
+    assert r.choose(system + [4], [101, 0]) == 1  # too unbalanced: the least loaded one
+    assert r.choose(system + [5], [60, 0]) == 0  # the prefix kept its home
+    assert r.choose(system + [6], [None, 0]) == 1  # home down: it moves
+    assert r.choose(system + [7], [0, 50]) == 1
+    assert r.choose([9, 9, 9], [5, 0]) == 1  # no full block: no affinity
+    with pytest.raises(ValueError, match="affinity_tokens"):
+        Router(2, block_size=4, affinity_tokens=-1)
+
+
+def test_summed_stats_add_counters_and_recompute_usage():
+    total = sum_stats([{"tokens_generated": 3, "kv_blocks_used": 1, "kv_blocks_total": 4, "kv_usage": 0.25,
+                        "step_in_flight": False, "max_model_len": 64, "attention_backend": "torch"},
+                       {"tokens_generated": 5, "kv_blocks_used": 3, "kv_blocks_total": 4, "kv_usage": 0.75,
+                        "step_in_flight": True, "max_model_len": 64, "attention_backend": "torch"}])
+    assert total == {"tokens_generated": 8, "kv_blocks_used": 4, "kv_blocks_total": 8, "kv_usage": 0.5,
+                     "step_in_flight": True, "max_model_len": 64, "attention_backend": "torch"}
+
+
+# ---------------------------------------------------------------------- the pool on Ray
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ray") / "m", seed=5, eos_token_id=None)
+
+
+class Pools:
+    """One open pool at a time, keyed by mode: consecutive tests of a mode share it."""
+
+    def __init__(self, ckpt) -> None:
+        self.ckpt, self.mode, self.pool = ckpt, None, None
+
+    async def get(self, mode: str) -> EnginePool:
+        if self.mode != mode:
+            await self.close()
+            self.pool = EnginePool(config(self.ckpt, mode), num_replicas=2, ready_timeout_s=LIMIT,
+                                   control_timeout_s=LIMIT)
+            await asyncio.wait_for(self.pool.start(), 2 * LIMIT)
+            self.mode = mode
+        return self.pool
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await asyncio.wait_for(self.pool.aclose(), LIMIT)
+        self.pool = self.mode = None
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pools(ckpt):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # The replicas run one torch thread each (Ray's default for a 1-CPU actor); so do the references here,
+    # which keeps them fast on a busy 2-core machine and makes their arithmetic the replicas' own.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    holder = Pools(ckpt)
+    try:
+        yield holder
+    finally:
+        torch.set_num_threads(threads)
+        await holder.close()
+        ray.shutdown()
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19]]
+
+
+def mixed_params():
+    return [sp(14, seed=11, temperature=0.9), sp(10, seed=12, n=3, temperature=1.0, logprobs=2),
+            sp(9, seed=13, temperature=0.0), sp(16, seed=14, n=2, top_k=5), sp(7, seed=15, min_p=0.1)]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_pool_outputs_equal_a_single_engine(pools, ckpt, mode):
+    pool = await pools.get(mode)
+    cfg = config(ckpt, mode)
+    # Unseeded requests get the seeds a fresh Engine would give them, in add order.
+    unseeded = await asyncio.wait_for(pool.generate_batch(PROMPTS[:3], {"max_tokens": 6, "ignore_eos": True},
+                                                          request_ids=["u0", "u1", "u2"]), LIMIT)
+    for got, want in zip(unseeded, reference(cfg, PROMPTS[:3], {"max_tokens": 6, "ignore_eos": True},
+                                             ["u0", "u1", "u2"])):
+        assert_same(got, want)
+
+    params, ids = mixed_params(), [f"g{i}" for i in range(len(PROMPTS))]
+    want = reference(cfg, PROMPTS, params, ids)
+    got = await asyncio.wait_for(asyncio.gather(*(pool.generate(p, q, request_id=i)
+                                                  for p, q, i in zip(PROMPTS, params, ids))), LIMIT)
+    batch = await asyncio.wait_for(pool.generate_batch(PROMPTS, params, request_ids=ids), LIMIT)
+    for g, b, w in zip(got, batch, want):
+        assert_same(g, w)
+        assert_same(b, w)
+
+    async def read(i: int, kind: str):
+        outs = []
+        async with pool.stream(PROMPTS[i], dataclasses.replace(params[i], output_kind=kind), request_id=ids[i]) as s:
+            async for out in s:
+                outs.append(out)
+        return outs
+
+    deltas, cumulative = await asyncio.wait_for(asyncio.gather(read(1, "DELTA"), read(3, "CUMULATIVE")), LIMIT)
+    joined = deltas[-1]
+    for c in joined.outputs:  # the deltas of each completion, concatenated, are the whole completion
+        parts = [o.outputs[c.index] for o in deltas]
+        c.token_ids = [t for p in parts for t in p.token_ids]
+        c.logprobs = [x for p in parts for x in p.logprobs]
+        c.readout_loops = [x for p in parts for x in p.readout_loops]
+        c.top_logprobs = [x for p in parts for x in p.top_logprobs]
+    assert_same(joined, want[1])
+    assert_same(cumulative[-1], want[3])
+    assert cumulative[-1].finished and all(not o.finished for o in cumulative[:-1])
+    stats = pool.stats()
+    assert [r["requests_routed"] > 0 for r in stats["replicas"]] == [True, True]  # both replicas served
+    assert stats["num_replicas_ready"] == 2 and stats["requests_added"] == sum(
+        r["requests_added"] for r in stats["replicas"])
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["tokens_generated"] > 0
+
+
+async def freeze(pool: EnginePool, index: int) -> None:
+    """Pause one replica with its requests kept (Engine.pause("keep")): they stay in flight."""
+    await asyncio.wait_for(pool.actors[index].call.remote("pause", "keep"), LIMIT)
+
+
+async def first_delta(stream):
+    return await asyncio.wait_for(stream.__anext__(), LIMIT)
+
+
+async def drain(stream) -> list:
+    outs = []
+    async for out in stream:
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_killed_replica_fails_its_requests_others_complete_and_it_comes_back(pools, ckpt):
+    pool = await pools.get("interval1")
+    cfg = config(ckpt, "interval1")
+    # Both replicas idle: the first request goes to replica 0, the next one to the less loaded replica 1.
+    doomed = pool.stream([21, 22, 23, 24, 25], sp(40, seed=1, output_kind="DELTA"), request_id="doomed")
+    await first_delta(doomed)
+    other = pool.stream([26, 27, 28, 29, 30], sp(30, seed=2), request_id="other")
+    await first_delta(other)
+    assert (pool.replica_of("doomed"), pool.replica_of("other")) == (0, 1)
+    await freeze(pool, 0)  # "doomed" is provably mid-flight when its replica dies
+    ray.kill(pool.actors[0], no_restart=False)
+    with pytest.raises(ReplicaDiedError, match="replica 0 died") as err:
+        await asyncio.wait_for(drain(doomed), LIMIT)
+    assert isinstance(err.value, EngineDeadError)  # code that handles a dead Engine handles this too
+    (want,) = reference(cfg, [[26, 27, 28, 29, 30]], [sp(30, seed=2)], ["other"])
+    assert_same((await asyncio.wait_for(drain(other), LIMIT))[-1], want)
+
+    await pool.wait_ready(LIMIT)  # Ray restarted the actor; the pool re-armed it
+    stats = pool.stats()
+    assert [r["restarts"] for r in stats["replicas"]] == [1, 0] and stats["requests_failed_replica_died"] == 1
+    routed = stats["replicas"][0]["requests_routed"]
+    prompts, params = [[3, 1, 4, 1], [5, 9, 2, 6]], [sp(20, seed=3), sp(20, seed=4)]
+    got = await asyncio.wait_for(pool.generate_batch(prompts, params, request_ids=["a", "b"]), LIMIT)
+    for g, w in zip(got, reference(cfg, prompts, params, ["a", "b"])):
+        assert_same(g, w)
+    assert pool.stats()["replicas"][0]["requests_routed"] == routed + 1  # the restarted replica serves again
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_retry_aborted_continues_killed_requests_on_another_replica(pools, ckpt):
+    pool = await pools.get("interval1")
+    cfg = config(ckpt, "interval1")
+    pool.retry_aborted = True  # for requests added from now on
+    try:
+        prompt = [20, 19, 18, 17, 16]
+        greedy = sp(40, seed=5, temperature=0.0, n=2, output_kind="DELTA")
+        doomed = pool.stream(prompt, greedy, request_id="greedy")
+        before = (await first_delta(doomed)).outputs
+        sampled = pool.stream([15, 14, 13, 12, 11], sp(30, seed=6, output_kind="DELTA"), request_id="sampled")
+        await first_delta(sampled)
+        assert (pool.replica_of("greedy"), pool.replica_of("sampled")) == (0, 1)
+        await freeze(pool, 0)
+        ray.kill(pool.actors[0], no_restart=False)
+        outs = await asyncio.wait_for(drain(doomed), LIMIT)
+        await asyncio.wait_for(drain(sampled), LIMIT)
+    finally:
+        pool.retry_aborted = False
+    tokens = [before[i].token_ids + [t for o in outs for t in o.outputs[i].token_ids] for i in range(2)]
+    (want,) = reference(cfg, [prompt], [greedy], ["greedy"])
+    # Greedy at full depth: continuing from prompt + the tokens already produced gives the same completion.
+    assert tokens == [c.token_ids for c in want.outputs] and [c.finish_reason for c in outs[-1].outputs] == [
+        "length", "length"]
+    assert pool.stats()["requests_retried"] == 1
+    await pool.wait_ready(LIMIT)
+    assert pool.stats()["replicas"][0]["restarts"] == 2
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_abort_and_broadcast_reset_prefix_cache(pools):
+    pool = await pools.get("interval1")
+    stream = pool.stream([2, 7, 1, 8], sp(40, seed=7, n=2, output_kind="DELTA"), request_id="ab")
+    await first_delta(stream)
+    index = pool.replica_of("ab")
+    await freeze(pool, index)  # so the aborts find it running
+    assert await pool.abort("ab:1") and not await pool.abort("ab:2") and not await pool.abort("nope")
+    assert await pool.abort("ab")
+    final = (await asyncio.wait_for(drain(stream), LIMIT))[-1]
+    assert [c.finish_reason for c in final.outputs] == ["abort", "abort"]
+    await asyncio.wait_for(pool.actors[index].call.remote("resume"), LIMIT)
+    assert pool.stats()["prefix_cache_blocks"] > 0
+    assert await asyncio.wait_for(pool.reset_prefix_cache(), LIMIT) > 0  # summed over the replicas
+    assert pool.stats()["prefix_cache_blocks"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_pause_sleep_wake_up_resume_and_abort_all_broadcast(pools, ckpt):
+    pool = await pools.get("interval1")
+    prompts, params = [[4, 6, 8, 10], [5, 7, 9, 11]], [sp(24, seed=21), sp(24, seed=22, n=2)]
+    streams = [pool.stream(p, q, request_id=f"k{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+    await asyncio.wait_for(asyncio.gather(*(first_delta(s) for s in streams)), LIMIT)
+    assert {pool.replica_of("k0"), pool.replica_of("k1")} == {0, 1}
+    await asyncio.wait_for(pool.pause("keep"), LIMIT)
+    stats = pool.stats()
+    assert pool.is_paused and [r["is_paused"] for r in stats["replicas"]] == [True, True]
+    assert stats["num_running"] == 3  # kept: frozen with their KV
+    await asyncio.wait_for(pool.sleep(1), LIMIT)
+    assert pool.is_sleeping and [r["is_sleeping"] for r in pool.stats()["replicas"]] == [True, True]
+    await asyncio.wait_for(pool.wake_up(), LIMIT)
+    await asyncio.wait_for(pool.resume(), LIMIT)
+    assert not pool.is_paused and not pool.is_sleeping
+    finals = [(await asyncio.wait_for(drain(s), LIMIT))[-1] for s in streams]
+    for got, want in zip(finals, reference(config(ckpt, "interval1"), prompts, params, ["k0", "k1"])):
+        assert_same(got, want)  # kept requests lost their KV to sleep and were recomputed: same outputs
+    # abort_all: every replica's live requests end now; their partial outputs come back, all replicas' together
+    streams = [pool.stream(p, sp(40, seed=23), request_id=f"z{i}") for i, p in enumerate(prompts)]
+    await asyncio.wait_for(asyncio.gather(*(first_delta(s) for s in streams)), LIMIT)
+    await asyncio.wait_for(pool.pause("keep"), LIMIT)
+    aborted = await asyncio.wait_for(pool.abort_all(), LIMIT)
+    await asyncio.wait_for(pool.resume(), LIMIT)
+    assert sorted(o.request_id for o in aborted) == ["z0", "z1"]
+    for s in streams:
+        assert (await asyncio.wait_for(drain(s), LIMIT))[-1].outputs[0].finish_reason == "abort"
+
+
+def needs_engine_method(name: str):
+    return pytest.mark.skipif(not callable(getattr(Engine, name, None)),
+                              reason=f"Engine.{name} does not exist yet (the RL-contract work adds it)")
+
+
+@needs_engine_method("update_weights")
+@needs_engine_method("load_weights")
+@pytest.mark.asyncio(loop_scope="module")
+async def test_weight_updates_fan_out_and_a_restarted_replica_catches_up(pools, ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    pool = await pools.get("interval1")
+    new = make_tiny_checkpoint(tmp_path / "new", seed=6, eos_token_id=None)
+    prompts, params, ids = [[6, 2, 8, 3], [1, 8, 5, 3]], [sp(15, seed=8), sp(15, seed=9, n=2)], ["w0", "w1"]
+
+    async def check(model, version: int) -> None:
+        """Both replicas serve (one request each) what a fresh engine on `model` gives."""
+        routed = [r["requests_routed"] for r in pool.stats()["replicas"]]
+        got = await asyncio.wait_for(pool.generate_batch(prompts, params, request_ids=ids), LIMIT)
+        for g, w in zip(got, reference(config(model, "interval1"), prompts, params, ids)):
+            assert_same(g, w)
+            assert {c.weight_version for c in g.outputs} == {version}
+        assert [r["requests_routed"] for r in pool.stats()["replicas"]] == [routed[0] + 1, routed[1] + 1]
+
+    tensors = sorted(load_file(str(new / "model.safetensors")).items())
+    assert await asyncio.wait_for(pool.update_weights(tensors), LIMIT) == 1
+    assert [r["weight_version"] for r in pool.stats()["replicas"]] == [1, 1]
+    await check(new, 1)
+    # A replica that restarts loads the old checkpoint; the pool replays the update before it serves.
+    ray.kill(pool.actors[1], no_restart=False)
+    await asyncio.wait_for(until_restarted(pool, 1), 2 * LIMIT)
+    assert [r["weight_version"] for r in pool.stats()["replicas"]] == [1, 1]
+    await check(new, 1)
+    assert await asyncio.wait_for(pool.load_weights(ckpt, version=7), LIMIT) == 7
+    await check(ckpt, 7)
+
+
+async def until_restarted(pool: EnginePool, index: int) -> None:
+    """Wait until the pool has seen replica `index` die and come back (its monitor notices at once)."""
+    restarts = pool.replicas[index].restarts
+    while pool.replicas[index].restarts == restarts:
+        await pool._changed.wait()
+    await pool.wait_ready(LIMIT)
