@@ -14,6 +14,7 @@ requested, prefix-cache hits, and KV utilisation / running requests over time (P
     python benchmarks/rollout.py --out results/rollout                      # H200: the issue's workload
     python benchmarks/rollout.py --device cpu --tiny --prompts 3 --n 2 --prompt-len 8 --max-tokens 24 \\
         --median 8 --out /tmp/r                                               # CPU smoke test
+    python benchmarks/rollout.py --out results/rollout_r2 --replicas 2        # 2 replicas, ourobatch.ray (docs/scaling.md)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import anyio
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams
+from ourobatch.engine.config import OuroConfig
 from ourobatch.scheduler.params import RequestOutputKind
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -102,11 +104,11 @@ async def run_config(model_dir: str, args, name: str, allocation: str) -> dict:
                        shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, kv_allocation=allocation,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
-    async with Engine(cfg) as engine:
-        vocab = engine.core.scheduler.config.vocab_size
+    async with (Engine(cfg) if not args.replicas else _pool(cfg, args.replicas)) as engine:
+        vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
         warm_prompts, warm_lengths = workload(args, vocab, seed=99, median=max(2, args.median / 10))
         await run_round(engine, warm_prompts, warm_lengths, args, "warm", None)  # graphs for every batch size
-        engine.core.reset_prefix_cache()
+        await engine.reset_prefix_cache()
         prompts, lengths = workload(args, vocab, seed=args.seed, median=args.median)
         trace: list = []
         row = await run_round(engine, prompts, lengths, args, "run", trace)
@@ -120,6 +122,13 @@ async def run_config(model_dir: str, args, name: str, allocation: str) -> dict:
                prefill_computed_over_RP=row["prefill_tokens_computed"] / (args.prompts * args.prompt_len),
                trace=trace)
     return row
+
+
+def _pool(cfg: EngineConfig, replicas: int):
+    """--replicas N: the same engine config on N Ray actors (one GPU each on CUDA) behind the Engine API."""
+    from ourobatch.ray import EnginePool
+
+    return EnginePool(cfg, num_replicas=replicas)
 
 
 def _time_mean(trace: list, col: int) -> float:
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--sample-interval", type=float, default=0.05, help="seconds between stats samples")
+    ap.add_argument("--replicas", type=int, default=0, help="0: one Engine in this process; N >= 1: an "
+                    "ourobatch.ray.EnginePool of N replicas (Ray actors, one GPU each; docs/scaling.md)")
     args = ap.parse_args(argv)
     allocations = args.allocations.split(",")
     for a in allocations:
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
                 torch=torch.__version__, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, median=args.median, sigma=args.sigma, seed=args.seed,
+                replicas=args.replicas,
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True).stdout.strip() or "unknown")
     rows = []

@@ -19,7 +19,7 @@ from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
 from ourobatch.ray import EnginePool, ReplicaDiedError
 from ourobatch.ray.routing import Router
 from ourobatch.ray.stats import sum_stats
-from ourobatch.scheduler.errors import EngineDeadError
+from ourobatch.scheduler.errors import EngineDeadError, RequestRejectedError
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,6 +59,18 @@ def reference(cfg: EngineConfig, prompts, params, request_ids):
 
 
 # ---------------------------------------------------------------------- routing (no Ray)
+
+def test_ray_facade_is_pinned_and_imports_ray_lazily():
+    import subprocess
+    import sys
+
+    import ourobatch.ray
+
+    assert set(ourobatch.ray.__all__) == {"EngineActor", "EnginePool", "ReplicaDiedError"}
+    code = ("import sys, ourobatch, ourobatch.ray; ourobatch.ray.ReplicaDiedError; "
+            "assert 'ray' not in sys.modules and 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
 
 def test_router_least_outstanding_work_then_lowest_index():
     r = Router(3, block_size=4, affinity_tokens=0)
@@ -146,22 +158,20 @@ def mixed_params():
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_pool_outputs_equal_a_single_engine(pools, ckpt, mode):
     pool = await pools.get(mode)
-    cfg = config(ckpt, mode)
-    # Unseeded requests get the seeds a fresh Engine would give them, in add order.
-    unseeded = await asyncio.wait_for(pool.generate_batch(PROMPTS[:3], {"max_tokens": 6, "ignore_eos": True},
-                                                          request_ids=["u0", "u1", "u2"]), LIMIT)
-    for got, want in zip(unseeded, reference(cfg, PROMPTS[:3], {"max_tokens": 6, "ignore_eos": True},
-                                             ["u0", "u1", "u2"])):
-        assert_same(got, want)
-
     params, ids = mixed_params(), [f"g{i}" for i in range(len(PROMPTS))]
-    want = reference(cfg, PROMPTS, params, ids)
+    unseeded_params = {"max_tokens": 6, "ignore_eos": True}
+    with SyncEngine(config(ckpt, mode)) as llm:  # the references: one engine, same requests
+        want_unseeded = llm.generate_batch(PROMPTS[:3], unseeded_params, request_ids=["u0", "u1", "u2"])
+        want = llm.generate_batch(PROMPTS, params, request_ids=ids)
+    # Unseeded requests get the seeds a fresh Engine would give them, in add order.
+    unseeded = await asyncio.wait_for(pool.generate_batch(PROMPTS[:3], unseeded_params,
+                                                          request_ids=["u0", "u1", "u2"]), LIMIT)
+    for got, w in zip(unseeded, want_unseeded):
+        assert_same(got, w)
     got = await asyncio.wait_for(asyncio.gather(*(pool.generate(p, q, request_id=i)
                                                   for p, q, i in zip(PROMPTS, params, ids))), LIMIT)
-    batch = await asyncio.wait_for(pool.generate_batch(PROMPTS, params, request_ids=ids), LIMIT)
-    for g, b, w in zip(got, batch, want):
+    for g, w in zip(got, want):
         assert_same(g, w)
-        assert_same(b, w)
 
     async def read(i: int, kind: str):
         outs = []
@@ -280,6 +290,22 @@ async def test_abort_and_broadcast_reset_prefix_cache(pools):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_bad_input_raises_the_engines_errors_and_no_replica_goes_down(pools):
+    pool = await pools.get("interval1")
+    failed = pool.stats()["requests_failed_replica_died"]
+    with pytest.raises(RequestRejectedError, match="exceeds max_model_len=512"):
+        pool.stream([1] * 500, sp(100))  # at the call, like Engine.stream
+    with pytest.raises(RequestRejectedError, match="n=300 exceeds max_num_seqs=256"):
+        await pool.generate([1], sp(3, n=300))
+    with pytest.raises(ValueError, match="unknown SamplingParams field"):
+        await pool.generate([1], {"max_token": 3})
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # only the replica knows: its own error
+        await asyncio.wait_for(pool.generate([99], sp(3)), LIMIT)
+    stats = pool.stats()
+    assert stats["num_replicas_ready"] == 2 and stats["requests_failed_replica_died"] == failed
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_pause_sleep_wake_up_resume_and_abort_all_broadcast(pools, ckpt):
     pool = await pools.get("interval1")
     prompts, params = [[4, 6, 8, 10], [5, 7, 9, 11]], [sp(24, seed=21), sp(24, seed=22, n=2)]
@@ -352,3 +378,38 @@ async def until_restarted(pool: EnginePool, index: int) -> None:
     while pool.replicas[index].restarts == restarts:
         await pool._changed.wait()
     await pool.wait_ready(LIMIT)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_rollout_benchmark_runs_its_workload_through_a_pool(pools, tmp_path):
+    """benchmarks/rollout.py --replicas 2: streams, per-completion aborts and stats through the pool."""
+    import json
+
+    from tests.benchmark_scripts import load_benchmark
+
+    await pools.close()  # the benchmark's pool needs the cluster's 2 CPUs
+    rollout = load_benchmark("rollout")
+    argv = ["--device", "cpu", "--dtype", "float32", "--tiny", "--prompts", "3", "--n", "2", "--prompt-len", "6",
+            "--max-tokens", "12", "--median", "5", "--configs", "interval1", "--allocations", "lazy",
+            "--replicas", "2", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "ckpt")]
+    assert await asyncio.wait_for(asyncio.to_thread(rollout.main, argv), 4 * LIMIT) == 0
+    (row,) = json.loads((tmp_path / "out" / "rollout.json").read_text())["rows"]
+    args = type("A", (), dict(prompts=3, n=2, prompt_len=6, sigma=0.9, max_tokens=12))
+    _, lengths = rollout.workload(args, vocab=97, seed=0, median=5)
+    assert row["tokens"] == sum(map(sum, lengths))  # every sample stopped at its drawn length
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_ray_pool_example(pools, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    await pools.close()
+    path = Path(__file__).resolve().parents[1] / "examples" / "ray_pool.py"
+    spec = importlib.util.spec_from_file_location("ourobatch_example_ray_pool", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    await asyncio.wait_for(example.main(), 2 * LIMIT)  # on this module's Ray (the script inits its own)
+    out = capsys.readouterr().out
+    assert out.count("prompt [") == 8 and out.count("stream delta:") == 8
+    assert "pool: 2/2 replicas ready, tokens_generated=200 (replica 0: " in out

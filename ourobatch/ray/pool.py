@@ -12,7 +12,7 @@ Faults. One monitor task per replica keeps an ``actor.watch()`` call pending, so
 dead engine is seen at once. Its in-flight requests fail with ReplicaDiedError, or with
 ``retry_aborted=True`` continue on another replica from prompt + the tokens they already have. Ray
 restarts the actor (``max_restarts``); the monitor waits for it, replays what it missed (control.py),
-arms it, and the router uses it again. Every wait a caller can be stuck in is bounded: no ready replica
+arms it, and the router uses it again (health.py; the request path is dispatch.py). Every wait a caller can be stuck in is bounded: no ready replica
 within ``ready_timeout_s`` is a ReplicaDiedError, a control call past ``control_timeout_s`` a TimeoutError.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from typing import Any, Iterable, Mapping, Sequence
 
 import ray
@@ -29,28 +28,26 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
 from ourobatch.config import EngineConfig, batch_arguments, resolve_config
-from ourobatch.scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
-                                        ReplicaDiedError, RequestRejectedError)
-from ourobatch.scheduler.frontend import request_seed
+from ourobatch.scheduler.errors import EngineClosedError, ReplicaDiedError
 from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.outputs import RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.scheduler.params import RequestOutputKind
 
-from .actor import EngineActor, ReplicaNotArmedError
+from .actor import EngineActor
 from .control import Control
-from .flight import Flight, PoolStream, SubRequest
-from .replica import (Replica, ReplicaState, await_ref, cancel_generator, cause_of, is_actor_failure,
-                      is_gone_for_good)
+from .dispatch import Dispatch
+from .flight import Flight, PoolStream
+from .health import ReplicaHealth
+from .replica import Replica, ReplicaState, await_ref, cause_of
 from .routing import Router
 from .stats import pool_stats
 
 log = get_logger()
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-RESTART_POLL_S = 0.2  # between ready() probes of a restarting actor
 
 
-class EnginePool:
+class EnginePool(Dispatch, ReplicaHealth):
     """N Engine replicas as Ray actors behind the Engine API. Use it from one asyncio event loop."""
 
     def __init__(self, config: EngineConfig | None = None, num_replicas: int = 1, *, retry_aborted: bool = False,
@@ -198,258 +195,6 @@ class EnginePool:
     def _states(self) -> str:
         return ", ".join(f"replica {r.index}: {r.state.name.lower()}" for r in self.replicas)
 
-    # ------------------------------------------------------------------ replica health
-
-    def _mark_down(self, replica: Replica, reason: str) -> None:
-        """A request or a call saw the replica fail: stop routing to it; its monitor takes over."""
-        if replica.state == ReplicaState.READY:
-            replica.state = ReplicaState.DOWN
-            replica.last_failure = reason
-            log.warning("replica_down", replica=replica.index, reason=reason)
-            self._notify()
-        replica.suspect.set()
-
-    async def _monitor(self, replica: Replica) -> None:
-        """Owns the replica's life after startup: notice its death, wait for Ray's restart, catch it up."""
-        while not self._closing:
-            reason = await self._wait_for_failure(replica)
-            self._mark_down(replica, reason)
-            if not await self._restart(replica):
-                replica.state = ReplicaState.DEAD
-                log.error("replica_dead", replica=replica.index, reason=replica.last_failure)
-                self._notify()
-                return
-
-    async def _wait_for_failure(self, replica: Replica) -> str:
-        watch = asyncio.ensure_future(await_ref(replica.actor.watch.remote()))
-        try:
-            while True:
-                replica.suspect.clear()
-                suspect = asyncio.ensure_future(replica.suspect.wait())
-                await asyncio.wait([watch, suspect], return_when=asyncio.FIRST_COMPLETED)
-                suspect.cancel()
-                if watch.done():
-                    if watch.exception() is not None:
-                        return f"actor failed: {cause_of(watch.exception())}"
-                    # the engine stopped inside a live actor (EngineDeadError): restart the whole process
-                    ray.kill(replica.actor, no_restart=False)
-                    return f"engine stopped: {watch.result()}"
-                if not await self._responds(replica):  # a request saw a failure that watch has not
-                    return replica.last_failure or "unresponsive"
-                if replica.state == ReplicaState.DOWN:  # a passing error: the same process still serves
-                    replica.state = ReplicaState.READY
-                    self._notify()
-        finally:
-            watch.cancel()
-
-    async def _responds(self, replica: Replica) -> bool:
-        try:
-            info = await asyncio.wait_for(await_ref(replica.actor.ready.remote()), 30)
-        except asyncio.TimeoutError:
-            ray.kill(replica.actor, no_restart=False)  # alive but stuck: restart it
-            return False
-        except Exception:  # noqa: BLE001 - any failure means it is not the process we armed
-            return False
-        return info.get("pid") == replica.info.get("pid")
-
-    async def _restart(self, replica: Replica) -> bool:
-        """Wait for Ray to restart the actor, catch it up and arm it; False if it will not come back."""
-        deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
-        while not self._closing and asyncio.get_running_loop().time() < deadline:
-            try:
-                info = await asyncio.wait_for(await_ref(replica.actor.ready.remote()), self.ready_timeout_s)
-                async with self.control.lock:
-                    await self.control.catch_up(replica)
-                    await await_ref(replica.actor.arm.remote())
-                    replica.info, replica.state = info, ReplicaState.READY
-                    replica.restarts += 1
-            except Exception as exc:  # noqa: BLE001
-                if is_gone_for_good(exc):
-                    replica.last_failure = f"{exc}"
-                    return False
-                if not is_actor_failure(exc) and not isinstance(exc, asyncio.TimeoutError):
-                    log.warning("replica_restart_failed", replica=replica.index, error=f"{cause_of(exc)}")
-                    ray.kill(replica.actor, no_restart=False)  # e.g. the engine failed to start: try again
-                await asyncio.sleep(RESTART_POLL_S)
-                continue
-            log.info("replica_restarted", replica=replica.index, restarts=replica.restarts, pid=info.get("pid"))
-            self._notify()
-            return True
-        return False
-
-    # ------------------------------------------------------------------ requests
-
-    def _add(self, prompt_token_ids: Sequence[int], params: Any, request_id: str | None,
-             kind: RequestOutputKind | None) -> Flight:
-        """Check a request, give it a seed as an Engine would, and start placing it."""
-        self._check_open()
-        params = SamplingParams.coerce(params)
-        if params.stop:
-            raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
-                             f"stop_token_ids with the pool")
-        if params.n > self.config.max_num_seqs:
-            raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
-        prompt = list(prompt_token_ids)
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
-        if request_id in self._flights:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if params.seed is None:  # the seed an Engine would give its i-th unseeded request
-            params = params.with_seed(request_seed(self.config.seed, self._num_unseeded))
-            self._num_unseeded += 1
-        caller_kind = params.output_kind if kind is None else kind
-        # The replica sends deltas (the pool rebuilds what the caller asked for), or one final output
-        # when nobody needs progress (no stream, no retry).
-        engine_kind = (RequestOutputKind.FINAL_ONLY if caller_kind == RequestOutputKind.FINAL_ONLY
-                       and not self.retry_aborted else RequestOutputKind.DELTA)
-        flight = Flight(request_id, prompt, params, caller_kind)
-        flight.retry = self.retry_aborted
-        self._flights[request_id] = flight
-        self._start(SubRequest(flight, request_id, prompt, dataclasses.replace(params, output_kind=engine_kind),
-                               list(range(params.n))))
-        return flight
-
-    def _start(self, sub: SubRequest) -> None:
-        sub.flight.subs.append(sub)
-        sub.task = asyncio.ensure_future(self._run(sub))
-        self._tasks.add(sub.task)
-        sub.task.add_done_callback(self._tasks.discard)
-
-    async def _place(self, sub: SubRequest) -> Replica:
-        deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
-        while True:
-            if self._closing:
-                raise EngineClosedError("the pool is closed")
-            if self.control.inconsistent:
-                raise InconsistentWeightsError(f"the pool's replicas hold different weights ({self.control.inconsistent}); "
-                                               f"a complete update_weights / load_weights restores service")
-            loads = [r.load if r.state == ReplicaState.READY else None for r in self.replicas]
-            index = self.router.choose(sub.prompt_token_ids, loads)
-            if index is not None:
-                return self.replicas[index]
-            if all(r.state >= ReplicaState.DEAD for r in self.replicas):
-                raise ReplicaDiedError(f"every replica of the pool is dead ({self._states()})")
-            await self._wait_changed(deadline, "a ready replica")
-
-    async def _run(self, sub: SubRequest) -> None:
-        """Run one engine request to its end: place it, stream it, and on a replica's death fail or retry."""
-        flight = sub.flight
-        try:
-            while True:
-                if sub.aborted >= set(sub.indexes):  # aborted before it reached a replica
-                    return
-                try:
-                    replica = await self._place(sub)
-                except (ReplicaDiedError, EngineClosedError, InconsistentWeightsError) as exc:
-                    flight.fail(exc)
-                    return
-                outcome = await self._serve(replica, sub)
-                if outcome != "unarmed":  # "unarmed": it never ran there (a restart): place it again
-                    break
-            if outcome == "died":
-                if self._closing:
-                    flight.finish_unplaced(sub.indexes, "abort")
-                elif flight.retry and flight.num_retries < self.max_retries and not flight.abandoned:
-                    self.counters["requests_retried"] += 1
-                    log.info("request_retried", request_id=flight.request_id, failed_replica=replica.index)
-                    for retry in flight.retry_subrequests(sub):
-                        self._start(retry)
-                else:
-                    self.counters["requests_failed_replica_died"] += 1
-                    flight.fail(ReplicaDiedError(
-                        f"replica {replica.index} died with request {flight.request_id!r} in flight "
-                        f"({replica.last_failure}); retry_aborted=True resubmits such requests to another replica"))
-        finally:
-            flight.subs.remove(sub)
-            flight.event.set()
-
-    async def _serve(self, replica: Replica, sub: SubRequest) -> str:
-        """Stream `sub` from `replica` into its flight: "done", "unarmed" or "died"."""
-        flight = sub.flight
-        sub.replica = replica.index
-        sub.charged = sub.remaining()
-        replica.load += sub.charged
-        replica.subs.add(sub)
-        replica.requests_routed += 1
-        try:
-            sub.generator = replica.actor.stream.options(
-                num_returns="streaming", _generator_backpressure_num_objects=2,  # deltas coalesce in the engine
-            ).remote(sub.prompt_token_ids, sub.params, sub.engine_id)
-            for engine_id in sub.pending_aborts():
-                replica.actor.abort.remote(engine_id)
-            async for ref in sub.generator:
-                added = flight.merge(sub, await ref)
-                paid = min(added, sub.charged)
-                sub.charged -= paid
-                replica.load -= paid
-            return "done"
-        except asyncio.CancelledError:
-            cancel_generator(sub.generator)
-            raise
-        except Exception as exc:  # noqa: BLE001 - sorted below; nothing is lost silently
-            cause = cause_of(exc)
-            if isinstance(cause, ReplicaNotArmedError):
-                return "unarmed"
-            if is_actor_failure(exc) or isinstance(cause, EngineDeadError) or (
-                    isinstance(cause, EngineClosedError) and not self._closing):
-                cancel_generator(sub.generator)
-                self._mark_down(replica, f"{type(cause).__name__}: {cause}")
-                return "died"
-            flight.fail(cause)  # the request itself was refused (RequestRejectedError, ValueError, ...)
-            return "done"
-        finally:
-            replica.load -= sub.charged
-            sub.charged = 0
-            replica.subs.discard(sub)
-            sub.generator = None
-
-    async def _final(self, flight: Flight) -> RequestOutput:
-        try:
-            while not flight.finished:
-                await flight.wait()
-            if flight.error is not None:
-                raise flight.error
-            return flight.output()
-        finally:
-            self._release(flight)
-
-    def _release(self, flight: Flight) -> None:
-        """The caller is gone: abort what still runs, forget the flight."""
-        if self._flights.get(flight.request_id) is flight:
-            del self._flights[flight.request_id]
-        if not flight.finished:
-            flight.abandoned = True
-            self._abort(flight, None)
-
-    def _release_later(self, flight: Flight) -> None:
-        """_release from a finalizer, which may run on any thread: do it on the pool's loop."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._release, flight)
-
-    def _abort(self, flight: Flight, index: int | None) -> bool:
-        """Abort completion `index` (None: all) of a flight on the replicas that run it."""
-        targets = [i for i, c in enumerate(flight.completions)
-                   if c.finish_reason is None and (index is None or i == index)]
-        if not targets:
-            return False
-        for sub in list(flight.subs):
-            ids = sub.abort_ids(targets)
-            if not ids:
-                continue
-            if sub.replica is None or sub.generator is None:  # not on a replica yet: end it here
-                sub.mark_aborted(targets)
-                if all(flight.completions[i].finish_reason is not None for i in sub.indexes) and sub.task:
-                    sub.task.cancel()
-                continue
-            actor = self.replicas[sub.replica].actor
-            for engine_id in ids:
-                actor.abort.remote(engine_id)
-        return True
-
     # ------------------------------------------------------------------ the Engine API
 
     async def generate(self, prompt_token_ids: Sequence[int], params: Any = None,
@@ -489,7 +234,7 @@ class EnginePool:
         bar = tqdm(total=len(flights), desc="generate", unit="req", disable=not use_tqdm)
         tasks = [asyncio.ensure_future(self._final(f)) for f in flights]
         for t in tasks:
-            t.add_done_callback(lambda _: bar.update(1))
+            t.add_done_callback(lambda t: t.cancelled() or bar.update(1))
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:
@@ -543,8 +288,9 @@ class EnginePool:
         """Engine.pause(...) on every replica (a replica that restarts meanwhile comes back paused)."""
         return _combine(await self._broadcast("pause", *args, **kwargs))
 
-    async def resume(self) -> Any:
-        return _combine(await self._broadcast("resume"))
+    async def resume(self, *args: Any, **kwargs: Any) -> Any:
+        """Engine.resume(...) on every replica (e.g. recompute_kv=True)."""
+        return _combine(await self._broadcast("resume", *args, **kwargs))
 
     async def abort_all(self) -> list[RequestOutput]:
         """Engine.abort_all on every replica: their live requests end now; the partial outputs, all together."""

@@ -1,0 +1,206 @@
+"""How the pool runs a request: seed it as an Engine would, place it (routing.Router), stream it from the
+replica into its Flight, and on the replica's death fail it (ReplicaDiedError) or continue it elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any, Sequence
+
+from ourobatch.scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
+                                        ReplicaDiedError, RequestRejectedError)
+from ourobatch.scheduler.frontend import request_seed
+from ourobatch.scheduler.log import get_logger
+from ourobatch.scheduler.outputs import RequestOutput
+from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+
+from .actor import ReplicaNotArmedError
+from .flight import Flight, SubRequest
+from .replica import Replica, ReplicaState, cancel_generator, cause_of, is_actor_failure
+
+log = get_logger()
+
+BACKPRESSURE_OBJECTS = 2  # outputs a replica may stream ahead of the pool; the engine coalesces the rest
+
+
+class Dispatch:
+    """EnginePool's request path (a mixin: it uses the pool's replicas, router, flights and tasks)."""
+
+    def _add(self, prompt_token_ids: Sequence[int], params: Any, request_id: str | None,
+             kind: RequestOutputKind | None) -> Flight:
+        """Check a request, give it a seed as an Engine would, and start placing it."""
+        self._check_open()
+        params = SamplingParams.coerce(params)
+        if params.stop:
+            raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
+                             f"stop_token_ids with the pool")
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        if len(prompt) + params.max_tokens > self.config.max_model_len:  # the replica checks the rest
+            raise RequestRejectedError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                                       f"{len(prompt) + params.max_tokens} exceeds max_model_len={self.config.max_model_len}")
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        if request_id in self._flights:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if params.seed is None:  # the seed an Engine would give its i-th unseeded request
+            params = params.with_seed(request_seed(self.config.seed, self._num_unseeded))
+            self._num_unseeded += 1
+        caller_kind = params.output_kind if kind is None else kind
+        # The replica sends deltas (the pool rebuilds what the caller asked for), or one final output
+        # when nobody needs progress (no stream, no retry).
+        engine_kind = (RequestOutputKind.FINAL_ONLY if caller_kind == RequestOutputKind.FINAL_ONLY
+                       and not self.retry_aborted else RequestOutputKind.DELTA)
+        flight = Flight(request_id, prompt, params, caller_kind)
+        flight.retry = self.retry_aborted
+        self._flights[request_id] = flight
+        self._start(SubRequest(flight, request_id, prompt, dataclasses.replace(params, output_kind=engine_kind),
+                               list(range(params.n))))
+        return flight
+
+    def _start(self, sub: SubRequest) -> None:
+        sub.flight.subs.append(sub)
+        sub.task = asyncio.ensure_future(self._run(sub))
+        self._tasks.add(sub.task)
+        sub.task.add_done_callback(self._tasks.discard)
+
+    async def _place(self, sub: SubRequest) -> Replica:
+        deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
+        while True:
+            if self._closing:
+                raise EngineClosedError("the pool is closed")
+            if self.control.inconsistent:
+                raise InconsistentWeightsError(f"the pool's replicas hold different weights ({self.control.inconsistent}); "
+                                               f"a complete update_weights / load_weights restores service")
+            loads = [r.load if r.state == ReplicaState.READY else None for r in self.replicas]
+            index = self.router.choose(sub.prompt_token_ids, loads)
+            if index is not None:
+                return self.replicas[index]
+            if all(r.state >= ReplicaState.DEAD for r in self.replicas):
+                raise ReplicaDiedError(f"every replica of the pool is dead ({self._states()})")
+            await self._wait_changed(deadline, "a ready replica")
+
+    async def _run(self, sub: SubRequest) -> None:
+        """Run one engine request to its end: place it, stream it, and on a replica's death fail or retry."""
+        flight = sub.flight
+        try:
+            while True:
+                if sub.aborted >= set(sub.indexes):  # aborted before it reached a replica
+                    return
+                try:
+                    replica = await self._place(sub)
+                except (ReplicaDiedError, EngineClosedError, InconsistentWeightsError) as exc:
+                    flight.fail(exc)
+                    return
+                outcome = await self._serve(replica, sub)
+                if outcome != "unarmed":  # "unarmed": it never ran there (a restart): place it again
+                    break
+            if outcome == "died":
+                if self._closing:
+                    flight.finish_unplaced(sub.indexes, "abort")
+                elif flight.retry and flight.num_retries < self.max_retries and not flight.abandoned:
+                    self.counters["requests_retried"] += 1
+                    log.info("request_retried", request_id=flight.request_id, failed_replica=replica.index)
+                    for retry in flight.retry_subrequests(sub):
+                        self._start(retry)
+                else:
+                    self.counters["requests_failed_replica_died"] += 1
+                    flight.fail(ReplicaDiedError(
+                        f"replica {replica.index} died with request {flight.request_id!r} in flight "
+                        f"({replica.last_failure}); retry_aborted=True resubmits such requests to another replica"))
+        finally:
+            flight.subs.remove(sub)
+            flight.event.set()
+
+    async def _serve(self, replica: Replica, sub: SubRequest) -> str:
+        """Stream `sub` from `replica` into its flight: "done", "unarmed" or "died"."""
+        flight = sub.flight
+        sub.replica = replica.index
+        sub.charged = sub.remaining()
+        replica.load += sub.charged
+        replica.subs.add(sub)
+        replica.requests_routed += 1
+        try:
+            sub.generator = replica.actor.stream.options(
+                num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE_OBJECTS,
+            ).remote(sub.prompt_token_ids, sub.params, sub.engine_id)
+            for engine_id in sub.pending_aborts():
+                replica.actor.abort.remote(engine_id)
+            async for ref in sub.generator:
+                added = flight.merge(sub, await ref)
+                paid = min(added, sub.charged)
+                sub.charged -= paid
+                replica.load -= paid
+            return "done"
+        except asyncio.CancelledError:
+            cancel_generator(sub.generator)
+            raise
+        except Exception as exc:  # noqa: BLE001 - sorted below; nothing is lost silently
+            cause = cause_of(exc)
+            if isinstance(cause, ReplicaNotArmedError):  # restarted before the pool noticed: catch it up
+                self._mark_down(replica, "restarted (not armed)")
+                return "unarmed"
+            if is_actor_failure(exc) or isinstance(cause, EngineDeadError) or (
+                    isinstance(cause, EngineClosedError) and not self._closing):
+                cancel_generator(sub.generator)
+                self._mark_down(replica, f"{type(cause).__name__}: {cause}")
+                return "died"
+            flight.fail(cause)  # the request itself was refused (RequestRejectedError, ValueError, ...)
+            return "done"
+        finally:
+            replica.load -= sub.charged
+            sub.charged = 0
+            replica.subs.discard(sub)
+            sub.generator = None
+
+    async def _final(self, flight: Flight) -> RequestOutput:
+        try:
+            while not flight.finished:
+                await flight.wait()
+            if flight.error is not None:
+                raise flight.error
+            return flight.output()
+        finally:
+            self._release(flight)
+
+    def _release(self, flight: Flight) -> None:
+        """The caller is gone: abort what still runs, forget the flight."""
+        if self._flights.get(flight.request_id) is flight:
+            del self._flights[flight.request_id]
+        if flight.subs:  # still running somewhere (also after an error: the retries of its other completions)
+            flight.abandoned = True
+            self._abort(flight, None)
+
+    def _release_later(self, flight: Flight) -> None:
+        """_release from a finalizer, which may run on any thread: do it on the pool's loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._release, flight)
+
+    def _abort(self, flight: Flight, index: int | None) -> bool:
+        """Abort completion `index` (None: all) of a flight on the replicas that run it."""
+        targets = [i for i, c in enumerate(flight.completions)
+                   if c.finish_reason is None and (index is None or i == index)]
+        if not targets:
+            return False
+        for sub in list(flight.subs):
+            ids = sub.abort_ids(targets)
+            if not ids:
+                continue
+            if sub.replica is None or sub.generator is None:  # not on a replica yet: end it here
+                sub.mark_aborted(targets)
+                if all(flight.completions[i].finish_reason is not None for i in sub.indexes) and sub.task:
+                    sub.task.cancel()
+                continue
+            actor = self.replicas[sub.replica].actor
+            for engine_id in ids:
+                actor.abort.remote(engine_id)
+        return True
