@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from .kv_cache import KVPool
 
 
+# Prompt chunks after shared or cached blocks with at most this many rows run in the paged Triton kernel
+# (one batched call; its tile grows with the rows); longer ones gather their history and run SDPA.
+MAX_KERNEL_HISTORY_ROWS = 64
+
+
 @dataclass
 class SeqSpan:
     """One request's rows inside a batch of concatenated rows (host view)."""
@@ -56,7 +61,8 @@ def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, span
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[SeqSpan],
-                      scale: float, pool: "KVPool | None" = None, loop: int = 0, layer: int = 0) -> torch.Tensor:
+                      scale: float, pool: "KVPool | None" = None, loop: int = 0, layer: int = 0,
+                      history_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Dense causal attention of prompt chunks.
 
     q: [rows, heads, d]; k, v: [rows, kv_heads, d] (this call's keys) -> [rows, heads, d].
@@ -67,8 +73,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: 
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
     by_len: dict[int, list[SeqSpan]] = {}
+    if history_out is not None:  # the chunks with a history, already computed by the paged kernel
+        rows, hist = history_out
+        out[rows] = hist
     for span in spans:
         if span.context_len > span.num_rows:
+            if history_out is not None:
+                continue
             assert pool is not None, "a prefill chunk with history needs the pool"
             out[span.row_start:span.row_start + span.num_rows] = _chunk_with_history(q, pool, loop, layer, span,
                                                                                       scale, groups)
@@ -111,7 +122,15 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
         if k is None or v is None:
             k_plane, v_plane = pool.plane(loop, layer)
             k, v = k_plane[meta.slots], v_plane[meta.slots]
-        return prefill_attention(q, k, v, meta.spans, scale, pool, loop, layer)
+        history_out = None
+        h = meta.history
+        if backend == "triton" and h is not None and h.max_rows <= MAX_KERNEL_HISTORY_ROWS:
+            from .triton_attention import triton_paged_attention
+
+            hist = triton_paged_attention(q.index_select(0, h.rows), pool.k[loop - 1, layer], pool.v[loop - 1, layer],
+                                          h.block_tables, h.context_lens, h.query_start, h.max_rows, scale)
+            history_out = (h.rows, hist)
+        return prefill_attention(q, k, v, meta.spans, scale, pool, loop, layer, history_out)
     if backend == "triton":
         from .triton_attention import triton_paged_attention
 

@@ -71,6 +71,18 @@ class BlockTables:
 
 
 @dataclass
+class HistoryMeta:
+    """The prompt chunks of a prefill call that start after shared or cached blocks (they attend to a
+    history in the pool), as one batch for the paged kernel."""
+
+    rows: torch.Tensor  # [n] int64: their rows in the call
+    block_tables: torch.Tensor  # [chunks, width] int32
+    context_lens: torch.Tensor  # [chunks] int32
+    query_start: torch.Tensor  # [chunks + 1] int32, offsets within `rows`
+    max_rows: int
+
+
+@dataclass
 class BatchMeta:
     """One forward call's rows. Tensors are on the device; `spans` is the host view (None in graphs)."""
 
@@ -82,6 +94,7 @@ class BatchMeta:
     max_rows: int  # most rows of one sequence (sizes the attention tile)
     prefill: bool  # every sequence is a whole prompt from position 0: dense causal attention
     spans: list[SeqSpan] | None = None
+    history: HistoryMeta | None = None  # prefill: the chunks with a history (None when every one starts at 0)
 
 
 def uniform_meta(tables: BlockTables, row_ids: torch.Tensor, starts: torch.Tensor, rows_per_seq: int,
@@ -121,5 +134,13 @@ def varlen_meta(tables: BlockTables, row_ids: list[int], starts: list[int], num_
     query_start[1:] = torch.tensor(num_rows).cumsum(0)
     context_lens = torch.tensor([s + n for s, n in zip(starts, num_rows)], dtype=torch.int32)
     to = dict(device=device, non_blocking=True)
+    history = None
+    hist = [i for i, (start, n) in enumerate(zip(starts, num_rows)) if prefill and start > 0]
+    if hist:
+        rows_idx = torch.cat([torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_rows) for i in hist])
+        hq = torch.zeros(len(hist) + 1, dtype=torch.int32)
+        hq[1:] = torch.tensor([num_rows[i] for i in hist]).cumsum(0)
+        history = HistoryMeta(rows_idx.to(**to), host_tables[hist].to(**to), context_lens[hist].to(**to), hq.to(**to),
+                              max(num_rows[i] for i in hist))
     return BatchMeta(pos.to(**to), slots.to(**to), host_tables.to(**to), context_lens.to(**to),
-                     query_start.to(**to), max(num_rows), prefill, spans)
+                     query_start.to(**to), max(num_rows), prefill, spans, history)

@@ -174,18 +174,19 @@ class ModelExecutor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _prefill(self, works: tuple[PrefillWork, ...]) -> list[_Readout]:
-        rows = [self.tables.row(w.request_id, w.block_ids) for w in works]
-        starts = [w.start_position for w in works]
-        lens = [len(w.token_ids) for w in works]
+        run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
+        rows = [self.tables.row(w.request_id, w.block_ids) for w in run]
+        starts = [w.start_position for w in run]
+        lens = [len(w.token_ids) for w in run]
         # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
         # (start > 0) reads that history from the pool
-        meta = varlen_meta(self.tables, rows, starts, lens, [w.block_ids for w in works], self.block_size,
+        meta = varlen_meta(self.tables, rows, starts, lens, [w.block_ids for w in run], self.block_size,
                            prefill=True, device=self.device)
-        ids = self._index([t for w in works for t in w.token_ids])
+        ids = self._index([t for w in run for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
-        last = [span.row_start + span.num_rows - 1 for span in meta.spans]
+        last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
         items = [(w.request_id, w.sample) for w in works if w.sample is not None]
-        keep = [i for i, w in zip(last, works) if w.sample is not None]
+        keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
         return [_Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
 
     def _shallow(self, works: tuple[ShallowWork, ...]) -> list[_Readout]:
@@ -351,6 +352,9 @@ class ModelExecutor:
         gc.collect()
         if on_cuda:
             torch.cuda.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # cuBLAS keeps a workspace per stream it saw (graph capture streams too)
+                clear()
             torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info
 
     # ------------------------------------------------------------------ timing

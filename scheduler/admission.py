@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .kv_manager import PendingPrefills
 from .plan import PrefillWork, SampleSpec
 from .request import Request, RequestStatus, set_status
 
@@ -32,7 +33,7 @@ def admit(sched: "Scheduler") -> list[PrefillWork]:
     """Admit waiting requests; returns their prefills (prompt + outputs from the first unshared block)."""
     cfg = sched.config
     prefills: list[PrefillWork] = []
-    pending: dict = {}  # prefix key -> block computed by a prefill of this plan (n samples share it)
+    pending = PendingPrefills()  # what this plan's prefills compute (the n samples of a request share it)
     budget = cfg.max_num_batched_tokens
     num_running = len(sched.requests) - len(sched.waiting)
     blocked: list[Request] = []
@@ -56,7 +57,7 @@ def admit(sched: "Scheduler") -> list[PrefillWork]:
         k = r.num_output_tokens  # > 0 after a preemption: prompt + outputs are prefilled again
         r.num_outputs_at_prefill = k
         prefills.append(PrefillWork(r.request_id, adm.tokens[start:], start, r.block_ids,
-                                    SampleSpec(cfg.total_ut_steps, k + 1, r.params)))
+                                    SampleSpec(cfg.total_ut_steps, k + 1, r.params), adm.sample_from))
         c = sched.counters
         c["prefill_tokens_requested"] += len(adm.tokens)
         c["prefix_cache_hits"] += start
@@ -95,6 +96,8 @@ def blocks_needed(sched: "Scheduler") -> int:
 
 def make_room(sched: "Scheduler") -> bool:
     """Preempt the newest running requests until the coming step's writes fit; True if any was."""
+    if sched.blocks.num_free >= sched.num_running:
+        return False  # fast path: a step writes one position per running request, so one block at most each
     preempted = False
     while blocks_needed(sched) > sched.blocks.num_free:
         running = [r for r in sched.requests.values()

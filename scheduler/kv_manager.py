@@ -13,13 +13,16 @@ prefix (block_manager.prefix_block_keys). At admission the request takes, instea
 (b) blocks that another request admitted in the same plan is computing in that same prefill call
 (``pending``: the n samples of a request), which works even with the cache off: within one layer,
 every row's keys are written before any row attends. The block holding the last fed token is never
-shared: its readout must be computed to sample from it, and a shared block is never written.
+shared: its readout must be computed to sample from it, and a shared block is never written. Except
+for a *fork*: when the prompt ends exactly at a block boundary and another prefill of the same plan
+computes that whole prompt, the sample shares every block and draws its first token (own seed) from
+that prefill's loop-T readout at the last position: the n samples of a request prefill it once.
 Blocks a prefill computed are registered only after its step succeeded (``on_prefilled``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockKey, BlockManager, prefix_block_keys
 from .request import Request
@@ -36,6 +39,16 @@ class Admission:
     num_new: int  # fresh blocks to allocate
     keys: tuple[BlockKey, ...]  # keys of every full block of `tokens`
     num_taken_evictable: int  # shared blocks that are evictable now (sharing takes them off the free count)
+    sample_from: str | None = None  # fork: every block shared, token 1 from this request's prefill readout
+
+
+@dataclass
+class PendingPrefills:
+    """What the prefills planned in this step compute: blocks by prefix key, and for each prefill that
+    ends exactly at a block boundary, the key of its last block -> its request (forks read its readout)."""
+
+    blocks: dict = field(default_factory=dict)
+    last_block_owner: dict = field(default_factory=dict)
 
 
 class KVManager:
@@ -48,21 +61,27 @@ class KVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks if allocation == "lazy" else 0
 
-    def plan_admission(self, r: Request, pending: dict[BlockKey, int]) -> Admission:
+    def plan_admission(self, r: Request, pending: PendingPrefills) -> Admission:
         tokens = r.prompt_token_ids + tuple(r.output_token_ids)
         bs = self.blocks.block_size
         keys = prefix_block_keys(tokens, bs)
+        owner = pending.last_block_owner.get(keys[-1]) if keys and len(tokens) % bs == 0 else None
+        # A fork shares every block (its token comes from the owner's readout); anything else never shares
+        # the block of its last token, whose readout it must compute.
+        limit = len(keys) if owner is not None else (len(tokens) - 1) // bs
         shared: list[int] = []
         cached = self.blocks.lookup(keys) if self.enable_prefix_caching else []
-        for i, key in enumerate(keys[:(len(tokens) - 1) // bs]):  # never the block of the last token
-            block = pending.get(key, cached[i] if i < len(cached) else None)
+        for i, key in enumerate(keys[:limit]):
+            block = pending.blocks.get(key, cached[i] if i < len(cached) else None)
             if block is None:
                 break
             shared.append(block)
+        if len(shared) < len(keys):
+            owner = None
         positions = len(tokens) if self.allocation == "lazy" else r.num_cache_positions
         num_new = self.blocks.blocks_for(positions) - len(shared)
         taken = sum(self.blocks.is_evictable(b) for b in shared)
-        return Admission(tokens, tuple(shared), num_new, tuple(keys), taken)
+        return Admission(tokens, tuple(shared), num_new, tuple(keys), taken, owner)
 
     def can_admit(self, a: Admission, alone: bool) -> bool:
         """Room for the prefill, plus the watermark unless nothing else runs (a request that fits the pool
@@ -70,14 +89,16 @@ class KVManager:
         headroom = 0 if alone else self.watermark_blocks
         return self.blocks.can_allocate(a.num_new + a.num_taken_evictable + headroom)
 
-    def admit(self, r: Request, a: Admission, pending: dict[BlockKey, int]) -> int:
+    def admit(self, r: Request, a: Admission, pending: PendingPrefills) -> int:
         """Take the blocks; returns the number of tokens whose KV is already there (the prefill's start)."""
         self.blocks.share(a.shared)
         r.block_ids = a.shared + self.blocks.allocate(a.num_new)
         r.pending_block_keys = []
         for i in range(len(a.shared), len(a.keys)):  # full blocks this prefill computes
-            pending.setdefault(a.keys[i], r.block_ids[i])
+            pending.blocks.setdefault(a.keys[i], r.block_ids[i])
             r.pending_block_keys.append((a.keys[i], r.block_ids[i]))
+        if a.keys and len(a.tokens) % self.blocks.block_size == 0 and len(a.shared) < len(a.keys):
+            pending.last_block_owner.setdefault(a.keys[-1], r.request_id)  # it computes the last readout
         return len(a.shared) * self.blocks.block_size
 
     def on_prefilled(self, r: Request) -> None:

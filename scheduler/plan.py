@@ -38,6 +38,9 @@ class PrefillWork:
     start_position: int  # scheduler: position of token_ids[0] (0 unless the prompt is chunked)
     block_ids: tuple[int, ...]  # scheduler: the request's block table, shared by all T planes
     sample: SampleSpec | None  # scheduler: loop T for the last chunk (generated token 1)
+    # scheduler: a sample of the same prompt forked from another prefill of this step (token_ids is empty,
+    # every block is shared): its token is drawn from that request's readout at the prompt's last position
+    sample_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -143,13 +143,13 @@ def test_greedy_full_depth_is_identical_with_and_without_preemption(checkpoints)
     assert outs[512] == outs[14]
 
 
-@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("verify", 3)])
-def test_shared_prompt_blocks_produce_what_unshared_runs_produce(checkpoints, mode, B):
+@pytest.mark.parametrize("mode,B,P", [("deferred", 1, 13), ("deferred", 4, 12), ("verify", 3, 13), ("eager", 2, 12)])
+def test_shared_prompt_blocks_produce_what_unshared_runs_produce(checkpoints, mode, B, P):
     ckpt = checkpoints["kv1-L2-T4"]
     oracle = load_oracle(ckpt)
     rng = random.Random(B)
     V = oracle.vocab_size
-    base = [rng.randrange(V) for _ in range(13)]
+    base = [rng.randrange(V) for _ in range(P)]
     # n = 4 samples of one prompt, the same prompt again later, and a prompt sharing its first 8 tokens
     work = [(base, SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True)),
             (base, SamplingParams(max_tokens=12, temperature=1.0, seed=22, ignore_eos=True)),
@@ -157,9 +157,11 @@ def test_shared_prompt_blocks_produce_what_unshared_runs_produce(checkpoints, mo
     core = engine_core(ckpt, mode=mode, deep_interval=B, num_kv_blocks=256)
     shared = run(core, work, arrivals=[0, 3, 5])
     stats = core.stats()
-    # the prompt's 3 full blocks were computed once for the 4 samples (the block of the last token
-    # never is shared), then found in the cache by the repeat and, for 2 blocks, by the third prompt
-    assert stats["prefix_cache_hits"] == 3 * 3 * 4 + 3 * 4 + 2 * 4
+    # P = 13: the prompt's 3 full blocks are computed once for the 4 samples (the block of the last token
+    # never is shared), then found in the cache by the repeat and, for 2 blocks, by the third prompt.
+    # P = 12: the prompt ends at a block boundary: samples 1-3 fork from sample 0's prefill (all 3 blocks,
+    # nothing computed); the later repeat cannot fork (no prefill of it in its step): 2 blocks from the cache
+    assert stats["prefix_cache_hits"] == {13: 3 * 3 * 4 + 3 * 4 + 2 * 4, 12: 3 * 3 * 4 + 2 * 4 + 2 * 4}[P]
     assert stats["prefill_tokens_computed"] == stats["prefill_tokens_requested"] - stats["prefix_cache_hits"]
     # unshared reference: every completion alone, in its own engine without prefix caching
     for i, (prompt, params) in enumerate(work):

@@ -46,7 +46,7 @@ def test_three_async_engines_in_one_process_return_their_memory(ckpt):
         anyio.run(one_engine)
         gc.collect()
         after = torch.cuda.memory_allocated()
-        assert after - before < 256 * MiB, f"{(after - before) / MiB:.0f} MiB still allocated after close"
+        assert after - before <= 256 * MiB, f"{(after - before) / MiB:.0f} MiB still allocated after close"
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -59,4 +59,4 @@ def test_sync_engines_in_one_process_return_their_memory(ckpt):
         llm.generate([1, 2], SamplingParams(max_tokens=20, seed=0))
         llm.close()
         gc.collect()
-        assert torch.cuda.memory_allocated() - before < 256 * MiB
+        assert torch.cuda.memory_allocated() - before <= 256 * MiB

@@ -38,6 +38,9 @@ class FakeExecutor:
                 failures.append(StepFailure(Phase.PREFILL, tuple(w.request_id for w in plan.prefills), "boom"))
             else:
                 for w in plan.prefills:
+                    if w.sample_from is not None:  # a fork: every prompt position shared, nothing written
+                        assert not w.token_ids and w.sample_from in {p.request_id for p in plan.prefills}
+                        self.fed[w.request_id] = list(range(w.start_position))
                     self.fed.setdefault(w.request_id, []).extend(
                         range(w.start_position, w.start_position + len(w.token_ids)))
                     specs.append((w.request_id, w.sample))

@@ -132,8 +132,8 @@ def test_max_num_seqs_and_fifo_backpressure():
     plan, _ = run_step(sched, ex)
     assert [p.request_id for p in plan.prefills] == ["r0", "r1"]  # max_num_seqs
     sched2, ex2 = make_scheduler(num_kv_blocks=5, block_size=4, kv_allocation="reserve"), FakeExecutor()
-    for i in range(4):
-        sched2.add(f"r{i}", [1, 2, 3, 4], params(5, ignore_eos=True))
+    for i in range(4):  # distinct prompts: no shared blocks
+        sched2.add(f"r{i}", [i + 1, 2, 3, 4], params(5, ignore_eos=True))
     plan, _ = run_step(sched2, ex2)
     assert [p.request_id for p in plan.prefills] == ["r0", "r1"]  # 5 blocks: two fit, the third waits
     assert sched2.stats()["num_waiting"] == 2

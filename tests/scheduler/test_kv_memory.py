@@ -178,3 +178,17 @@ def test_soak_with_sharing_preemption_and_aborts_leaks_nothing():
         assert stats["prefix_cache_hits"] > 0
         sched.reset_prefix_cache()
         assert sched.stats()["prefix_cache_blocks"] == 0 and sched.blocks.num_free == sched.blocks.num_blocks
+
+
+def test_samples_of_a_block_aligned_prompt_fork_from_one_prefill():
+    sched = make_scheduler(num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+    ex = WriteChecker()
+    ex.sched = sched
+    prompt = list(range(1, 13))  # 12 tokens: exactly 3 blocks
+    done = drive(sched, ex, {0: [(f"a{i}", prompt, params(5, seed=i)) for i in range(4)]})
+    (plan,) = [p for p in ex.plans if p.prefills]
+    assert [(p.request_id, p.start_position, len(p.token_ids), p.sample_from) for p in plan.prefills] == [
+        ("a0", 0, 12, None), ("a1", 12, 0, "a0"), ("a2", 12, 0, "a0"), ("a3", 12, 0, "a0")]
+    stats = sched.stats()
+    assert stats["prefill_tokens_computed"] == 12 and stats["prefix_cache_hits"] == 36
+    assert all(r.num_output_tokens == 5 for r in done.values()) and stats["kv_blocks_used"] == 0
