@@ -161,7 +161,8 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
                for j, r in enumerate(L)]
     bad = [(i, r) for i, _, _, r, _ in entries if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= T]
     if bad:
-        raise ValueError(f"readout_loops must be ints in 1..{T} (the model's loops), got {bad[0][1]!r} in row {bad[0][0]}")
+        raise ValueError(f"readout_loops must be ints in 1..{T} (the model's loops), got {bad[0][1]!r} in row "
+                         f"{bad[0][0]}")
     C = max((len(L) for L in loops), default=0)
     dev = weight.device
     if not entries:

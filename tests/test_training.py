@@ -211,7 +211,8 @@ def test_readout_logprobs_rejects_bad_input(model64):
     with pytest.raises(TypeError, match="LoopedModel"):
         readout_logprobs(object(), ids, [4], prompt_len=3)
     one = readout_logprobs(model64, ids, [4, 2], prompt_len=3)
-    assert one.shape == (2,) and torch.equal(one, readout_logprobs(model64, torch.tensor([ids]), [[4, 2]], prompt_len=3)[0])
+    batched = readout_logprobs(model64, torch.tensor([ids]), [[4, 2]], prompt_len=3)
+    assert one.shape == (2,) and batched.shape == (1, 2) and torch.equal(one, batched[0])
 
 
 # ---------------------------------------------------------------- Engine.score

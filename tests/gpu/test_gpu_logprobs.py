@@ -66,7 +66,8 @@ def test_bf16_engine_against_the_replay(prompts, mode, B, head, temperature):
             p_exact.copy_(p_bf16.double())  # float64 copies of the very bf16 weights: the exact value
         truth = summary(differences(exact, prompts, outs, None))
     key = f"bf16 {mode} B={B} head={head} T={temperature}"
-    RESULTS[key] = {**{f"vs_bf16_replay_{k}": v for k, v in same.items()}, **{f"vs_fp64_{k}": v for k, v in truth.items()}}
+    RESULTS[key] = {**{f"vs_bf16_replay_{k}": v for k, v in same.items()},
+                    **{f"vs_fp64_{k}": v for k, v in truth.items()}}
     print(f"\n{key}: vs bf16 replay {same}\n{' ' * len(key)}  vs fp64 {truth}")
     _write()
     assert same["mean"] < 0.05 and truth["mean"] < 0.05
