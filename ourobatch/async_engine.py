@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ourobatch.scheduler.driver import AsyncDriver, RequestStream
 from ourobatch.engine.loader import checkpoint_files
 from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError, WeightUpdateError
+from ourobatch.scheduler.errors import EngineBusyError, EngineClosedError, EngineDeadError, WeightUpdateError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
@@ -326,11 +326,13 @@ class Engine:
         """No-grad log-prob of each completion token under the engine's current weights, as the engine
         reports them (its logprobs_mode and head_dtype; `params` matter for "processed"): token j from
         loop readout_loops[j-1] (default: loop T, full depth). One dense forward on the engine's worker
-        thread, never during a step (ourobatch.training.score)."""
-        executor = self.driver.core.executor
-        return await anyio.to_thread.run_sync(
-            lambda: score_on_executor(executor, prompt_token_ids, completion_token_ids, readout_loops, params),
-            limiter=self.driver._limiter)
+        thread, never during a step (ourobatch.training.score); EngineBusyError while asleep."""
+        driver = self.driver
+        if driver.pausing.asleep:
+            raise EngineBusyError("score: the engine is asleep; call wake_up() first")
+        executor = driver.core.executor
+        return await driver.on_worker(score_on_executor, executor, prompt_token_ids, completion_token_ids,
+                                      readout_loops, params)
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, boundaries, shallow_steps, prefill_tokens, kv_blocks_used, ..."""

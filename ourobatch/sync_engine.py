@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.errors import EngineClosedError
+from ourobatch.scheduler.errors import EngineBusyError, EngineClosedError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import SamplingParams
@@ -206,8 +206,11 @@ class SyncEngine:
     def score(self, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],
               readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:
         """No-grad log-prob of each completion token under the engine's weights, as the engine reports them
-        (its logprobs_mode and head_dtype): token j from loop readout_loops[j-1] (default: loop T)."""
+        (its logprobs_mode and head_dtype): token j from loop readout_loops[j-1] (default: loop T).
+        EngineBusyError while asleep."""
         with self._lock:
+            if self._asleep:
+                raise EngineBusyError("score: the engine is asleep; call wake_up() first")
             return score_on_executor(self.core.executor, prompt_token_ids, completion_token_ids, readout_loops,
                                      params)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch import Engine, EngineBusyError, EngineConfig, SamplingParams, SyncEngine
 from ourobatch.engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 from ourobatch.training import NormHookModel, readout_logprobs
@@ -233,6 +233,16 @@ def test_sync_score_equals_generation(ckpt):
             with pytest.raises(ValueError, match="token ids"):
                 llm.score([1, 10_000], [2])
             assert llm.score([1], []) == []
+
+
+def test_score_refuses_an_asleep_engine(ckpt):
+    with SyncEngine(EngineConfig(model=str(ckpt), dtype="float64")) as llm:
+        before = llm.score([1, 2, 3], [4, 5])
+        llm.sleep(1)
+        with pytest.raises(EngineBusyError, match="asleep"):
+            llm.score([1, 2, 3], [4, 5])
+        llm.wake_up()
+        assert llm.score([1, 2, 3], [4, 5]) == before
 
 
 @pytest.mark.asyncio
