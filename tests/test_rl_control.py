@@ -144,14 +144,16 @@ async def test_update_while_requests_run_needs_a_pause(ckpts):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("mode,B", MODES)
-async def test_pause_modes_mid_block(ckpts, mode, B):
+@pytest.mark.parametrize("mode,B,held", [(m, b, 3) for m, b in MODES] + [("deferred", 4, 4), ("verify", 3, 2)])
+async def test_pause_modes_mid_block(ckpts, mode, B, held):
     a, b = ckpts
     async with Engine(config(a, mode, B)) as engine:
         core = engine.core
         gate = GatedExecutor(core.executor)
         core.executor = gate
-        gate.hold(3)  # prefill + 2 decode steps run, the 4th step is held in flight
+        # held=3: prefill + 2 decode steps run, the 3rd decode step (mid-block, verify: drafts pending) is in
+        # flight when pause() is called; held=4 with B=4: the step in flight is the cohort's boundary
+        gate.hold(held)
         running = [engine.stream(p, sp(i, 24)) for i, p in enumerate(PROMPTS)]
         await gate.wait_entered()
         # "keep" while a step is in flight: it returns only after the flush, with requests frozen
