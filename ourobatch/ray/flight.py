@@ -22,54 +22,73 @@ if TYPE_CHECKING:
     from .pool import EnginePool
 
 
-@dataclass
-class Completion:
-    """Completion i as the caller sees it (cumulative)."""
+# How each CompletionOutput field stitches across the engine requests of one completion (a retry starts a
+# new one): per-token lists are appended, counters over the completion added, the rest is the latest.
+# Fields not named here are classified by value (a list: per token; num_*: a counter), so a field added
+# to CompletionOutput is carried without a change here.
+OWN_FIELDS = ("index", "seed")  # the pool's: the flight's index and the completion's original seed
+PER_TOKEN_FIELDS = ("token_ids", "logprobs", "readout_loops", "top_logprobs")
+COUNTER_FIELDS = ("cumulative_logprob",)
 
-    index: int
-    seed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    readout_loops: list[int] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    weight_version: int = 0
-    stop_reason: int | None = None
-    error: str | None = None
-    # the counters of the engine requests before the current one (a retry restarts them at 0)
-    base_logprob: float = 0.0
-    base_drafted: int = 0
-    base_accepted: int = 0
-    cumulative_logprob: float = 0.0
-    num_drafted: int = 0
-    num_accepted: int = 0
+
+def _is_per_token(name: str, value: Any) -> bool:
+    return name in PER_TOKEN_FIELDS or isinstance(value, list)
+
+
+def _is_counter(name: str, value: Any) -> bool:
+    return name in COUNTER_FIELDS or (name.startswith("num_") and isinstance(value, (int, float)))
+
+
+class Completion:
+    """Completion i as the caller sees it (cumulative), stitched from its engine requests' outputs."""
+
+    def __init__(self, index: int, seed: int) -> None:
+        self.index, self.seed = index, seed
+        self.values: dict[str, Any] = {}  # CompletionOutput field -> cumulative value
+        self.base: dict[str, Any] = {}  # counters of the engine requests before the current one
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.values.get("token_ids", ()))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.values.get("token_ids", [])
 
     def absorb(self, out: CompletionOutput) -> int:
-        """Append a delta (or a final output that is all of it) of the current engine request; returns
+        """Fold in a delta (or a final output that is all of it) of the current engine request; returns
         how many tokens it added."""
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.readout_loops += out.readout_loops
-        if out.top_logprobs is not None:
-            self.top_logprobs = (self.top_logprobs or []) + [dict(t) for t in out.top_logprobs]
-        self.cumulative_logprob = self.base_logprob + out.cumulative_logprob
-        self.num_drafted = self.base_drafted + out.num_drafted
-        self.num_accepted = self.base_accepted + out.num_accepted
-        self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
-        self.weight_version = out.weight_version
+        for f in dataclasses.fields(CompletionOutput):
+            name, value = f.name, getattr(out, f.name)
+            if name in OWN_FIELDS:
+                continue
+            if _is_per_token(name, value):
+                if value is not None:
+                    self.values[name] = list(self.values.get(name) or []) + [
+                        dict(v) if isinstance(v, dict) else v for v in value]
+            elif _is_counter(name, value):
+                self.values[name] = self.base.get(name, 0) + value
+            else:
+                self.values[name] = value
+        self.finish_reason = out.finish_reason
         return len(out.token_ids)
 
     def start_retry(self) -> None:
-        self.base_logprob, self.base_drafted, self.base_accepted = (self.cumulative_logprob, self.num_drafted,
-                                                                    self.num_accepted)
+        self.base = {k: v for k, v in self.values.items() if _is_counter(k, v)}
 
     def output(self, start: int = 0) -> CompletionOutput:
-        top = self.top_logprobs[start:] if self.top_logprobs is not None else None
-        return CompletionOutput(index=self.index, token_ids=self.token_ids[start:], logprobs=self.logprobs[start:],
-                                readout_loops=self.readout_loops[start:], cumulative_logprob=self.cumulative_logprob,
-                                finish_reason=self.finish_reason, seed=self.seed, weight_version=self.weight_version,
-                                top_logprobs=top, stop_reason=self.stop_reason, error=self.error,
-                                num_drafted=self.num_drafted, num_accepted=self.num_accepted)
+        fields = {}
+        for f in dataclasses.fields(CompletionOutput):
+            if f.name in self.values:
+                value = self.values[f.name]
+                fields[f.name] = value[start:] if _is_per_token(f.name, value) else value
+        fields.setdefault("token_ids", [])
+        fields.setdefault("logprobs", [])
+        fields.setdefault("readout_loops", [])
+        fields.setdefault("cumulative_logprob", 0.0)
+        fields["finish_reason"] = self.finish_reason
+        return CompletionOutput(index=self.index, seed=self.seed, **fields)
 
 
 @dataclass(eq=False)
