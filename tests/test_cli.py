@@ -310,7 +310,7 @@ def test_help_explains_the_modes():
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "deferred" in text and "eager" in text and "verify" in text
-    assert "--deep-interval 1 is ordinary full-depth decoding" in " ".join(text.split())
+    assert "The default (--deep-interval 1) is ordinary full-depth decoding" in " ".join(text.split())
     assert "example:" in text and "python -m ourobatch generate" in text
 
 
