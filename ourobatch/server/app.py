@@ -163,8 +163,8 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
             raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
         if body.abort_all:
             if hasattr(engine, "abort_all"):
-                aborted = await call("abort_all", "/abort_request")
-                return {"success": True, "aborted": aborted if isinstance(aborted, int) else None}
+                aborted = await call("abort_all", "/abort_request")  # the aborted requests' outputs
+                return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
             ids = list(engine.core.parents)
             return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
         return {"success": await engine.abort(body.rid), "aborted": None}
