@@ -35,6 +35,8 @@ VLLM_ONLY_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     "compilation_config": None, "worker_extension_cls": None, "enable_prefix_caching": None,
 }
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# vLLM's logprobs_mode spellings -> EngineConfig.logprobs_mode (vLLM's default is raw; ourobatch's processed)
+LOGPROBS_MODE_ALIASES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -60,6 +62,12 @@ class LLM:
         from ._core import build_engine_core  # torch loads here
 
         options = dict(engine_options)
+        mode = options.get("logprobs_mode")
+        if isinstance(mode, str) and mode in LOGPROBS_MODE_ALIASES:
+            options["logprobs_mode"] = LOGPROBS_MODE_ALIASES[mode]
+        elif mode in ("raw_logits", "processed_logits"):
+            raise ValueError(f"LLM(logprobs_mode={mode!r}) is not supported: ourobatch reports log-probs "
+                             f"('raw_logprobs' or 'processed_logprobs')")
         for name in list(options):
             if name in VLLM_ONLY_OPTIONS:
                 allowed, value = VLLM_ONLY_OPTIONS[name], options.pop(name)

@@ -137,9 +137,12 @@ def test_vllm_only_options_are_mapped_accepted_or_refused(tiny):
         LLM(str(tiny), tensor_parallel_size=2)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['flux_capacitor'\]"):
         LLM(str(tiny), flux_capacitor=True)
-    with LLM(str(tiny), dtype="float", enforce_eager=True, swap_space=4,
+    with pytest.raises(ValueError, match="raw_logits"):
+        LLM(str(tiny), logprobs_mode="raw_logits")
+    with LLM(str(tiny), dtype="float", enforce_eager=True, swap_space=4, logprobs_mode="raw_logprobs",
              tensor_parallel_size=1, num_kv_blocks=16) as llm:
         assert llm.config.dtype == "float32" and llm.config.cuda_graphs is False and llm.get_tokenizer() is None
+        assert llm.config.logprobs_mode == "raw"  # vLLM's spelling of its own default
         with pytest.raises(ValueError, match="no tokenizer is loaded"):
             llm.generate("hello", use_tqdm=False)
         with pytest.raises(ValueError, match="stop.*needs a tokenizer"):
