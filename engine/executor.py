@@ -110,9 +110,16 @@ class ModelExecutor:
         for rid in plan.released_request_ids:
             self.retained.pop(rid, None)
             self.tables.release(rid)
-        for w in (*plan.prefills, *plan.shallow, *plan.deep):  # new rows and grown block lists
-            self.tables.row(w.request_id, w.block_ids)
-        self.tables.flush()
+        try:  # new rows and grown block lists, once per step; the phases below read tables.row_of
+            for w in (*plan.prefills, *plan.shallow, *plan.deep):
+                self.tables.row(w.request_id, w.block_ids)
+            self.tables.flush()
+        except Exception as exc:  # noqa: BLE001 - every request of the step fails, none is left hanging
+            failures = [_failure(Phase.PREFILL, plan.prefills, exc)] if plan.prefills else []
+            decoding = {w.request_id: w for w in (*plan.shallow, *plan.deep)}
+            if decoding:
+                failures.append(_failure(Phase.SHALLOW, tuple(decoding.values()), exc))
+            return StepResult(plan.step_id, (), tuple(failures), ())
         failures: list[StepFailure] = []
         readouts: list[_Readout] = []
         failed: set[str] = set()
@@ -175,7 +182,7 @@ class ModelExecutor:
 
     def _prefill(self, works: tuple[PrefillWork, ...]) -> list[_Readout]:
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
-        rows = [self.tables.row(w.request_id, w.block_ids) for w in run]
+        rows = [self.tables.row_of[w.request_id] for w in run]
         starts = [w.start_position for w in run]
         lens = [len(w.token_ids) for w in run]
         # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
@@ -195,7 +202,7 @@ class ModelExecutor:
         for w in works:
             groups.setdefault((w.last_loop, w.retain), []).append(w)
         for (last_loop, retain), group in groups.items():
-            rows = [self.tables.row(w.request_id, w.block_ids) for w in group]
+            rows = [self.tables.row_of[w.request_id] for w in group]
             slots = []
             if retain:
                 for w in group:
@@ -250,7 +257,7 @@ class ModelExecutor:
         self._check_retained(works)
         first_loop = works[0].first_loop
         R = works[0].num_rows
-        rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
+        rows = [self.tables.row_of[d.request_id] for d in works]
         starts = [d.start_position for d in works]
         if all(d.num_rows == R for d in works):
             h_last = self._run_deep(rows, starts, R, first_loop, works)
@@ -277,7 +284,7 @@ class ModelExecutor:
     def _run_deep_varlen(self, works: list[DeepWork]) -> tuple[BatchMeta, torch.Tensor, torch.Tensor]:
         """Deep loops over every retained row of requests with different row counts (host-built metadata,
         no graph). Returns the metadata, the retained loop-s rows and their loop-T readouts."""
-        rows = [self.tables.row(d.request_id, d.block_ids) for d in works]
+        rows = [self.tables.row_of[d.request_id] for d in works]
         num_rows = [d.num_rows for d in works]
         meta = varlen_meta(self.tables, rows, [d.start_position for d in works], num_rows,
                            [d.block_ids for d in works], self.block_size, prefill=False, device=self.device)

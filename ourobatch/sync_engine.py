@@ -21,7 +21,7 @@ from ourobatch.scheduler.params import SamplingParams
 
 from ourobatch.engine.loader import checkpoint_files
 from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.pausing import PAUSE_MODES
+from ourobatch.scheduler.pausing import PauseControl
 
 from . import _control
 from ._core import build_engine_core
@@ -45,9 +45,8 @@ class SyncEngine:
         self.config = config = resolve_config(config, kwargs)
         self._lock = threading.RLock()
         self._unpaused = threading.Condition(self._lock)  # generate() waits on it while paused or asleep
-        self._paused = False
-        self._asleep = False
         self._core: EngineCore | None = build_engine_core(config, model=loaded_model)
+        self._pausing = PauseControl(self._core)  # the async driver's state machine, stepped here
 
     @property
     def core(self) -> EngineCore:
@@ -103,7 +102,7 @@ class SyncEngine:
                     finished = sum(p.finished for p in parents)
                     if finished == len(parents):
                         break
-                    if self._paused or self._asleep:
+                    if self._pausing.paused or self._pausing.asleep:
                         self._unpaused.wait()  # another thread paused the engine: no step until resume()
                         continue
                     self.core.step()  # may finish other threads' requests too: they read their own
@@ -126,34 +125,23 @@ class SyncEngine:
         """As Engine.pause: "abort" ends live requests now (their generate() calls return the partial
         outputs); "wait" runs the running requests to their end, admitting nobody; "keep" flushes pending
         deep work (a forced boundary) and freezes running requests. generate() calls wait until resume()."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._lock:
             core = self.core
+            self._pausing.request(mode)  # validates the mode
             if mode == "abort":
                 self.abort_all()
-            else:
-                core.scheduler.admission_paused = True
-                if mode == "wait":
-                    while core.scheduler.num_running:
-                        core.step()
-                elif core.scheduler.needs_flush():
-                    core.scheduler.force_boundary()
-                    core.step()
-            self._paused = core.paused = True
+            while not self._pausing.must_wait():  # "wait": run to the end; "keep": the flush step
+                core.step()
 
     def resume(self, *, recompute_kv: bool = False) -> None:
         with self._lock:
-            core = self.core
-            if recompute_kv:
-                core.scheduler.preempt_all()
-            core.scheduler.admission_paused = False
-            self._paused = core.paused = False
+            self.core  # noqa: B018 - EngineClosedError on a closed engine
+            self._pausing.resume(recompute_kv)
             self._unpaused.notify_all()
 
     @property
     def is_paused(self) -> bool:
-        return self._paused
+        return self._pausing.paused
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every live request; returns their partial outputs."""
@@ -168,7 +156,7 @@ class SyncEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
         """As Engine.update_weights (in place; only while paused or idle); returns the new version."""
         with self._lock:
-            _control.check_weight_change(self.core, "update_weights", self._asleep, version)
+            _control.check_weight_change(self.core, "update_weights", self._pausing.asleep, version)
             return _control.copy_weights(self.core, named_tensors, version)
 
     def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
@@ -180,23 +168,23 @@ class SyncEngine:
         """As Engine.sleep: weights to CPU (1) or dropped (2); KV pool and graphs freed."""
         with self._lock:
             core = self.core
-            _control.check_weight_change(core, "sleep", self._asleep)
-            if not self._asleep:
+            _control.check_weight_change(core, "sleep", self._pausing.asleep)
+            if not self._pausing.asleep:
                 _control.before_sleep(core, level)
                 core.executor.sleep(level)
-                self._asleep = True
+                self._pausing.asleep = True
                 _control.after_sleep(core, level)
 
     def wake_up(self) -> None:
         with self._lock:
-            if self._asleep:
+            if self._pausing.asleep:
                 self.core.executor.wake_up()
-                self._asleep = False
+                self._pausing.asleep = False
                 self._unpaused.notify_all()
 
     @property
     def is_sleeping(self) -> bool:
-        return self._asleep
+        return self._pausing.asleep
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped."""
@@ -209,7 +197,7 @@ class SyncEngine:
         (its logprobs_mode and head_dtype): token j from loop readout_loops[j-1] (default: loop T).
         EngineBusyError while asleep."""
         with self._lock:
-            if self._asleep:
+            if self._pausing.asleep:
                 raise EngineBusyError("score: the engine is asleep; call wake_up() first")
             return score_on_executor(self.core.executor, prompt_token_ids, completion_token_ids, readout_loops,
                                      params)

@@ -173,7 +173,8 @@ class AsyncDriver:
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation (scheduler/pausing.py: 'abort', 'wait' or 'keep'); returns once paused."""
         self._check_running()
-        done = self.pausing.request(mode)  # validates the mode
+        done = anyio.Event()
+        self.pausing.request(mode, done.set)  # validates the mode
         if mode == "abort":
             self.abort_all()
         self._wakeup.set()

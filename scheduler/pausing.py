@@ -13,13 +13,13 @@ their KV is recomputed (prefill of prompt + outputs) under the new weights.
 A *hold* (a weight copy, sleep or wake on the worker thread) also keeps the loop from stepping, paused
 or not, so no step ever runs against weights or buffers being changed.
 
-Torch-free, no awaits: the driver calls ``must_wait()`` at the top of every loop iteration, where no
-step is in flight.
+Torch-free, no awaits, no event-loop objects: the async driver calls ``must_wait()`` at the top of every
+loop iteration, where no step is in flight; SyncEngine.pause() steps until it returns True.
 """
 
 from __future__ import annotations
 
-import anyio
+from typing import Callable
 
 from .frontend import EngineCore
 from .log import get_logger
@@ -36,21 +36,23 @@ class PauseControl:
         self.holds = 0  # maintenance on the worker thread (weights, sleep); also blocks steps
         self.asleep = False  # sleep() until wake_up(): nothing may step, paused or not
         self._flushed = False
-        self._done = anyio.Event()
+        self._waiters: list[Callable[[], None]] = []  # called once paused (or when a resume cancels it)
 
-    def request(self, mode: str) -> anyio.Event:
-        """Start pausing in `mode`; the returned event is set once the loop is paused."""
+    def request(self, mode: str, on_paused: Callable[[], None] | None = None) -> None:
+        """Start pausing in `mode`; `on_paused` is called once the engine is paused."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused:
-            return self._done
+            if on_paused is not None:
+                on_paused()
+            return
+        if on_paused is not None:
+            self._waiters.append(on_paused)
         if self.mode is None:
-            self._done = anyio.Event()
             self._flushed = False
-        self.mode = mode if self.mode is None else self.mode
+            self.mode = mode
         if mode != "abort":
             self.core.scheduler.admission_paused = True
-        return self._done
 
     def must_wait(self) -> bool:
         """At the top of a loop iteration: True if the loop must not step now (it waits for a wakeup)."""
@@ -69,7 +71,12 @@ class PauseControl:
         log.info("engine_paused", mode=self.mode, kept=self.core.scheduler.num_running)
         self.paused, self.mode = True, None
         self.core.paused = True
-        self._done.set()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
 
     def resume(self, recompute_kv: bool = False) -> None:
         if recompute_kv:
@@ -78,5 +85,5 @@ class PauseControl:
         self.paused, self.mode = False, None
         self.core.paused = False
         self.core.scheduler.admission_paused = False
-        self._done.set()  # a pause still in progress is cancelled by the resume
+        self._wake_waiters()  # a pause still in progress is cancelled by the resume
         log.info("engine_resumed", recompute_kv=recompute_kv)
