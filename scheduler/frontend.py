@@ -39,6 +39,25 @@ def request_seed(engine_seed: int, index: int) -> int:
     return child_seed(engine_seed ^ 0x2545F4914F6CDD1D, index + 1)
 
 
+def check_new_request(params: SamplingParams, request_id: str | None, max_num_seqs: int,
+                      live_ids: Mapping[str, Any]) -> str:
+    """What every engine front (EngineCore, the Ray pool) checks before queueing a request; returns its id
+    (a fresh uuid when None: a counter's "req-3" can be a caller's own live id)."""
+    if params.stop:  # text needs a tokenizer: the front ends that hold one cut the text themselves
+        raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
+                         f"ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
+    if params.n > max_num_seqs:  # one request's samples fit in one batch
+        raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}; lower n or "
+                                   f"raise max_num_seqs")
+    if request_id is None:
+        return f"req-{uuid.uuid4().hex}"
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+    if request_id in live_ids:
+        raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+    return request_id
+
+
 @dataclass(eq=False)
 class ParentRequest:
     """A caller's request: one prompt, n child requests in the scheduler."""
@@ -102,19 +121,7 @@ class EngineCore:
                 f"a weight update failed after {len(self._dirty_weights)} tensor(s) were copied: the model is "
                 f"half-updated and serves nothing until an update that covers them succeeds (retry it, or "
                 f"load_weights a checkpoint)")
-        if params.stop:  # text needs a tokenizer: the front ends that hold one cut the text themselves
-            raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
-                             f"ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
-        if params.n > self.scheduler.config.max_num_seqs:  # one request's samples fit in one batch
-            raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
-                                       f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
-        if request_id is None:
-            # A uuid, not a counter: a counter's "req-3" can be a caller's own live id.
-            request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
         child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         for cid in child_ids:
             if cid in self.scheduler.requests:

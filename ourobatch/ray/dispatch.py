@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from typing import Any, Sequence
 
 from ourobatch.scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
                                         ReplicaDiedError, RequestRejectedError)
-from ourobatch.scheduler.frontend import request_seed
+from ourobatch.scheduler.frontend import check_new_request, request_seed
 from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
@@ -33,11 +32,7 @@ class Dispatch:
         """Check a request, give it a seed as an Engine would, and start placing it."""
         self._check_open()
         params = SamplingParams.coerce(params)
-        if params.stop:
-            raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
-                             f"stop_token_ids with the pool")
-        if params.n > self.config.max_num_seqs:
-            raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        request_id = check_new_request(params, request_id, self.config.max_num_seqs, self._flights)
         if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
             raise TypeError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
         prompt = list(prompt_token_ids)
@@ -46,12 +41,6 @@ class Dispatch:
         if len(prompt) + params.max_tokens > self.config.max_model_len:  # the replica checks the rest
             raise RequestRejectedError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                                        f"{len(prompt) + params.max_tokens} exceeds max_model_len={self.config.max_model_len}")
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
-        if request_id in self._flights:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if params.seed is None:  # the seed an Engine would give its i-th unseeded request
             params = params.with_seed(request_seed(self.config.seed, self._num_unseeded))
             self._num_unseeded += 1
