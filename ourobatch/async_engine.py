@@ -185,7 +185,7 @@ class Engine:
         CompletionOutput.error); EngineDeadError is raised only if the whole engine stops. Cancelling the
         caller aborts the request and frees its KV at once.
         """
-        collector = self.driver.add(prompt_token_ids, params, request_id)
+        collector = self.driver.add(prompt_token_ids, params, request_id, kind=RequestOutputKind.FINAL_ONLY)
         return await self.driver.wait_final(collector)
 
     def stream(self, prompt_token_ids: Sequence[int], params: ParamsLike = None,

@@ -237,7 +237,7 @@ class Scheduler:
                 k = r.num_output_tokens  # feed generated token k
                 pos = r.num_prompt_tokens + k - 1
                 nxt = k + 1
-                if cfg.mode == "eager":
+                if cfg.mode == "eager" or cfg.deep_interval == 1:  # B=1: full depth in one call, no retained rows
                     loop = T if boundary else s
                     shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, T,
                                                False, SampleSpec(loop, nxt, r.params)))

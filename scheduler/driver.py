@@ -46,6 +46,12 @@ class _Collector:
     def notify(self) -> None:
         self.event.set()
 
+    def on_step(self) -> None:
+        """A step touched the request: wake the consumer, unless it waits only for the end (FINAL_ONLY:
+        generate(), generate_batch()), so 64 waiting callers do not all wake on every step."""
+        if self.kind != RequestOutputKind.FINAL_ONLY or self.parent.finished:
+            self.event.set()
+
     def pending(self) -> bool:
         return self.parent.num_tokens() != self.delivered or (self.parent.finished and not self.sent_final)
 
@@ -86,8 +92,11 @@ class AsyncDriver:
                     self.step_in_flight = False
                 touched = self.core.update(plan, result)
                 self.num_steps += 1
+                collectors = self._collectors
                 for parent in touched:
-                    self._notify(parent.request_id)
+                    collector = collectors.get(parent.request_id)
+                    if collector is not None:
+                        collector.on_step()
                 await anyio.lowlevel.checkpoint()  # let callers run between steps
         except Exception as exc:  # noqa: BLE001 - an engine bug or an executor breaking its contract
             log.error("engine_dead", error=f"{type(exc).__name__}: {exc}")
@@ -148,7 +157,8 @@ class AsyncDriver:
     def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
             request_id: str | None = None,
             kind: RequestOutputKind | None = None) -> _Collector:
-        """Validate and queue a request (raises, changing nothing, on bad input); wake the loop."""
+        """Validate and queue a request (raises, changing nothing, on bad input); wake the loop. `kind`
+        overrides params.output_kind (FINAL_ONLY for callers that only await the end)."""
         self._check_running()
         if request_id is not None and request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
