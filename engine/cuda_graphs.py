@@ -1,7 +1,9 @@
 """CUDA graphs for the hot calls: the shallow step and the deep call, captured per batch-size bucket.
 
-A graph is captured lazily the first time a (call, loops, rows-per-request, bucket) is needed: warm
-up twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture. Replays copy the
+The engine captures every bucket of the calls its mode makes at startup (``capture_all``, vLLM-style,
+logged as ``cuda_graphs_captured`` with its time); any other (call, loops, rows-per-request, bucket) is
+captured lazily the first time it is needed. A capture warms up twice on a side stream (Triton
+compiles, cuBLAS picks kernels), then captures. Replays copy the
 step's small index vectors (token ids, table rows, positions, retained-row slots) into the graph's
 static inputs; padding entries point at the scratch table row, whose blocks are the scratch block, so
 they write nowhere that matters. Warm-up runs are real runs of the step with the same inputs, and every
@@ -80,6 +82,22 @@ class GraphCache:
         self.graphs[key + (bucket,)] = g
         self.num_captures += 1
         return g
+
+    def capture_all(self, calls: list[tuple], should_stop: Callable[[], bool] | None = None) -> int:
+        """Capture every bucket of each call in `calls`: ("shallow", last_loop, retain) or ("deep",
+        first_loop, rows_per_request). The dummy inputs all point at the scratch table row, so the runs
+        write only the scratch block and the scratch row's retained rows. Returns the graphs captured."""
+        before = self.num_captures
+        for call in calls:
+            for bucket in self.buckets:
+                if should_stop is not None and should_stop():
+                    return self.num_captures - before
+                rows = [self.ex.tables.scratch_row] * bucket
+                if call[0] == "shallow":
+                    self.shallow([0] * bucket, rows, [0] * bucket, [0] * bucket if call[2] else None, call[1])
+                else:
+                    self.deep(rows, [0] * bucket, call[2], call[1])
+        return self.num_captures - before
 
     def shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
                 retain_slots: list[int] | None, last_loop: int) -> list[torch.Tensor]:

@@ -321,6 +321,24 @@ class ModelExecutor:
             for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
         ]
 
+    # ------------------------------------------------------------------ startup
+
+    def graph_calls(self, mode: str, deep_interval: int, shallow_loops: int) -> list[tuple]:
+        """The graphed calls a scheduler of this mode plans (core.py schedule(), verify_plan.py)."""
+        T, s, B = self.total_ut_steps, shallow_loops, deep_interval
+        if mode == "verify":
+            return [("shallow", s, True)]  # drafts; the verify deep call is varlen (eager)
+        if mode == "eager" or B == 1:  # one call of loops 1..T at each boundary (every step when B = 1)
+            return [("shallow", T, False)] + ([("shallow", s, False)] if B > 1 else [])
+        return [("shallow", s, True), ("deep", s + 1, B)]
+
+    @torch.inference_mode()
+    def capture_graphs(self, calls: list[tuple], should_stop: Callable[[], bool] | None = None) -> int:
+        """Capture every batch-size bucket of `calls` now (startup), not during the first requests."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.capture_all(calls, should_stop)
+
     # ------------------------------------------------------------------ weights and sleep
 
     def update_weights(self, named_tensors) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -13,6 +14,7 @@ from ourobatch.engine.kv_cache import KVPool
 from ourobatch.engine.loader import load_model
 from ourobatch.engine.model import OuroForCausalLM
 from ourobatch.scheduler.core import SchedulerConfig
+from ourobatch.scheduler.errors import EngineClosedError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.log import get_logger
 
@@ -163,6 +165,15 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                              cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
                              head_dtype=resolve_head_dtype(config))
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
+    if executor.graphs is not None:  # every bucket of the mode's calls now, so no request pays a capture
+        started = time.perf_counter()
+        calls = executor.graph_calls(config.mode, config.deep_interval, config.shallow_loops)
+        captured = executor.capture_graphs(calls, should_stop)
+        if should_stop is not None and should_stop():
+            executor.close()
+            raise EngineClosedError("the engine was closed while it captured CUDA graphs")
+        log.info("cuda_graphs_captured", graphs=captured, buckets=len(executor.graphs.buckets),
+                 calls=[":".join(map(str, c)) for c in calls], seconds=round(time.perf_counter() - started, 2))
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,
