@@ -67,12 +67,15 @@ ACTIVATION_RESERVE_BYTES = 3 * 2**30
 
 
 def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch.dtype) -> int:
-    """CPU: room for max_num_seqs requests of max_model_len, capped at kv_cache_memory_gb.
+    """CPU: room for max_num_seqs requests of max_model_len (plus the lazy watermark), capped at
+    kv_cache_memory_gb.
     CUDA: what gpu_memory_utilization of the device leaves after the weights (call after loading them)."""
     mc = model_config
     per_block = (2 * mc.total_ut_steps * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads
                  * mc.head_dim * torch.empty((), dtype=dtype).element_size())
     wanted = config.max_num_seqs * math.ceil(effective_max_model_len(config, mc) / config.block_size)
+    if config.kv_allocation == "lazy":  # admission keeps the watermark free: add it, so all of them fit
+        wanted += math.ceil(config.kv_watermark * wanted / (1 - config.kv_watermark)) + 1
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES

@@ -1,0 +1,282 @@
+"""The public paths side by side, with a profile of where the async Engine's wall time goes.
+
+For each config (interval 1, deferred B=4 / B=8 by default), one workload of N prompts of P tokens, M
+output tokens each (ignore_eos, temperature 1, prefill included), run three ways in one process:
+
+- ``sync``: ``SyncEngine.generate_batch`` (the blocking path),
+- ``async``: N concurrent ``Engine.generate`` calls (the public async path),
+- ``profiled``: the async run again with probes: CUDA events around every executor phase (prefill,
+  shallow call, deep call, sampling; no extra synchronisation), host clocks around ``schedule``,
+  ``update``, the worker thread's ``execute`` and the event-loop turn between steps (output delivery,
+  other tasks), the requests that waited aligned to a cohort each step, and the CUDA graphs captured
+  during the run.
+
+Each engine first runs a short warm-up round (CUDA graphs are captured at startup; this compiles the
+prefill kernels). Output: public_path.json and public_path.md (tok/s per path and the profile table).
+
+    python benchmarks/public_path.py --out results/public                       # H200
+    python benchmarks/public_path.py --device cpu --tiny -N 4 -P 8 -M 12 --out /tmp/p   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import torch
+
+from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch.scheduler.request import RequestStatus
+from ourobatch.testing import make_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import OURO_1_4B, TINY, parse_config  # noqa: E402
+
+PHASES = ("_prefill", "_shallow", "_deep", "_deep_verify", "_sample")
+
+
+class Probe:
+    """Timers installed on one running engine's core, executor and (async) driver loop."""
+
+    def __init__(self, core, cuda: bool) -> None:
+        self.core, self.cuda = core, cuda
+        self.events: list[tuple[str, object, object]] = []  # (phase, start event, end event)
+        self.host = collections.Counter()  # seconds per host part
+        self.steps = self.aligning = self.running = 0
+        self._last_update_end: float | None = None
+        self._schedule_end: float | None = None  # None: the step in flight was planned before install()
+        self._saved: list[tuple[object, str]] = []
+        graphs = core.executor.graphs
+        self.captures_before = graphs.num_captures if graphs is not None else 0
+
+    def _wrap(self, obj, name: str, wrapper) -> None:
+        orig = getattr(obj, name)
+        self._saved.append((obj, name))
+        setattr(obj, name, wrapper(orig))
+
+    def install(self) -> None:
+        ex, core = self.core.executor, self.core
+
+        def phase(name):
+            def wrapper(orig):
+                def run(*args):
+                    if not self.cuda:
+                        t = time.perf_counter()
+                        out = orig(*args)
+                        self.host[name] += time.perf_counter() - t
+                        return out
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = orig(*args)
+                    end.record()
+                    self.events.append((name, start, end))
+                    return out
+                return run
+            return wrapper
+
+        for name in PHASES:
+            if hasattr(ex, name):
+                self._wrap(ex, name, phase(name))
+
+        def timed(key):
+            def wrapper(orig):
+                def run(*args):
+                    t = time.perf_counter()
+                    if key == "schedule" and self._last_update_end is not None:
+                        self.host["between_steps"] += t - self._last_update_end
+                    out = orig(*args)
+                    now = time.perf_counter()
+                    self.host[key] += now - t
+                    if key == "schedule":
+                        self.steps += bool(out.prefills or out.shallow or out.deep)  # not release-only plans
+                        self._schedule_end = now
+                        reqs = core.scheduler.requests.values()
+                        self.aligning += sum(r.status == RequestStatus.ALIGNING for r in reqs)
+                        self.running += core.scheduler.num_running
+                    elif key == "update" and self._schedule_end is not None:
+                        self.host["await_step"] += t - self._schedule_end
+                        self._last_update_end = now
+                    return out
+                return run
+            return wrapper
+
+        self._wrap(core, "schedule", timed("schedule"))
+        self._wrap(core, "update", timed("update"))
+        self._wrap(ex, "execute", timed("execute"))
+
+    def remove(self) -> None:
+        for obj, name in reversed(self._saved):
+            delattr(obj, name)  # instance attributes shadowing the class's methods
+        self._saved.clear()
+
+    def summary(self, wall: float) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+        gpu = collections.Counter()
+        for name, start, end in self.events:
+            gpu[name.strip("_")] += start.elapsed_time(end) / 1e3
+        for name in PHASES:  # CPU: host clocks stand in for device time
+            if name in self.host:
+                gpu[name.strip("_")] += self.host.pop(name)
+        graphs = self.core.executor.graphs
+        host = dict(self.host)
+        return dict(
+            wall_s=wall, steps=self.steps, device_s=dict(gpu),
+            host_s=dict(schedule=host.get("schedule", 0.0), update=host.get("update", 0.0),
+                        execute_wall=host.get("execute", 0.0),
+                        thread_hop=max(0.0, host.get("await_step", 0.0) - host.get("execute", 0.0)),
+                        between_steps=host.get("between_steps", 0.0)),
+            aligning_share=self.aligning / max(self.running, 1),
+            graph_captures_in_run=(graphs.num_captures if graphs is not None else 0) - self.captures_before,
+        )
+
+
+def engine_config(args, model_dir: str, name: str) -> EngineConfig:
+    mode, B, s = parse_config(name, args.shallow_loops)
+    return EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
+                        shallow_loops=s, max_num_seqs=args.N, max_model_len=args.P + args.M,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def workload(args, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.P)] for _ in range(args.N)]
+    params = [SamplingParams(max_tokens=args.M, temperature=1.0, seed=i, ignore_eos=True) for i in range(args.N)]
+    return prompts, params
+
+
+def warm_params(args) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=min(args.M, 24), seed=10_000 + i, ignore_eos=True) for i in range(args.N)]
+
+
+def run_sync(args, model_dir: str, name: str) -> dict:
+    with SyncEngine(engine_config(args, model_dir, name)) as engine:
+        prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
+        engine.generate_batch(prompts, warm_params(args))
+        t = time.perf_counter()
+        outs = engine.generate_batch(prompts, params)
+        wall = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
+
+
+async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict]:
+    async with Engine(engine_config(args, model_dir, name)) as engine:
+        prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
+
+        async def round_(ps) -> tuple[float, int]:
+            counts = [0] * len(prompts)
+
+            async def one(i: int) -> None:
+                out = await engine.generate(prompts[i], ps[i])
+                counts[i] = len(out.outputs[0].token_ids)
+
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            return time.perf_counter() - t, sum(counts)
+
+        await round_(warm_params(args))
+        wall, tokens = await round_(params)
+        plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
+        probe = Probe(engine.core, args.device.startswith("cuda"))
+        probe.install()
+        try:
+            wall_p, tokens_p = await round_(params)
+        finally:
+            probe.remove()
+        profiled = dict(path="profiled", tokens=tokens_p, tokens_per_s=tokens_p / wall_p, **probe.summary(wall_p))
+    return plain, profiled
+
+
+def markdown(rows: list[dict], profiles: list[dict], meta: dict) -> str:
+    lines = [f"Measured {meta['date']} on {meta['device_name']}, torch {meta['torch']}, {meta['dtype']}: "
+             f"N = {meta['N']} requests, prompt {meta['P']}, {meta['M']} tokens each, prefill included.", "",
+             "| config | SyncEngine tok/s | async Engine tok/s | async / sync | sync x interval 1 | "
+             "async x interval 1 |", "|---|---|---|---|---|---|"]
+    by = {(r["config"], r["path"]): r for r in rows}
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    base = {p: by.get(("interval1", p), {}).get("tokens_per_s") for p in ("sync", "async")}
+    for c in configs:
+        s, a = by[(c, "sync")]["tokens_per_s"], by[(c, "async")]["tokens_per_s"]
+        rs = f"{s / base['sync']:.2f}" if base["sync"] else "-"
+        ra = f"{a / base['async']:.2f}" if base["async"] else "-"
+        lines.append(f"| {c} | {s:,.0f} | {a:,.0f} | {a / s:.3f} | {rs} | {ra} |")
+    lines += ["", "Where the profiled async run's wall time goes (ms per step; device parts from CUDA events, "
+              "host parts from clocks; the device and host parts overlap only inside execute):", "",
+              "| config | steps | wall | prefill | shallow | deep | sample | execute (worker) | schedule | update | "
+              "thread hop | between steps | aligning share | captures in run |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in profiles:
+        n = max(p["steps"], 1)
+        d, h = p["device_s"], p["host_s"]
+
+        def ms(x: float) -> str:
+            return f"{1e3 * x / n:.2f}"
+        deep = d.get("deep", 0.0) + d.get("deep_verify", 0.0)
+        lines.append(f"| {p['config']} | {p['steps']} | {ms(p['wall_s'])} | {ms(d.get('prefill', 0.0))} | "
+                     f"{ms(d.get('shallow', 0.0))} | {ms(deep)} | {ms(d.get('sample', 0.0))} | "
+                     f"{ms(h['execute_wall'])} | {ms(h['schedule'])} | {ms(h['update'])} | {ms(h['thread_hop'])} | "
+                     f"{ms(h['between_steps'])} | {p['aligning_share']:.3f} | {p['graph_captures_in_run']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
+    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    ap.add_argument("--out", required=True, help="folder for public_path.json and public_path.md")
+    ap.add_argument("--configs", default="interval1,deferred4,deferred8")
+    ap.add_argument("-N", type=int, default=64, help="concurrent requests")
+    ap.add_argument("-P", type=int, default=512, help="prompt tokens")
+    ap.add_argument("-M", type=int, default=256, help="output tokens per request")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shallow-loops", type=int, default=2)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = ap.parse_args(argv)
+    names = args.configs.split(",")
+    for n in names:
+        try:
+            parse_config(n, args.shallow_loops)
+        except ValueError as exc:
+            ap.error(str(exc))
+    for field in ("N", "P", "M"):
+        if getattr(args, field) < 1:
+            ap.error(f"-{field} must be >= 1, got {getattr(args, field)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
+        if not (Path(model_dir) / "config.json").exists():
+            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+    meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N, P=args.P,
+                M=args.M, torch=torch.__version__,
+                device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor())
+    rows, profiles = [], []
+    for name in names:
+        rows.append(dict(config=name, **run_sync(args, model_dir, name)))
+        plain, profiled = anyio.run(run_async, args, model_dir, name)
+        rows.append(dict(config=name, **plain))
+        profiles.append(dict(config=name, **profiled))
+        print(json.dumps(rows[-2:] + profiles[-1:]), flush=True)
+        (out / "public_path.json").write_text(json.dumps(dict(meta=meta, rows=rows, profiles=profiles)))
+    md = markdown(rows, profiles, meta)
+    (out / "public_path.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

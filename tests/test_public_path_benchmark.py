@@ -1,0 +1,34 @@
+"""benchmarks/public_path.py at toy size on the CPU: both public paths produce every token, and the profile's
+parts are consistent with each other (timings themselves are never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.benchmark_scripts import load_benchmark
+
+public_path = load_benchmark("public_path")
+
+
+def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
+    N, P, M = 3, 5, 9
+    rc = public_path.main(["--device", "cpu", "--dtype", "float32", "--tiny", "-N", str(N), "-P", str(P), "-M", str(M),
+                           "--configs", "interval1,deferred4", "--out", str(tmp_path / "out"),
+                           "--workdir", str(tmp_path / "ckpt")])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "public_path.json").read_text())
+    assert [(r["config"], r["path"]) for r in data["rows"]] == [
+        ("interval1", "sync"), ("interval1", "async"), ("deferred4", "sync"), ("deferred4", "async")]
+    assert all(r["tokens"] == N * M for r in data["rows"])  # every request ran to max_tokens (ignore_eos)
+    for p in data["profiles"]:
+        assert p["tokens"] == N * M
+        # M tokens: token 1 from the prefill step, then one token per step; the prefills of N short prompts
+        # share one step, so the round is M steps
+        assert p["steps"] == M
+        phases = sum(p["device_s"].values())  # on the CPU these are host clocks inside execute
+        assert 0 < phases <= p["host_s"]["execute_wall"] <= p["wall_s"]
+        assert p["device_s"]["prefill"] > 0 and p["device_s"]["shallow"] > 0
+        assert ("deep" in p["device_s"]) == (p["config"] == "deferred4")  # interval 1: one call per step
+        assert p["graph_captures_in_run"] == 0 and 0 <= p["aligning_share"] < 1
+    md = (tmp_path / "out" / "public_path.md").read_text()
+    assert "| interval1 |" in md and "| deferred4 |" in md
