@@ -104,7 +104,7 @@ async def run_config(model_dir: str, args, name: str, allocation: str) -> dict:
                        shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, kv_allocation=allocation,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
-    async with (Engine(cfg) if not args.replicas else _pool(cfg, args.replicas)) as engine:
+    async with (Engine(cfg) if not args.replicas else _pool(cfg, args.replicas, args.gpus_per_replica)) as engine:
         vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
         warm_prompts, warm_lengths = workload(args, vocab, seed=99, median=max(2, args.median / 10))
         await run_round(engine, warm_prompts, warm_lengths, args, "warm", None)  # graphs for every batch size
@@ -124,11 +124,12 @@ async def run_config(model_dir: str, args, name: str, allocation: str) -> dict:
     return row
 
 
-def _pool(cfg: EngineConfig, replicas: int):
-    """--replicas N: the same engine config on N Ray actors (one GPU each on CUDA) behind the Engine API."""
+def _pool(cfg: EngineConfig, replicas: int, gpus_per_replica: float | None = None):
+    """--replicas N: the same engine config on N Ray actors (one GPU each on CUDA unless
+    --gpus-per-replica says otherwise) behind the Engine API."""
     from ourobatch.ray import EnginePool
 
-    return EnginePool(cfg, num_replicas=replicas)
+    return EnginePool(cfg, num_replicas=replicas, num_gpus_per_replica=gpus_per_replica)
 
 
 def _time_mean(trace: list, col: int) -> float:
@@ -204,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-interval", type=float, default=0.05, help="seconds between stats samples")
     ap.add_argument("--replicas", type=int, default=0, help="0: one Engine in this process; N >= 1: an "
                     "ourobatch.ray.EnginePool of N replicas (Ray actors, one GPU each; docs/scaling.md)")
+    ap.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs per replica (default 1 on CUDA); "
+                    "0.5 with --gpu-memory-utilization 0.45 puts two replicas on one GPU (the pool's mechanics only)")
     args = ap.parse_args(argv)
+    if args.gpus_per_replica is not None and not args.gpus_per_replica > 0:
+        ap.error(f"--gpus-per-replica must be > 0, got {args.gpus_per_replica}")
     allocations = args.allocations.split(",")
     for a in allocations:
         if a not in ("lazy", "reserve"):
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
                 torch=torch.__version__, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, median=args.median, sigma=args.sigma, seed=args.seed,
-                replicas=args.replicas,
+                replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True).stdout.strip() or "unknown")
     rows = []

@@ -77,8 +77,12 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     if config.kv_allocation == "lazy":  # admission keeps the watermark free: add it, so all of them fit
         wanted += math.ceil(config.kv_watermark * wanted / (1 - config.kv_watermark)) + 1
     if config.device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info(torch.device(config.device))
-        budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES
+        device = torch.device(config.device)
+        free, total = torch.cuda.mem_get_info(device)
+        # The engine's share (vLLM's meaning): u x total, less what this process already holds (the weights),
+        # and never more than is free. So two engines with u = 0.45 each share one GPU whatever their order.
+        own = torch.cuda.memory_reserved(device)
+        budget = min(free, config.gpu_memory_utilization * total - own) - ACTIVATION_RESERVE_BYTES
         if budget < per_block:
             raise ValueError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free); raise "
                              f"gpu_memory_utilization or set num_kv_blocks")
