@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory-gb", type=float, default=d["kv_cache_memory_gb"].default, metavar="GB",
                      help="cap on the automatic KV pool size (default: %(default)s)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
-                     metavar="N", help="prompt tokens prefilled per step (default: %(default)s)")
+                     metavar="N", help="tokens per step: decode rows + prompt tokens prefilled, a longer "
+                          "prompt in chunks; >= --block-size (default: %(default)s)")
 
     smp = gen.add_argument_group("sampling defaults for every prompt (SamplingParams)")
     s = SamplingParams.__dataclass_fields__

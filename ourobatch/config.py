@@ -50,7 +50,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: CPU: max_num_seqs * max_model_len capped by kv_cache_memory_gb;
     #                                   CUDA: what gpu_memory_utilization leaves free after the weights
     kv_cache_memory_gb: float = 1.0  # CPU: cap on the automatic KV pool size
-    max_num_batched_tokens: int = 8192  # prompt tokens prefilled per step (a longer prompt goes alone)
+    max_num_batched_tokens: int = 8192  # tokens per step: one per decoding request + prompt tokens prefilled;
+    #                                     decoding goes first, prefills fill the rest in chunks; >= block_size
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory the engine may hold (weights + KV)
     attention_backend: str = "auto"  # "auto" (Triton on CUDA when the shapes allow), "triton" or "torch"
     cuda_graphs: bool | None = None  # None: on for CUDA with the Triton backend
@@ -94,6 +95,9 @@ class EngineConfig:
                              f"({self.max_model_len}), got {self.deep_interval}")
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens must be >= block_size ({self.block_size}): a "
+                             f"step prefills at least one whole block, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

@@ -6,11 +6,12 @@ shallow step (one token fed per request, loops 1..s). When that step completes a
 its retained rows, so one deep call holds every member's rows. KV blocks are taken lazily, as positions
 are written (kv_manager.py); when the coming step's writes do not fit, the newest requests are
 preempted and later recomputed, and waiting requests are admitted in order while blocks and
-``max_num_seqs`` allow (admission.py). Admitted requests are prefilled, sample their next token from
-loop T, join the open cohort and wait (ALIGNING) for its next block start. Verify mode's drafts and
-their acceptance are planned and applied in verify_plan.py. Termination frees the request's blocks at
-once and lists it in the next plan's released ids, which drops its unread retained rows in the engine:
-their deep loops never run.
+``max_num_seqs`` allow (admission.py). Prefills fill what the decode rows leave of the step's token
+budget, a long prompt in chunks over several steps (prefill.py); a last chunk samples the next token
+from loop T, and the request joins the open cohort and waits (ALIGNING) for its next block start.
+Verify mode's drafts and their acceptance are planned and applied in verify_plan.py. Termination frees
+the request's blocks at once and lists it in the next plan's released ids, which drops its unread
+retained rows in the engine: their deep loops never run.
 
 No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) calls these methods.
 ``abort`` may be called while a plan is being executed; ``update`` then ignores that request's results.
@@ -25,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from . import admission, verify_plan
+from . import admission, prefill, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohort
@@ -44,7 +45,7 @@ class SchedulerConfig:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    max_num_batched_tokens: int  # prompt tokens prefilled per step at most (one longer prompt may go alone)
+    max_num_batched_tokens: int  # per step: decode rows + prefill tokens (prefill.py); >= block_size
     total_ut_steps: int  # T
     shallow_loops: int  # s
     deep_interval: int  # B
@@ -74,6 +75,7 @@ class Scheduler:
             raise ValueError(f"shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} (T={T}), got {s}")
         if B < 1:
             raise ValueError(f"deep_interval must be >= 1, got {B}")
+        prefill.check_budget(config.max_num_batched_tokens, config.block_size)
         self.config = config
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         if not 0 <= config.kv_watermark < 1:
@@ -85,6 +87,7 @@ class Scheduler:
         self.cohorts: dict[int, Cohort] = {}  # open and closing cohorts with members
         self._open_cohort: Cohort | None = None
         self._released: list[str] = []
+        self.partial_prefills: dict[str, prefill.PartialPrefill] = {}  # prefills under way, by request id
         # step id -> the request incarnations its plan ran. update() matches results to these objects,
         # never to whatever request holds the id now: an id aborted mid-step may already be reused.
         self._planned: dict[int, dict[str, Request]] = {}
@@ -99,6 +102,7 @@ class Scheduler:
             "steps": 0,
             "prefills": 0,
             "prefill_tokens": 0,
+            "prefill_chunks": 0,  # prefill work items that ran tokens through the model
             "shallow_steps": 0,
             "shallow_rows": 0,
             "deep_calls": 0,
@@ -257,8 +261,10 @@ class Scheduler:
             cohort.advance()
 
         self._force_boundary = False
-        admit = not preempted and not self.admission_paused  # no admission in a step that had to preempt
-        prefills = admission.admit(self) if admit else []
+        planner = prefill.ChunkPlanner(self, num_decode_rows=len(shallow))  # continues prefills under way
+        if not preempted and not self.admission_paused:  # no admission in a step that had to preempt
+            admission.admit(self, planner)
+        prefills = planner.works
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
         self._planned[plan.step_id] = {w.request_id: self.requests[w.request_id]
@@ -266,9 +272,6 @@ class Scheduler:
         self._next_step += 1
         c = self.counters
         c["steps"] += 1
-        c["prefills"] += len(prefills)
-        c["prefill_tokens"] += sum(len(p.token_ids) for p in prefills)
-        c["prefill_tokens_computed"] += sum(len(p.token_ids) for p in prefills)
         if shallow:
             c["shallow_steps"] += 1
             c["shallow_rows"] += len(shallow)
@@ -443,8 +446,7 @@ class Scheduler:
 
     def preempt_all(self) -> int:
         """Preempt every running request (their KV is recomputed on readmission); returns how many."""
-        running = sorted((r for r in self.requests.values()
-                          if r.status in (RequestStatus.ALIGNING, RequestStatus.DECODING)),
+        running = sorted((r for r in self.requests.values() if r.status in admission.RUNNING),
                          key=lambda r: r.arrival_index, reverse=True)
         for r in running:
             admission.preempt(self, r)
@@ -452,8 +454,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (their KV is stale after a weight update); returns how many.
-        Blocks that live requests hold stay theirs."""
-        return self.blocks.reset_prefix_cache()
+        Blocks that live requests hold stay theirs; prefills under way stop sharing theirs (prefill.py)."""
+        return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection
 

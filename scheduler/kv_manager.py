@@ -17,7 +17,11 @@ shared: its readout must be computed to sample from it, and a shared block is ne
 for a *fork*: when the prompt ends exactly at a block boundary and another prefill of the same plan
 computes that whole prompt, the sample shares every block and draws its first token (own seed) from
 that prefill's loop-T readout at the last position: the n samples of a request prefill it once.
-Blocks a prefill computed are registered only after its step succeeded (``on_prefilled``).
+A prefill longer than a step's token budget runs in chunks (prefill.py): ``admit`` takes the shared
+blocks and those of the first chunk, ``take_chunk`` grows the request by what each later chunk writes,
+and each chunk's full blocks are offered to its step and registered once that step succeeded
+(``on_prefilled``), never before. ``epoch`` counts prefix-cache resets: a prefill under way since an
+earlier epoch neither offers nor registers its blocks (part of its prefix is stale).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Admission:
 
     tokens: tuple[int, ...]  # the (re)prefill's tokens: prompt + outputs so far
     shared: tuple[int, ...]  # blocks taken as they are (cached or computed by a sibling this step)
-    num_new: int  # fresh blocks to allocate
+    num_new: int  # fresh blocks the whole (re)prefill needs (reserve: the whole request); chunks take them lazily
     keys: tuple[BlockKey, ...]  # keys of every full block of `tokens`
     num_taken_evictable: int  # shared blocks that are evictable now (sharing takes them off the free count)
     sample_from: str | None = None  # fork: every block shared, token 1 from this request's prefill readout
@@ -60,6 +64,7 @@ class KVManager:
         self.allocation = allocation
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks if allocation == "lazy" else 0
+        self.epoch = 0  # prefix-cache resets so far
 
     def plan_admission(self, r: Request, pending: PendingPrefills) -> Admission:
         tokens = r.prompt_token_ids + tuple(r.output_token_ids)
@@ -89,17 +94,40 @@ class KVManager:
         headroom = 0 if alone else self.watermark_blocks
         return self.blocks.can_allocate(a.num_new + a.num_taken_evictable + headroom)
 
-    def admit(self, r: Request, a: Admission, pending: PendingPrefills) -> int:
-        """Take the blocks; returns the number of tokens whose KV is already there (the prefill's start)."""
+    def admit(self, r: Request, a: Admission, num_tokens: int) -> int:
+        """Take the shared blocks, and fresh ones for a first chunk of `num_tokens` tokens (reserve: for the
+        whole request); returns the prefill's start (tokens whose KV is already there)."""
         self.blocks.share(a.shared)
-        r.block_ids = a.shared + self.blocks.allocate(a.num_new)
+        start = len(a.shared) * self.blocks.block_size
+        num_new = a.num_new
+        if self.allocation == "lazy":
+            num_new = self.blocks.blocks_for(start + num_tokens) - len(a.shared)
+        r.block_ids = a.shared + self.blocks.allocate(num_new)
+        return start
+
+    def fit_chunk(self, r: Request, start: int, num_tokens: int) -> int:
+        """The part of a chunk of `num_tokens` from `start` (a block boundary) that the blocks `r` holds and
+        the free ones can take: all of it, or whole blocks."""
+        bs = self.blocks.block_size
+        room = (len(r.block_ids) + self.blocks.num_free) * bs - start
+        return num_tokens if num_tokens <= room else max(0, room // bs * bs)
+
+    def take_chunk(self, r: Request, keys: tuple[BlockKey, ...], start: int, end: int, pending: PendingPrefills,
+                   shareable: bool = True) -> None:
+        """`r` computes positions [start, end) of its (re)prefill in this step: grow its blocks to hold them;
+        offer the full blocks it computes to the step's other prefills, to be registered once the step
+        succeeded (unless not `shareable`)."""
+        self.grow(r, max(0, self.blocks.blocks_for(end) - len(r.block_ids)))
         r.pending_block_keys = []
-        for i in range(len(a.shared), len(a.keys)):  # full blocks this prefill computes
-            pending.blocks.setdefault(a.keys[i], r.block_ids[i])
-            r.pending_block_keys.append((a.keys[i], r.block_ids[i]))
-        if a.keys and len(a.tokens) % self.blocks.block_size == 0 and len(a.shared) < len(a.keys):
-            pending.last_block_owner.setdefault(a.keys[-1], r.request_id)  # it computes the last readout
-        return len(a.shared) * self.blocks.block_size
+        if not shareable:
+            return
+        bs = self.blocks.block_size
+        for i in range(start // bs, end // bs):  # full blocks this chunk computes
+            pending.blocks.setdefault(keys[i], r.block_ids[i])
+            r.pending_block_keys.append((keys[i], r.block_ids[i]))
+        total = r.num_prompt_tokens + r.num_output_tokens
+        if end == total > start and total % bs == 0:  # the last chunk computes the last readout
+            pending.last_block_owner.setdefault(keys[-1], r.request_id)
 
     def on_prefilled(self, r: Request) -> None:
         """The prefill succeeded: its full blocks hold every plane of their prefix."""
@@ -115,6 +143,11 @@ class KVManager:
     def grow(self, r: Request, num_blocks: int) -> None:
         if num_blocks:
             r.block_ids = r.block_ids + self.blocks.allocate(num_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (see BlockManager.reset_prefix_cache); a new epoch begins."""
+        self.epoch += 1
+        return self.blocks.reset_prefix_cache()
 
     def free(self, r: Request) -> None:
         """Give back `r`'s blocks. Its block_ids stay readable (tests read a finished request's planes)."""

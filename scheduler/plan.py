@@ -35,9 +35,11 @@ class PrefillWork:
 
     request_id: str
     token_ids: tuple[int, ...]  # scheduler: the prompt tokens of this chunk
-    start_position: int  # scheduler: position of token_ids[0] (0 unless the prompt is chunked)
+    # scheduler: position of token_ids[0]: 0, or after shared blocks or earlier chunks (their planes are in
+    # the pool); a chunk that is not the last ends on a block boundary
+    start_position: int
     block_ids: tuple[int, ...]  # scheduler: the request's block table, shared by all T planes
-    sample: SampleSpec | None  # scheduler: loop T for the last chunk (generated token 1)
+    sample: SampleSpec | None  # scheduler: loop T for the last chunk (generated token 1), None for the others
     # scheduler: a sample of the same prompt forked from another prefill of this step (token_ids is empty,
     # every block is shared): its token is drawn from that request's readout at the prompt's last position
     sample_from: str | None = None

@@ -1,12 +1,13 @@
 """A request's state, its ordered status, and the one table of allowed status transitions.
 
     WAITING ──► PREFILLING ──► ALIGNING ──► DECODING ──► FINISHED_*
-       ▲ │           │             │  │         │  │
-       │ └───────────┴─────────────┴──┼─────────┴──┼──► FINISHED_ABORTED / FINISHED_ERROR
-       └──────────────────────────────┴────────────┘    preempted (KV room): back to WAITING
+       ▲ │         │  │            │  │         │  │
+       │ └─────────┼──┴────────────┴──┼─────────┴──┼──► FINISHED_ABORTED / FINISHED_ERROR
+       └───────────┴──────────────────┴────────────┘    preempted (KV room): back to WAITING
 
-WAITING: queued, holds no KV (a preempted request keeps the tokens it produced). PREFILLING: holds
-the blocks of its (re)prefill (prompt + outputs so far) and the prefill is in the current plan.
+WAITING: queued, holds no KV (a preempted request keeps the tokens it produced). PREFILLING: admitted;
+its (re)prefill (prompt + outputs so far) runs, in one step or in chunks over several (scheduler/
+prefill.py), and it holds the blocks of the chunks planned so far; the last chunk samples its next token.
 ALIGNING: prefilled (its next token sampled from loop T), waiting for its cohort's next block start.
 DECODING: takes one shallow step every engine step, and a deep call at each cohort boundary.
 Terminal statuses sort last, so ``status >= FINISHED_STOPPED`` means finished.
@@ -54,7 +55,7 @@ _ENDS = frozenset({_S.FINISHED_STOPPED, _S.FINISHED_LENGTH}) | _ENDS_EARLY
 # Every allowed status change, in one place. Terminal statuses have no way out.
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.PREFILLING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
-    _S.PREFILLING: frozenset({_S.ALIGNING}) | _ENDS,
+    _S.PREFILLING: frozenset({_S.ALIGNING, _S.WAITING}) | _ENDS,  # WAITING: preempted between two chunks
     _S.ALIGNING: frozenset({_S.DECODING, _S.WAITING}) | _ENDS_EARLY,  # WAITING: preempted
     _S.DECODING: frozenset({_S.WAITING}) | _ENDS,
     _S.FINISHED_STOPPED: frozenset(),
@@ -87,7 +88,8 @@ class Request:
     num_outputs_at_prefill: int = 0  # outputs fed by the last (re)prefill: 0, or k after a preemption
     num_bypassed: int = 0  # times later requests were admitted while this one did not fit
     cohort_id: int | None = None
-    num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled
+    num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled; while
+    #                              PREFILLING this is the prefill's progress (shared blocks + chunks run)
     draft_token_ids: list[int] = field(default_factory=list)  # verify mode: drawn from loop s, unverified
     num_drafted: int = 0  # verify mode: drafts checked against loop T
     num_accepted: int = 0  # verify mode: drafts accepted

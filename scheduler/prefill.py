@@ -1,0 +1,150 @@
+"""Chunked prefill: how many prompt tokens each prefill computes in a step, and where a long one stands.
+
+Theory of operation. A step's token budget, ``max_num_batched_tokens``, counts the rows a step feeds
+for the first time: one per shallow (decode) row, plus every prompt token it prefills. Decoding requests
+are planned first and never held back; prefills share what they leave, oldest first: the prefills
+already under way (by arrival), then new admissions (admission.py). Each prefill computes a *chunk*:
+the rest of its (re)prefill when that fits, else the most whole blocks that fit, so every chunk but the
+last ends on a block boundary (chunks start on one: after shared blocks or an earlier chunk) and its
+full blocks enter the prefix cache as soon as its step succeeded. The first prefill of a step that
+computes anything gets at least one block even when the decode rows leave less, or nothing: a long
+prompt progresses in every step, and a step prefills at most max(budget - decode rows, block_size)
+tokens (``max_num_batched_tokens >= block_size`` is required).
+
+A request stays PREFILLING from admission until its last chunk, which alone samples (loop T at the
+last position); it then joins the open cohort as an unchunked prefill does, so outputs do not depend on
+the chunking. While PREFILLING, ``num_deep_positions`` is its progress: positions before it have every
+loop plane filled (shared blocks and successful chunks). A chunk takes the blocks it writes (lazy
+allocation; ``reserve`` took them all at admission). ``make_room`` counts one block for the next chunk
+of every prefill under way, so preemption (newest first) keeps the oldest running request progressing;
+a preempted prefill waits again and restarts from the blocks the prefix cache kept. An abort or a
+failed chunk ends the request and frees its blocks like any end.
+
+Sharing. A chunk offers the full blocks it computes to the other prefills of its step, as a whole
+prefill does (the n samples of a request fork from its last chunk when the prompt ends on a block
+boundary). A prompt longer than the budget takes all of it until its last chunk, so its samples are
+admitted in that step or later; with the prefix cache on they share every full block (the earlier
+chunks' from the cache, the last chunk's from the step); with it off they compute the prompt
+themselves unless it fits one step, as without chunking. After a prefix-cache reset (a weight update)
+the blocks of a prefill under way are no longer shared or registered: part of their prefix was
+computed by the old weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .block_manager import BlockKey
+from .kv_manager import Admission, PendingPrefills
+from .plan import PrefillWork, SampleSpec
+from .request import Request, RequestStatus, set_status
+
+if TYPE_CHECKING:
+    from .core import Scheduler
+
+
+@dataclass(eq=False)
+class PartialPrefill:
+    """A prefill under way: admitted, its last chunk not planned yet."""
+
+    request: Request
+    keys: tuple[BlockKey, ...]  # prefix keys of the full blocks of its tokens (prompt + outputs at admission)
+    epoch: int  # KVManager.epoch at admission: after a prefix-cache reset its blocks are not shared
+
+
+def check_budget(max_num_batched_tokens: int, block_size: int) -> None:
+    """A step must be able to prefill one whole block (a chunk that is not the last one)."""
+    if max_num_batched_tokens < block_size:
+        raise ValueError(f"max_num_batched_tokens must be >= block_size ({block_size}): a step prefills at least "
+                         f"one block, got {max_num_batched_tokens}")
+
+
+def prefills_under_way(sched: "Scheduler") -> list[PartialPrefill]:
+    """The live prefills under way, oldest first; forgets those that ended or were preempted since."""
+    under_way = sched.partial_prefills
+    for rid, p in list(under_way.items()):
+        if sched.requests.get(rid) is not p.request or p.request.status != RequestStatus.PREFILLING:
+            del under_way[rid]
+    return sorted(under_way.values(), key=lambda p: p.request.arrival_index)
+
+
+def next_chunk_blocks(sched: "Scheduler") -> int:
+    """Blocks the prefills under way need for a next chunk of one block (make_room keeps them free)."""
+    bs = sched.config.block_size
+    need = 0
+    for p in prefills_under_way(sched):
+        r = p.request
+        end = min(r.num_deep_positions + bs, _num_tokens(r))
+        need += max(0, sched.blocks.blocks_for(end) - len(r.block_ids))
+    return need
+
+
+def _num_tokens(r: Request) -> int:
+    """Tokens of r's (re)prefill: prompt + outputs (outputs do not change while it prefills)."""
+    return r.num_prompt_tokens + r.num_output_tokens
+
+
+class ChunkPlanner:
+    """One step's prefills: the token budget the decode rows left, and the chunks planned so far.
+
+    Made after the step's decode rows are planned; it continues the prefills under way at once, then
+    admission.admit() asks it to size (``chunk_size``) and plan (``begin``) each new admission."""
+
+    def __init__(self, sched: "Scheduler", num_decode_rows: int) -> None:
+        self.sched = sched
+        self.block_size = sched.config.block_size
+        self.left = max(0, sched.config.max_num_batched_tokens - num_decode_rows)  # budget left for prefills
+        self.num_tokens = 0  # prompt tokens planned in this step
+        self.pending = PendingPrefills()  # what this step's chunks compute (shared by its other prefills)
+        self.works: list[PrefillWork] = []
+        for p in prefills_under_way(sched):
+            r = p.request
+            start = r.num_deep_positions
+            n = sched.kv.fit_chunk(r, start, self.chunk_size(_num_tokens(r) - start))
+            if n:
+                self._plan(p, start, n, None)
+
+    def chunk_size(self, remaining: int) -> int:
+        """Tokens a prefill with `remaining` tokens to compute (from a block boundary) computes now: all
+        of them if they fit the budget left, else the most whole blocks that fit; the first prefill of the
+        step that computes anything gets at least one block."""
+        allowance = self.left if self.num_tokens else max(self.left, self.block_size)
+        if remaining <= allowance:
+            return remaining
+        return allowance // self.block_size * self.block_size
+
+    def begin(self, r: Request, a: Admission, num_tokens: int) -> None:
+        """Admit `r` (already off the waiting queue) with a first chunk of `num_tokens` tokens."""
+        sched = self.sched
+        start = sched.kv.admit(r, a, num_tokens)
+        set_status(r, RequestStatus.PREFILLING)
+        r.num_outputs_at_prefill = r.num_output_tokens  # > 0 after a preemption: prompt + outputs again
+        r.num_deep_positions = start  # shared blocks hold every plane
+        c = sched.counters
+        c["prefill_tokens_requested"] += len(a.tokens)
+        c["prefix_cache_hits"] += start
+        if r.num_output_tokens:
+            c["recomputed_tokens"] += len(a.tokens) - start
+        self._plan(PartialPrefill(r, a.keys, sched.kv.epoch), start, num_tokens, a.sample_from)
+
+    def _plan(self, p: PartialPrefill, start: int, n: int, sample_from: str | None) -> None:
+        """One PrefillWork over positions [start, start + n); the last chunk samples from loop T."""
+        sched, r = self.sched, p.request
+        end, total = start + n, _num_tokens(r)
+        sched.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=p.epoch == sched.kv.epoch)
+        last = end == total
+        spec = SampleSpec(sched.config.total_ut_steps, r.num_outputs_at_prefill + 1, r.params) if last else None
+        tokens = (r.prompt_token_ids + tuple(r.output_token_ids))[start:end]
+        self.works.append(PrefillWork(r.request_id, tokens, start, r.block_ids, spec, sample_from))
+        self.left = max(0, self.left - n)
+        self.num_tokens += n
+        if last:
+            sched.partial_prefills.pop(r.request_id, None)
+        else:
+            sched.partial_prefills[r.request_id] = p
+        c = sched.counters
+        c["prefills"] += last  # prompts prefilled (a fork samples from its sibling's last chunk)
+        c["prefill_chunks"] += n > 0
+        c["prefill_tokens"] += n
+        c["prefill_tokens_computed"] += n
