@@ -1,10 +1,19 @@
 """Paged causal attention in Triton: all new rows of a request against its paged history at once.
 
-One program per (request, kv head). Its query tile holds every new row of the request times every
-query head sharing that kv head (GQA), so each KV block is read once for all of them, whether the
-call is a shallow step (1 row), a deep call (B rows, causal among themselves) or anything between.
-Online softmax in float32 over key tiles of BLOCK_N positions gathered through the block table.
-The loop bound is the request's context length, read on the device, so the launch is graph-safe.
+A program owns one (request, kv head, M tile, key split). Its query tile holds the request's new rows
+times the query heads sharing that kv head (GQA), so each KV block is read once for all of them,
+whether the call is a shallow step (1 row), a deep call (B rows, causal among themselves) or a prompt
+chunk after a history (tiles above MAX_BLOCK_M rows run as several M tiles). Online softmax in float32
+over key tiles of BLOCK_N positions gathered through the block table. Context lengths are read on
+the device, so a launch is graph-safe.
+
+Dispatch (`triton_paged_attention`; the table and the rule live in attention_dispatch.py): the launch
+config (BLOCK_N, warps, stages, splits) comes from host ints fixed per CUDA graph: requests x kv heads
+per SM, and tile rows. With splits == 1 one pass writes the output. With splits = S > 1 (split-K,
+flash-decoding: few requests, when the one-pass grid leaves SMs idle) the grid gets a third axis; split
+s covers a contiguous, BLOCK_N-aligned 1/S share of the key tiles its rows can see and writes a
+normalized partial output and its log-sum-exp (base 2) to float32 scratch; a split with an empty share
+writes (0, -inf). `_combine_kernel` then merges the S partials of every (row, head).
 Imported lazily: the CPU path never needs Triton.
 """
 
@@ -14,36 +23,50 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_dispatch import LaunchConfig, choose_config, query_tiling
+
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
-    stride_q_row, stride_q_head, stride_k_block, stride_k_slot, stride_k_head, stride_bt,
-    qk_scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, m_tiles,
+    stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
+    stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // m_tiles
+    m_tile = tl.program_id(1) % m_tiles
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     q_begin = tl.load(query_start_ptr + seq)
     n_q = tl.load(query_start_ptr + seq + 1) - q_begin
     ctx = tl.load(context_lens_ptr + seq)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP  # new row of this request
     head = kv_head * GROUP + offs_m % GROUP  # query head
     m_valid = row < n_q
     offs_d = tl.arange(0, HEAD_DIM)
-    q_off = (q_begin + row).to(tl.int64)[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_valid[:, None], other=0.0)
+    q_row = (q_begin + row).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
     q_pos = ctx - n_q + row
+
+    # Keys this tile's rows see: 0 .. the position of its last row (none if it holds no row of the request).
+    last_row = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_q - 1)
+    kv_len = tl.where((m_tile * BLOCK_M) // GROUP < n_q, ctx - n_q + last_row + 1, 0)
+    # This split's share: whole key tiles, so split boundaries never cut a tile.
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < ctx
+        n_valid = offs_n < hi
         block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
         kv_off = block.to(tl.int64) * stride_k_block + (offs_n % PAGE) * stride_k_slot + kv_head * stride_k_head
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
@@ -66,28 +89,103 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+    o_off = split * stride_o_split + q_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+    if SPLIT:  # log2 of this split's softmax mass, in the scaled base-2 domain (-inf: it saw no key)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + split * stride_lse_split + q_row * stride_lse_row + head, lse, mask=m_valid)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, o_ptr, num_splits,
+    stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    # one program per (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_valid = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + offs_s * stride_lse_split + row * stride_lse_row + head, mask=s_valid,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(part_ptr + offs_s[:, None] * stride_p_split + row * stride_p_row + head * stride_p_head
+                   + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
+                           max_rows: int, scale: float, config: LaunchConfig) -> torch.Tensor:
+    """The kernel with an explicit launch config (the sweep and the tests call this directly).
+
+    q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d]; block_tables: [seqs, width] int32;
+    context_lens: [seqs] int32; query_start: [seqs + 1] int32, covering all rows -> [rows, heads, d].
+    """
+    rows, heads, d = q.shape
+    _, page, kv_heads, _ = k_plane.shape
+    assert q.stride(2) == 1 and k_plane.stride(3) == 1 and k_plane.stride() == v_plane.stride()
+    group = heads // kv_heads
+    seqs = context_lens.shape[0]
+    block_m, m_tiles = query_tiling(max_rows, group, d)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    splits = config.splits
+    if splits == 1:
+        part, lse, split_strides = out, out, (0, 0)
+    else:
+        part = torch.empty((splits, rows, heads, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits, rows, heads), dtype=torch.float32, device=q.device)
+        split_strides = (part.stride(0), lse.stride(0))
+    _paged_attention_kernel[(seqs, kv_heads * m_tiles, splits)](
+        q, k_plane, v_plane, part, lse, block_tables, context_lens, query_start, m_tiles,
+        q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
+        lse.stride(-2) if splits > 1 else 0,
+        k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
+        scale * 1.4426950408889634,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
+        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1 and rows > 0:
+        _combine_kernel[(rows, heads)](
+            part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+        )
+    return out
+
+
+def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_rows: int) -> LaunchConfig:
+    """The dispatch table's config for this launch (attention_dispatch.choose_config)."""
+    _, heads, d = q.shape
+    kv_heads = k_plane.shape[2]
+    return choose_config(num_seqs, kv_heads, max_rows * (heads // kv_heads), d, num_sms(q.device))
 
 
 def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            max_rows: int, scale: float) -> torch.Tensor:
     """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]."""
-    rows, heads, d = q.shape
-    _, page, kv_heads, _ = k_plane.shape
-    group = heads // kv_heads
-    seqs = context_lens.shape[0]
-    out = torch.empty_like(q)
-    block_m = max(16, triton.next_power_of_2(max_rows * group))
-    block_n = 64 if d <= 128 else 32
-    _paged_attention_kernel[(seqs, kv_heads)](
-        q, k_plane, v_plane, out, block_tables, context_lens, query_start,
-        q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
-        scale * 1.4426950408889634,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HEAD_DIM=d, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
-    )
-    return out
+    config = default_config(q, k_plane, context_lens.shape[0], max_rows)
+    return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
+                                  config)
+
+
+_SMS: dict[int, int] = {}
+INTERPRETER_SMS = 132  # TRITON_INTERPRET=1 on CPU tensors: dispatch as on an H200
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached: the dispatch runs on every launch)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:

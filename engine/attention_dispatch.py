@@ -1,0 +1,87 @@
+"""Launch configs of the paged attention kernel (triton_attention.py): the table and the rule that picks one.
+
+Free of Triton so the rule can be tested, and benchmarks/attention_sweep.py can read it, without a GPU.
+
+The rule reads only host ints that are fixed for one CUDA graph (graphs are captured per batch-size
+bucket and rows per request), never a context length, so a captured launch stays valid:
+
+    per_sm = seqs * kv_heads / SMs     (programs of the one-pass grid per SM)
+    tile   = max_rows * GQA group      (query rows one program holds: new rows x query heads per kv head)
+
+and takes the first LAUNCH_TABLE row with per_sm <= max_per_sm and tile <= max_tile. `splits` > 1 is
+split-K (flash-decoding): every (request, kv head) gets `splits` programs, each over a contiguous,
+BLOCK_N-aligned share of the keys, and a small kernel combines their partial results. It pays when
+the one-pass grid cannot fill the GPU (few requests: per_sm below ~2); a split whose share is empty
+(short contexts) only writes an empty partial. benchmarks/attention_sweep.py measures the candidates on
+the GPU and prints rows in this table's format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+INF = math.inf
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch of the paged kernel."""
+
+    block_n: int  # key positions per tile (a power of two, >= 16)
+    num_warps: int
+    num_stages: int  # software-pipelining stages of the key loop
+    splits: int = 1  # 1: one pass writes the output; > 1: split-K partials + the combine kernel
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"LaunchConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LaunchConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"LaunchConfig.num_stages must satisfy 1 <= num_stages <= 8, got {self.num_stages}")
+        if not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"LaunchConfig.splits must satisfy 1 <= splits <= {MAX_SPLITS}, got {self.splits}")
+
+
+# Most query rows one program holds; a larger tile runs as several programs (M tiles), each reading the
+# keys its rows can see. Its float32 accumulator is BLOCK_M x head_dim, so the cap shrinks as d grows.
+MAX_BLOCK_M = 64
+MAX_BLOCK_M_SMALL_HEAD = 128  # head_dim <= 64
+
+# (max_per_sm, max_tile, config): the first row that holds wins; the last row catches everything.
+# Values for the H200 (132 SMs), Ouro-1.4B heads (16 q = 16 kv heads, d = 128): per_sm is 0.12 x requests,
+# so the rows below split for up to 16 requests. Replace them with the sweep's suggested rows.
+LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
+    (0.25, 16, LaunchConfig(block_n=32, num_warps=4, num_stages=2, splits=16)),  # 1-2 requests
+    (0.5, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=8)),  # 3-4
+    (1.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=4)),  # 5-8
+    (2.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=2)),  # 9-16
+    (INF, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=1)),
+    (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=4)),  # big tiles: deep calls, GQA,
+    (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=2)),  # prompt chunks after a history
+    (INF, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=1)),
+)
+
+
+def choose_config(seqs: int, kv_heads: int, tile: int, head_dim: int, num_sms: int,
+                  table: tuple[tuple[float, float, LaunchConfig], ...] = LAUNCH_TABLE) -> LaunchConfig:
+    """The table's config for this launch (host ints only: graph-safe)."""
+    per_sm = seqs * kv_heads / max(num_sms, 1)
+    for max_per_sm, max_tile, config in table:
+        if per_sm <= max_per_sm and tile <= max_tile:
+            break
+    else:
+        raise ValueError(f"LAUNCH_TABLE has no row for per_sm={per_sm:.3g}, tile={tile}: end it with (inf, inf, ...)")
+    if head_dim > 128 and config.block_n > 32:  # keep a K and a V tile per stage within shared memory
+        config = replace(config, block_n=32)
+    return config
+
+
+def query_tiling(max_rows: int, group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, M tiles) for a request of max_rows new rows times `group` query heads per kv head."""
+    tile = max(1, max_rows * group)
+    cap = MAX_BLOCK_M_SMALL_HEAD if head_dim <= 64 else MAX_BLOCK_M
+    block_m = min(max(16, 1 << (tile - 1).bit_length()), cap)  # tl.dot needs M >= 16
+    return block_m, -(-tile // block_m)

@@ -1,0 +1,79 @@
+"""The paged kernel's launch table and dispatch rule (engine/attention_dispatch.py; no Triton needed)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+
+from ourobatch.engine.attention_dispatch import (
+    LAUNCH_TABLE,
+    LaunchConfig,
+    choose_config,
+    query_tiling,
+)
+
+H200_SMS = 132
+
+
+def test_the_table_ends_with_a_row_for_everything_and_its_configs_are_valid():
+    assert LAUNCH_TABLE[-1][:2] == (math.inf, math.inf)
+    for max_per_sm, max_tile, config in LAUNCH_TABLE:
+        assert max_per_sm > 0 and max_tile >= 1
+        LaunchConfig(config.block_n, config.num_warps, config.num_stages, config.splits)  # validates
+
+
+def test_few_requests_split_the_keys_and_many_do_not():
+    # Ouro-1.4B heads on an H200: 1-16 requests leave SMs idle with one program per (request, kv head)
+    # (the sweep may move the thresholds; these ends hold for any sensible table)
+    splits = [choose_config(n, 16, 1, 128, H200_SMS).splits for n in (1, 2, 4, 8, 16, 64, 256)]
+    assert splits[-1] == 1
+    assert all(s > 1 for s in splits[:3])
+    assert splits == sorted(splits, reverse=True)  # fewer requests, at least as many splits
+    for n in (1, 8, 64):  # every request's programs together stay within a few waves
+        config = choose_config(n, 16, 1, 128, H200_SMS)
+        assert n * 16 * config.splits <= 8 * H200_SMS or config.splits == 1
+
+
+def test_the_rule_reads_only_graph_fixed_host_ints():
+    # no context length: a captured launch must stay valid while contexts grow
+    assert list(inspect.signature(choose_config).parameters) == ["seqs", "kv_heads", "tile", "head_dim", "num_sms",
+                                                                 "table"]
+    a = choose_config(8, 16, 4, 128, H200_SMS)
+    assert a == choose_config(8, 16, 4, 128, H200_SMS)
+
+
+def test_first_matching_row_wins_and_big_heads_get_narrow_key_tiles():
+    table = ((1.0, 16, LaunchConfig(64, 4, 2, 4)), (math.inf, 16, LaunchConfig(128, 8, 3, 1)),
+             (math.inf, math.inf, LaunchConfig(32, 4, 2, 1)))
+    assert choose_config(8, 16, 16, 128, 128, table) == LaunchConfig(64, 4, 2, 4)  # per_sm = 1.0
+    assert choose_config(9, 16, 16, 128, 128, table) == LaunchConfig(128, 8, 3, 1)
+    assert choose_config(1, 16, 17, 128, 128, table) == LaunchConfig(32, 4, 2, 1)  # tile past 16
+    assert choose_config(9, 16, 16, 256, 128, table).block_n == 32
+    with pytest.raises(ValueError, match="LAUNCH_TABLE has no row"):
+        choose_config(1, 1, 17, 128, 128, table[:2])
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(block_n=48), "block_n"), (dict(block_n=8), "block_n"),
+                                          (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages"),
+                                          (dict(splits=0), "splits"), (dict(splits=65), "splits")])
+def test_bad_launch_configs_name_the_field(kwargs, field):
+    base = dict(block_n=64, num_warps=4, num_stages=2, splits=1) | kwargs
+    with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
+        LaunchConfig(**base)
+
+
+@pytest.mark.parametrize("rows,group,d,expect", [
+    (1, 1, 128, (16, 1)),  # tl.dot needs 16 rows: one decode row is padded
+    (8, 1, 128, (16, 1)),
+    (4, 4, 128, (16, 1)),
+    (5, 4, 128, (32, 1)),
+    (64, 1, 128, (64, 1)),
+    (40, 4, 128, (64, 3)),  # past MAX_BLOCK_M: M tiles
+    (40, 4, 64, (128, 2)),  # small heads hold larger tiles
+])
+def test_query_tiling(rows, group, d, expect):
+    block_m, m_tiles = query_tiling(rows, group, d)
+    assert (block_m, m_tiles) == expect
+    assert block_m * m_tiles >= rows * group

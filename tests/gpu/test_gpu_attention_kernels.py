@@ -1,0 +1,163 @@
+"""The paged attention kernel (one pass, split-K, the dispatch) against the torch reference (float64).
+
+Marked gpu: runs on CUDA, or on CPU tensors under Triton's interpreter (a venv with triton):
+    TRITON_INTERPRET=1 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_attention_kernels.py
+The interpreter's tl.dot is wrong for bfloat16 (fine for float16), so there float16 stands in for it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ourobatch.engine.attention import SeqSpan, paged_attention
+from ourobatch.engine.attention_dispatch import LaunchConfig, query_tiling
+from ourobatch.engine.kv_cache import KVPool
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+LOW = torch.float16 if INTERPRET else torch.bfloat16
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA (or TRITON_INTERPRET=1)")]
+
+
+class Case:
+    """Random paged KV (shuffled blocks, padded tables) and new rows; `ref` is the float64 torch reference."""
+
+    def __init__(self, ctx: list[int], rows: list[int], heads: int, kv_heads: int, d: int, dtype: torch.dtype,
+                 seed: int, block_size: int = 16, strided_q: bool = False) -> None:
+        g = torch.Generator().manual_seed(seed)
+        nb = [-(-c // block_size) for c in ctx]
+        num_blocks = sum(nb) + 3
+        shape = (1, 1, num_blocks, block_size, kv_heads, d)
+        k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        width, used, self.block_ids, tables = max(nb) + 2, 0, [], []
+        for b in nb:
+            self.block_ids.append(tuple(perm[used:used + b]))
+            used += b
+            tables.append(list(self.block_ids[-1]) + [perm[-1]] * (width - b))  # padding: a block of nobody's
+        q = torch.randn(sum(rows), heads + 2 if strided_q else heads, d, generator=g).to(dtype)
+        q = q[:, 1:heads + 1] if strided_q else q  # a view: row stride != heads * d
+        self.scale, self.rows, self.q_ref = d**-0.5, rows, q.double()
+        self.pool = KVPool.__new__(KVPool)
+        self.pool.k, self.pool.v, self.pool.block_size = k.double(), v.double(), block_size
+        self.ref = self.reference(ctx)
+        starts = torch.zeros(len(ctx) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(rows).cumsum(0)
+        self.q, self.k, self.v = q.to(DEVICE), k[0, 0].to(DEVICE), v[0, 0].to(DEVICE)
+        self.args = (torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+                     torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts.to(DEVICE), max(rows), self.scale)
+        self.dtype = dtype
+
+    def reference(self, ctx: list[int]) -> torch.Tensor:
+        starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
+        spans = [SeqSpan(r0, n, c, ids) for r0, n, c, ids in zip(starts, self.rows, ctx, self.block_ids)]
+        return paged_attention(self.q_ref, self.pool, 1, 0, spans, self.scale)
+
+    def run(self, config: LaunchConfig | None = None) -> torch.Tensor:
+        from ourobatch.engine.triton_attention import launch_paged_attention, triton_paged_attention
+
+        if config is None:
+            return triton_paged_attention(self.q, self.k, self.v, *self.args)
+        return launch_paged_attention(self.q, self.k, self.v, *self.args, config)
+
+    def check(self, out: torch.Tensor, ref: torch.Tensor | None = None) -> None:
+        ref = self.ref if ref is None else ref
+        assert out.shape == ref.shape and out.dtype == self.dtype
+        assert torch.isfinite(out).all()
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert err < TOL[self.dtype], err
+
+
+HEADS = [(4, 4, 128), (8, 2, 64), (4, 1, 32)]  # no GQA at Ouro's head_dim, GQA 4 and 4 at smaller heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("heads,kv_heads,d", HEADS)
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("block_n,splits", [(32, 1), (32, 3), (64, 4), (16, 16)])
+def test_split_k_matches_reference(dtype, heads, kv_heads, d, rows, block_n, splits):
+    # contexts: the new rows are the whole context; shorter than one key tile (most splits empty); not a
+    # multiple of BLOCK_N or of the block size; a few tiles per split
+    ctx = [rows, 7 + rows, 37, 129, 200]
+    case = Case(ctx, [rows] * len(ctx), heads, kv_heads, d, dtype, seed=heads * 100 + rows * 10 + splits)
+    case.check(case.run(LaunchConfig(block_n, 4, 2, splits)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("heads,kv_heads,d", HEADS[:2])
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_varlen_rows_match_reference(dtype, heads, kv_heads, d, splits):
+    # verify-style calls: every request its own number of rows, causal among themselves
+    rows = [1, 5, 2, 8, 3]
+    ctx = [40, 5, 97, 64, 150]
+    case = Case(ctx, rows, heads, kv_heads, d, dtype, seed=7 + splits)
+    case.check(case.run(LaunchConfig(32, 4, 2, splits)))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tiles_past_max_block_m_run_as_m_tiles(splits):
+    # 40 rows x GQA 4 = 160 query rows per kv head: 3 M tiles of 64 at d = 128; the short request's
+    # upper M tiles hold no row (they must write nothing and read nothing)
+    heads, kv_heads, d = 8, 2, 128
+    assert query_tiling(40, 4, d) == (64, 3)
+    case = Case([60, 173, 41], [40, 3, 40], heads, kv_heads, d, torch.float32, seed=11)
+    case.check(case.run(LaunchConfig(32, 4, 2, splits)))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_strided_queries(splits):
+    # q as a view whose row stride is not heads * d (the output is a fresh contiguous tensor)
+    case = Case([33, 90], [2, 2], 4, 2, 64, torch.float32, seed=5, strided_q=True)
+    assert not case.q.is_contiguous()
+    case.check(case.run(LaunchConfig(32, 4, 2, splits)))
+
+
+@pytest.mark.parametrize("seqs,expect_split", [(2, True), (8, True), (20, False)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_dispatch_matches_reference(seqs, expect_split, rows):
+    # Ouro's heads (16 = 16 kv heads, d = 128): few requests take split-K, many the one-pass kernel
+    from ourobatch.engine.triton_attention import default_config
+
+    g = torch.Generator().manual_seed(seqs)
+    ctx = [int(c) for c in torch.randint(rows, 120, (seqs,), generator=g)]
+    ctx[0] = rows
+    dtype = torch.float32 if INTERPRET else LOW  # the interpreter runs ~2,000 programs here: keep it to one dtype
+    case = Case(ctx, [rows] * seqs, 16, 16, 128, dtype, seed=seqs + rows)
+    config = default_config(case.q, case.k, seqs, rows)
+    assert (config.splits > 1) is expect_split, config
+    case.check(case.run())
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_split_k_inside_a_cuda_graph_reads_context_lengths_on_the_device():
+    # capture once, then change the context lengths in place: the replay must follow them
+    case = Case([300, 20, 129], [4, 4, 4], 16, 16, 128, torch.float32, seed=3)
+    tables, ctx, starts, max_rows, scale = case.args
+    config = LaunchConfig(32, 4, 2, 8)
+    from ourobatch.engine.triton_attention import launch_paged_attention
+
+    def step() -> torch.Tensor:
+        return launch_paged_attention(case.q, case.k, case.v, tables, ctx, starts, max_rows, scale, config)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    case.check(out)
+    shorter = [150, 9, 64]
+    ctx.copy_(torch.tensor(shorter, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    case.check(out, case.reference(shorter))
