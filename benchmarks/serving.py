@@ -1,0 +1,403 @@
+"""Serving latency under Poisson arrivals, through the public async Engine (or, --server, the HTTP server).
+
+Per config (default interval1, eager4, deferred4, deferred8, verify4), one engine serves every rate of
+--rates in turn: --num-requests requests arrive as a Poisson process (one seeded unit-rate pattern of
+exponential gaps scaled by 1/rate; "inf" = all at once), prompt and output lengths are seeded lognormals
+(medians, sigmas, caps), ignore_eos and temperature 1, so every request makes exactly its drawn length.
+One client task per request streams it (`engine.stream`; with --server the openai AsyncOpenAI client,
+stream=True, on /v1/completions of `python -m ourobatch serve` on 127.0.0.1, prompt as token ids) and
+records each delivery's time (time.perf_counter). The prefix cache is dropped before each rate; a staircase
+warm-up first walks the running count down through every CUDA-graph bucket, so no capture is measured.
+
+Per (config, rate): TTFT (scheduled arrival -> first token), end-to-end (-> last token), requests/s and
+output tokens/s (first arrival -> last token), running requests sampled from the engine, and gaps. A
+delivery can carry several tokens (a stream coalesces what its consumer missed; verify releases a block),
+so `itl` is the gap between consecutive deliveries of a request (what a streaming user waits), `itl_token`
+gives each token the gap to the token before it (0 inside a delivery), `tpot` = (last - first token) /
+(tokens - 1) per request. Deferred modes make gaps uneven (every B-th step carries the deep call):
+`itl_p99_over_p50` and `itl_hist` (log bins) show it. serving_report.py: the summary (the highest finite
+rate where interval1 keeps p99 TTFT < --ttft-slo, and there every config against it), table, plots.
+
+    python benchmarks/serving.py --out results/serving                  # H200 (docs/benchmarks.md)
+    python benchmarks/serving.py --out results/serving_http --server    # the same through HTTP/SSE
+    python benchmarks/serving.py --device cpu --dtype float32 --tiny --configs interval1,deferred4 \\
+        --rates 50,inf --num-requests 8 --prompt-median 8 --max-prompt-len 16 --output-median 6 \\
+        --max-tokens 12 --out /tmp/s                                      # CPU smoke test
+
+--out gets serving.json (meta, rows, summary) and serving.md, both rewritten after each config,
+serving_requests.jsonl.gz (a line per round: every request's arrival, delivery times and token counts),
+and with matplotlib serving_latency.png, serving_running.png, serving_gaps.png (--no-plots: none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gzip
+import json
+import math
+import platform
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import torch
+
+from ourobatch import Engine, EngineConfig, SamplingParams
+from ourobatch.engine.config import OuroConfig
+from ourobatch.engine.cuda_graphs import BUCKETS
+from ourobatch.scheduler.params import RequestOutputKind
+from ourobatch.testing import make_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import draw_lengths  # noqa: E402
+from serving_report import markdown, measure, plot, progress_line, summarize  # noqa: E402
+from throughput import CONFIG_HELP, OURO_1_4B, TINY, parse_config  # noqa: E402
+
+MODEL_NAME = "bench"
+SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
+COUNTERS = ("tokens_generated", "deep_calls", "steps", "preemptions")
+METRICS = {"ourobatch_num_requests_running": "num_running", "ourobatch_num_requests_waiting": "num_waiting",
+           "ourobatch_generation_tokens_total": "tokens_generated", "ourobatch_deep_calls_total": "deep_calls",
+           "ourobatch_scheduler_steps_total": "steps"}
+
+
+def parse_rates(text: str) -> list[float]:
+    """'8,2,inf' -> [2.0, 8.0, inf]: requests per second (> 0), "inf" = every request at once."""
+    rates = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0 or (math.isinf(rate) and part.strip().lower() != "inf"):
+            raise ValueError(f"--rates takes comma-separated requests/s (numbers > 0) or 'inf' (all at once), "
+                             f"got {part!r} in {text!r}")
+        if rate in rates:
+            raise ValueError(f"--rates lists {part!r} twice")
+        rates.append(rate)
+    return sorted(rates)
+
+
+def rate_label(rate: float) -> str | float:
+    return "inf" if math.isinf(rate) else rate
+
+
+def workload(args: Any, vocab: int, seed: int, n: int) -> tuple[list[list[int]], list[int], list[float]]:
+    """n prompts, their output lengths and n - 1 unit-rate exponential gaps, all from one seeded stream."""
+    rng = random.Random(seed)
+    prompt_lens = draw_lengths(rng, n, args.prompt_median, args.prompt_sigma, args.max_prompt_len)
+    output_lens = draw_lengths(rng, n, args.output_median, args.output_sigma, args.max_tokens)
+    prompts = [[rng.randrange(1, vocab) for _ in range(p)] for p in prompt_lens]
+    return prompts, output_lens, [rng.expovariate(1.0) for _ in range(n - 1)]
+
+
+def arrivals(unit_gaps: list[float], rate: float) -> list[float]:
+    """Arrival times (s) of a Poisson process at `rate`: the first at 0, then the unit gaps / rate."""
+    times = [0.0]
+    for gap in unit_gaps:
+        times.append(times[-1] + (0.0 if math.isinf(rate) else gap / rate))
+    return times
+
+
+def warmup_lengths(width: int, plateau: int) -> list[int]:
+    """Output lengths for `width` requests sent at once such that the number still decoding steps down
+    through every CUDA-graph bucket <= width, for `plateau` tokens each: request r lives while r < bucket."""
+    steps = sorted({b for b in BUCKETS if b < width} | {width})
+    return [plateau * sum(1 for b in steps if b > r) for r in range(width)]
+
+
+# ---------------------------------------------------------------------- clients: the engine or HTTP
+
+
+class EngineClient:
+    """Requests through the in-process async Engine."""
+
+    transport = "engine"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def stream(self, rid: str, prompt: list[int], max_tokens: int, seed: int) -> AsyncIterator[tuple[int, Any]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        async with self.engine.stream(prompt, params, request_id=rid) as stream:
+            async for out in stream:
+                yield len(out.outputs[0].token_ids), out.outputs[0].finish_reason
+
+    async def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def graph_captures(self) -> int | None:
+        graphs = self.engine.core.executor.graphs
+        return graphs.num_captures if graphs is not None else None
+
+    async def reset_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+
+class HttpClient:
+    """Requests through the server: openai's AsyncOpenAI on /v1/completions (SSE), httpx for /metrics."""
+
+    transport = "http"
+
+    def __init__(self, url: str) -> None:
+        import httpx
+        import openai
+
+        self.oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        self.http = httpx.AsyncClient(base_url=url, timeout=60)
+
+    async def stream(self, rid: str, prompt: list[int], max_tokens: int, seed: int) -> AsyncIterator[tuple[int, Any]]:
+        # logprobs=0 + token ids: each chunk lists its tokens (text is empty without a tokenizer)
+        stream = await self.oai.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=seed, stream=True,
+            logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        async with stream:
+            async for chunk in stream:
+                for c in chunk.choices:
+                    yield len(c.logprobs.tokens or []) if c.logprobs else 0, c.finish_reason
+
+    async def stats(self) -> dict[str, Any]:
+        values = {}
+        for line in (await self.http.get("/metrics")).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in METRICS:
+                values[METRICS[name]] = int(float(value))
+        return values
+
+    def graph_captures(self) -> int | None:
+        return None  # in the server's process
+
+    async def reset_cache(self) -> None:
+        (await self.http.post("/flush_cache")).raise_for_status()
+
+    async def aclose(self) -> None:
+        await self.oai.close()
+        await self.http.aclose()
+
+
+@contextlib.contextmanager
+def server_process(model_dir: str, args: Any, mode: str, B: int, s: int, max_model_len: int):
+    """`python -m ourobatch serve` on a free port of 127.0.0.1; yields its url once the app is up."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # the child binds it
+    flags = dict(device=args.device, dtype=args.dtype, mode=mode, deep_interval=B, shallow_loops=s,
+                 max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, block_size=args.block_size,
+                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks)
+    cmd = [sys.executable, "-m", "ourobatch", "serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
+           str(port), "--served-model-name", MODEL_NAME, "--log-level", "info"]
+    cmd += [x for k, v in flags.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # uvicorn's startup line (access lines go to stdout)
+            lines.append(line)
+            if "Application startup complete" in line:
+                break
+        else:
+            raise RuntimeError("the server exited during startup:\n" + "".join(lines[-40:]))
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()  # SIGTERM: the server drains and exits
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def open_client(model_dir: str, args: Any, mode: str, B: int, s: int, max_model_len: int):
+    if args.server:
+        with server_process(model_dir, args, mode, B, s, max_model_len) as url:
+            client = HttpClient(url)
+            try:
+                yield client
+            finally:
+                await client.aclose()
+        return
+    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
+                       shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                       block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                       num_kv_blocks=args.num_kv_blocks)
+    async with Engine(cfg) as engine:
+        yield EngineClient(engine)
+
+
+# ---------------------------------------------------------------------- one round: requests at their arrivals
+
+
+async def run_round(client: Any, prompts: list[list[int]], lengths: list[int], times: list[float], tag: str,
+                    sample_interval: float | None) -> tuple[list[dict], list]:
+    """Send request i at t0 + times[i] (sorted); returns its record (times in s since t0) and the stats trace."""
+    records: list[dict] = [{} for _ in prompts]
+    trace: list = []
+    done = anyio.Event()
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        sent = time.perf_counter() - t0
+        deliveries, counts, finish = [], [], None
+        async for k, reason in client.stream(f"{tag}-{i}", prompts[i], lengths[i], SEED_BASE + i):
+            if k:
+                deliveries.append(round(time.perf_counter() - t0, 6))
+                counts.append(k)
+            finish = reason or finish
+        records[i] = dict(arrival=round(times[i], 6), sent=round(sent, 6), prompt_len=len(prompts[i]),
+                          output_len=lengths[i], finish_reason=finish, times=deliveries, counts=counts)
+
+    async def monitor() -> None:
+        while not done.is_set():
+            s = await client.stats()
+            trace.append((round(time.perf_counter() - t0, 4), s.get("num_running", 0), s.get("num_waiting", 0)))
+            with anyio.move_on_after(sample_interval):
+                await done.wait()
+
+    async with anyio.create_task_group() as tg:
+        if sample_interval is not None:
+            tg.start_soon(monitor)
+        async with anyio.create_task_group() as requests:
+            for i, at in enumerate(times):
+                delay = t0 + at - time.perf_counter()
+                if delay > 0:
+                    await anyio.sleep(delay)
+                requests.start_soon(one, i)
+        done.set()
+    return records, trace
+
+
+async def run_config(model_dir: str, args: Any, name: str, rates: list[float], vocab: int, emit: Any) -> list[dict]:
+    mode, B, s = parse_config(name, args.shallow_loops)
+    prompts, lengths, gaps = workload(args, vocab, args.seed, args.num_requests)
+    width = min(args.max_num_seqs, args.num_requests)
+    warm_prompts, _, _ = workload(args, vocab, args.seed + 1, width)
+    rows = []
+    async with open_client(model_dir, args, mode, B, s, args.max_prompt_len + args.max_tokens) as client:
+        t = time.perf_counter()
+        warm_lengths = [min(n, args.max_tokens) for n in warmup_lengths(width, B + 2)]
+        await run_round(client, warm_prompts, warm_lengths, [0.0] * width, "warm", None)
+        warmup_s = time.perf_counter() - t
+        for rate in rates:
+            await client.reset_cache()
+            before, captures = await client.stats(), client.graph_captures()
+            records, trace = await run_round(client, prompts, lengths, arrivals(gaps, rate), f"{name}-{rate:g}",
+                                             args.sample_interval)
+            after = await client.stats()
+            row = dict(config=name, mode=mode, deep_interval=B, shallow_loops=s, rate=rate_label(rate),
+                       transport=client.transport, warmup_s=warmup_s, **measure(records, trace),
+                       counters={k: after[k] - before[k] for k in COUNTERS if k in after and k in before},
+                       graph_captures_during_round=None if captures is None else client.graph_captures() - captures)
+            rows.append(row)
+            emit(row, records)
+    return rows
+
+
+OPTIONS = [  # flag, type, default, help
+    ("--configs", str, "interval1,eager4,deferred4,deferred8,verify4", CONFIG_HELP),
+    ("--rates", str, "4,8,16,24,32,inf", "requests/s, comma-separated; inf = all at once"),
+    ("--num-requests", int, 200, "requests per rate"),
+    ("--prompt-median", float, 256, None), ("--prompt-sigma", float, 0.6, None), ("--max-prompt-len", int, 1024, None),
+    ("--output-median", float, 128, None), ("--output-sigma", float, 0.6, None),
+    ("--max-tokens", int, 512, "cap on the drawn output lengths"), ("--seed", int, 0, None),
+    ("--ttft-slo", float, 1000.0, "ms: the summary's bound on interval1's p99 TTFT"),
+    ("--plot-rate", str, None, "rate of the running / gaps plots (default: the summary's, else the highest finite)"),
+    ("--max-num-seqs", int, 256, None), ("--num-kv-blocks", int, None, "KV pool size (default: sized from memory)"),
+    ("--block-size", int, 16, None), ("--device", str, "cuda", None), ("--dtype", str, "bfloat16", None),
+    ("--shallow-loops", int, 2, None), ("--gpu-memory-utilization", float, 0.9, None),
+    ("--sample-interval", float, 0.05, "seconds between engine stats samples")]
+AT_LEAST = {"num_requests": 1, "max_prompt_len": 1, "max_tokens": 1, "max_num_seqs": 1, "prompt_sigma": 0,
+            "output_sigma": 0}
+POSITIVE = ("prompt_median", "output_median", "ttft_slo", "sample_interval")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
+    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    ap.add_argument("--out", required=True, help="folder for the results (see above)")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--server", action="store_true", help="through `python -m ourobatch serve` on 127.0.0.1 (a "
+                    "subprocess per config) and the openai client, instead of the in-process Engine")
+    for flag, kind, default, text in OPTIONS:
+        ap.add_argument(flag, type=kind, default=default, help=(text + " " if text else "") + "(default: %(default)s)")
+    return ap
+
+
+def check_args(args: Any) -> tuple[list[float], list[str]]:
+    """ValueError naming the flag for a bad value; returns the rates and the config names."""
+    for name, low in AT_LEAST.items():
+        if not getattr(args, name) >= low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name in POSITIVE:
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    names = args.configs.split(",")
+    for name in names:
+        parse_config(name, args.shallow_loops)  # ValueError naming the config and the allowed forms
+    if len(set(names)) != len(names):
+        raise ValueError(f"--configs lists a config twice: {args.configs!r}")
+    return parse_rates(args.rates), names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        rates, names = check_args(args)
+        plot_rate = None if args.plot_rate is None else rate_label(parse_rates(args.plot_rate)[0])
+    except ValueError as exc:
+        ap.error(str(exc))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
+        if not (Path(model_dir) / "config.json").exists():
+            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+    cuda = args.device.startswith("cuda")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, torch=torch.__version__,
+                device_name=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+                machine=platform.platform(), python=platform.python_version(), cuda=torch.version.cuda,
+                transport="HTTP server (openai client, SSE)" if args.server else "async Engine", configs=names,
+                rates=[rate_label(r) for r in rates], commit=commit or "unknown",
+                model=args.model or ("random tiny" if args.tiny else "random Ouro-1.4B shape"),
+                **{k: getattr(args, k) for k in ("num_requests", "prompt_median", "prompt_sigma", "max_prompt_len",
+                                                 "output_median", "output_sigma", "max_tokens", "seed", "max_num_seqs",
+                                                 "shallow_loops", "sample_interval", "ttft_slo")})
+    vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
+    rows: list[dict] = []
+    with gzip.open(out / "serving_requests.jsonl.gz", "wt") as raw:
+        def emit(row: dict, records: list[dict]) -> None:
+            print(progress_line(row), flush=True)
+            raw.write(json.dumps(dict(config=row["config"], rate=row["rate"], requests=records)) + "\n")
+            raw.flush()
+
+        for name in names:
+            rows += anyio.run(run_config, model_dir, args, name, rates, vocab, emit)
+            summary = summarize(rows, args.ttft_slo)  # both files rewritten per config: a cut run keeps its part
+            (out / "serving.json").write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary)))
+            (out / "serving.md").write_text(markdown(rows, meta, summary))
+    if plot_rate is None:
+        finite = [r for r in rates if not math.isinf(r)]
+        plot_rate = summary["rate"] if summary["rate"] is not None else rate_label(max(finite, default=rates[-1]))
+    if not args.no_plots:
+        plot(rows, out, plot_rate)
+    print(markdown(rows, meta, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
