@@ -34,6 +34,7 @@ import anyio
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch.engine.config import OuroConfig
 from ourobatch.scheduler.request import RequestStatus
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -146,15 +147,17 @@ def engine_config(args, model_dir: str, name: str) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization)
 
 
-def workload(args, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def workload(args, vocab: int, count: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
+    count = args.N if count is None else count
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(args.P)] for _ in range(args.N)]
-    params = [SamplingParams(max_tokens=args.M, temperature=1.0, seed=i, ignore_eos=True) for i in range(args.N)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.P)] for _ in range(count)]
+    params = [SamplingParams(max_tokens=args.M, temperature=1.0, seed=i, ignore_eos=True) for i in range(count)]
     return prompts, params
 
 
-def warm_params(args) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=min(args.M, 24), seed=10_000 + i, ignore_eos=True) for i in range(args.N)]
+def warm_params(args, count: int | None = None) -> list[SamplingParams]:
+    count = args.N if count is None else count
+    return [SamplingParams(max_tokens=min(args.M, 24), seed=10_000 + i, ignore_eos=True) for i in range(count)]
 
 
 def run_sync(args, model_dir: str, name: str) -> dict:
@@ -166,6 +169,33 @@ def run_sync(args, model_dir: str, name: str) -> dict:
         wall = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
+
+
+async def run_pool(args, model_dir: str, name: str) -> dict:
+    """--replicas R: the async path through an ourobatch.ray.EnginePool of R replicas (one GPU each) with
+    N requests per replica, so each replica runs the single-engine workload."""
+    from ourobatch.ray import EnginePool
+
+    async with EnginePool(engine_config(args, model_dir, name), num_replicas=args.replicas) as pool:
+        vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
+        prompts, params = workload(args, vocab, args.N * args.replicas)
+
+        async def round_(ps) -> tuple[float, int]:
+            counts = [0] * len(prompts)
+
+            async def one(i: int) -> None:
+                out = await pool.generate(prompts[i], ps[i])
+                counts[i] = len(out.outputs[0].token_ids)
+
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            return time.perf_counter() - t, sum(counts)
+
+        await round_(warm_params(args, len(prompts)))
+        wall, tokens = await round_(params)
+    return dict(path=f"pool{args.replicas}", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
 
 
 async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict]:
@@ -244,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--replicas", type=int, default=0, help="R >= 1: only the async path, through an "
+                    "ourobatch.ray.EnginePool of R replicas (one GPU each), N requests per replica")
     args = ap.parse_args(argv)
+    if args.replicas < 0:
+        ap.error(f"--replicas must be >= 0, got {args.replicas}")
     names = args.configs.split(",")
     for n in names:
         try:
@@ -265,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                 M=args.M, torch=torch.__version__,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor())
     rows, profiles = [], []
+    if args.replicas:
+        meta["replicas"] = args.replicas
+        for name in names:
+            rows.append(dict(config=name, **anyio.run(run_pool, args, model_dir, name)))
+            print(json.dumps(rows[-1]), flush=True)
+        (out / "public_path.json").write_text(json.dumps(dict(meta=meta, rows=rows, profiles=[])))
+        return 0
     for name in names:
         rows.append(dict(config=name, **run_sync(args, model_dir, name)))
         plain, profiled = anyio.run(run_async, args, model_dir, name)

@@ -32,3 +32,4 @@ def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
         assert p["graph_captures_in_run"] == 0 and 0 <= p["aligning_share"] < 1
     md = (tmp_path / "out" / "public_path.md").read_text()
     assert "| interval1 |" in md and "| deferred4 |" in md
+
