@@ -19,7 +19,7 @@ from ourobatch.engine.kv_cache import KVPool
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 LOW = torch.float16 if INTERPRET else torch.bfloat16
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA (or TRITON_INTERPRET=1)")]
@@ -118,19 +118,22 @@ def test_strided_queries(splits):
     case.check(case.run(LaunchConfig(32, 4, 2, splits)))
 
 
-@pytest.mark.parametrize("seqs,expect_split", [(2, True), (8, True), (20, False)])
+@pytest.mark.parametrize("load", ["one", "eight", "many"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_dispatch_matches_reference(seqs, expect_split, rows):
-    # Ouro's heads (16 = 16 kv heads, d = 128): few requests take split-K, many the one-pass kernel
-    from ourobatch.engine.triton_attention import default_config
+def test_dispatch_matches_reference(load, rows):
+    # Ouro's heads (16 = 16 kv heads, d = 128): one request takes split-K, more than 2 programs per SM the
+    # one-pass kernel, 8 requests whatever the table says
+    from ourobatch.engine.triton_attention import default_config, num_sms
 
+    seqs = {"one": 1, "eight": 8, "many": 2 * num_sms(torch.device(DEVICE)) // 16 + 1}[load]
     g = torch.Generator().manual_seed(seqs)
-    ctx = [int(c) for c in torch.randint(rows, 120, (seqs,), generator=g)]
-    ctx[0] = rows
+    ctx = [int(c) for c in torch.randint(rows, 300, (seqs,), generator=g)]
+    ctx[-1] = rows if seqs > 1 else ctx[-1]  # a request whose new rows are its whole context
     dtype = torch.float32 if INTERPRET else LOW  # the interpreter runs ~2,000 programs here: keep it to one dtype
     case = Case(ctx, [rows] * seqs, 16, 16, 128, dtype, seed=seqs + rows)
     config = default_config(case.q, case.k, seqs, rows)
-    assert (config.splits > 1) is expect_split, config
+    if load != "eight":
+        assert (config.splits > 1) is (load == "one"), config
     case.check(case.run())
 
 
