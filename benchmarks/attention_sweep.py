@@ -1,17 +1,18 @@
 """Launch-config sweep of the paged attention kernel (engine/triton_attention.py) at Ouro-1.4B's head shape.
 
 For every (requests N, context L, rows per request R): bf16, 16 q = 16 kv heads, head_dim 128, block size
-16, block tables of shuffled blocks, all N requests at context L. Each candidate launch is captured R-agnostic
-in a CUDA graph of many back-to-back calls (as the engine runs it: no host launch cost) that rotate over
-enough copies of the KV to defeat the L2, timed with CUDA events (median of replays). Reported: microseconds
+16, block tables of shuffled blocks, all N requests at context L. Each candidate is captured in a CUDA graph
+of many back-to-back calls (as the engine runs it: no host launch cost) that rotate over enough copies of
+the KV to defeat the L2, and timed with CUDA events (median of 5 replays). Reported: microseconds
 per call and achieved KV bandwidth (K and V bytes read once / time), per shape the best candidate, the
 dispatch's default (attention_dispatch.LAUNCH_TABLE) and the pre-split baseline (64 / 4 warps / 2 stages,
 one pass). Then per N the config that is best across all its (L, R) (geometric mean of time / shape's best:
 the dispatch cannot see L), and LAUNCH_TABLE rows to paste.
 
 Search, pruned to fit ~4 minutes on an H200: stage A times every (BLOCK_N, warps, stages) at the dispatch's
-split count; stage B times N's 3 best of them at every split count that keeps N * kv_heads * splits within
-16 programs per SM. Every candidate's output is checked against the baseline's.
+split count (BLOCK_N 128 with 2 warps is left out: it spills at sm_90); stage B times N's 3 best of them at
+every split count that keeps N * kv_heads * splits within 16 programs per SM. Every candidate's output is
+checked against the baseline's.
 
     python benchmarks/attention_sweep.py --out $OUT/sweep                          # on a CUDA machine
     TRITON_INTERPRET=1 python benchmarks/attention_sweep.py --smoke --out /tmp/sweep  # CPU, seconds
@@ -162,29 +163,30 @@ def format_table(rows) -> str:
     return "\n".join(lines + [")"])
 
 
-def _compile_some(configs: list[tuple[int, int, int, int]]) -> dict[str, str]:
+def _compile_some(device: str, configs: list[tuple[int, int, int, int]]) -> dict[str, str]:
     # a worker process: compile by launching on a tiny problem with the sweep's specializations
-    p = Problem(1, 256, "cuda", torch.bfloat16, 1, 0)
+    p = Problem(1, 256, device, torch.bfloat16 if device == "cuda" else torch.float32, 1, 0)
     q, starts = p.inputs(1, 0)
     errors = {}
     for c in configs:
         config = LaunchConfig(*c)
         try:
             call(p, q, starts, 1, config, 0)
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - e.g. OutOfResources (shared memory): recorded, candidate dropped
             errors[kernel_key(config)] = f"{type(e).__name__}: {str(e)[:200]}"
     return errors
 
 
-def precompile(kernel_configs: list[LaunchConfig], workers: int) -> dict[str, str]:
+def precompile(kernel_configs: list[LaunchConfig], workers: int, device: str = "cuda") -> dict[str, str]:
     """Compile every candidate in parallel processes (Triton's disk cache then serves the main process)."""
     todo = [(c.block_n, c.num_warps, c.num_stages, c.splits) for c in kernel_configs]
     chunks = [todo[i::workers] for i in range(workers) if todo[i::workers]]
     try:
         with ProcessPoolExecutor(len(chunks), mp_context=get_context("spawn")) as ex:
             errors: dict[str, str] = {}
-            for e in ex.map(_compile_some, chunks):
+            for e in ex.map(_compile_some, [device] * len(chunks), chunks):
                 errors.update(e)
             return errors
     except Exception as e:  # noqa: BLE001 - fall back to compiling on first use
@@ -242,15 +244,16 @@ def run(args) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("the sweep times CUDA kernels: run it on a GPU (or --smoke under TRITON_INTERPRET=1)")
         device, dtype = "cuda", torch.bfloat16
-        grid, splits = list(itertools.product(BLOCK_NS, WARPS, STAGES)), SPLITS
+        grid = [g for g in itertools.product(BLOCK_NS, WARPS, STAGES) if not (g[0] == 128 and g[1] == 2)]
+        splits = SPLITS
     from ourobatch.engine.triton_attention import default_config, num_sms
 
     sms = num_sms(torch.device(device))
     t0 = time.perf_counter()
     failed: dict[str, str] = {}
-    if cuda and args.workers > 0:
+    if args.workers > 0:
         kc = [LaunchConfig(*g, s) for g in grid for s in (1, 2)] + [LaunchConfig(64, 4, 2, s) for s in splits[2:]]
-        failed = precompile(kc, args.workers)
+        failed = precompile(kc, args.workers, device)
         print(f"precompiled {len(kc)} variants in {time.perf_counter() - t0:.0f}s; {len(failed)} failed", flush=True)
     shapes: list[dict] = []
     truncated = False
@@ -327,9 +330,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="context L (default 768 2048 4096)")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="rows per request (default 1 4 8)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip stage B for the N left after this long")
-    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes (0: none)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes that compile the candidates first (default: up to 16; --smoke: 0)")
     args = ap.parse_args(argv)
     small = args.smoke
+    args.workers = args.workers if args.workers is not None else 0 if small else min(16, os.cpu_count() or 1)
     args.seqs = args.seqs or ([2] if small else [8, 16, 64, 256])
     args.contexts = args.contexts or ([21] if small else [768, 2048, 4096])
     args.rows = args.rows or ([1, 2] if small else [1, 4, 8])
