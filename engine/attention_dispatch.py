@@ -49,19 +49,23 @@ class LaunchConfig:
 # keys its rows can see. Its float32 accumulator is BLOCK_M x head_dim, so the cap shrinks as d grows.
 MAX_BLOCK_M = 64
 MAX_BLOCK_M_SMALL_HEAD = 128  # head_dim <= 64
+MAX_BLOCK_M_FP32 = 16  # float32 inputs (IEEE dot): 32 rows and up spill registers at sm_90
 
 # (max_per_sm, max_tile, config): the first row that holds wins; the last row catches everything.
 # Values for the H200 (132 SMs), Ouro-1.4B heads (16 q = 16 kv heads, d = 128): per_sm is 0.12 x requests,
-# so the rows below split for up to 16 requests. Replace them with the sweep's suggested rows.
+# so the rows below split for up to 16 requests. Not yet measured: replace them with the sweep's rows.
+# 3 stages, not 2: with 2, Triton's pipeliner prefetches the K and V tiles but loads the block-table
+# entries of the next tile synchronously (two dependent memory round trips per tile); with 3 it prefetches
+# those too (more stages add no buffers for this loop: BLOCK_N is the knob for bytes in flight).
 LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
-    (0.25, 16, LaunchConfig(block_n=32, num_warps=4, num_stages=2, splits=16)),  # 1-2 requests
-    (0.5, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=8)),  # 3-4
-    (1.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=4)),  # 5-8
-    (2.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=2)),  # 9-16
-    (INF, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=1)),
-    (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=4)),  # big tiles: deep calls, GQA,
-    (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=2)),  # prompt chunks after a history
-    (INF, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=2, splits=1)),
+    (0.25, 16, LaunchConfig(block_n=32, num_warps=4, num_stages=3, splits=16)),  # 1-2 requests
+    (0.5, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=8)),  # 3-4
+    (1.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # 5-8
+    (2.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # 9-16
+    (INF, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=1)),
+    (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # big tiles: deep calls, GQA,
+    (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # prompt chunks after a history
+    (INF, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=1)),
 )
 
 
@@ -79,9 +83,9 @@ def choose_config(seqs: int, kv_heads: int, tile: int, head_dim: int, num_sms: i
     return config
 
 
-def query_tiling(max_rows: int, group: int, head_dim: int) -> tuple[int, int]:
+def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:
     """(BLOCK_M, M tiles) for a request of max_rows new rows times `group` query heads per kv head."""
     tile = max(1, max_rows * group)
-    cap = MAX_BLOCK_M_SMALL_HEAD if head_dim <= 64 else MAX_BLOCK_M
+    cap = MAX_BLOCK_M_FP32 if fp32 else MAX_BLOCK_M_SMALL_HEAD if head_dim <= 64 else MAX_BLOCK_M
     block_m = min(max(16, 1 << (tile - 1).bit_length()), cap)  # tl.dot needs M >= 16
     return block_m, -(-tile // block_m)

@@ -3,7 +3,7 @@
 A program owns one (request, kv head, M tile, key split). Its query tile holds the request's new rows
 times the query heads sharing that kv head (GQA), so each KV block is read once for all of them,
 whether the call is a shallow step (1 row), a deep call (B rows, causal among themselves) or a prompt
-chunk after a history (tiles above MAX_BLOCK_M rows run as several M tiles). Online softmax in float32
+chunk after a history (query tiles past MAX_BLOCK_M rows run as several M tiles). Online softmax in float32
 over key tiles of BLOCK_N positions gathered through the block table. Context lengths are read on
 the device, so a launch is graph-safe.
 
@@ -132,7 +132,7 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
     assert q.stride(2) == 1 and k_plane.stride(3) == 1 and k_plane.stride() == v_plane.stride()
     group = heads // kv_heads
     seqs = context_lens.shape[0]
-    block_m, m_tiles = query_tiling(max_rows, group, d)
+    block_m, m_tiles = query_tiling(max_rows, group, d, fp32=q.dtype == torch.float32)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     splits = config.splits
     if splits == 1:

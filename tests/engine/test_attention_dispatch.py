@@ -77,3 +77,10 @@ def test_query_tiling(rows, group, d, expect):
     block_m, m_tiles = query_tiling(rows, group, d)
     assert (block_m, m_tiles) == expect
     assert block_m * m_tiles >= rows * group
+
+
+@pytest.mark.parametrize("rows,group,expect", [(1, 1, (16, 1)), (4, 4, (16, 1)), (5, 4, (16, 2)), (40, 4, (16, 10))])
+def test_float32_tiles_stay_at_16_rows(rows, group, expect):
+    block_m, m_tiles = query_tiling(rows, group, 128, fp32=True)
+    assert (block_m, m_tiles) == expect
+    assert block_m * m_tiles >= rows * group

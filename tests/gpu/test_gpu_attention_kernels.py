@@ -100,13 +100,14 @@ def test_varlen_rows_match_reference(dtype, heads, kv_heads, d, splits):
     case.check(case.run(LaunchConfig(32, 4, 2, splits)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_tiles_past_max_block_m_run_as_m_tiles(splits):
-    # 40 rows x GQA 4 = 160 query rows per kv head: 3 M tiles of 64 at d = 128; the short request's
-    # upper M tiles hold no row (they must write nothing and read nothing)
+def test_tiles_past_max_block_m_run_as_m_tiles(dtype, splits):
+    # 40 rows x GQA 4 = 160 query rows per kv head: 3 M tiles of 64 at d = 128 (10 of 16 in float32); the
+    # short request's upper M tiles hold no row (they must write nothing and read nothing)
     heads, kv_heads, d = 8, 2, 128
-    assert query_tiling(40, 4, d) == (64, 3)
-    case = Case([60, 173, 41], [40, 3, 40], heads, kv_heads, d, torch.float32, seed=11)
+    assert query_tiling(40, 4, d, fp32=dtype == torch.float32) == ((16, 10) if dtype == torch.float32 else (64, 3))
+    case = Case([60, 173, 41], [40, 3, 40], heads, kv_heads, d, dtype, seed=11)
     case.check(case.run(LaunchConfig(32, 4, 2, splits)))
 
 
