@@ -278,9 +278,11 @@ class Engine:
         try:  # the copy on the worker thread; the bookkeeping here, on the loop thread that owns the core
             copied = await driver.on_worker(core.executor.update_weights, named_tensors)
         except WeightUpdateError as exc:
-            core.record_weight_update(list(exc.copied), failed=True, version=None)
+            with driver.lock:
+                core.record_weight_update(list(exc.copied), failed=True, version=None)
             raise
-        return core.record_weight_update(copied, failed=False, version=version)
+        with driver.lock:
+            return core.record_weight_update(copied, failed=False, version=version)
 
     async def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder (model.safetensors or shards + index)."""
@@ -297,10 +299,12 @@ class Engine:
         _control.check_weight_change(core, "sleep", driver.pausing.asleep)
         if driver.pausing.asleep:
             return
-        _control.before_sleep(core, level)
-        driver.pausing.asleep = True
+        with driver.lock:
+            _control.before_sleep(core, level)
+            driver.pausing.asleep = True
         await driver.on_worker(core.executor.sleep, level)
-        _control.after_sleep(core, level)
+        with driver.lock:
+            _control.after_sleep(core, level)
 
     async def wake_up(self) -> None:
         """Undo sleep(): weights (level 1), KV pool and buffers back on the device; graphs recapture lazily."""
@@ -317,9 +321,11 @@ class Engine:
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped.
-        Blocks that running requests hold stay theirs; nothing is dropped mid-step (the scheduler's state
-        changes only on the event loop, between steps)."""
-        return self.driver.core.reset_prefix_cache()
+        Blocks that running requests hold stay theirs; nothing is dropped mid-step (the driver's lock keeps
+        it between the stepping thread's schedule and update)."""
+        driver = self.driver
+        with driver.lock:
+            return driver.core.reset_prefix_cache()
 
     async def score(self, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],
                     readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:

@@ -1,12 +1,21 @@
-"""The anyio driver: one loop task runs EngineCore steps, each on a single worker thread, and wakes
-per-request output collectors. Torch-free.
+"""The anyio driver: a stepping thread runs EngineCore steps back to back; the event loop admits,
+aborts and delivers outputs to per-request collectors. Torch-free.
 
-Theory of operation. The event loop thread owns the EngineCore: ``add``, ``abort``, ``schedule`` and
-``update`` only ever run there, so they need no locks. Only ``executor.execute(plan)`` runs on the
-worker (``anyio.to_thread.run_sync`` behind a CapacityLimiter of 1: one step at a time), so while the
-accelerator works the event loop keeps admitting, streaming and cancelling. An abort during a step
-frees the request's blocks at once; nothing can reuse them before ``update`` for that step has run,
-because the next plan is only made after it.
+Theory of operation. Steps run on one worker thread (``anyio.to_thread.run_sync`` behind a
+CapacityLimiter of 1), which loops ``schedule -> execute -> update`` without going back to the event loop
+between steps, as ``SyncEngine`` does: a step never waits for the event loop to be scheduled, so the
+async path pays no thread hop per step. One lock guards the EngineCore: the stepping thread holds it
+for ``schedule`` and ``update`` (never during ``execute``, the accelerator's part), the event loop for
+``add``, ``abort``, building outputs, statistics and the RL controls. An abort during a step frees the
+request's blocks at once; nothing can reuse them before ``update`` for that step has run, because the
+next plan is only made after it.
+
+After each ``update`` the stepping thread queues the requests it touched and writes a byte to a socket
+pair; the event loop's delivery task wakes on it and sets the collectors' events (anyio objects are
+only ever touched on the event loop). The stepping thread returns to the event loop when there is
+nothing to do, when the engine is closing, when a pause, a hold (a weight copy, sleep, score) or sleep
+needs the loop's decision, or when a dropped stream must be released; the loop then decides, as before,
+whether and when to step again.
 
 Delivery never blocks the engine: each request has one collector holding an Event; a step only sets
 it. Consumers build their output from the request's state when they wake, so however slow a consumer
@@ -16,6 +25,7 @@ is, what it gets is coalesced (everything since its last read), like vLLM's per-
 from __future__ import annotations
 
 import collections
+import socket
 import threading
 import traceback
 from dataclasses import dataclass
@@ -69,44 +79,101 @@ class AsyncDriver:
         self._owner_thread = threading.get_ident()
         self._orphans: collections.deque[_Collector] = collections.deque()  # released off-thread
         self.pausing = PauseControl(core)
+        self.lock = threading.RLock()  # guards the core: the stepping thread and the event loop
+        self._touched: collections.deque[ParentRequest] = collections.deque()  # stepped, not yet delivered
+        self._bell_rx, self._bell_tx = socket.socketpair()  # the stepping thread rings, the loop wakes
+        self._bell_rx.setblocking(False)
+        self._bell_tx.setblocking(False)
 
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
         """Step until close() is called. Never raises for engine errors: callers get EngineDeadError."""
-        try:
-            while not self._closing:
-                while self._orphans:  # streams dropped without closing: abort here, between steps
-                    self.release(self._orphans.popleft())
-                idle = not self.core.has_unfinished and not self.core.scheduler.has_pending_releases
-                if self.pausing.must_wait() or idle:  # paused, asleep, a weight copy, or nothing to do
-                    await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
-                    continue
-                plan = self.core.schedule()
-                self.step_in_flight = True
-                try:
-                    result = await anyio.to_thread.run_sync(self.core.executor.execute, plan,
-                                                            limiter=self._limiter)
-                finally:
-                    self.step_in_flight = False
-                touched = self.core.update(plan, result)
-                self.num_steps += 1
-                collectors = self._collectors
-                for parent in touched:
-                    collector = collectors.get(parent.request_id)
-                    if collector is not None:
-                        collector.on_step()
-                await anyio.lowlevel.checkpoint()  # let callers run between steps
-        except Exception as exc:  # noqa: BLE001 - an engine bug or an executor breaking its contract
-            log.error("engine_dead", error=f"{type(exc).__name__}: {exc}")
-            dead = EngineDeadError(f"the engine stopped on an unrecoverable error: {type(exc).__name__}: {exc}")
-            # keep the traceback's lines but not its frames' locals (they hold the model and the KV pool)
-            traceback.clear_frames(exc.__traceback__)
-            dead.__cause__ = exc
-            self.stop(dead)
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._deliver_forever)
+            try:
+                await self._loop()
+            except Exception as exc:  # noqa: BLE001 - an engine bug or an executor breaking its contract
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        self._deliver()
+        if error is None:
+            self.stop(EngineClosedError("the engine was closed"))
             return
-        self.stop(EngineClosedError("the engine was closed"))
+        log.error("engine_dead", error=f"{type(error).__name__}: {error}")
+        dead = EngineDeadError(f"the engine stopped on an unrecoverable error: {type(error).__name__}: {error}")
+        # keep the traceback's lines but not its frames' locals (they hold the model and the KV pool)
+        traceback.clear_frames(error.__traceback__)
+        dead.__cause__ = error
+        self.stop(dead)
+
+    async def _loop(self) -> None:
+        while not self._closing:
+            while self._orphans:  # streams dropped without closing: abort here, between steps
+                self.release(self._orphans.popleft())
+            with self.lock:
+                # paused, asleep, a weight copy, or nothing to do: wait for a wakeup
+                wait = self.pausing.must_wait() or self._idle()
+            if wait:
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            self.step_in_flight = True
+            try:
+                await anyio.to_thread.run_sync(self._step_until_needed, limiter=self._limiter)
+            finally:
+                self.step_in_flight = False
+            self._deliver()
+            await anyio.lowlevel.checkpoint()  # let callers run
+
+    def _idle(self) -> bool:
+        return not self.core.has_unfinished and not self.core.scheduler.has_pending_releases
+
+    def _loop_must_look(self) -> bool:
+        """Something only the event loop may decide on: stop stepping and return to it."""
+        p = self.pausing
+        return (self._closing or bool(self._orphans) or p.mode is not None or p.paused or p.holds > 0
+                or p.asleep or self._idle())
+
+    def _step_until_needed(self) -> None:
+        """On the worker thread: run steps back to back until the event loop must look."""
+        core = self.core
+        while True:
+            with self.lock:
+                plan = core.schedule()
+            result = core.executor.execute(plan)
+            with self.lock:
+                touched = core.update(plan, result)
+                self.num_steps += 1
+                self._touched.extend(touched)
+                done = self._loop_must_look()
+            if touched:
+                try:
+                    self._bell_tx.send(b"\0")
+                except OSError:  # the buffer is full of rings the loop has not read yet: it will wake
+                    pass
+            if done:
+                return
+
+    async def _deliver_forever(self) -> None:
+        while True:
+            await anyio.wait_readable(self._bell_rx)
+            try:
+                while self._bell_rx.recv(4096):
+                    pass
+            except OSError:  # drained (BlockingIOError)
+                pass
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Wake the collectors of the requests the stepping thread touched (on the event loop thread)."""
+        collectors = self._collectors
+        while self._touched:
+            collector = collectors.get(self._touched.popleft().request_id)
+            if collector is not None:
+                collector.on_step()
 
     def close(self) -> None:
         """Ask the loop to stop after the step in flight (if any)."""
@@ -117,14 +184,15 @@ class AsyncDriver:
         """End the engine: an EngineDeadError fails every live request (its callers get the error); an
         EngineClosedError aborts them. Later calls raise `error`."""
         self._error = error
-        if isinstance(error, EngineDeadError):
-            for parent in self.core.fail_all(str(error)):
-                collector = self._collectors.get(parent.request_id)
-                if collector is not None:
-                    collector.killed = True
-        else:
-            for request_id in list(self.core.parents):
-                self.core.abort(request_id)
+        with self.lock:
+            if isinstance(error, EngineDeadError):
+                for parent in self.core.fail_all(str(error)):
+                    collector = self._collectors.get(parent.request_id)
+                    if collector is not None:
+                        collector.killed = True
+            else:
+                for request_id in list(self.core.parents):
+                    self.core.abort(request_id)
         for collector in list(self._collectors.values()):
             collector.notify()
 
@@ -133,6 +201,8 @@ class AsyncDriver:
         assert self._error is not None and not self.step_in_flight
         if not self.core.is_closed:
             self.core.close()
+        self._bell_rx.close()
+        self._bell_tx.close()
 
     @property
     def is_running(self) -> bool:
@@ -162,7 +232,8 @@ class AsyncDriver:
         self._check_running()
         if request_id is not None and request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        parent = self.core.add(prompt_token_ids, params, request_id)
+        with self.lock:
+            parent = self.core.add(prompt_token_ids, params, request_id)
         collector = _Collector(parent, kind if kind is not None else parent.params.output_kind, anyio.Event(),
                                [0] * len(parent.children))
         self._collectors[parent.request_id] = collector
@@ -172,7 +243,8 @@ class AsyncDriver:
     def abort(self, request_id: str) -> bool:
         """Abort a live request; True if it was live. Synchronous, so it works while being cancelled.
         Call it on the event loop thread, never from a finalizer (see defer_release)."""
-        parent = self.core.abort(request_id)  # a parent id, or "{id}:{index}" for one of n completions
+        with self.lock:
+            parent = self.core.abort(request_id)  # a parent id, or "{id}:{index}" for one of n completions
         if parent is not None:
             self._notify(parent.request_id)
             self._wakeup.set()  # the next plan releases its engine-side rows
@@ -184,7 +256,8 @@ class AsyncDriver:
         """Pause generation (scheduler/pausing.py: 'abort', 'wait' or 'keep'); returns once paused."""
         self._check_running()
         done = anyio.Event()
-        self.pausing.request(mode, done.set)  # validates the mode
+        with self.lock:
+            self.pausing.request(mode, done.set)  # validates the mode
         if mode == "abort":
             self.abort_all()
         self._wakeup.set()
@@ -193,16 +266,18 @@ class AsyncDriver:
 
     def resume(self, recompute_kv: bool = False) -> None:
         self._check_running()
-        self.pausing.resume(recompute_kv)
+        with self.lock:
+            self.pausing.resume(recompute_kv)
         self._wakeup.set()
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every live request; returns their partial outputs (tokens, log-probs, readout loops)."""
         outputs = []
-        for request_id in list(self.core.parents):
-            parent = self.core.parents[request_id]
-            self.abort(request_id)
-            outputs.append(parent.output())
+        with self.lock:
+            for request_id in list(self.core.parents):
+                parent = self.core.parents[request_id]
+                self.abort(request_id)
+                outputs.append(parent.output())
         return outputs
 
     async def on_worker(self, fn: Any, *args: Any) -> Any:
@@ -242,7 +317,8 @@ class AsyncDriver:
             while not collector.parent.finished:
                 await self._wait(collector)
             self._raise_if_dead(collector)
-            return collector.parent.output()
+            with self.lock:
+                return collector.parent.output()
         finally:
             self.release(collector)
 
@@ -250,6 +326,10 @@ class AsyncDriver:
         return RequestStream(self, collector)
 
     def _take(self, collector: _Collector) -> RequestOutput | None:
+        with self.lock:  # a consistent snapshot: the stepping thread appends under the same lock
+            return self._take_locked(collector)
+
+    def _take_locked(self, collector: _Collector) -> RequestOutput | None:
         parent, kind = collector.parent, collector.kind
         finished = parent.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -270,7 +350,8 @@ class AsyncDriver:
         collector.event = anyio.Event()
 
     def stats(self) -> dict[str, Any]:
-        stats = self.core.stats()
+        with self.lock:
+            stats = self.core.stats()
         stats["engine_steps"] = self.num_steps
         stats["num_streams"] = len(self._collectors)
         stats["step_in_flight"] = self.step_in_flight
