@@ -153,6 +153,28 @@ async def test_generate_callers_wake_once_when_done_not_on_every_step(engine):
     assert steps >= 25 and len(wakes) == 8  # one wake per caller: its request ended
 
 
+async def test_steps_run_back_to_back_without_returning_to_the_event_loop(engine):
+    # the stepping thread goes back to the event loop only when the loop must decide something (idle, pause,
+    # hold, close, a dropped stream): not once per step, which cost a thread hop per step
+    driver, entries = engine.driver, []
+    real = driver._step_until_needed
+
+    def counting():
+        entries.append(driver.num_steps)
+        real()
+
+    driver._step_until_needed = counting
+    try:
+        before = driver.num_steps
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(engine.generate, [5, i + 2], sp(30, seed=i))
+        steps = driver.num_steps - before
+    finally:
+        del driver._step_until_needed
+    assert steps >= 30 and len(entries) <= 3, (steps, entries)
+
+
 async def test_closing_a_stream_early_aborts_and_frees(engine):
     async with engine.stream([1, 2], sp(60, seed=3)) as stream:
         async for out in stream:
