@@ -21,8 +21,8 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 LOW = torch.float16 if INTERPRET else torch.bfloat16
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA (or TRITON_INTERPRET=1)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                                  reason="needs CUDA (or TRITON_INTERPRET=1)")]
 
 
 class Case:
