@@ -52,17 +52,18 @@ MAX_BLOCK_M_SMALL_HEAD = 128  # head_dim <= 64
 MAX_BLOCK_M_FP32 = 16  # float32 inputs (IEEE dot): 32 rows and up spill registers at sm_90
 
 # (max_per_sm, max_tile, config): the first row that holds wins; the last row catches everything.
-# Values for the H200 (132 SMs), Ouro-1.4B heads (16 q = 16 kv heads, d = 128): per_sm is 0.12 x requests,
-# so the rows below split for up to 16 requests. Not yet measured: replace them with the sweep's rows.
-# 3 stages, not 2: with 2, Triton's pipeliner prefetches the K and V tiles but loads the block-table
-# entries of the next tile synchronously (two dependent memory round trips per tile); with 3 it prefetches
-# those too (more stages add no buffers for this loop: BLOCK_N is the knob for bytes in flight).
+# Values for the H200 (132 SMs), Ouro-1.4B heads (16 q = 16 kv heads, d = 128): per_sm is 0.12 x requests.
+# Measured by benchmarks/attention_sweep.py on the H200 (2026-11-30, docs/benchmarks.md): split-K reads
+# the KV of 8 requests at 2.7 TB/s (L = 768) to 3.9 TB/s (L = 4096) where one pass managed 1.9-2.1, and
+# 64 or more requests run one pass at 97-102% of the 4.3 TB/s copy bandwidth. Tiles past 16 rows keep
+# the unmeasured defaults. 3 stages for split-K: with 2, Triton's pipeliner loads the next tile's
+# block-table entries synchronously (two dependent memory round trips per tile).
 LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
-    (0.25, 16, LaunchConfig(block_n=32, num_warps=4, num_stages=3, splits=16)),  # 1-2 requests
-    (0.5, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=8)),  # 3-4
-    (1.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # 5-8
-    (2.0, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # 9-16
-    (INF, 16, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=1)),
+    (0.25, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=16)),  # 1-2 requests
+    (0.5, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=8)),  # 3-4
+    (1.371, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=4)),  # 5-11
+    (3.879, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=2)),  # 12-32
+    (INF, 16, LaunchConfig(block_n=32, num_warps=2, num_stages=2, splits=1)),
     (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # big tiles: deep calls, GQA,
     (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # prompt chunks after a history
     (INF, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=1)),

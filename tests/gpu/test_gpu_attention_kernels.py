@@ -41,15 +41,17 @@ class Case:
             self.block_ids.append(tuple(perm[used:used + b]))
             used += b
             tables.append(list(self.block_ids[-1]) + [perm[-1]] * (width - b))  # padding: a block of nobody's
-        q = torch.randn(sum(rows), heads + 2 if strided_q else heads, d, generator=g).to(dtype)
-        q = q[:, 1:heads + 1] if strided_q else q  # a view: row stride != heads * d
+        full = torch.randn(sum(rows), heads + 2 if strided_q else heads, d, generator=g).to(dtype)
+        q = full[:, 1:heads + 1] if strided_q else full  # a view: row stride != heads * d
         self.scale, self.rows, self.q_ref = d**-0.5, rows, q.double()
         self.pool = KVPool.__new__(KVPool)
         self.pool.k, self.pool.v, self.pool.block_size = k.double(), v.double(), block_size
         self.ref = self.reference(ctx)
         starts = torch.zeros(len(ctx) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(rows).cumsum(0)
-        self.q, self.k, self.v = q.to(DEVICE), k[0, 0].to(DEVICE), v[0, 0].to(DEVICE)
+        # slice on the device: .to() of a non-dense view would make it contiguous there
+        self.q = full.to(DEVICE)[:, 1:heads + 1] if strided_q else q.to(DEVICE)
+        self.k, self.v = k[0, 0].to(DEVICE), v[0, 0].to(DEVICE)
         self.args = (torch.tensor(tables, dtype=torch.int32, device=DEVICE),
                      torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts.to(DEVICE), max(rows), self.scale)
         self.dtype = dtype
