@@ -128,7 +128,12 @@ def test_dispatch_matches_reference(load, rows):
     # one-pass kernel, 8 requests whatever the table says
     from ourobatch.engine.triton_attention import default_config, num_sms
 
-    seqs = {"one": 1, "eight": 8, "many": 2 * num_sms(torch.device(DEVICE)) // 16 + 1}[load]
+    # "many": just past the table's last split-K row for this tile (16 kv heads per request)
+    from ourobatch.engine.attention_dispatch import LAUNCH_TABLE
+
+    split_rows = [per_sm for per_sm, max_tile, c in LAUNCH_TABLE if c.splits > 1 and rows <= max_tile]
+    many = int(max(split_rows) * num_sms(torch.device(DEVICE)) / 16) + 1
+    seqs = {"one": 1, "eight": 8, "many": many}[load]
     g = torch.Generator().manual_seed(seqs)
     ctx = [int(c) for c in torch.randint(rows, 300, (seqs,), generator=g)]
     ctx[-1] = rows if seqs > 1 else ctx[-1]  # a request whose new rows are its whole context
