@@ -122,11 +122,31 @@ class AsyncDriver:
                 continue
             self.step_in_flight = True
             try:
-                await anyio.to_thread.run_sync(self._step_until_needed, limiter=self._limiter)
+                await self._run_stepping_thread()
             finally:
                 self.step_in_flight = False
             self._deliver()
             await anyio.lowlevel.checkpoint()  # let callers run
+
+    async def _run_stepping_thread(self) -> None:
+        """Steps on the worker thread until the loop must look. If the task running the loop is cancelled,
+        the thread is told to stop after its step in flight, and the cancellation waits for that step
+        only (never for every step up to idle)."""
+        stopped = threading.Event()
+
+        def steps() -> None:
+            try:
+                self._step_until_needed()
+            finally:
+                stopped.set()
+
+        try:
+            await anyio.to_thread.run_sync(steps, limiter=self._limiter, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            self._closing = True  # read by the stepping thread after its step
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(stopped.wait)
+            raise
 
     def _idle(self) -> bool:
         return not self.core.has_unfinished and not self.core.scheduler.has_pending_releases

@@ -221,6 +221,25 @@ async def test_a_stream_collected_inside_the_scheduler_aborts_between_steps(ckpt
 # ---------------------------------------------------------------- 8: ids and logging
 
 @pytest.mark.asyncio
+async def test_cancelling_the_host_task_stops_after_the_step_in_flight(ckpt):
+    # steps run back to back on the stepping thread; cancelling the task that runs serve() must stop them
+    # after the step in flight, not once every request has run to its end (120 tokens here)
+    engine = Engine(config(ckpt, max_model_len=256))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.serve)
+        stream = engine.stream([1, 2, 3], sp(120))
+        await stream.__anext__()
+        await until(lambda: engine.driver.num_steps >= 3)
+        driver = engine.driver
+        tg.cancel_scope.cancel()
+    steps_at_cancel = driver.num_steps
+    assert steps_at_cancel < 20, steps_at_cancel  # the request would take 120 steps to finish
+    out = stream._collector.parent.output()
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 20
+    with pytest.raises(EngineClosedError):
+        engine.stream([1], sp(2))
+
+
 async def test_automatic_ids_never_collide_with_a_callers_ids(ckpt):
     async with Engine(config(ckpt)) as engine:
         gate = GatedExecutor(engine.core.executor)
