@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl] [benchmark args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|public|serving|sweep] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,6 +24,15 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = rollout ]; then  # the RL rollout batch through the async Engine (benchmarks/rollout.py)
   python3 benchmarks/rollout.py --out "$OUT" "$@" 2>&1 | tee "$OUT/rollout.log" | grep -v '^{' | tail -40
+fi
+if [ "$what" = public ]; then  # SyncEngine vs async Engine, with the per-step profile (benchmarks/public_path.py)
+  python3 benchmarks/public_path.py --out "$OUT/public" "$@" 2>&1 | tee "$OUT/public.log" | grep '^|' | tail -12
+fi
+if [ "$what" = serving ]; then  # latency under Poisson arrivals (benchmarks/serving.py)
+  python3 benchmarks/serving.py --out "$OUT/serving" "$@" 2>&1 | tee "$OUT/serving.log" | tail -30
+fi
+if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
+  python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
 fi
 if [ "$what" = rl ] || [ "$what" = all ]; then  # sleep / wake / load / update timings and memory
   python3 benchmarks/rl_ops.py --out "$OUT/rl_ops" 2>&1 | tee "$OUT/rl_ops.log" | grep -v '^{' | tail -12
