@@ -218,7 +218,7 @@ async def test_a_stream_collected_inside_the_scheduler_aborts_between_steps(ckpt
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
 
 
-# ---------------------------------------------------------------- 8: ids and logging
+# ---------------------------------------------------------------- the stepping thread and cancellation
 
 @pytest.mark.asyncio
 async def test_cancelling_the_host_task_stops_after_the_step_in_flight(ckpt):
@@ -240,6 +240,9 @@ async def test_cancelling_the_host_task_stops_after_the_step_in_flight(ckpt):
         engine.stream([1], sp(2))
 
 
+# ---------------------------------------------------------------- 8: ids and logging
+
+@pytest.mark.asyncio
 async def test_automatic_ids_never_collide_with_a_callers_ids(ckpt):
     async with Engine(config(ckpt)) as engine:
         gate = GatedExecutor(engine.core.executor)
