@@ -16,7 +16,8 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.driver import AsyncDriver, RequestStream
+from ourobatch.scheduler.driver import AsyncDriver
+from ourobatch.scheduler.streams import RequestStream
 from ourobatch.engine.loader import checkpoint_files
 from ourobatch.engine.weights import checkpoint_tensors
 from ourobatch.scheduler.errors import EngineBusyError, EngineClosedError, EngineDeadError, WeightUpdateError
