@@ -20,17 +20,16 @@ No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) ca
 from __future__ import annotations
 
 import math
-import operator
 import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from . import admission, prefill, verify_plan
+from . import admission, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohort
-from .errors import RequestRejectedError
+from .counters import new_counters
 from .params import MAX_SEED, SamplingParams
 from .plan import DeepWork, Phase, SampleSpec, ShallowWork, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
@@ -98,32 +97,7 @@ class Scheduler:
         self._next_step = 0
         self._next_cohort = 0
         self._seed_rng = random.Random()
-        self.counters: dict[str, int] = {
-            "steps": 0,
-            "prefills": 0,
-            "prefill_tokens": 0,
-            "prefill_chunks": 0,  # prefill work items that ran tokens through the model
-            "shallow_steps": 0,
-            "shallow_rows": 0,
-            "deep_calls": 0,
-            "deep_rows": 0,
-            "drafted_tokens": 0,
-            "accepted_tokens": 0,
-            "tested_drafts": 0,  # drafts the acceptance test reached: accepted ones + the first rejected one
-            "rolled_back_positions": 0,
-            "boundaries": 0,
-            "tokens_generated": 0,
-            "preemptions": 0,
-            "recomputed_tokens": 0,  # tokens prefilled again after a preemption (outputs included)
-            "prefix_cache_hits": 0,  # prefill tokens whose KV was shared instead of computed
-            "prefill_tokens_requested": 0,  # tokens of every (re)prefill
-            "prefill_tokens_computed": 0,  # of those, the ones run through the model
-            "requests_added": 0,
-            "finished_stop": 0,
-            "finished_length": 0,
-            "finished_abort": 0,
-            "finished_error": 0,
-        }
+        self.counters: dict[str, int] = new_counters()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -135,53 +109,19 @@ class Scheduler:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = self._check_prompt(prompt_token_ids)
-        cfg = self.config
-        total_len = len(prompt) + params.max_tokens
-        if total_len > cfg.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total_len} exceeds "
-                f"max_model_len={cfg.max_model_len}"
-            )
-        need = self.blocks.blocks_for(len(prompt) + params.max_tokens - 1)
-        if need > cfg.num_kv_blocks:
-            raise RequestRejectedError(
-                f"request needs {need} KV blocks ({len(prompt)} + {params.max_tokens} - 1 positions at "
-                f"block_size={cfg.block_size}) but the pool has only {cfg.num_kv_blocks}; lower max_tokens "
-                f"or raise num_kv_blocks"
-            )
-        for tok in params.stop_token_ids:
-            if tok >= cfg.vocab_size:
-                raise ValueError(f"stop_token_ids holds {tok}, outside the vocabulary [0, {cfg.vocab_size})")
+        prompt = validate.check_prompt(prompt_token_ids, self.config.vocab_size)
+        validate.check_fits(self.config, self.blocks, len(prompt), params)
         if params.seed is None:
             params = params.with_seed(self._seed_rng.randint(0, MAX_SEED))
         stop = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
-            stop |= cfg.eos_token_ids
+            stop |= self.config.eos_token_ids
         request = Request(request_id, prompt, params, stop, self._next_arrival)
         self._next_arrival += 1
         self.requests[request_id] = request
         self.waiting.append(request)
         self.counters["requests_added"] += 1
         return request
-
-    def _check_prompt(self, prompt_token_ids: Iterable[int]) -> tuple[int, ...]:
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
-        prompt = tuple(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
-        vocab = self.config.vocab_size
-        ids = []
-        for i, tok in enumerate(prompt):
-            # ints and integer scalars (numpy, torch) are fine; bools and floats are not
-            if isinstance(tok, bool) or not hasattr(tok, "__index__"):
-                raise TypeError(f"prompt_token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}")
-            tok = operator.index(tok)
-            if not 0 <= tok < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] = {tok} is outside the vocabulary [0, {vocab})")
-            ids.append(tok)
-        return tuple(ids)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
         """End a live request with finish_reason 'abort'. Unknown or finished ids are ignored."""
