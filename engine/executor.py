@@ -328,8 +328,8 @@ class ModelExecutor:
         T, s, B = self.total_ut_steps, shallow_loops, deep_interval
         if mode == "verify":
             return [("shallow", s, True)]  # drafts; the verify deep call is varlen (eager)
-        if mode == "eager" or B == 1:  # one call of loops 1..T at each boundary (every step when B = 1)
-            return [("shallow", T, False)] + ([("shallow", s, False)] if B > 1 else [])
+        if mode == "eager" or B == 1:  # every step one call of loops 1..T, nothing retained
+            return [("shallow", T, False)]
         return [("shallow", s, True), ("deep", s + 1, B)]
 
     @torch.inference_mode()
