@@ -276,7 +276,7 @@ class Engine:
         driver = self.driver
         core = driver.core
         _control.check_weight_change(core, "update_weights", driver.pausing.asleep, version)
-        try:  # the copy on the worker thread; the bookkeeping here, on the loop thread that owns the core
+        try:  # the copy on the worker thread (a hold: no step runs); the bookkeeping here, under the lock
             copied = await driver.on_worker(core.executor.update_weights, named_tensors)
         except WeightUpdateError as exc:
             with driver.lock:
