@@ -13,8 +13,9 @@ their KV is recomputed (prefill of prompt + outputs) under the new weights.
 A *hold* (a weight copy, sleep or wake on the worker thread) also keeps the loop from stepping, paused
 or not, so no step ever runs against weights or buffers being changed.
 
-Torch-free, no awaits, no event-loop objects: the async driver calls ``must_wait()`` at the top of every
-loop iteration, where no step is in flight; SyncEngine.pause() steps until it returns True.
+Torch-free, no awaits, no event-loop objects: the async driver calls ``must_wait()`` before it lets its
+stepping thread run, with no step in flight (the thread hands back to the loop after any step while a
+pause, a hold or sleep is pending); SyncEngine.pause() steps until it returns True.
 """
 
 from __future__ import annotations
