@@ -36,10 +36,9 @@ import torch
 from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
 from ourobatch.engine.config import OuroConfig
 from ourobatch.scheduler.request import RequestStatus
-from ourobatch.testing import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import OURO_1_4B, TINY, parse_config  # noqa: E402
+from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 
 PHASES = ("_prefill", "_shallow", "_deep", "_deep_verify", "_sample")
 
@@ -171,6 +170,22 @@ def run_sync(args, model_dir: str, name: str) -> dict:
     return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
 
 
+async def timed_round(engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    """One concurrent generate() per prompt through `engine` (an Engine or an EnginePool): wall seconds and
+    tokens generated."""
+    counts = [0] * len(prompts)
+
+    async def one(i: int) -> None:
+        out = await engine.generate(prompts[i], params[i])
+        counts[i] = len(out.outputs[0].token_ids)
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return time.perf_counter() - t, sum(counts)
+
+
 async def run_pool(args, model_dir: str, name: str) -> dict:
     """--replicas R: the async path through an ourobatch.ray.EnginePool of R replicas (one GPU each) with
     N requests per replica, so each replica runs the single-engine workload."""
@@ -180,21 +195,8 @@ async def run_pool(args, model_dir: str, name: str) -> dict:
         vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
         prompts, params = workload(args, vocab, args.N * args.replicas)
 
-        async def round_(ps) -> tuple[float, int]:
-            counts = [0] * len(prompts)
-
-            async def one(i: int) -> None:
-                out = await pool.generate(prompts[i], ps[i])
-                counts[i] = len(out.outputs[0].token_ids)
-
-            t = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            return time.perf_counter() - t, sum(counts)
-
-        await round_(warm_params(args, len(prompts)))
-        wall, tokens = await round_(params)
+        await timed_round(pool, prompts, warm_params(args, len(prompts)))
+        wall, tokens = await timed_round(pool, prompts, params)
     return dict(path=f"pool{args.replicas}", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
 
 
@@ -202,26 +204,13 @@ async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict]:
     async with Engine(engine_config(args, model_dir, name)) as engine:
         prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
 
-        async def round_(ps) -> tuple[float, int]:
-            counts = [0] * len(prompts)
-
-            async def one(i: int) -> None:
-                out = await engine.generate(prompts[i], ps[i])
-                counts[i] = len(out.outputs[0].token_ids)
-
-            t = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            return time.perf_counter() - t, sum(counts)
-
-        await round_(warm_params(args))
-        wall, tokens = await round_(params)
+        await timed_round(engine, prompts, warm_params(args))
+        wall, tokens = await timed_round(engine, prompts, params)
         plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
         probe = Probe(engine.core, args.device.startswith("cuda"))
         probe.install()
         try:
-            wall_p, tokens_p = await round_(params)
+            wall_p, tokens_p = await timed_round(engine, prompts, params)
         finally:
             probe.remove()
         profiled = dict(path="profiled", tokens=tokens_p, tokens_per_s=tokens_p / wall_p, **probe.summary(wall_p))
@@ -262,9 +251,7 @@ def markdown(rows: list[dict], profiles: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
-    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for public_path.json and public_path.md")
     ap.add_argument("--configs", default="interval1,deferred4,deferred8")
     ap.add_argument("-N", type=int, default=64, help="concurrent requests")
@@ -279,22 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replicas < 0:
         ap.error(f"--replicas must be >= 0, got {args.replicas}")
-    names = args.configs.split(",")
-    for n in names:
-        try:
-            parse_config(n, args.shallow_loops)
-        except ValueError as exc:
-            ap.error(str(exc))
+    names = check_configs(ap, args.configs, args.shallow_loops)
     for field in ("N", "P", "M"):
         if getattr(args, field) < 1:
             ap.error(f"-{field} must be >= 1, got {getattr(args, field)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model
-    if model_dir is None:
-        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
-        if not (Path(model_dir) / "config.json").exists():
-            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+    model_dir = ensure_checkpoint(args)
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N, P=args.P,
                 M=args.M, torch=torch.__version__,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor())

@@ -36,10 +36,9 @@ import torch
 from ourobatch import Engine, EngineConfig, SamplingParams
 from ourobatch.engine.config import OuroConfig
 from ourobatch.scheduler.params import RequestOutputKind
-from ourobatch.testing import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import OURO_1_4B, TINY, parse_config  # noqa: E402
+from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 
 
 def draw_lengths(rng: random.Random, count: int, median: float, sigma: float, cap: int) -> list[int]:
@@ -182,9 +181,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
-    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for rollout.json, rollout.md, rollout_kv.png")
     ap.add_argument("--configs", default="interval1,deferred4,deferred8")
     ap.add_argument("--allocations", default="lazy,reserve", help="KV policies to run each config with")
@@ -214,19 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     for a in allocations:
         if a not in ("lazy", "reserve"):
             ap.error(f"--allocations takes lazy and/or reserve, got {a!r}")
-    names = args.configs.split(",")
-    for n in names:
-        try:
-            parse_config(n, args.shallow_loops)
-        except ValueError as exc:
-            ap.error(str(exc))
+    names = check_configs(ap, args.configs, args.shallow_loops)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model
-    if model_dir is None:
-        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
-        if not (Path(model_dir) / "config.json").exists():
-            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+    model_dir = ensure_checkpoint(args)
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
                 torch=torch.__version__, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,

@@ -54,12 +54,11 @@ from ourobatch import Engine, EngineConfig, SamplingParams
 from ourobatch.engine.config import OuroConfig
 from ourobatch.engine.cuda_graphs import BUCKETS
 from ourobatch.scheduler.params import RequestOutputKind
-from ourobatch.testing import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import draw_lengths  # noqa: E402
 from serving_report import markdown, measure, plot, progress_line, summarize  # noqa: E402
-from throughput import CONFIG_HELP, OURO_1_4B, TINY, parse_config  # noqa: E402
+from throughput import CONFIG_HELP, add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
 MODEL_NAME = "bench"
 SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
@@ -323,9 +322,7 @@ POSITIVE = ("prompt_median", "output_median", "ttft_slo", "sample_interval")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
-    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for the results (see above)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--server", action="store_true", help="through `python -m ourobatch serve` on 127.0.0.1 (a "
@@ -361,11 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model
-    if model_dir is None:
-        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
-        if not (Path(model_dir) / "config.json").exists():
-            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+    model_dir = ensure_checkpoint(args)
     cuda = args.device.startswith("cuda")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, torch=torch.__version__,

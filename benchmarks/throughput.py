@@ -52,6 +52,36 @@ def parse_config(name: str, default_s: int) -> tuple[str, int, int]:
     return m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else default_s
 
 
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """--model / --workdir / --tiny, shared by the benchmarks (see ensure_checkpoint)."""
+    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
+    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+
+
+def ensure_checkpoint(args) -> str:
+    """--model, or the random checkpoint under --workdir (tiny or Ouro-1.4B-shaped), written once."""
+    if args.model is not None:
+        return args.model
+    model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
+    if not (Path(model_dir) / "config.json").exists():
+        t = time.perf_counter()
+        make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
+        print(f"wrote {model_dir} in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    return model_dir
+
+
+def check_configs(ap: argparse.ArgumentParser, configs: str, default_s: int) -> list[str]:
+    """The comma-separated config names; exits through ap.error on an unknown one."""
+    names = configs.split(",")
+    for name in names:
+        try:
+            parse_config(name, default_s)
+        except ValueError as exc:
+            ap.error(str(exc))
+    return names
+
+
 def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> dict:
     mode, B, s = parse_config(name, args.shallow_loops)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
@@ -160,9 +190,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: write a random Ouro-1.4B-shaped one)")
-    ap.add_argument("--workdir", default="/tmp/ourobatch-bench", help="where the random checkpoint is written")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of 1.4B (smoke tests)")
+    add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for results.json, results.md, ratios.png")
     ap.add_argument("--scenarios", default="8x512x512,64x512x512,256x512x512,64x3584x512",
                     help="comma-separated NxPROMPTxOUTPUT")
@@ -184,20 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--branch-scale must be > 0, got {args.branch_scale}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = args.configs.split(",")
-    for n in names:
-        try:
-            parse_config(n, args.shallow_loops)
-        except ValueError as exc:
-            ap.error(str(exc))
+    names = check_configs(ap, args.configs, args.shallow_loops)
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
-    model_dir = args.model
-    if model_dir is None:
-        model_dir = str(Path(args.workdir) / ("tiny" if args.tiny else "ouro-1.4b-random"))
-        if not (Path(model_dir) / "config.json").exists():
-            t = time.perf_counter()
-            make_tiny_checkpoint(model_dir, seed=0, dtype=torch.bfloat16, **(TINY if args.tiny else OURO_1_4B))
-            print(f"wrote {model_dir} in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    model_dir = ensure_checkpoint(args)
     dtype = resolve_dtype(EngineConfig(model=model_dir, device=args.device, dtype=args.dtype))
     model = load_model(model_dir, dtype, args.device)
     if args.branch_scale != 1.0:
