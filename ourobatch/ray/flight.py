@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ourobatch.scheduler.frontend import child_seed
 from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.scheduler.streams import OutputStream
 
 if TYPE_CHECKING:
     from .pool import EnginePool
@@ -220,10 +221,10 @@ class Flight:
         self.event.clear()
 
 
-class PoolStream:
-    """Async iterator over one pool request's outputs (Engine.stream's contract). Closing it early
-    (``aclose()``, leaving ``async with``, cancelling the consumer, or dropping it) aborts the request.
-    Raises ReplicaDiedError if its replica dies (unless the pool retries it)."""
+class PoolStream(OutputStream):
+    """Async iterator over one pool request's outputs (Engine.stream's contract: scheduler/streams.py).
+    Closing it early (``aclose()``, leaving ``async with``, cancelling the consumer, or dropping it) aborts
+    the request. Raises ReplicaDiedError if its replica dies (unless the pool retries it)."""
 
     def __init__(self, pool: "EnginePool", flight: Flight) -> None:
         self._pool = pool
@@ -234,44 +235,20 @@ class PoolStream:
     def request_id(self) -> str:
         return self._flight.request_id
 
-    def __aiter__(self) -> "PoolStream":
-        return self
+    def _ready(self) -> bool:
+        return self._flight.error is not None or self._flight.pending()
 
-    async def __anext__(self) -> RequestOutput:
-        flight = self._flight
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            while True:
-                if flight.error is not None or flight.pending():
-                    out = flight.take()
-                    if flight.sent_final:
-                        self._close()
-                    if out is not None:
-                        return out
-                    if self._closed:
-                        raise StopAsyncIteration
-                    continue
-                await flight.wait()
-        except BaseException:
-            self._close()
-            raise
+    def _take(self) -> RequestOutput | None:
+        return self._flight.take()
 
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pool._release(self._flight)
+    def _sent_final(self) -> bool:
+        return self._flight.sent_final
 
-    async def aclose(self) -> None:
-        self._close()
+    async def _wait(self) -> None:
+        await self._flight.wait()
 
-    async def __aenter__(self) -> "PoolStream":
-        return self
+    def _release(self) -> None:
+        self._pool._release(self._flight)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._closed = True
-            self._pool._release_later(self._flight)
+    def _release_later(self) -> None:
+        self._pool._release_later(self._flight)
