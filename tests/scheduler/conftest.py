@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ourobatch.scheduler import Scheduler, SchedulerConfig
+from ourobatch.scheduler import RequestStatus, Scheduler, SchedulerConfig
 
 from .fakes import STOP, FakeExecutor
 
@@ -38,3 +38,42 @@ def check_block_refs(sched: Scheduler) -> None:
     assert len(holders) == sched.blocks.num_used
     for b, n in holders.items():
         assert sched.blocks.ref_count(b) == n, f"block {b}: {sched.blocks.ref_count(b)} refs, {n} holders"
+
+
+def check_cohort_clocks(sched, B, mode):
+    """All decoding members of a cohort share its clock: each fed exactly `phase` tokens since its last
+    boundary (a verify-mode member waiting on unverified drafts may have fed fewer)."""
+    for cohort in sched.cohorts.values():
+        for m in cohort.member_ids:
+            r = sched.requests[m]
+            if r.status != RequestStatus.DECODING:
+                continue
+            k = r.num_output_tokens + len(r.draft_token_ids)
+            since = r.num_prompt_tokens + k - 1 - r.num_deep_positions  # fed since the deep frontier
+            j = r.num_output_tokens - r.num_outputs_at_prefill  # a (re)prefill starts the request's blocks
+            if mode == "eager":
+                assert since == 0 and (j - 1) % B == cohort.phase
+            elif mode == "verify":
+                assert since <= cohort.phase and len(r.draft_token_ids) <= cohort.phase
+            else:
+                assert since == cohort.phase == (j - 1) % B
+
+
+def update_checked(sched: Scheduler, plan, result, ended: dict[str, str], B: int, mode: str) -> None:
+    """Apply a step's result, record who ended how (a request ends once; an abort during the step is its
+    end), then check block references and cohort clocks."""
+    for u in sched.update(plan, result):
+        if u.finished:
+            rid = u.request.request_id
+            assert rid not in ended or ended[rid] == "abort" and u.request.finish_reason == "abort"
+            ended[rid] = u.request.finish_reason
+    check_block_refs(sched)
+    check_cohort_clocks(sched, B, mode)
+
+
+def abort_all_and_release(sched: Scheduler, ex: FakeExecutor) -> None:
+    """Abort whatever is live: every block comes back; one more plan hands the releases to the executor."""
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    assert sched.blocks.num_used == 0
+    ex.execute(sched.schedule())

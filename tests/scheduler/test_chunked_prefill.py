@@ -15,9 +15,8 @@ import pytest
 from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
 from ourobatch.scheduler.admission import feed_position
 
-from .conftest import check_block_refs, make_scheduler
+from .conftest import abort_all_and_release, check_block_refs, make_scheduler, update_checked
 from .fakes import FakeExecutor
-from .test_core import check_cohort_clocks
 from .test_kv_memory import WriteChecker
 
 T = 4
@@ -312,17 +311,8 @@ def test_randomized_chunking_keeps_every_invariant():
                 rid = rng.choice(sorted(sched.requests))
                 sched.abort(rid)
                 ended[rid] = "abort"
-            for u in sched.update(plan, result):
-                if u.finished:
-                    rid = u.request.request_id
-                    assert rid not in ended or ended[rid] == "abort" and u.request.finish_reason == "abort"
-                    ended[rid] = u.request.finish_reason
-            check_block_refs(sched)
-            check_cohort_clocks(sched, B, mode)
-        for rid in list(sched.requests):
-            sched.abort(rid)
-        assert sched.blocks.num_used == 0
-        ex.execute(sched.schedule())
+            update_checked(sched, plan, result, ended, B, mode)
+        abort_all_and_release(sched, ex)
         assert ex.retained == {} and not sched.partial_prefills
         assert stalls == 0, "the oldest prefill under way got no chunk in a step"
         sched.reset_prefix_cache()

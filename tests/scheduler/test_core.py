@@ -8,7 +8,7 @@ import pytest
 
 from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
 
-from .conftest import check_block_refs, make_scheduler, run_step
+from .conftest import abort_all_and_release, make_scheduler, run_step, update_checked
 from .fakes import STOP, FakeExecutor
 
 
@@ -285,25 +285,6 @@ def test_seed_is_resolved_at_admission_and_kept():
     assert sched.add("b", [1], SamplingParams(max_tokens=3, seed=42)).params.seed == 42
 
 
-def check_cohort_clocks(sched, B, mode):
-    """All decoding members of a cohort share its clock: each fed exactly `phase` tokens since its last
-    boundary (a verify-mode member waiting on unverified drafts may have fed fewer)."""
-    for cohort in sched.cohorts.values():
-        for m in cohort.member_ids:
-            r = sched.requests[m]
-            if r.status != RequestStatus.DECODING:
-                continue
-            k = r.num_output_tokens + len(r.draft_token_ids)
-            since = r.num_prompt_tokens + k - 1 - r.num_deep_positions  # fed since the deep frontier
-            j = r.num_output_tokens - r.num_outputs_at_prefill  # a (re)prefill starts the request's blocks
-            if mode == "eager":
-                assert since == 0 and (j - 1) % B == cohort.phase
-            elif mode == "verify":
-                assert since <= cohort.phase and len(r.draft_token_ids) <= cohort.phase
-            else:
-                assert since == cohort.phase == (j - 1) % B
-
-
 def test_randomized_driver_keeps_every_invariant():
     """Random arrivals, aborts, stops and injected failures; invariants checked after every step."""
     rng = random.Random(1234)
@@ -338,18 +319,8 @@ def test_randomized_driver_keeps_every_invariant():
                 rid = rng.choice(list(sched.requests))
                 sched.abort(rid)
                 ended[rid] = "abort"
-            for u in sched.update(plan, result):
-                if u.finished:
-                    rid = u.request.request_id
-                    assert rid not in ended or ended[rid] == "abort" and u.request.finish_reason == "abort"
-                    ended[rid] = u.request.finish_reason
-            check_block_refs(sched)
-            check_cohort_clocks(sched, B, mode)
-        for rid in list(sched.requests):
-            sched.abort(rid)
-        assert sched.blocks.num_used == 0
-        plan = sched.schedule()
-        ex.execute(plan)
+            update_checked(sched, plan, result, ended, B, mode)
+        abort_all_and_release(sched, ex)
         assert ex.retained == {}  # every retained row was consumed or released
 
 

@@ -9,8 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from ourobatch.scheduler import Phase, RequestRejectedError, SamplingParams
 
-from .conftest import check_block_refs, make_scheduler
-from .test_core import check_cohort_clocks
+from .conftest import check_block_refs, check_cohort_clocks, make_scheduler
 from .fakes import FakeExecutor
 
 
