@@ -2,6 +2,7 @@
 
 from ourobatch.scheduler.errors import (
     CheckpointError,
+    EngineAsleepError,
     EngineClosedError,
     EngineBusyError,
     EngineDeadError,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "CompletionOutput",
     "Engine",
+    "EngineAsleepError",
     "EngineClosedError",
     "EngineConfig",
     "EngineBusyError",

@@ -7,9 +7,10 @@
     ├── EngineClosedError (RuntimeError)    a call on an engine that is closed or not started
     ├── EngineDeadError (RuntimeError)  the engine hit an unrecoverable error; pending callers get this
     │   └── ReplicaDiedError            a pool replica (Ray actor) died with the request in flight
-    ├── EngineBusyError (RuntimeError)  a weight update or sleep while requests run and the engine is not paused
+    ├── EngineBusyError (RuntimeError)  a control call the engine's state forbids now (docs/state_machine.md)
+    │   └── EngineAsleepError           a call that needs the weights on the device while the engine sleeps
     ├── WeightUpdateError (ValueError)  a tensor of a weight update is wrong (name, shape, dtype, repeat, NaN)
-    └── InconsistentWeightsError (RuntimeError)  new requests while a failed update left the model half-updated
+    └── InconsistentWeightsError (RuntimeError)  new requests while weights are missing (sleep level 2) or half-updated
 
 Bad arguments (wrong types, values out of range) raise plain ``TypeError`` / ``ValueError`` whose message
 names the field and the allowed values; ``RequestRejectedError`` is a ``ValueError`` too.
@@ -48,7 +49,11 @@ class ReplicaDiedError(EngineDeadError):
 
 
 class EngineBusyError(OurobatchError, RuntimeError):
-    """Raised by update_weights / load_weights / sleep while requests run and the engine is not paused."""
+    """Raised by a control call the engine's state forbids now (update_weights while requests run unpaused)."""
+
+
+class EngineAsleepError(EngineBusyError):
+    """Raised by a call that needs the weights on the device (score, update_weights, generate) while asleep."""
 
 
 class WeightUpdateError(OurobatchError, ValueError):
@@ -60,4 +65,5 @@ class WeightUpdateError(OurobatchError, ValueError):
 
 
 class InconsistentWeightsError(OurobatchError, RuntimeError):
-    """Raised for new requests after a weight update failed part-way, until a complete update succeeds."""
+    """Raised for new requests while weights are missing (after sleep(2)) or half-updated (a failed update),
+    until an update covering every missing tensor succeeds."""

@@ -7,7 +7,8 @@ import ourobatch.scheduler
 PUBLIC = {
     "CheckpointError", "CompletionOutput", "Engine", "EngineClosedError", "EngineConfig", "EngineDeadError",
     "InvalidTransition", "LLM", "OurobatchError", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
-    "SamplingParams", "SyncEngine", "__version__", "EngineBusyError", "InconsistentWeightsError", "WeightUpdateError",
+    "SamplingParams", "SyncEngine", "__version__", "EngineBusyError", "EngineAsleepError", "InconsistentWeightsError",
+    "WeightUpdateError",
 }
 
 
@@ -37,6 +38,7 @@ def test_errors_form_one_tree():
         assert issubclass(getattr(ourobatch, name), ourobatch.OurobatchError)
     assert issubclass(ourobatch.RequestRejectedError, ValueError)
     assert issubclass(ourobatch.CheckpointError, ValueError)
+    assert issubclass(ourobatch.EngineAsleepError, ourobatch.EngineBusyError)
 
 
 def test_design_field_names():
