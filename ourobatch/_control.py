@@ -1,16 +1,26 @@
-"""The bookkeeping around a weight copy or a sleep that Engine and SyncEngine share.
+"""The control calls that touch the executor (weights, sleep, wake, score), shared by Engine and SyncEngine.
 
-Each engine runs the copy itself (the async one on its worker thread, holding the loop; the blocking one
-under its lock); these functions check what must hold before and record what happened after.
+Each function must be called where no step can run: SyncEngine calls it holding its lock (steps run
+under the same lock); the async Engine runs it on the worker thread through ``AsyncDriver.between_steps``
+(the stepping thread has handed back and cannot start again until it returns). Each takes the engine's
+lock only for the control state and the scheduler, never for the executor's part, so the event loop can
+keep admitting and aborting while a large weight copy runs. The rules (which call is allowed in which
+state) are EngineControl.check's (scheduler/control.py), checked again here since the state may have
+changed between the call and its turn.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Sequence
 
-from ourobatch.engine.loader import expected_shapes
-from ourobatch.scheduler.errors import EngineBusyError, WeightUpdateError
+from ourobatch.scheduler.control import SLEEP_LEVELS
+from ourobatch.scheduler.errors import WeightUpdateError
 from ourobatch.scheduler.frontend import EngineCore
+
+from .training import score_on_executor
+
+Lock = AbstractContextManager  # the engine's (re-entrant) lock
 
 
 def check_version(version: object) -> None:
@@ -18,32 +28,50 @@ def check_version(version: object) -> None:
         raise TypeError(f"version must be an int >= 0 or None, got {version!r}")
 
 
-def check_weight_change(core: EngineCore, what: str, asleep: bool, version: object = None) -> None:
-    """Raise before anything changes: a bad version, an engine asleep, requests running unpaused."""
+def check_sleep_level(level: object) -> None:
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+
+
+def update_weights(core: EngineCore, lock: Lock, named_tensors: Any, version: int | None) -> int:
+    """Copy (name, tensor) pairs into the executor's weights and record it; returns the new version."""
     check_version(version)
-    if asleep and what != "sleep":
-        raise EngineBusyError(f"{what}: the engine is asleep; call wake_up() first")
-    core.check_can_change_weights(what)
-
-
-def copy_weights(core: EngineCore, named_tensors: Any, version: int | None) -> int:
-    """Run the executor's copy (call where no step can run) and record it; returns the new version."""
+    with lock:
+        core.control.check("update")
     try:
         copied = core.executor.update_weights(named_tensors)
     except WeightUpdateError as exc:
-        core.record_weight_update(list(exc.copied), failed=True, version=None)
+        with lock:
+            core.control.weights_copied(exc.copied, failed=True, version=None)
         raise
-    return core.record_weight_update(copied, failed=False, version=version)
+    with lock:
+        return core.control.weights_copied(copied, failed=False, version=version)
 
 
-def before_sleep(core: EngineCore, level: int) -> None:
-    """Kept requests lose their KV (recomputed after wake_up); cached prefixes would read a stale pool."""
-    if level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-    core.scheduler.preempt_all()
-    core.reset_prefix_cache()
+def sleep(core: EngineCore, lock: Lock, level: int) -> None:
+    """Free the device. Kept requests lose their KV (recomputed when they run again); the prefix cache
+    would read a freed pool, so it goes too."""
+    check_sleep_level(level)
+    with lock:
+        if core.control.check("sleep", level) == "noop":
+            return
+        core.scheduler.preempt_all()
+        core.reset_prefix_cache()
+        core.control.fell_asleep(level)  # from here on nothing is scheduled or scored
+    core.executor.sleep(level)
 
 
-def after_sleep(core: EngineCore, level: int) -> None:
-    if level == 2:  # the weights are gone: nothing is served until every tensor is loaded again
-        core.mark_weights_missing(expected_shapes(core.executor.model_config))
+def wake_up(core: EngineCore, lock: Lock) -> None:
+    with lock:
+        if core.control.check("wake_up") == "noop":
+            return
+    core.executor.wake_up()
+    with lock:
+        core.control.woke_up()
+
+
+def score(core: EngineCore, lock: Lock, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],
+          readout_loops: Sequence[int] | None, params: Any) -> list[float]:
+    with lock:
+        core.control.check("score")
+    return score_on_executor(core.executor, prompt_token_ids, completion_token_ids, readout_loops, params)

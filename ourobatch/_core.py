@@ -11,7 +11,7 @@ import torch
 from ourobatch.engine.config import OuroConfig
 from ourobatch.engine.executor import ModelExecutor
 from ourobatch.engine.kv_cache import KVPool
-from ourobatch.engine.loader import load_model
+from ourobatch.engine.loader import expected_shapes, load_model
 from ourobatch.engine.model import OuroForCausalLM
 from ourobatch.scheduler.core import SchedulerConfig
 from ourobatch.scheduler.errors import EngineClosedError
@@ -149,6 +149,11 @@ def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]
     return mc, dtype
 
 
+def tensor_names(mc: OuroConfig) -> list[str]:
+    """The tensors a full weight load must cover (a tied lm_head is the embedding's storage)."""
+    return [n for n in expected_shapes(mc) if not (mc.tie_word_embeddings and n == "lm_head.weight")]
+
+
 def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None,
                       should_stop: Callable[[], bool] | None = None) -> EngineCore:
     """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
@@ -190,7 +195,8 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
             stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(torch.device(config.device))
         return stats
 
-    core = EngineCore(scheduler_config, executor, extra_stats=extra_stats, seed=config.seed)
+    core = EngineCore(scheduler_config, executor, extra_stats=extra_stats, seed=config.seed,
+                      tensor_names=lambda: tensor_names(mc))
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
              shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
              dtype=str(dtype), device=config.device)

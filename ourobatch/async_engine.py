@@ -20,7 +20,7 @@ from ourobatch.scheduler.driver import AsyncDriver
 from ourobatch.scheduler.streams import RequestStream
 from ourobatch.engine.loader import checkpoint_files
 from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.errors import EngineBusyError, EngineClosedError, EngineDeadError, WeightUpdateError
+from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
@@ -28,7 +28,6 @@ from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
 from . import _control
 from ._core import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
-from .training import score_on_executor
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -246,22 +245,26 @@ class Engine:
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ the RL contract
+    # Thin: the rules are EngineControl's (scheduler/control.py, docs/state_machine.md); executor calls
+    # run between steps on the worker thread (AsyncDriver.between_steps, ourobatch/_control.py).
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation; returns once no step runs. Modes (vLLM's): "abort" ends every live request
-        now with its partial output (finish_reason "abort"); "wait" admits nobody and lets running
-        requests finish; "keep" admits nobody and freezes running requests with their KV (deferred
-        deep work is flushed first: a forced boundary). Requests submitted while paused queue."""
+        now with its partial output (finish_reason "abort"); "wait" admits nobody new and lets every
+        admitted request finish (including ones preempted for KV room); "keep" admits nobody and freezes
+        running requests with their KV (deferred deep work is flushed first: a forced boundary).
+        Requests submitted while paused queue. Raises the engine's error if it closes or dies first."""
         await self.driver.pause(mode)
 
     async def resume(self, *, recompute_kv: bool = False) -> None:
-        """Resume after pause(). recompute_kv=True re-prefills kept requests (prompt + outputs) so their KV
-        is recomputed under the current weights instead of kept."""
+        """Resume after pause() (cancels a pause in progress; a no-op on a running engine).
+        recompute_kv=True re-prefills kept requests (prompt + outputs) so their KV is recomputed under the
+        current weights instead of kept. InconsistentWeightsError while weights are missing."""
         self.driver.resume(recompute_kv)
 
     @property
     def is_paused(self) -> bool:
-        return self.driver.pausing.paused
+        return self.stats()["is_paused"]
 
     async def abort_all(self) -> list[RequestOutput]:
         """Abort every live request; returns their partial outputs (for resubmitting prompt + output later)."""
@@ -269,21 +272,17 @@ class Engine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
         """Copy (Hugging Face name, tensor) pairs into the engine's weights in place (a generator of buckets
-        is fine; a subset is allowed; each name at most once). Only while paused or idle (EngineBusyError).
-        Returns the new weight_version (default: previous + 1) and drops the prefix cache. A bad tensor
-        raises WeightUpdateError; if others were already copied, new requests get InconsistentWeightsError
-        until an update covering them succeeds."""
+        is fine; a subset is allowed; each name at most once), between steps. Only while paused or idle
+        (EngineBusyError), awake (EngineAsleepError). Returns the new weight_version (default: previous +
+        1) and drops the prefix cache. A bad tensor raises WeightUpdateError; if others were already
+        copied, nothing runs and new requests get InconsistentWeightsError until an update covering them
+        succeeds."""
         driver = self.driver
-        core = driver.core
-        _control.check_weight_change(core, "update_weights", driver.pausing.asleep, version)
-        try:  # the copy on the worker thread (a hold: no step runs); the bookkeeping here, under the lock
-            copied = await driver.on_worker(core.executor.update_weights, named_tensors)
-        except WeightUpdateError as exc:
-            with driver.lock:
-                core.record_weight_update(list(exc.copied), failed=True, version=None)
-            raise
+        _control.check_version(version)
         with driver.lock:
-            return core.record_weight_update(copied, failed=False, version=version)
+            driver.control.check("update")  # refuse now, before the stepping thread hands back
+        return await driver.between_steps(_control.update_weights, driver.core, driver.lock, named_tensors,
+                                          version)
 
     async def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder (model.safetensors or shards + index)."""
@@ -293,32 +292,23 @@ class Engine:
 
     async def sleep(self, level: int = 1) -> None:
         """Give the GPU back: level 1 moves the weights to pinned CPU memory, level 2 drops them (wake_up()
-        then needs update_weights / load_weights of every tensor); both free the KV pool and the CUDA
-        graphs. Only while paused or idle; kept requests lose their KV and are recomputed on resume."""
+        then needs update_weights / load_weights of every tensor before anything runs); both free the KV
+        pool and the CUDA graphs. Only while paused or idle; kept requests lose their KV and are
+        recomputed when they run again. A no-op at the level it sleeps at."""
         driver = self.driver
-        core = driver.core
-        _control.check_weight_change(core, "sleep", driver.pausing.asleep)
-        if driver.pausing.asleep:
-            return
+        _control.check_sleep_level(level)
         with driver.lock:
-            _control.before_sleep(core, level)
-            driver.pausing.asleep = True
-        await driver.on_worker(core.executor.sleep, level)
-        with driver.lock:
-            _control.after_sleep(core, level)
+            driver.control.check("sleep", level)
+        await driver.between_steps(_control.sleep, driver.core, driver.lock, level)
 
     async def wake_up(self) -> None:
         """Undo sleep(): weights (level 1), KV pool and buffers back on the device; graphs recapture lazily."""
         driver = self.driver
-        if not driver.pausing.asleep:
-            return
-        await driver.on_worker(driver.core.executor.wake_up)
-        driver.pausing.asleep = False
-        driver._wakeup.set()
+        await driver.between_steps(_control.wake_up, driver.core, driver.lock)
 
     @property
     def is_sleeping(self) -> bool:
-        return self.driver.pausing.asleep
+        return self.stats()["is_sleeping"]
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped.
@@ -333,13 +323,13 @@ class Engine:
         """No-grad log-prob of each completion token under the engine's current weights, as the engine
         reports them (its logprobs_mode and head_dtype; `params` matter for "processed"): token j from
         loop readout_loops[j-1] (default: loop T, full depth). One dense forward on the engine's worker
-        thread, never during a step (ourobatch.training.score); EngineBusyError while asleep."""
+        thread, never during a step (ourobatch.training.score); EngineAsleepError while asleep,
+        InconsistentWeightsError while weights are missing."""
         driver = self.driver
-        if driver.pausing.asleep:
-            raise EngineBusyError("score: the engine is asleep; call wake_up() first")
-        executor = driver.core.executor
-        return await driver.on_worker(score_on_executor, executor, prompt_token_ids, completion_token_ids,
-                                      readout_loops, params)
+        with driver.lock:
+            driver.control.check("score")
+        return await driver.between_steps(_control.score, driver.core, driver.lock, prompt_token_ids,
+                                          completion_token_ids, readout_loops, params)
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, boundaries, shallow_steps, prefill_tokens, kv_blocks_used, ..."""

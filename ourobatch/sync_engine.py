@@ -14,19 +14,18 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.errors import EngineBusyError, EngineClosedError
+from ourobatch.scheduler.errors import EngineClosedError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.outputs import RequestOutput
 from ourobatch.scheduler.params import SamplingParams
 
 from ourobatch.engine.loader import checkpoint_files
 from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.pausing import PauseControl
+from ourobatch.scheduler.control import EngineControl, Run
 
 from . import _control
 from ._core import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
-from .training import score_on_executor
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -44,9 +43,10 @@ class SyncEngine:
         weights once)."""
         self.config = config = resolve_config(config, kwargs)
         self._lock = threading.RLock()
-        self._unpaused = threading.Condition(self._lock)  # generate() waits on it while paused or asleep
+        # generate() calls of other threads wait on it while a control call has stopped stepping
+        self._changed = threading.Condition(self._lock)
         self._core: EngineCore | None = build_engine_core(config, model=loaded_model)
-        self._pausing = PauseControl(self._core)  # the async driver's state machine, stepped here
+        self.control: EngineControl = self._core.control  # the rules; this class only serializes
 
     @property
     def core(self) -> EngineCore:
@@ -66,9 +66,11 @@ class SyncEngine:
         with self._lock:
             core, self._core = self._core, None
             if core is not None:
+                core.control.close()
                 for request_id in list(core.parents):
                     core.abort(request_id)
                 core.close()
+            self._changed.notify_all()  # generate() calls waiting on a pause return their aborted outputs
 
     def generate(self, prompt_token_ids: Sequence[int], params: ParamsLike = None,
                  request_id: str | None = None) -> RequestOutput:
@@ -89,7 +91,8 @@ class SyncEngine:
             core = self.core
             try:
                 for prompt, p, request_id in arguments:
-                    parents.append(core.add(prompt, p, request_id))
+                    # refused on a paused / sleeping engine: stepping on this thread could never finish
+                    parents.append(core.add(prompt, p, request_id, op="add_sync"))
             except BaseException:
                 for parent in parents:  # all or nothing: a bad prompt leaves no request behind
                     core.abort(parent.request_id)
@@ -102,8 +105,8 @@ class SyncEngine:
                     finished = sum(p.finished for p in parents)
                     if finished == len(parents):
                         break
-                    if self._pausing.paused or self._pausing.asleep:
-                        self._unpaused.wait()  # another thread paused the engine: no step until resume()
+                    if not self.core.control.poll():
+                        self._changed.wait()  # another thread paused it (or sleeps it): wait for resume()
                         continue
                     self.core.step()  # may finish other threads' requests too: they read their own
                 bar.update(finished - done)
@@ -120,28 +123,38 @@ class SyncEngine:
         return [p.output() for p in parents]
 
     # ------------------------------------------------------------------ the RL contract (blocking)
+    # Thin: the rules are EngineControl's (scheduler/control.py); every call holds the lock, which steps
+    # also hold, so none ever runs with a step in flight. Each ends by waking generate() calls that wait.
+
+    def _controlled(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            try:
+                return fn(self.core, *args)
+            finally:
+                self._changed.notify_all()
 
     def pause(self, mode: str = "abort") -> None:
         """As Engine.pause: "abort" ends live requests now (their generate() calls return the partial
-        outputs); "wait" runs the running requests to their end, admitting nobody; "keep" flushes pending
-        deep work (a forced boundary) and freezes running requests. generate() calls wait until resume()."""
-        with self._lock:
-            core = self.core
-            self._pausing.request(mode)  # validates the mode
-            if mode == "abort":
-                self.abort_all()
-            while not self._pausing.must_wait():  # "wait": run to the end; "keep": the flush step
-                core.step()
+        outputs); "wait" runs every admitted request to its end, admitting nobody new; "keep" flushes
+        pending deep work (a forced boundary) and freezes running requests. Other threads' generate()
+        calls wait until resume(); a new generate() on a paused engine raises EngineBusyError."""
+        self._controlled(self._pause, mode)
+
+    def _pause(self, core: EngineCore, mode: str) -> None:
+        core.control.check_pause_can_finish(mode)
+        core.control.pause(mode)  # validates the mode
+        if mode == "abort":
+            self.abort_all()
+        while core.control.poll() and core.control.run is Run.PAUSING:  # "wait": run to the end; "keep": flush
+            core.step()
 
     def resume(self, *, recompute_kv: bool = False) -> None:
-        with self._lock:
-            self.core  # noqa: B018 - EngineClosedError on a closed engine
-            self._pausing.resume(recompute_kv)
-            self._unpaused.notify_all()
+        """As Engine.resume (the recompute of kept requests runs before the next step)."""
+        self._controlled(lambda core: core.control.resume(recompute_kv))
 
     @property
     def is_paused(self) -> bool:
-        return self._pausing.paused
+        return self.stats()["is_paused"]
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every live request; returns their partial outputs."""
@@ -155,9 +168,7 @@ class SyncEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
         """As Engine.update_weights (in place; only while paused or idle); returns the new version."""
-        with self._lock:
-            _control.check_weight_change(self.core, "update_weights", self._pausing.asleep, version)
-            return _control.copy_weights(self.core, named_tensors, version)
+        return self._controlled(_control.update_weights, self._lock, named_tensors, version)
 
     def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder."""
@@ -166,25 +177,14 @@ class SyncEngine:
 
     def sleep(self, level: int = 1) -> None:
         """As Engine.sleep: weights to CPU (1) or dropped (2); KV pool and graphs freed."""
-        with self._lock:
-            core = self.core
-            _control.check_weight_change(core, "sleep", self._pausing.asleep)
-            if not self._pausing.asleep:
-                _control.before_sleep(core, level)
-                core.executor.sleep(level)
-                self._pausing.asleep = True
-                _control.after_sleep(core, level)
+        self._controlled(_control.sleep, self._lock, level)
 
     def wake_up(self) -> None:
-        with self._lock:
-            if self._pausing.asleep:
-                self.core.executor.wake_up()
-                self._pausing.asleep = False
-                self._unpaused.notify_all()
+        self._controlled(_control.wake_up, self._lock)
 
     @property
     def is_sleeping(self) -> bool:
-        return self._pausing.asleep
+        return self.stats()["is_sleeping"]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped."""
@@ -195,12 +195,9 @@ class SyncEngine:
               readout_loops: Sequence[int] | None = None, params: ParamsLike = None) -> list[float]:
         """No-grad log-prob of each completion token under the engine's weights, as the engine reports them
         (its logprobs_mode and head_dtype): token j from loop readout_loops[j-1] (default: loop T).
-        EngineBusyError while asleep."""
-        with self._lock:
-            if self._pausing.asleep:
-                raise EngineBusyError("score: the engine is asleep; call wake_up() first")
-            return score_on_executor(self.core.executor, prompt_token_ids, completion_token_ids, readout_loops,
-                                     params)
+        EngineAsleepError while asleep, InconsistentWeightsError while weights are missing."""
+        return self._controlled(_control.score, self._lock, prompt_token_ids, completion_token_ids,
+                                readout_loops, params)
 
     def stats(self) -> dict[str, Any]:
         """Counters: deep_calls, deep_rows, shallow_steps, prefill_tokens, kv_blocks_used, kv_blocks_total, ..."""

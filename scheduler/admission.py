@@ -34,15 +34,18 @@ MAX_BYPASS = 32  # times a waiting request that does not fit may be passed by la
 RUNNING = (RequestStatus.PREFILLING, RequestStatus.ALIGNING, RequestStatus.DECODING)
 
 
-def admit(sched: "Scheduler", planner: ChunkPlanner) -> None:
+def admit(sched: "Scheduler", planner: ChunkPlanner, started_only: bool = False) -> None:
     """Admit waiting requests in order; `planner` gives each its first prefill chunk (prompt + outputs from
-    the first unshared block, as much as the step's token budget allows)."""
+    the first unshared block, as much as the step's token budget allows). `started_only`: only requests
+    admitted before (preempted), as pause("wait") lets them finish."""
     cfg = sched.config
     num_running = sched.num_running
     blocked: list[Request] = []
     for r in list(sched.waiting):
         if num_running >= cfg.max_num_seqs:
             break
+        if started_only and r.num_preemptions == 0:
+            continue
         adm = sched.kv.plan_admission(r, planner.pending)
         if not sched.kv.can_admit(adm, alone=num_running == 0):
             blocked.append(r)
@@ -56,6 +59,8 @@ def admit(sched: "Scheduler", planner: ChunkPlanner) -> None:
         for b in blocked:
             b.num_bypassed += 1
         sched.waiting.remove(r)
+        if r.admission_version is None:  # CompletionOutput.weight_version: the weights it started with
+            r.admission_version = sched.weight_version
         planner.begin(r, adm, num_tokens)
         num_running += 1
 

@@ -91,7 +91,9 @@ class Scheduler:
         # never to whatever request holds the id now: an id aborted mid-step may already be reused.
         self._planned: dict[int, dict[str, Request]] = {}
         self.weight_version = 0  # recorded on every token (the front end bumps it on a weight update)
-        self.admission_paused = False  # pause(mode="wait"): running requests finish, nobody is admitted
+        # Who may be admitted (set by control.py): "all"; "started" (pause "wait": only requests preempted
+        # for room, which must finish under these weights); "none" (pause "keep").
+        self.admission = "all"
         self._force_boundary = False  # pause(mode="keep"): the next step is every cohort's boundary
         self._next_arrival = 0
         self._next_step = 0
@@ -202,12 +204,15 @@ class Scheduler:
 
         self._force_boundary = False
         planner = prefill.ChunkPlanner(self, num_decode_rows=len(shallow))  # continues prefills under way
-        if not preempted and not self.admission_paused:  # no admission in a step that had to preempt
-            admission.admit(self, planner)
+        if not preempted and self.admission != "none":  # no admission in a step that had to preempt
+            admission.admit(self, planner, started_only=self.admission == "started")
         prefills = planner.works
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
-        self._planned[plan.step_id] = {w.request_id: self.requests[w.request_id]
+        # each request with its incarnation *and* its preemption count: a result applies only to the
+        # state it was planned in (a request preempted while the step ran ignores it, as an aborted one)
+        self._planned[plan.step_id] = {w.request_id: (self.requests[w.request_id],
+                                                      self.requests[w.request_id].num_preemptions)
                                        for w in (*prefills, *shallow, *deep)}
         self._next_step += 1
         c = self.counters
@@ -236,9 +241,10 @@ class Scheduler:
         planned = self._planned.pop(plan.step_id, {})
 
         def live(rid: str) -> Request | None:
-            # The incarnation this plan ran, if it is still running (aborted ones ignore their results).
-            r = planned.get(rid)
-            return r if r is not None and not r.is_finished else None
+            # The incarnation this plan ran, if it still runs as planned (aborted or preempted ones ignore
+            # their results; preemption itself is only ever done between steps, this is the last guard).
+            r, epoch = planned.get(rid, (None, -1))
+            return r if r is not None and not r.is_finished and r.num_preemptions == epoch else None
 
         updates: dict[str, RequestUpdate] = {}
         failed: set[str] = set()
@@ -372,6 +378,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.requests) - len(self.waiting)
+
+    @property
+    def num_started_waiting(self) -> int:
+        """Waiting requests that were admitted before (preempted for KV room or by a recompute)."""
+        return sum(r.num_preemptions > 0 for r in self.waiting)
 
     def needs_flush(self) -> bool:
         """Deep work is pending: a decoding request has positions whose deep loops have not run."""

@@ -13,9 +13,12 @@ next plan is only made after it.
 After each ``update`` the stepping thread queues the requests it touched and writes a byte to a socket
 pair; the event loop's delivery task wakes on it and sets the collectors' events (anyio objects are
 only ever touched on the event loop). The stepping thread returns to the event loop when there is
-nothing to do, when the engine is closing, when a pause, a hold (a weight copy, sleep, score) or sleep
-needs the loop's decision, or when a dropped stream must be released; the loop then decides, as before,
-whether and when to step again.
+nothing to do, when the engine is closing, when the control state (scheduler/control.py: a pause, a
+maintenance hold for a weight copy, sleep, wake or score) needs the loop's decision, or when a dropped
+stream must be released; the loop then decides whether and when to step again. Control calls never
+change the scheduler with a step in flight: state changes take effect at once, what they imply for the
+scheduler is applied by ``EngineControl.poll()`` at the top of the loop, and executor calls run in
+``between_steps``, on the worker thread behind the same limiter as the stepping thread.
 
 Delivery never blocks the engine: each request has one collector holding an Event; a step only sets
 it. Consumers build their output from the request's state when they wake, so however slow a consumer
@@ -38,7 +41,7 @@ from .frontend import EngineCore, ParentRequest
 from .log import get_logger
 from .outputs import RequestOutput
 from .params import RequestOutputKind, SamplingParams
-from .pausing import PauseControl
+from .control import EngineControl
 from .streams import RequestStream
 
 log = get_logger()
@@ -79,7 +82,7 @@ class AsyncDriver:
         self.num_steps = 0
         self._owner_thread = threading.get_ident()
         self._orphans: collections.deque[_Collector] = collections.deque()  # released off-thread
-        self.pausing = PauseControl(core)
+        self.control: EngineControl = core.control
         self.lock = threading.RLock()  # guards the core: the stepping thread and the event loop
         self._touched: collections.deque[ParentRequest] = collections.deque()  # stepped, not yet delivered
         self._bell_rx, self._bell_tx = socket.socketpair()  # the stepping thread rings, the loop wakes
@@ -115,8 +118,8 @@ class AsyncDriver:
             while self._orphans:  # streams dropped without closing: abort here, between steps
                 self.release(self._orphans.popleft())
             with self.lock:
-                # paused, asleep, a weight copy, or nothing to do: wait for a wakeup
-                wait = self.pausing.must_wait() or self._idle()
+                # paused, asleep, weights missing, a hold, or nothing to do: wait for a wakeup
+                wait = not self.control.poll() or self._idle()
             if wait:
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
@@ -154,15 +157,15 @@ class AsyncDriver:
 
     def _loop_must_look(self) -> bool:
         """Something only the event loop may decide on: stop stepping and return to it."""
-        p = self.pausing
-        return (self._closing or bool(self._orphans) or p.mode is not None or p.paused or p.holds > 0
-                or p.asleep or self._idle())
+        return self._closing or bool(self._orphans) or self.control.needs_loop or self._idle()
 
     def _step_until_needed(self) -> None:
         """On the worker thread: run steps back to back until the event loop must look."""
         core = self.core
         while True:
             with self.lock:
+                if self._closing or not self.control.may_step:  # a hold or a pause landed meanwhile
+                    return
                 plan = core.schedule()
             result = core.executor.execute(plan)
             with self.lock:
@@ -206,6 +209,7 @@ class AsyncDriver:
         EngineClosedError aborts them. Later calls raise `error`."""
         self._error = error
         with self.lock:
+            self.control.close(error)  # pause() callers and every other waiter on a transition wake up
             if isinstance(error, EngineDeadError):
                 for parent in self.core.fail_all(str(error)):
                     collector = self._collectors.get(parent.request_id)
@@ -251,10 +255,8 @@ class AsyncDriver:
         """Validate and queue a request (raises, changing nothing, on bad input); wake the loop. `kind`
         overrides params.output_kind (FINAL_ONLY for callers that only await the end)."""
         self._check_running()
-        if request_id is not None and request_id in self._collectors:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         with self.lock:
-            parent = self.core.add(prompt_token_ids, params, request_id)
+            parent = self.core.add(prompt_token_ids, params, request_id)  # checks the id and the state
         collector = _Collector(parent, kind if kind is not None else parent.params.output_kind, anyio.Event(),
                                [0] * len(parent.children))
         self._collectors[parent.request_id] = collector
@@ -274,11 +276,13 @@ class AsyncDriver:
     # ------------------------------------------------------------------ pause, resume, worker calls
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation (scheduler/pausing.py: 'abort', 'wait' or 'keep'); returns once paused."""
+        """Pause generation (scheduler/control.py: 'abort', 'wait' or 'keep'); returns once paused, or
+        raises the engine's error if it closes or dies first."""
         self._check_running()
         done = anyio.Event()
         with self.lock:
-            self.pausing.request(mode, done.set)  # validates the mode
+            self.control.check_pause_can_finish(mode)
+            self.control.pause(mode, done.set)  # validates the mode
         if mode == "abort":
             self.abort_all()
         self._wakeup.set()
@@ -288,7 +292,7 @@ class AsyncDriver:
     def resume(self, recompute_kv: bool = False) -> None:
         self._check_running()
         with self.lock:
-            self.pausing.resume(recompute_kv)
+            self.control.resume(recompute_kv)  # the recompute itself runs at the next poll, between steps
         self._wakeup.set()
 
     def abort_all(self) -> list[RequestOutput]:
@@ -301,14 +305,18 @@ class AsyncDriver:
                 outputs.append(parent.output())
         return outputs
 
-    async def on_worker(self, fn: Any, *args: Any) -> Any:
-        """Run fn on the worker thread with no step running or starting meanwhile (a hold)."""
+    async def between_steps(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the worker thread with no step in flight and none starting meanwhile (a hold:
+        the stepping thread hands back after its step; both share one limiter). fn takes the lock itself
+        for what it changes in the core, so the event loop keeps admitting meanwhile."""
         self._check_running()
-        self.pausing.holds += 1
+        with self.lock:
+            self.control.holds += 1
         try:
             return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         finally:
-            self.pausing.holds -= 1
+            with self.lock:
+                self.control.holds -= 1
             self._wakeup.set()
 
     def defer_release(self, collector: _Collector) -> None:
@@ -376,6 +384,4 @@ class AsyncDriver:
         stats["engine_steps"] = self.num_steps
         stats["num_streams"] = len(self._collectors)
         stats["step_in_flight"] = self.step_in_flight
-        stats["is_paused"] = self.pausing.paused
-        stats["is_sleeping"] = self.pausing.asleep
         return stats

@@ -13,8 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from .control import EngineControl
 from .core import RequestUpdate, Scheduler, SchedulerConfig
-from .errors import EngineBusyError, InconsistentWeightsError, RequestRejectedError
+from .errors import RequestRejectedError
 from .log import get_logger
 from .outputs import CompletionOutput, RequestOutput
 from .params import MAX_SEED, SamplingParams
@@ -83,7 +84,8 @@ class ParentRequest:
                 index=i, token_ids=c.output_token_ids[start:], logprobs=c.logprobs[start:],
                 readout_loops=c.readout_loops[start:],
                 cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
-                seed=c.params.seed if c.params.seed is not None else 0, weight_version=self.weight_version,
+                seed=c.params.seed if c.params.seed is not None else 0,
+                weight_version=c.admission_version if c.admission_version is not None else self.weight_version,
                 weight_versions=c.weight_versions[start:], num_preemptions=c.num_preemptions,
                 top_logprobs=[dict(t) for t in top] if top is not None else None,
                 stop_reason=stop, error=c.error, num_drafted=c.num_drafted, num_accepted=c.num_accepted,
@@ -98,29 +100,26 @@ class EngineCore:
     """Owns the scheduler and the executor. Not thread-safe: one driver calls it from one thread."""
 
     def __init__(self, scheduler_config: SchedulerConfig, executor: Executor,
-                 extra_stats: Callable[[], Mapping[str, Any]] | None = None, seed: int = 0) -> None:
+                 extra_stats: Callable[[], Mapping[str, Any]] | None = None, seed: int = 0,
+                 tensor_names: Callable[[], Iterable[str]] = tuple) -> None:
         self.scheduler = Scheduler(scheduler_config)
+        # the engine's control state (pause, sleep, weights, life): its one owner (control.py)
+        self.control = EngineControl(self.scheduler, tensor_names)
         self.seed = seed  # the engine seed: unseeded requests get request_seed(seed, i)
         self._num_unseeded = 0  # unseeded requests added so far: i of the next one
         self.executor = executor
         self.parents: dict[str, ParentRequest] = {}
-        self.weight_version = 0
-        self.paused = False  # set by the driver: no step runs, so weights may change under live requests
-        self._dirty_weights: set[str] = set()  # tensors copied by updates that failed part-way
         self._parent_of: dict[str, str] = {}  # child request id -> parent request id
         self._extra_stats = extra_stats
 
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
-            request_id: str | None = None) -> ParentRequest:
-        """Validate and queue a request; raises (and changes nothing) on bad input."""
+            request_id: str | None = None, op: str = "add") -> ParentRequest:
+        """Validate and queue a request; raises (and changes nothing) on bad input or when the control
+        state refuses `op` ("add": the async engine's, which queues; "add_sync": SyncEngine's)."""
         params = SamplingParams.coerce(params)
-        if self._dirty_weights:
-            raise InconsistentWeightsError(
-                f"a weight update failed after {len(self._dirty_weights)} tensor(s) were copied: the model is "
-                f"half-updated and serves nothing until an update that covers them succeeds (retry it, or "
-                f"load_weights a checkpoint)")
+        self.control.check(op)
         request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
         child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         for cid in child_ids:
@@ -132,7 +131,7 @@ class EngineCore:
         if params.min_tokens:  # the sampler masks these while fewer than min_tokens exist (vLLM's set)
             eos = () if params.ignore_eos else self.scheduler.config.eos_token_ids
             params = params.with_all_stop_token_ids(eos)
-        parent = ParentRequest(request_id, [], params, weight_version=self.weight_version)
+        parent = ParentRequest(request_id, [], params, weight_version=self.control.weight_version)
         for i, cid in enumerate(child_ids):
             # Child 0 is validated first; the others differ only in seed and id, so they cannot fail.
             child_params = params.with_seed(child_seed(params.seed, i))
@@ -169,41 +168,6 @@ class EngineCore:
         """End every live request with 'error' (the engine is going down)."""
         updates = self.scheduler.fail_all(message)
         return self._touched(updates)
-
-    # ------------------------------------------------------------------ weights (the copy itself is the executor's)
-
-    def check_can_change_weights(self, what: str) -> None:
-        """Weights change only while paused or idle: a running request would mix two versions silently."""
-        if self.scheduler.num_running and not self.paused:
-            raise EngineBusyError(f"{what} needs the engine paused or idle: {self.scheduler.num_running} "
-                                  f"request(s) are running; call pause() first (mode 'abort', 'wait' or 'keep')")
-
-    def record_weight_update(self, copied: list[str], failed: bool, version: int | None) -> int:
-        """After a copy: a failure marks the model half-updated; a success that covers every tensor a failed
-        update had copied makes it consistent again, bumps the version and drops the prefix cache."""
-        if failed:
-            self._dirty_weights |= set(copied)
-            if copied:
-                self.scheduler.reset_prefix_cache()
-            return self.weight_version
-        self._dirty_weights -= set(copied)
-        if self._dirty_weights:
-            log.warning("weights_still_inconsistent", missing=sorted(self._dirty_weights)[:5])
-            self.scheduler.reset_prefix_cache()
-            return self.weight_version
-        self.weight_version = self.weight_version + 1 if version is None else version
-        self.scheduler.weight_version = self.weight_version
-        dropped = self.scheduler.reset_prefix_cache()  # its KV was computed with the old weights
-        log.info("weights_updated", version=self.weight_version, tensors=len(copied), prefix_blocks_dropped=dropped)
-        return self.weight_version
-
-    def mark_weights_missing(self, names: Iterable[str]) -> None:
-        """sleep(level=2) dropped the weights: nothing is served until they are all loaded again."""
-        self._dirty_weights |= set(names)
-
-    @property
-    def weights_consistent(self) -> bool:
-        return not self._dirty_weights
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block (blocks live requests hold stay theirs); returns how many."""
@@ -275,7 +239,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self.scheduler.stats())
-        stats["weight_version"] = self.weight_version
+        stats.update(self.control.snapshot())
         if self._extra_stats is not None:
             stats.update(self._extra_stats())
         return stats

@@ -85,6 +85,7 @@ class Request:
     num_cached_tokens: int = 0  # tokens of the last (re)prefill whose KV was shared, not computed
     pending_block_keys: list = field(default_factory=list)  # (key, block) this prefill computes
     num_preemptions: int = 0
+    admission_version: int | None = None  # the weight version when first admitted (None: never admitted)
     num_outputs_at_prefill: int = 0  # outputs fed by the last (re)prefill: 0, or k after a preemption
     num_bypassed: int = 0  # times later requests were admitted while this one did not fit
     cohort_id: int | None = None
