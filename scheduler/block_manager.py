@@ -6,10 +6,14 @@ ceil(positions / block_size) blocks whatever the number of loops.
 
 Blocks are reference-counted: the n samples of a request, and requests with a common prompt prefix,
 hold the same full prompt blocks. A full block whose every plane was computed by a prefill can be
-*registered* under the key of its token prefix (prefix caching). When its last holder frees it, a
-registered block is not returned to the free list but kept, evictable, in LRU order: a later request
-with the same prefix takes it back (``lookup`` + ``share``) instead of computing it again, and
-``allocate`` evicts the least recently freed one only when no plain free block is left.
+*registered* under the key of its token prefix (prefix caching). The key is a 256-bit BLAKE2b digest
+chained over the whole prefix and salted with the weight version (``prefix_block_keys``), so a hit needs
+the same tokens in the block and in every block before it, computed under the same weights: a hit on
+another prompt's KV would take a BLAKE2b collision (the chain once went through Python's 64-bit
+``hash()``). When its last holder frees it, a registered block is not returned to the free list but
+kept, evictable, in LRU order: a later request with the same prefix takes it back (``lookup`` +
+``share``) instead of computing it again, and ``allocate`` evicts the least recently freed one only
+when no plain free block is left.
 
 Invariants (tests/scheduler/test_block_manager.py checks them after every operation):
 - every block is in exactly one of: free list, evictable (ref 0, registered), used (ref > 0);
@@ -19,23 +23,31 @@ Invariants (tests/scheduler/test_block_manager.py checks them after every operat
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
-from typing import Hashable, Iterable, Sequence
+from hashlib import blake2b
+from typing import Iterable, Sequence
 
-BlockKey = Hashable  # (hash of the previous block's key, this block's token ids)
+BlockKey = bytes  # prefix_block_keys: the digest of a block's whole token prefix and weight version
+
+KEY_BYTES = 32  # 256-bit digests: a collision between two prefixes is out of reach (vLLM uses sha256)
+KEY_PERSON = b"ourobatch-kv"  # BLAKE2b personalisation: these digests are prefix-cache keys, nothing else
 
 
-def prefix_block_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
-    """Keys of the full blocks of `token_ids`, chained: key i identifies tokens[0 : (i+1) * block_size].
+def prefix_block_keys(token_ids: Sequence[int], block_size: int, weight_version: object = 0) -> list[bytes]:
+    """Keys of the full blocks of `token_ids`, chained: key i identifies tokens[0 : (i+1) * block_size] and
+    the weights that compute their KV.
 
-    Key i is (hash(key i-1), tokens of block i): dict lookups compare the tokens of the block exactly and
-    the prefix before it by a 64-bit hash of the chain."""
-    keys: list[BlockKey] = []
-    prev = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        key = (prev, tuple(token_ids[start:start + block_size]))
-        keys.append(key)
-        prev = hash(key)
+    key -1 = BLAKE2b(repr((block_size, weight_version))); key i = BLAKE2b(key i-1 || block i's token ids,
+    8 bytes each). Every input has a fixed width after the root, so different prefixes (or versions) give
+    different byte strings, and equal keys mean equal prefixes unless BLAKE2b-256 collides."""
+    ids = array("q", token_ids)  # validated token ids: ints in [0, vocab), 8 bytes each
+    data, width = ids.tobytes(), ids.itemsize * block_size
+    prev = blake2b(repr((block_size, weight_version)).encode(), digest_size=KEY_BYTES, person=KEY_PERSON).digest()
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) // block_size * width, width):
+        prev = blake2b(prev + data[start:start + width], digest_size=KEY_BYTES).digest()
+        keys.append(prev)
     return keys
 
 

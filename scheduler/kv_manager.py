@@ -8,8 +8,9 @@ Policies (SchedulerConfig.kv_allocation):
   rollout benchmark compares with); a running request never needs another block.
 
 Shared prefixes. A (re)prefill feeds ``prompt + outputs``. Its full blocks are keyed by their token
-prefix (block_manager.prefix_block_keys). At admission the request takes, instead of computing them,
-(a) blocks registered in the prefix cache by earlier prefills (``enable_prefix_caching``), and
+prefix and the weight version of the step that admits it (block_manager.prefix_block_keys), so a block
+is shared only by an equal prefix under the same weights. At admission the request takes, instead of
+computing them, (a) blocks registered in the prefix cache by earlier prefills (``enable_prefix_caching``), and
 (b) blocks that another request admitted in the same plan is computing in that same prefill call
 (``pending``: the n samples of a request), which works even with the cache off: within one layer,
 every row's keys are written before any row attends. The block holding the last fed token is never
@@ -21,7 +22,8 @@ A prefill longer than a step's token budget runs in chunks (prefill.py): ``admit
 blocks and those of the first chunk, ``take_chunk`` grows the request by what each later chunk writes,
 and each chunk's full blocks are offered to its step and registered once that step succeeded
 (``on_prefilled``), never before. ``epoch`` counts prefix-cache resets: a prefill under way since an
-earlier epoch neither offers nor registers its blocks (part of its prefix is stale).
+earlier epoch, or admitted under another weight version, neither offers nor registers its blocks (part
+of its prefix is stale).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class Admission:
 
 @dataclass
 class PendingPrefills:
-    """What the prefills planned in this step compute: blocks by prefix key, and for each prefill that
-    ends exactly at a block boundary, the key of its last block -> its request (forks read its readout)."""
+    """What the prefills planned in this step compute, and under which weights: blocks by prefix key, and
+    for each prefill that ends exactly at a block boundary, the key of its last block -> its request
+    (forks read its readout)."""
 
+    weight_version: object = 0  # the scheduler's weight_version this step runs under: salts every key
     blocks: dict = field(default_factory=dict)
     last_block_owner: dict = field(default_factory=dict)
 
@@ -69,7 +73,7 @@ class KVManager:
     def plan_admission(self, r: Request, pending: PendingPrefills) -> Admission:
         tokens = r.prompt_token_ids + tuple(r.output_token_ids)
         bs = self.blocks.block_size
-        keys = prefix_block_keys(tokens, bs)
+        keys = prefix_block_keys(tokens, bs, pending.weight_version)
         owner = pending.last_block_owner.get(keys[-1]) if keys and len(tokens) % bs == 0 else None
         # A fork shares every block (its token comes from the owner's readout); anything else never shares
         # the block of its last token, whose readout it must compute.

@@ -25,9 +25,9 @@ prefill does (the n samples of a request fork from its last chunk when the promp
 boundary). A prompt longer than the budget takes all of it until its last chunk, so its samples are
 admitted in that step or later; with the prefix cache on they share every full block (the earlier
 chunks' from the cache, the last chunk's from the step); with it off they compute the prompt
-themselves unless it fits one step, as without chunking. After a prefix-cache reset (a weight update)
-the blocks of a prefill under way are no longer shared or registered: part of their prefix was
-computed by the old weights.
+themselves unless it fits one step, as without chunking. After a prefix-cache reset or a change of
+weight version (a weight update) the blocks of a prefill under way are no longer shared or registered:
+part of their prefix was computed by the old weights.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class PartialPrefill:
     request: Request
     keys: tuple[BlockKey, ...]  # prefix keys of the full blocks of its tokens (prompt + outputs at admission)
     epoch: int  # KVManager.epoch at admission: after a prefix-cache reset its blocks are not shared
+    weight_version: object  # Scheduler.weight_version at admission, its keys' salt: after a change, not shared
 
 
 def check_budget(max_num_batched_tokens: int, block_size: int) -> None:
@@ -96,7 +97,8 @@ class ChunkPlanner:
         self.block_size = sched.config.block_size
         self.left = max(0, sched.config.max_num_batched_tokens - num_decode_rows)  # budget left for prefills
         self.num_tokens = 0  # prompt tokens planned in this step
-        self.pending = PendingPrefills()  # what this step's chunks compute (shared by its other prefills)
+        # what this step's chunks compute (shared by its other prefills), under this step's weights
+        self.pending = PendingPrefills(sched.weight_version)
         self.works: list[PrefillWork] = []
         for p in prefills_under_way(sched):
             r = p.request
@@ -126,13 +128,15 @@ class ChunkPlanner:
         c["prefix_cache_hits"] += start
         if r.num_output_tokens:
             c["recomputed_tokens"] += len(a.tokens) - start
-        self._plan(PartialPrefill(r, a.keys, sched.kv.epoch), start, num_tokens, a.sample_from)
+        p = PartialPrefill(r, a.keys, sched.kv.epoch, self.pending.weight_version)
+        self._plan(p, start, num_tokens, a.sample_from)
 
     def _plan(self, p: PartialPrefill, start: int, n: int, sample_from: str | None) -> None:
         """One PrefillWork over positions [start, start + n); the last chunk samples from loop T."""
         sched, r = self.sched, p.request
         end, total = start + n, _num_tokens(r)
-        sched.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=p.epoch == sched.kv.epoch)
+        fresh = p.epoch == sched.kv.epoch and p.weight_version == self.pending.weight_version  # whole prefix
+        sched.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=fresh)
         last = end == total
         spec = SampleSpec(sched.config.total_ut_steps, r.num_outputs_at_prefill + 1, r.params) if last else None
         tokens = (r.prompt_token_ids + tuple(r.output_token_ids))[start:end]

@@ -75,10 +75,11 @@ from ourobatch.scheduler.block_manager import prefix_block_keys  # noqa: E402
 def test_prefix_keys_chain_the_whole_prefix():
     a = prefix_block_keys([1, 2, 3, 4, 5, 6, 7], 2)
     b = prefix_block_keys([9, 2, 3, 4, 5, 6], 2)
-    assert len(a) == 3 and len(b) == 3
-    assert a[1][1] == b[1][1] == (3, 4)  # same tokens in block 1 ...
-    assert a[1] != b[1] and a[2] != b[2]  # ... but different prefixes: different keys
+    assert len(a) == 3 and len(b) == 3 and all(isinstance(k, bytes) and len(k) == 32 for k in a + b)
+    assert a[1] != b[1] and a[2] != b[2]  # same tokens in blocks 1 and 2, different prefixes: different keys
     assert prefix_block_keys([1, 2, 3, 4], 2) == a[:2]
+    assert prefix_block_keys([1, 2, 3, 4], 2, weight_version=1)[0] != a[0]  # salted with the weights
+    assert prefix_block_keys([1, 2, 3, 4], 4) != prefix_block_keys([1, 2, 3, 4], 2)[1:]
 
 
 def test_a_freed_registered_block_is_found_again_and_evicted_last_resort():
