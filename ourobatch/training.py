@@ -111,7 +111,8 @@ def _per_row(name: str, value: Any, b: int) -> list:
 def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int]],
                      readout_loops: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, *,
                      prompt_len: int | Sequence[int], params: ParamsLike | Sequence[ParamsLike] = None,
-                     logprobs_mode: str = "raw", head_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     logprobs_mode: str = "raw", head_dtype: torch.dtype | None = None,
+                     eos_token_ids: int | Sequence[int] | None = None) -> torch.Tensor:
     """The log-prob of every generated token under the loop that produced it; differentiable.
 
     - `model`: ourobatch's OuroForCausalLM or a LoopedModel (see the module docstring). Gradients flow
@@ -123,8 +124,12 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
       prompt_len + j - 2. For a full-depth rollout it is [T] * C_i.
     - `prompt_len`: one int, or one per row.
     - `params`: the SamplingParams (or dict) the rollout used, one for all rows or one per row; only
-      logprobs_mode="processed" reads them (temperature, top_k, top_p, min_p; min_tokens masks the stop
-      set as the engine did: pass ``params.with_all_stop_token_ids(eos_ids)`` to include the eos).
+      logprobs_mode="processed" reads them (temperature, top_k, top_p, min_p, and min_tokens, which masks
+      stop_token_ids and the checkpoint's eos unless ignore_eos, as the engine's sampler did).
+    - `eos_token_ids`: the checkpoint's eos, for that mask. None: ourobatch's model knows its own; any
+      other LoopedModel must be told when a processed row has min_tokens and not ignore_eos (ValueError
+      otherwise, rather than a silently unmasked eos), unless that row's params already carry the
+      engine's stop set (``params.with_checkpoint_eos(eos_ids)``).
     - `logprobs_mode`: "raw" (log_softmax of the logits, the default: what the engine reports with
       ``EngineConfig(logprobs_mode="raw")``) or "processed" (the engine's default).
     - `head_dtype`: the lm_head matmul's dtype (None: the weight's; torch.float32 for
@@ -147,7 +152,7 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
     if len(loops) != b:
         raise ValueError(f"readout_loops has {len(loops)} rows for {b} sequences")
     prompt_lens = _per_row("prompt_len", prompt_len, b)
-    row_params = [SamplingParams.coerce(p) for p in _per_row("params", params, b)]
+    row_params = _engine_params(model, _per_row("params", params, b), eos_token_ids, logprobs_mode)
     for i, (P, L) in enumerate(zip(prompt_lens, loops)):
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"prompt_len must be an int >= 1, got {P!r} for row {i}")
@@ -188,6 +193,28 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
     return out[0] if single else out
 
 
+def _engine_params(model: Any, rows: list, eos_token_ids: int | Sequence[int] | None,
+                   logprobs_mode: str) -> list[SamplingParams]:
+    """Each row's params with the stop set the engine's sampler masked while fewer than min_tokens tokens
+    exist: stop_token_ids plus the checkpoint's eos unless ignore_eos (the one derivation the engine
+    uses, SamplingParams.with_checkpoint_eos)."""
+    if eos_token_ids is None and isinstance(model, OuroForCausalLM):
+        eos_token_ids = model.config.eos_token_ids
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = (eos_token_ids,)
+    out = []
+    for i, p in enumerate(SamplingParams.coerce(p) for p in rows):
+        if eos_token_ids is not None:
+            p = p.with_checkpoint_eos(tuple(eos_token_ids))
+        elif (logprobs_mode == "processed" and p.min_tokens and not p.ignore_eos
+              and p.all_stop_token_ids == frozenset(p.stop_token_ids)):
+            raise ValueError(f"row {i}: min_tokens={p.min_tokens} masks the checkpoint's eos, which this "
+                             f"{type(model).__name__} does not say: pass eos_token_ids (the engine's "
+                             f"generation_config / config.json eos_token_id)")
+        out.append(p)
+    return out
+
+
 def _as_batch(input_ids: Any, device: torch.device, single: bool) -> torch.Tensor:
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids[None] if single else input_ids
@@ -207,7 +234,9 @@ def score(model: OuroForCausalLM, prompt: Sequence[int], completion: Sequence[in
           readout_loops: Sequence[int] | None = None, *, params: ParamsLike = None,
           logprobs_mode: str = "processed", head_dtype: torch.dtype | None = None) -> list[float]:
     """No-grad log-probs of `completion` after `prompt` through an engine's model (Engine.score): one per
-    completion token, from loop readout_loops[j-1] (default: every token from loop T, full depth)."""
+    completion token, from loop readout_loops[j-1] (default: every token from loop T, full depth). With
+    the rollout's params, processed log-probs are the engine's: min_tokens masks the model's eos (unless
+    ignore_eos) and stop_token_ids, as the sampler did."""
     prompt, completion = list(prompt), list(completion)
     config = model.config
     T, V = config.total_ut_steps, config.vocab_size

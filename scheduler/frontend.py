@@ -129,8 +129,7 @@ class EngineCore:
         if unseeded:  # request i of this engine gets a seed derived from (engine seed, i), reported back
             params = params.with_seed(request_seed(self.seed, self._num_unseeded))
         if params.min_tokens:  # the sampler masks these while fewer than min_tokens exist (vLLM's set)
-            eos = () if params.ignore_eos else self.scheduler.config.eos_token_ids
-            params = params.with_all_stop_token_ids(eos)
+            params = params.with_checkpoint_eos(self.scheduler.config.eos_token_ids)
         parent = ParentRequest(request_id, [], params, weight_version=self.control.weight_version)
         for i, cid in enumerate(child_ids):
             # Child 0 is validated first; the others differ only in seed and id, so they cannot fail.

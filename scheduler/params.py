@@ -168,6 +168,12 @@ class SamplingParams:
         """A copy whose stop set holds stop_token_ids plus `eos_token_ids` (the engine calls this)."""
         return dataclasses.replace(self, _all_stop_token_ids=frozenset(eos_token_ids) | set(self.stop_token_ids))
 
+    def with_checkpoint_eos(self, eos_token_ids: "frozenset[int] | tuple[int, ...]") -> "SamplingParams":
+        """A copy whose stop set is the engine's: stop_token_ids plus the checkpoint's `eos_token_ids` unless
+        ignore_eos. The one derivation of what min_tokens masks, for sampling (EngineCore.add) and for
+        scoring (ourobatch.training), so a score with a rollout's params masks what its sampler masked."""
+        return self.with_all_stop_token_ids(() if self.ignore_eos else eos_token_ids)
+
     @classmethod
     def coerce(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
         """Accept a SamplingParams, a plain dict of vLLM/verl field names, or None (the defaults)."""

@@ -4,6 +4,7 @@ checkpoint; its gradient against finite differences; Engine.score / SyncEngine.s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anyio
@@ -277,3 +278,66 @@ async def test_async_score_waits_for_the_step_in_flight(ckpt):
             model.dense_loops = dense
         assert result[0] == pytest.approx(c.logprobs, abs=1e-9)
 
+
+
+# ---------------------------------------------------------------- min_tokens: the engine's eos masking
+
+EOS = 0
+MIN_PROMPT = [17, 20, 25]
+MIN_PARAMS = [SamplingParams(max_tokens=9, min_tokens=5, temperature=1.0, seed=s, **kw)
+              for s, kw in ((1, {}), (2, dict(stop_token_ids=(3, 7))), (3, dict(top_k=8, stop_token_ids=(5,))),
+                            (4, dict(ignore_eos=True, stop_token_ids=(5,))))]
+
+
+@pytest.fixture(scope="module")
+def eos_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("train_eos") / "m", seed=3, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def min_tokens_rollouts(eos_ckpt):
+    """(mode, B) -> the engine's completions of MIN_PROMPT under each of MIN_PARAMS (processed log-probs)."""
+    runs = {}
+    for mode, B in [("deferred", 1), ("deferred", 3), ("verify", 3)]:
+        config = EngineConfig(model=str(eos_ckpt), dtype="float64", mode=mode, deep_interval=B, block_size=4,
+                              logprobs_mode="processed")
+        with SyncEngine(config) as llm:
+            outs = [llm.generate(MIN_PROMPT, p).outputs[0] for p in MIN_PARAMS]
+            runs[mode, B] = outs, [llm.score(MIN_PROMPT, c.token_ids, c.readout_loops, p)
+                                   for c, p in zip(outs, MIN_PARAMS)]
+    return runs
+
+
+def test_score_masks_the_eos_while_min_tokens_as_the_engine_does(eos_ckpt, min_tokens_rollouts):
+    """score() with the rollout's own params reproduces its processed log-probs: the checkpoint's eos (unless
+    ignore_eos) and stop_token_ids are masked while fewer than min_tokens tokens exist, as in the sampler."""
+    model = load_model(eos_ckpt, torch.float64, "cpu")
+    for (mode, B), (outs, scores) in min_tokens_rollouts.items():
+        for c, p, got in zip(outs, MIN_PARAMS, scores):
+            masked = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
+            assert len(c.token_ids) > p.min_tokens and not masked & set(c.token_ids[:p.min_tokens])
+            assert got == pytest.approx(c.logprobs, abs=1e-9), (mode, B, p)
+        # the control: unmasked, the first min_tokens log-probs differ (the eos has mass there)
+        plain = dataclasses.replace(MIN_PARAMS[0], min_tokens=0)
+        c = outs[0]
+        unmasked = readout_logprobs(model, MIN_PROMPT + c.token_ids, c.readout_loops, prompt_len=3, params=plain,
+                                    logprobs_mode="processed")
+        assert max(abs(a - b) for a, b in zip(unmasked.tolist()[:5], c.logprobs[:5])) > 1e-3
+
+
+def test_readout_logprobs_masks_the_checkpoints_eos_while_min_tokens(eos_ckpt, min_tokens_rollouts):
+    """The learner's replay: ourobatch's model knows its eos; another implementation is told it (and is
+    refused rather than silently unmasked when a row needs it)."""
+    outs, _ = min_tokens_rollouts["deferred", 3]
+    ids = [MIN_PROMPT + c.token_ids for c in outs]
+    loops = [c.readout_loops for c in outs]
+    kw = dict(prompt_len=3, params=MIN_PARAMS, logprobs_mode="processed")
+    model = load_model(eos_ckpt, torch.float64, "cpu")
+    assert differences(readout_logprobs(model, ids, loops, **kw), outs).max() < 1e-9
+    trainer = NormHookModel(TrainerOuro(eos_ckpt))
+    assert differences(readout_logprobs(trainer, ids, loops, eos_token_ids=[EOS], **kw), outs).max() < 1e-9
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        readout_logprobs(trainer, ids, loops, **kw)
+    # rows that need no eos (raw mode; ignore_eos) need no eos_token_ids
+    readout_logprobs(trainer, ids, loops, prompt_len=3, params=MIN_PARAMS, logprobs_mode="raw")
+    readout_logprobs(trainer, ids[3], loops[3], prompt_len=3, params=MIN_PARAMS[3], logprobs_mode="processed")
