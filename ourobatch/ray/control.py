@@ -45,10 +45,19 @@ class Control:
         self._asleep: tuple[tuple, dict] | None = None  # sleep()'s arguments while asleep
         self._on_failure = on_failure
         self.inconsistent: str | None = None  # set when a broadcast changed weights on some replicas only
+        self.keep_versions: set[int] = set()  # weight versions installed under pause("keep")
 
     @property
     def paused(self) -> bool:
         return self._paused is not None
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the pause in force (Engine.pause's default is "abort"); None when not paused."""
+        if self._paused is None:
+            return None
+        args, kwargs = self._paused
+        return args[0] if args else kwargs.get("mode", "abort")
 
     @property
     def asleep(self) -> bool:
@@ -117,6 +126,8 @@ class Control:
                 raise RuntimeError(self.inconsistent)
             self.inconsistent = None
             self.weight_version = new_version
+            if self.pause_mode == "keep":  # kept requests continue under these weights by design
+                self.keep_versions.add(new_version)
             self._record(_LogEntry(method, payload, new_version, names))
             return new_version
 

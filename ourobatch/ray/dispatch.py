@@ -83,7 +83,8 @@ class Dispatch:
         flight = sub.flight
         try:
             while True:
-                if sub.aborted >= set(sub.indexes):  # aborted before it reached a replica
+                if sub.is_all_aborted():  # aborted before it reached a replica
+                    flight.finish_unplaced(sub.indexes, "abort")
                     return
                 try:
                     replica = await self._place(sub)
@@ -94,21 +95,28 @@ class Dispatch:
                 if outcome != "unarmed":  # "unarmed": it never ran there (a restart): place it again
                     break
             if outcome == "died":
-                if self._closing:
-                    flight.finish_unplaced(sub.indexes, "abort")
-                elif flight.retry and flight.num_retries < self.max_retries and not flight.abandoned:
-                    self.counters["requests_retried"] += 1
-                    log.info("request_retried", request_id=flight.request_id, failed_replica=replica.index)
-                    for retry in flight.retry_subrequests(sub):
-                        self._start(retry)
-                else:
-                    self.counters["requests_failed_replica_died"] += 1
-                    flight.fail(ReplicaDiedError(
-                        f"replica {replica.index} died with request {flight.request_id!r} in flight "
-                        f"({replica.last_failure}); retry_aborted=True resubmits such requests to another replica"))
+                self._after_death(replica, sub)
         finally:
             flight.subs.remove(sub)
             flight.event.set()
+
+    def _after_death(self, replica: Replica, sub: SubRequest) -> None:
+        """`sub`'s replica died: aborted completions end as aborted (the abort may never have landed), the
+        others are retried elsewhere or fail with ReplicaDiedError."""
+        flight = sub.flight
+        flight.finish_unplaced([i for i in sub.indexes if i in flight.aborted or self._closing], "abort")
+        if all(flight.completions[i].finish_reason is not None for i in sub.indexes):
+            return
+        if flight.retry and flight.num_retries < self.max_retries and not flight.abandoned:
+            self.counters["requests_retried"] += 1
+            log.info("request_retried", request_id=flight.request_id, failed_replica=replica.index)
+            for retry in flight.retry_subrequests(sub):
+                self._start(retry)
+        else:
+            self.counters["requests_failed_replica_died"] += 1
+            flight.fail(ReplicaDiedError(
+                f"replica {replica.index} died with request {flight.request_id!r} in flight "
+                f"({replica.last_failure}); retry_aborted=True resubmits such requests to another replica"))
 
     async def _serve(self, replica: Replica, sub: SubRequest) -> str:
         """Stream `sub` from `replica` into its flight: "done", "unarmed" or "died"."""
@@ -125,7 +133,13 @@ class Dispatch:
             for engine_id in sub.pending_aborts():
                 replica.actor.abort.remote(engine_id)
             async for ref in sub.generator:
-                added = flight.merge(sub, await ref)
+                out = await ref
+                if sub.is_retry and self._mixes_weights(sub, out):
+                    cancel_generator(sub.generator)  # its engine request aborts; nothing of it is kept
+                    flight.aborted |= set(sub.indexes)
+                    flight.finish_unplaced(sub.indexes, "abort")
+                    return "done"
+                added = flight.merge(sub, out)
                 paid = min(added, sub.charged)
                 sub.charged -= paid
                 replica.load -= paid
@@ -151,6 +165,19 @@ class Dispatch:
             replica.subs.discard(sub)
             sub.generator = None
 
+    def _mixes_weights(self, sub: SubRequest, out: RequestOutput) -> bool:
+        """A continuation would append tokens of other weights than its completion's earlier tokens: the
+        weights changed while it was between replicas, outside pause("keep") (where kept requests continue
+        under the new weights by design). It ends as aborted instead, with the tokens it has."""
+        for c in out.outputs:
+            last = sub.flight.completions[sub.indexes[c.index]].last_weight_version()
+            new = c.weight_versions[0] if c.weight_versions else None
+            if last is not None and new is not None and new != last and new not in self.control.keep_versions:
+                log.warning("continuation_weights_changed", request_id=sub.flight.request_id,
+                            had_version=last, replica_version=new)
+                return True
+        return False
+
     async def _final(self, flight: Flight) -> RequestOutput:
         try:
             while not flight.finished:
@@ -175,21 +202,31 @@ class Dispatch:
             self._loop.call_soon_threadsafe(self._release, flight)
 
     def _abort(self, flight: Flight, index: int | None) -> bool:
-        """Abort completion `index` (None: all) of a flight on the replicas that run it."""
-        targets = [i for i, c in enumerate(flight.completions)
-                   if c.finish_reason is None and (index is None or i == index)]
+        """Abort completion `index` (None: all) of a flight: remembered (never retried), and sent to the
+        replicas that run it."""
+        targets = {i for i, c in enumerate(flight.completions)
+                   if c.finish_reason is None and (index is None or i == index)}
         if not targets:
             return False
+        flight.aborted |= targets
         for sub in list(flight.subs):
             ids = sub.abort_ids(targets)
             if not ids:
                 continue
-            if sub.replica is None or sub.generator is None:  # not on a replica yet: end it here
-                sub.mark_aborted(targets)
-                if all(flight.completions[i].finish_reason is not None for i in sub.indexes) and sub.task:
+            if sub.replica is None or sub.generator is None:  # not on a replica yet: _run ends it, or
+                if sub.is_all_aborted() and sub.task:  # _serve sends its pending aborts once it is there
+                    flight.finish_unplaced(sub.indexes, "abort")
                     sub.task.cancel()
                 continue
             actor = self.replicas[sub.replica].actor
             for engine_id in ids:
                 actor.abort.remote(engine_id)
         return True
+
+    def _abort_live(self) -> list[Flight]:
+        """Remember an abort of every live request (before pause("abort") / abort_all is broadcast, so a
+        replica that dies meanwhile retries none of them); the caller then _aborts each flight."""
+        flights = list(self._flights.values())
+        for flight in flights:
+            flight.aborted |= {i for i, c in enumerate(flight.completions) if c.finish_reason is None}
+        return flights

@@ -5,14 +5,23 @@ A Flight starts as one engine request (all n completions, on one replica). When 
 the pool retries, each unfinished completion i becomes an engine request of its own: prompt + the tokens
 i already has, ``max_tokens`` (and ``min_tokens``) less what it has, so the outputs stitch: token ids,
 log-probs, readout loops and top log-probs are appended, the counters added.
+
+Stitching knows what each engine output holds: a DELTA output's per-token lists are appended to what the
+current engine request gave so far; a CUMULATIVE or FINAL_ONLY output's lists replace it (they hold all
+of it). Either way the completion is the earlier engine requests' tokens + the current one's. Counters
+(cumulative_logprob, num_*) are running totals of the engine request in every kind, so they are added to
+the earlier requests' totals. Retries always ask their replica for DELTA (the pool needs the tokens).
+
+Aborts are remembered (``Flight.aborted``): a completion the caller aborted is never retried, even when
+its replica dies before the abort reaches it; it ends with finish_reason "abort" and its partial output.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ourobatch.scheduler.frontend import child_seed
 from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
@@ -30,6 +39,7 @@ if TYPE_CHECKING:
 OWN_FIELDS = ("index", "seed")  # the pool's: the flight's index and the completion's original seed
 PER_TOKEN_FIELDS = ("token_ids", "logprobs", "readout_loops", "top_logprobs")
 COUNTER_FIELDS = ("cumulative_logprob",)
+FIRST_FIELDS = ("weight_version",)  # the completion's first engine request's: the weights it was admitted with
 
 
 def _is_per_token(name: str, value: Any) -> bool:
@@ -46,6 +56,7 @@ class Completion:
     def __init__(self, index: int, seed: int) -> None:
         self.index, self.seed = index, seed
         self.values: dict[str, Any] = {}  # CompletionOutput field -> cumulative value
+        self.prefix: dict[str, list] = {}  # per-token lists of the engine requests before the current one
         self.base: dict[str, Any] = {}  # counters of the engine requests before the current one
         self.finish_reason: str | None = None
 
@@ -57,26 +68,33 @@ class Completion:
     def token_ids(self) -> list[int]:
         return self.values.get("token_ids", [])
 
-    def absorb(self, out: CompletionOutput) -> int:
-        """Fold in a delta (or a final output that is all of it) of the current engine request; returns
-        how many tokens it added."""
+    def last_weight_version(self) -> int | None:
+        versions = self.values.get("weight_versions")
+        return versions[-1] if versions else None
+
+    def absorb(self, out: CompletionOutput, cumulative: bool) -> int:
+        """Fold in an output of the current engine request: all of it so far (`cumulative`: a CUMULATIVE
+        or FINAL_ONLY output) or a DELTA; returns how many tokens it added."""
+        before = self.num_tokens
         for f in dataclasses.fields(CompletionOutput):
             name, value = f.name, getattr(out, f.name)
-            if name in OWN_FIELDS:
+            if name in OWN_FIELDS or (name in FIRST_FIELDS and name in self.values):
                 continue
             if _is_per_token(name, value):
                 if value is not None:
-                    self.values[name] = list(self.values.get(name) or []) + [
-                        dict(v) if isinstance(v, dict) else v for v in value]
+                    head = self.prefix.get(name, []) if cumulative else self.values.get(name) or []
+                    self.values[name] = list(head) + [dict(v) if isinstance(v, dict) else v for v in value]
             elif _is_counter(name, value):
                 self.values[name] = self.base.get(name, 0) + value
             else:
                 self.values[name] = value
         self.finish_reason = out.finish_reason
-        return len(out.token_ids)
+        return self.num_tokens - before
 
     def start_retry(self) -> None:
+        """A new engine request continues this completion: what it has so far is the fixed prefix."""
         self.base = {k: v for k, v in self.values.items() if _is_counter(k, v)}
+        self.prefix = {k: list(v) for k, v in self.values.items() if _is_per_token(k, v) and v is not None}
 
     def output(self, start: int = 0) -> CompletionOutput:
         fields = {}
@@ -105,10 +123,16 @@ class SubRequest:
     task: asyncio.Task | None = None
     generator: Any = None  # the Ray streaming generator while it runs
     charged: int = 0  # tokens of load it holds on its replica
-    aborted: set[int] = field(default_factory=set)  # completions aborted before it reached a replica
+    is_retry: bool = False  # it continues completions whose replica died (Flight.retry_subrequests)
 
-    def abort_ids(self, targets: list[int]) -> list[str]:
+    @property
+    def is_cumulative(self) -> bool:
+        """Each output of its engine request holds all of it so far (CUMULATIVE or FINAL_ONLY), not a delta."""
+        return self.params.output_kind != RequestOutputKind.DELTA
+
+    def abort_ids(self, targets: Iterable[int]) -> list[str]:
         """Engine request ids that abort the flight completions `targets` it serves."""
+        targets = set(targets)
         local = [k for k, i in enumerate(self.indexes) if i in targets]
         if not local:
             return []
@@ -116,14 +140,12 @@ class SubRequest:
             return [self.engine_id]
         return [f"{self.engine_id}:{k}" for k in local]  # one completion of an n > 1 engine request
 
-    def mark_aborted(self, targets: list[int]) -> None:
-        """Aborted before placement: all of it ends here; some of it is aborted once it is placed."""
-        self.aborted |= {i for i in self.indexes if i in targets}
-        if self.aborted >= set(self.indexes):
-            self.flight.finish_unplaced(self.indexes, "abort")
+    def is_all_aborted(self) -> bool:
+        return set(self.indexes) <= self.flight.aborted
 
     def pending_aborts(self) -> list[str]:
-        return self.abort_ids(sorted(self.aborted))
+        """What to abort once it is on a replica: the completions aborted before it got there."""
+        return self.abort_ids(self.flight.aborted)
 
     def remaining(self) -> int:
         """Tokens this engine request may still generate (the router's load)."""
@@ -149,6 +171,7 @@ class Flight:
         self.sent_final = False
         self.num_retries = 0
         self.retry = False  # the pool's retry_aborted when the request was added
+        self.aborted: set[int] = set()  # completions the caller aborted: never retried (docs/scaling.md)
         self.abandoned = False  # the caller is gone: nothing reads it
 
     @property
@@ -157,7 +180,7 @@ class Flight:
 
     def merge(self, sub: SubRequest, out: RequestOutput) -> int:
         """Fold one engine output of `sub` in; returns the tokens added."""
-        added = sum(self.completions[sub.indexes[c.index]].absorb(c) for c in out.outputs)
+        added = sum(self.completions[sub.indexes[c.index]].absorb(c, sub.is_cumulative) for c in out.outputs)
         self.event.set()
         return added
 
@@ -166,8 +189,9 @@ class Flight:
             self.error = error
         self.event.set()
 
-    def finish_unplaced(self, indexes: list[int], reason: str) -> None:
-        """End completions that never reached a replica (aborted before placement)."""
+    def finish_unplaced(self, indexes: Iterable[int], reason: str) -> None:
+        """End completions the engine will not end: aborted before placement, or on a replica that died
+        (they keep their partial output)."""
         for i in indexes:
             if self.completions[i].finish_reason is None:
                 self.completions[i].finish_reason = reason
@@ -181,16 +205,16 @@ class Flight:
         subs = []
         for i in sub.indexes:
             c = self.completions[i]
-            if c.finish_reason is not None:
+            if c.finish_reason is not None or i in self.aborted:
                 continue
             have = len(c.token_ids)
             c.start_retry()
-            params = dataclasses.replace(
-                self.params, n=1, max_tokens=self.params.max_tokens - have,
+            params = dataclasses.replace(  # DELTA: the stitcher appends, and the pool sees each token
+                self.params, n=1, output_kind=RequestOutputKind.DELTA, max_tokens=self.params.max_tokens - have,
                 min_tokens=max(0, self.params.min_tokens - have),
                 seed=child_seed(c.seed, have + 1) if have else c.seed)
             engine_id = f"{self.request_id}:{i}~retry{self.num_retries}"
-            subs.append(SubRequest(self, engine_id, self.prompt_token_ids + c.token_ids, params, [i]))
+            subs.append(SubRequest(self, engine_id, self.prompt_token_ids + c.token_ids, params, [i], is_retry=True))
         return subs
 
     def output(self, since: list[int] | None = None) -> RequestOutput:

@@ -285,8 +285,10 @@ class EnginePool(Dispatch, ReplicaHealth):
         return await self.control.broadcast(self.replicas, method, *args, **kwargs)
 
     async def pause(self, *args: Any, **kwargs: Any) -> Any:
-        """Engine.pause(...) on every replica (a replica that restarts meanwhile comes back paused)."""
-        return _combine(await self._broadcast("pause", *args, **kwargs))
+        """Engine.pause(...) on every replica (a replica that restarts meanwhile comes back paused). Mode
+        "abort" ends every request the pool has live, also those between replicas after a death."""
+        mode = args[0] if args else kwargs.get("mode", "abort")
+        return _combine(await self._aborting("pause", mode == "abort", *args, **kwargs))
 
     async def resume(self, *args: Any, **kwargs: Any) -> Any:
         """Engine.resume(...) on every replica (e.g. recompute_kv=True)."""
@@ -294,7 +296,18 @@ class EnginePool(Dispatch, ReplicaHealth):
 
     async def abort_all(self) -> list[RequestOutput]:
         """Engine.abort_all on every replica: their live requests end now; the partial outputs, all together."""
-        return [out for outs in await self._broadcast("abort_all") for out in outs]
+        return [out for outs in await self._aborting("abort_all", True) for out in outs]
+
+    async def _aborting(self, method: str, aborts: bool, *args: Any, **kwargs: Any) -> list[Any]:
+        """A broadcast that ends the live requests (`aborts`): their aborts are remembered first (so a
+        replica that dies meanwhile retries none of them) and sent to wherever they run after it."""
+        self._check_open()
+        flights = self._abort_live() if aborts else []
+        try:
+            return await self._broadcast(method, *args, **kwargs)
+        finally:
+            for flight in flights:
+                self._abort(flight, None)
 
     async def sleep(self, *args: Any, **kwargs: Any) -> Any:
         return _combine(await self._broadcast("sleep", *args, **kwargs))
