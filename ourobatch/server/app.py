@@ -9,7 +9,9 @@
 - ``/health`` (503 while draining or once the engine is dead) and ``/metrics`` (Prometheus).
 
 The engine runs for the app's lifespan. Bad JSON or a bad field is a 400 whose message and ``param``
-name the field; while draining (SIGTERM) new requests get 503. With ``api_key`` every route but
+name the field; an engine error gets the status errors.STATUS gives its class (409 busy, 503 closed /
+dead / asleep / weights missing), always with the JSON error body; while draining (SIGTERM) new requests
+get 503. A body over ``max_request_bytes`` is a 413 (limits.py). With ``api_key`` every route but
 ``/health`` needs ``Authorization: Bearer <key>``.
 """
 
@@ -19,8 +21,10 @@ import contextlib
 import hmac
 import inspect
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -28,10 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Message, Receive, Scope, Send
 
 from ourobatch.config import EngineConfig
-from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError, OurobatchError
+from ourobatch.scheduler.errors import EngineClosedError, OurobatchError
 from ourobatch.text import Tokenizer
 
-from .completions import BadRequest, Generation
+from .completions import Generation
+from .errors import STATUS, BadRequest, NotImplementedRoute, error, error_response
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import ServerMetrics
 from .protocol import (
     AbortRequest,
@@ -46,22 +52,19 @@ OPEN_ROUTES = ("/health",)  # no api key needed
 ALWAYS_ROUTES = ("/health", "/metrics")  # answered while draining
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
-
-
 def _field(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) if parts else "body"
 
 
 def create_app(config: EngineConfig, *, served_model_name: str | None = None, api_key: str | None = None,
-               tokenizer: Tokenizer | None = None) -> FastAPI:
-    """The app for one engine built from `config` (started and closed with the app's lifespan)."""
+               tokenizer: Tokenizer | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app for one engine built from `config` (started and closed with the app's lifespan). A request
+    body over `max_request_bytes` is answered 413 without being parsed."""
     from ourobatch.async_engine import Engine
 
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     model_name = served_model_name or str(config.model)
     metrics = ServerMetrics()
 
@@ -69,7 +72,7 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with Engine(config) as engine:
             app.state.engine = engine
-            app.state.gen = Generation(engine, tokenizer, model_name)
+            app.state.gen = Generation(engine, tokenizer, model_name, config.max_model_len)
             metrics.attach(engine)
             yield
             app.state.draining = True
@@ -79,7 +82,8 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     app.state.metrics = metrics
     app.state.started = int(time.time())
 
-    app.add_middleware(Gate, api_key=api_key, state=app.state, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(Gate, api_key=api_key, state=app.state, metrics=metrics)  # outermost: before the body
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -90,22 +94,11 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
         message = "; ".join(f"{_field(p['loc'])}: {p['msg']}" for p in problems[:5])
         return error(400, message, _field(first["loc"]))
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
-        return error(400, str(exc), exc.param)
+    async def by_table(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
 
-    @app.exception_handler(ValueError)
-    @app.exception_handler(TypeError)
-    async def bad_value(request: Request, exc: Exception) -> JSONResponse:
-        message = str(exc)
-        param = message.split("SamplingParams.", 1)[1].split("=", 1)[0].split(" ", 1)[0] \
-            if "SamplingParams." in message else None
-        return error(400, message, param)
-
-    @app.exception_handler(EngineDeadError)
-    @app.exception_handler(EngineClosedError)
-    async def engine_down(request: Request, exc: OurobatchError) -> JSONResponse:
-        return error(503, f"{type(exc).__name__}: {exc}", kind="ServiceUnavailableError")
+    for cls in STATUS:  # every named error and bad input, by the one table (errors.py)
+        app.add_exception_handler(cls, by_table)
 
     # ------------------------------------------------------------------ generation
 
@@ -148,13 +141,10 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     async def call(name: str, route: str, *args: Any, **kwargs: Any) -> Any:
         method = getattr(app.state.engine, name, None)
         if method is None:
-            raise _NotImplemented(f"{route} needs Engine.{name}(), which this version of ourobatch does not have yet")
+            raise NotImplementedRoute(f"{route} needs Engine.{name}(), which this version of ourobatch does not "
+                                      f"have yet")
         result = method(*args, **kwargs)
         return await result if inspect.isawaitable(result) else result
-
-    @app.exception_handler(_NotImplemented)
-    async def not_implemented(request: Request, exc: _NotImplemented) -> JSONResponse:
-        return error(501, str(exc), kind="NotImplementedError")
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
@@ -184,7 +174,10 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
         if body.load_format not in (None, "auto"):
             raise BadRequest(f"load_format={body.load_format!r}: only an HF safetensors folder ('auto') loads",
                              "load_format")
-        if body.abort_all_requests:
+        if body.abort_all_requests:  # the body is checked whole first: a bad one aborts nothing
+            from ourobatch.engine.loader import checkpoint_files
+
+            await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
             await abort_request(AbortRequest(abort_all=True))
         version = await call("load_weights", "/update_weights_from_disk", body.model_path,
                              version=body.weight_version)
@@ -211,10 +204,6 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
         return {"success": True}
 
     return app
-
-
-class _NotImplemented(Exception):
-    """A control route whose Engine method does not exist yet (501)."""
 
 
 class Gate:

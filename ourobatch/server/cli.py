@@ -18,6 +18,8 @@ from typing import Any, Iterator
 
 from ourobatch.config import EngineConfig
 
+from .limits import DEFAULT_MAX_REQUEST_BYTES
+
 EXIT_OK, EXIT_USAGE = 0, 2
 
 ENGINE_HELP = {
@@ -59,6 +61,16 @@ def _bool(text: str) -> bool | None:
     raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ourobatch serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model folder's, if any; without one, text prompts are refused)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds "
                         "in-flight requests get to finish before they are aborted (default: %(default)s)")
+    parser.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                        help="a request body over N bytes is refused (413) before it is parsed "
+                        "(default: %(default)s, 8 MiB)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
     _engine_arguments(parser)
     return parser
@@ -139,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from .app import create_app
 
-    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer)
+    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer,
+                     max_request_bytes=args.max_request_bytes)
     server = make_server(app, args.host, args.port, args.drain_timeout, args.log_level)
     server.run()
     return EXIT_OK if server.started else 1

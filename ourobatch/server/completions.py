@@ -2,6 +2,8 @@
 
 Both queue every prompt first (a rejected prompt is a 400 and nothing runs), then run each prompt's
 engine stream (runner.run_prompt) concurrently inside one producer, which a client disconnect cancels.
+Text is tokenized on a worker thread (the event loop keeps serving /health and the streams), after a
+length bound (limits.check_text_length) has refused any text too long to fit max_model_len.
 """
 
 from __future__ import annotations
@@ -22,20 +24,14 @@ from ourobatch.compat import from_dict
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.text import Tokenizer, check_text_params
 
+from .errors import BadRequest
+from .limits import check_text_length
 from .protocol import CompletionRequest, GenerateRequest
 from .runner import Delta, open_streams, run_prompt
 from .streaming import EventStream, collect
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM writes this for an excluded token
 CLIENT_CLOSED = 499
-
-
-class BadRequest(ValueError):
-    """A 400 with the field that caused it."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _finite(x: float) -> float:
@@ -49,20 +45,27 @@ def _sse(obj: Any) -> bytes:
 class Generation:
     """What the routes share: the engine, the tokenizer and the model's name and eos."""
 
-    def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str) -> None:
+    def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str, max_model_len: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.max_model_len = max_model_len
 
     @property
     def eos(self) -> frozenset[int]:
         return self.engine.core.scheduler.config.eos_token_ids
 
-    def encode(self, text: str, field: str) -> list[int]:
+    async def encode(self, texts: list[str], fields: list[str]) -> list[list[int]]:
+        """Token ids of each text, tokenized on a worker thread once every text passed the length bound."""
+        if not texts:
+            return []
         if self.tokenizer is None:
-            raise BadRequest(f"{field} is text, but the server has no tokenizer (no tokenizer.json beside the "
-                             f"model); send token ids", field)
-        return self.tokenizer.encode(text)
+            raise BadRequest(f"{fields[0]} is text, but the server has no tokenizer (no tokenizer.json beside "
+                             f"the model); send token ids", fields[0])
+        for text, field in zip(texts, fields):
+            check_text_length(text, self.max_model_len, field)
+        encode = self.tokenizer.encode
+        return await anyio.to_thread.run_sync(lambda: [encode(t) for t in texts])
 
     def token_str(self, token_id: int, as_ids: bool) -> str:
         if as_ids or self.tokenizer is None:
@@ -89,7 +92,7 @@ class Generation:
             return JSONResponse({"error": {"message": f"The model `{body.model}` does not exist.", "type":
                                            "NotFoundError", "param": "model", "code": 404}}, status_code=404)
         params = body.sampling_params()
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt)
         if body.request_id is not None and len(prompts) > 1:
             raise BadRequest("request_id names one request: send one prompt with it", "request_id")
         produce = await self.run(prompts, [params] * len(prompts),
@@ -133,14 +136,16 @@ class Generation:
         return JSONResponse({**head, "choices": choices,
                              "usage": _usage(num_prompt, sum(len(d.token_ids) for d in merged.values()))})
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.encode(prompt, "prompt")]
+            return await self.encode([prompt], ["prompt"])
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
         if all(isinstance(t, int) for t in prompt):
             return [list(prompt)]
-        return [self.encode(p, f"prompt[{i}]") if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return await self.encode(list(prompt), [f"prompt[{i}]" for i in range(len(prompt))])
+        return [list(p) for p in prompt]  # (pydantic allows no mix of texts and token lists)
 
     def _openai_logprobs(self, d: Delta, k: int, as_ids: bool, offset: int) -> dict[str, Any]:
         tokens = [self.token_str(t, as_ids) for t in d.token_ids]
@@ -173,7 +178,7 @@ class Generation:
         else:
             single = isinstance(body.text, str)
             texts = [body.text] if single else list(body.text or [])
-            prompts = [self.encode(t, "text") for t in texts]
+            prompts = await self.encode(texts, ["text" if single else f"text[{i}]" for i in range(len(texts))])
         raw = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * len(prompts)
         if len(raw) != len(prompts):
             raise BadRequest(f"got {len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ourobatch.scheduler.params import SamplingParams
 
@@ -105,9 +105,22 @@ class PauseRequest(_Strict):
 
 class UpdateWeightsFromDiskRequest(_Strict):
     model_path: str
-    weight_version: Union[int, str, None] = None
+    weight_version: int | None = None  # SGLang sends a string: "7" is read as 7, "v7" is refused (400)
     load_format: str | None = None  # only None / "auto": an HF safetensors folder
     abort_all_requests: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> int | None:
+        """Checked with the body, before any engine call (so abort_all_requests aborts nothing for it)."""
+        if value is None:
+            return None
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise ValueError(f"weight_version must be an int >= 0, a string of its decimal digits (\"7\"), or "
+                         f"null; got {value!r}")
 
 
 class SleepRequest(_Strict):

@@ -1,0 +1,129 @@
+"""Which HTTP status each error gets, in one table, and the error body every route answers with.
+
+``STATUS`` maps an exception class to (status, OpenAI error type); ``status_of`` resolves an exception
+by its class's MRO, so a subclass (ReplicaDiedError, EngineAsleepError) gets its own row when it has
+one and its parent's otherwise. Every route goes through ``error_response``: the app registers it as the
+handler of each class here, and the SSE producers (streaming.py) turn an error raised after the headers
+into ``sse_error``, one ``data: {"error": ...}`` event, before ending the stream cleanly.
+
+    400 BadRequestError          bad input: ValueError / TypeError, RequestRejectedError,
+                                 WeightUpdateError, CheckpointError (BadRequest names the field)
+    409 ConflictError            EngineBusyError: the engine's state forbids the call now (an update while
+                                 requests run unpaused)
+    501 NotImplementedError      NotImplementedRoute: the engine lacks the route's method
+    503 ServiceUnavailableError  EngineClosedError, EngineDeadError (ReplicaDiedError), EngineAsleepError,
+                                 InconsistentWeightsError: not ready, closed, dead, asleep, weights missing
+    500 InternalServerError      InvalidTransition or any other OurobatchError: a bug, still with the body
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from ourobatch.scheduler.errors import (
+    CheckpointError,
+    EngineAsleepError,
+    EngineBusyError,
+    EngineClosedError,
+    EngineDeadError,
+    InconsistentWeightsError,
+    InvalidTransition,
+    OurobatchError,
+    RequestRejectedError,
+    WeightUpdateError,
+)
+from ourobatch.scheduler.log import get_logger
+
+log = get_logger("ourobatch.server")
+
+BAD_REQUEST = (400, "BadRequestError")
+UNAVAILABLE = (503, "ServiceUnavailableError")
+INTERNAL = (500, "InternalServerError")
+
+
+class BadRequest(ValueError):
+    """A 400 with the field that caused it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NotImplementedRoute(Exception):
+    """A control route whose Engine method does not exist yet (501)."""
+
+
+STATUS: dict[type[BaseException], tuple[int, str]] = {
+    ValueError: BAD_REQUEST,
+    TypeError: BAD_REQUEST,
+    RequestRejectedError: BAD_REQUEST,
+    WeightUpdateError: BAD_REQUEST,
+    CheckpointError: BAD_REQUEST,
+    EngineBusyError: (409, "ConflictError"),
+    EngineAsleepError: UNAVAILABLE,
+    EngineClosedError: UNAVAILABLE,
+    EngineDeadError: UNAVAILABLE,
+    InconsistentWeightsError: UNAVAILABLE,
+    InvalidTransition: INTERNAL,
+    OurobatchError: INTERNAL,
+    NotImplementedRoute: (501, "NotImplementedError"),
+}
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """(status, type) of the nearest class in `exc`'s MRO that the table names; 500 otherwise."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return INTERNAL
+
+
+def first_error(exc: BaseException) -> Exception | None:
+    """The error a task group's ExceptionGroup wraps (its first leaf); None for a group holding a
+    cancellation or another BaseException, which must propagate as it is."""
+    while isinstance(exc, ExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, Exception) and not isinstance(exc, BaseExceptionGroup) else None
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> dict[str, Any]:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status_code=status)
+
+
+def _param_of(exc: BaseException) -> str | None:
+    param = getattr(exc, "param", None)
+    if param is not None:
+        return param
+    message = str(exc)
+    if "SamplingParams." in message:  # "SamplingParams.top_p=3 must be ..." names the field
+        return message.split("SamplingParams.", 1)[1].split("=", 1)[0].split(" ", 1)[0]
+    return None
+
+
+def _describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    status, kind = status_of(exc)
+    # a named engine error keeps its class in the message (clients tell InconsistentWeightsError from
+    # EngineDeadError by it); plain bad input reads as its own message
+    message = f"{type(exc).__name__}: {exc}" if isinstance(exc, OurobatchError) else str(exc)
+    if status >= 500:
+        log.warning("http_error", status=status, error=f"{type(exc).__name__}: {exc}")
+    return status, error_body(status, message, _param_of(exc), kind)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The JSON error response for `exc`, by the table."""
+    status, body = _describe(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """`exc` as one server-sent event, for a stream whose 200 headers are already out."""
+    return f"data: {json.dumps(_describe(exc)[1])}\n\n".encode()

@@ -1,0 +1,296 @@
+"""The HTTP server's refusals (issue 19, items 9 and 13), against a real uvicorn on 127.0.0.1 and the real
+engine: every named engine error answers its status with the JSON error body on a connection that stays
+open, a bad weight_version aborts nothing, an engine that dies mid-stream ends the stream with an error
+event, a body over --max-request-bytes is a 413, a text too long for max_model_len is refused untokenized,
+and tokenizing runs off the event loop (/health answers while the tokenizer is provably blocked)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+import ourobatch.scheduler.errors as named
+from ourobatch import EngineConfig
+from ourobatch.server.app import create_app
+from ourobatch.server.cli import build_parser
+from ourobatch.server.errors import STATUS, status_of
+from ourobatch.server.limits import DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
+from ourobatch.text import Tokenizer
+from tests.helpers import GatedExecutor
+from tests.server_helpers import MODEL, ThreadServer, metric_values
+
+NAME = "pointer-chase"
+CONFIG = EngineConfig(model=str(MODEL), max_model_len=64, max_num_seqs=16)
+LIMIT = 64 * 1024  # this module's --max-request-bytes
+PROMPT = json.loads((MODEL / "heldout_tasks.jsonl").read_text().splitlines()[0])["prompt_token_ids"]
+LONG = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True,
+                                                                  "temperature": 1.0}}
+
+
+class GatedTokenizer:
+    """The model's tokenizer, recording the length of each text it encodes; after hold(), encode() waits
+    (on whatever thread calls it) until release()."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+        self.held = False
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def hold(self) -> None:
+        self.entered.clear()
+        self.released.clear()
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self.released.set()
+
+    def encode(self, text: str) -> list[int]:
+        self.lengths.append(len(text))
+        if self.held:
+            self.entered.set()
+            assert self.released.wait(60), "the tokenizer was never released"
+        return self.inner.encode(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _serve(tokenizer=None):
+    app = create_app(CONFIG, served_model_name=NAME, tokenizer=tokenizer or Tokenizer.from_path(MODEL),
+                     max_request_bytes=LIMIT)
+    return ThreadServer(app)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return GatedTokenizer(Tokenizer.from_path(MODEL))
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    with _serve(tok) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _gate(server) -> GatedExecutor:
+    core = server.server.config.app.state.engine.core
+    gated = GatedExecutor(core.executor)
+    core.executor = gated
+    return gated
+
+
+@pytest.fixture
+def gate(server):
+    """Holds engine steps on the worker thread (tests/helpers.py), so a request is provably mid-flight."""
+    gated = _gate(server)
+    yield gated
+    gated.open()
+    server.server.config.app.state.engine.core.executor = gated.inner
+
+
+def _port(r: httpx.Response) -> int:
+    """The client side's port of the connection that carried `r`: equal ports, one kept-alive connection."""
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def _error(r: httpx.Response, status: int, kind: str) -> dict:
+    assert r.status_code == status and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == kind and err["code"] == status, err
+    return err
+
+
+def _next_event(lines) -> dict:
+    """The next JSON event of an SSE response (the connection's next data line)."""
+    for line in lines:
+        if line.startswith("data: {"):
+            return json.loads(line[6:])
+    raise AssertionError("the stream ended first")
+
+
+def _events(lines) -> list:
+    """The rest of an SSE response: each JSON event, and "DONE" for data: [DONE]."""
+    out = []
+    for line in lines:
+        if line.startswith("data: {"):
+            out.append(json.loads(line[6:]))
+        elif line == "data: [DONE]":
+            out.append("DONE")
+    return out
+
+
+def test_every_named_error_has_its_status():
+    expected = {"InvalidTransition": 500, "RequestRejectedError": 400, "CheckpointError": 400,
+                "EngineClosedError": 503, "EngineDeadError": 503, "ReplicaDiedError": 503, "EngineBusyError": 409,
+                "EngineAsleepError": 503, "WeightUpdateError": 400, "InconsistentWeightsError": 503,
+                "OurobatchError": 500}
+    classes = {n: c for n, c in vars(named).items() if isinstance(c, type) and issubclass(c, named.OurobatchError)}
+    assert set(classes) == set(expected)  # a new named error needs a row (or knowingly inherits one)
+    assert {n: status_of(c("x"))[0] for n, c in classes.items()} == expected
+    assert status_of(ValueError("x")) == status_of(TypeError("x")) == (400, "BadRequestError")
+    assert status_of(KeyError("x"))[0] == 500 and STATUS[named.EngineBusyError] == (409, "ConflictError")
+
+
+def test_weights_missing_after_sleep_2_is_a_503_on_a_connection_that_stays_open(server, client):
+    assert client.post("/sleep", json={"level": 2}).status_code == 200
+    first = client.post("/wake_up")
+    try:
+        assert first.status_code == 200, first.text
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        for stream in (False, True):
+            r = client.post("/generate", json={**body, "stream": stream})
+            assert _error(r, 503, "ServiceUnavailableError")["message"].startswith("InconsistentWeightsError: ")
+            assert _port(r) == _port(first)
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=2)
+        assert refused.value.status_code == 503 and "InconsistentWeightsError" in refused.value.message
+        loaded = client.post("/update_weights_from_disk", json={"model_path": str(MODEL)})
+        assert loaded.status_code == 200 and _port(loaded) == _port(first), loaded.text
+        again = client.post("/generate", json=body)
+        assert again.status_code == 200 and len(again.json()["output_ids"]) == 2 and _port(again) == _port(first)
+    finally:  # the weights back for the other tests, whatever happened (on a new connection)
+        httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(MODEL)}, timeout=60)
+
+
+def test_an_update_while_requests_run_unpaused_is_a_409(server, client, gate):
+    gate.hold(after=2)  # the prefill and a decode step run, the next is held in flight
+    with httpx.Client(base_url=server.url, timeout=60) as other, other.stream("POST", "/generate", json=LONG) as r:
+        lines = r.iter_lines()  # (keep it: a dropped line iterator closes the response)
+        _next_event(lines)
+        assert gate.entered.wait(60)
+        busy = client.post("/update_weights_from_disk", json={"model_path": str(MODEL)})
+        assert _error(busy, 409, "ConflictError")["message"].startswith("EngineBusyError: ")
+        gate.open()
+        events = _events(lines)
+    assert events[-1] == "DONE" and len(events[-2]["output_ids"]) == 12
+    health = client.get("/health")
+    assert health.status_code == 200 and _port(health) == _port(busy)
+
+
+def test_a_bad_weight_version_or_model_path_aborts_nothing(server, client, gate):
+    gate.hold(after=2)
+    with httpx.Client(base_url=server.url, timeout=60) as other, other.stream("POST", "/generate", json=LONG) as r:
+        lines = r.iter_lines()
+        first = [_next_event(lines)]
+        assert gate.entered.wait(60)
+        for version in ("v7", -1, 1.5, True):
+            bad = client.post("/update_weights_from_disk", json={"model_path": str(MODEL), "weight_version": version,
+                                                                 "abort_all_requests": True})
+            err = _error(bad, 400, "BadRequestError")
+            assert err["param"] == "weight_version" and "decimal digits" in err["message"], err
+        missing = client.post("/update_weights_from_disk", json={"model_path": str(MODEL / "nope"),
+                                                                 "abort_all_requests": True})
+        assert _error(missing, 400, "BadRequestError")["message"].startswith("CheckpointError: ")
+        gate.open()
+        events = first + _events(lines)
+    assert events[-1] == "DONE"
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}  # not aborted
+    numeric = client.post("/update_weights_from_disk", json={"model_path": str(MODEL), "weight_version": "7"})
+    assert numeric.status_code == 200 and numeric.json()["weight_version"] == 7, numeric.text
+    assert client.get("/get_weight_version").json() == {"weight_version": 7}
+
+
+class _Broken:
+    def execute(self, plan):
+        raise RuntimeError("device lost")
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event():
+    added = "ourobatch_requests_added_total"
+    with _serve() as srv, httpx.Client(base_url=srv.url, timeout=60) as client, \
+            httpx.Client(base_url=srv.url, timeout=60) as scraper:
+        gate = _gate(srv)
+        gate.hold(after=2)
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, client.stream("POST", "/v1/completions",
+                                                                           json=body) as r:
+            try:
+                lines = r.iter_lines()
+                _next_event(lines)
+                assert gate.entered.wait(60)
+                before = metric_values(scraper)[added]
+                plain = pool.submit(httpx.post, srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}},
+                                    timeout=60)
+                for _ in range(10_000):  # each scrape is a round trip (no sleep): until the plain one is queued
+                    if metric_values(scraper)[added] > before:
+                        break
+                assert metric_values(scraper)[added] == before + 1
+                gate.inner = _Broken()
+            finally:
+                gate.open()
+            events = _events(lines)  # ends without a protocol error: the stream closed cleanly
+            dead = plain.result()
+        assert events[-1] == "DONE" and events[-2]["error"]["code"] == 503, events
+        assert events[-2]["error"]["message"].startswith("EngineDeadError: ")
+        assert _error(dead, 503, "ServiceUnavailableError")["message"].startswith("EngineDeadError: ")
+        later = client.post("/generate", json={"input_ids": PROMPT})  # on the stream's connection
+        assert _error(later, 503, "ServiceUnavailableError")["message"].startswith("EngineDeadError: ")
+        assert _port(later) == _port(r) and client.get("/health").status_code == 503
+
+
+def test_a_body_over_the_limit_is_a_413_on_a_connection_that_stays_open(client):
+    sized = client.post("/generate", content=b"x" * (LIMIT + 1), headers={"content-type": "application/json"})
+    assert _error(sized, 413, "RequestTooLargeError")["param"] == "body"
+    chunks = (b"y" * 4096 for _ in range(LIMIT // 4096 + 2))  # a generator: sent chunked, no length declared
+    chunked = client.post("/generate", content=chunks, headers={"content-type": "application/json"})
+    assert "content-length" not in chunked.request.headers
+    _error(chunked, 413, "RequestTooLargeError")
+    ok = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200, ok.text
+    assert _port(sized) == _port(chunked) == _port(ok)
+    fits = client.post("/generate", json={"input_ids": [PROMPT[0]] * (LIMIT // 8), "sampling_params": {}})
+    assert fits.status_code == 400 and "max_model_len" in fits.json()["error"]["message"]  # read, then refused
+
+
+def test_the_body_limit_is_a_server_option():
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m"]).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 8 * 1024 * 1024
+    assert parser.parse_args(["--model", "m", "--max-request-bytes", "1000"]).max_request_bytes == 1000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--max-request-bytes", "0"])
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        create_app(CONFIG, max_request_bytes=0)
+
+
+def test_a_text_too_long_for_max_model_len_is_refused_before_tokenizing(client, tok):
+    long = "n1>n2 " * (64 * MAX_CHARS_PER_TOKEN // 6 + 1)
+    assert len(long) > 64 * MAX_CHARS_PER_TOKEN
+    before = len(tok.lengths)
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": long, "max_tokens": 1})
+    assert _error(r, 400, "BadRequestError")["param"] == "prompt" and "max_model_len=64" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": ["n1>n2", long], "max_tokens": 1})
+    assert _error(r, 400, "BadRequestError")["param"] == "prompt[1]"
+    r = client.post("/generate", json={"text": long})
+    assert _error(r, 400, "BadRequestError")["param"] == "text"
+    assert tok.lengths[before:] == []  # not one text tokenized, not even the short one beside it
+    short = client.post("/generate", json={"text": "n1>n2", "sampling_params": {"max_new_tokens": 1}})
+    assert short.status_code == 200 and tok.lengths[before:] == [5]
+
+
+def test_health_answers_while_a_prompt_tokenizes(server, tok):
+    body = {"model": NAME, "prompt": "<|im_start|> n1>n2 n2>n3 ? n1", "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server.url, timeout=10) as c:
+        tok.hold()
+        try:
+            pending = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
+            assert tok.entered.wait(30)  # the tokenizer runs, and stays blocked until released
+            assert c.get("/health").status_code == 200  # the event loop is free meanwhile
+            assert c.get("/metrics").status_code == 200 and not pending.done()
+        finally:
+            tok.release()
+        assert pending.result().status_code == 200
