@@ -124,8 +124,8 @@ class EngineControl:
         rule = TABLE[op][STATES.index(state)]
         if isinstance(rule, type):
             raise rule(self._refusal(op, state))
-        if rule == _B:
-            num = self.scheduler.num_running
+        if rule == _B:  # requests preempted for room count: they resume with the tokens they have
+            num = self.scheduler.num_running + self.scheduler.num_started_waiting
             if num and self.run is not Run.PAUSED:
                 raise EngineBusyError(f"{_NAMES[op]} needs the engine paused or idle: {num} request(s) are "
                                       f"running; call pause() first (mode 'abort', 'wait' or 'keep')")

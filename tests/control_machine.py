@@ -1,0 +1,261 @@
+"""The control-path state machine of issue 19, shared by the SyncEngine and async Engine tests.
+
+Hypothesis interleaves generate / abort / pause (every mode) / resume / sleep (1, 2) / wake_up /
+update_weights / load_weights / close with steps held in flight (a gate on the executor), every call
+submitted without waiting for it (a future), so calls really do overlap steps and each other. ``settle``
+opens the gate, waits (bounded: a hang is a failure), restores what the machine itself stopped (weights,
+sleep, pause) and checks:
+
+- no engine death, no hang: every future resolves within its bound, with a result or a named refusal;
+- every request ends exactly once, never with "error", within max_tokens;
+- no step runs, and nothing is scored, while the weights are missing or asleep, and no weight copy,
+  sleep or wake runs while a step is in flight (checked inside the executor, at the source);
+- no completion mixes weight versions unless a pause("keep") began during its life;
+- 0 KV blocks in use once nothing is live.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import Any, Callable
+
+from hypothesis import Phase
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from safetensors.torch import load_file
+
+from ourobatch import (
+    EngineBusyError,
+    EngineClosedError,
+    InconsistentWeightsError,
+    OurobatchError,
+    SamplingParams,
+)
+from ourobatch.scheduler.errors import EngineDeadError, InvalidTransition
+
+from .helpers import GatedExecutor
+
+BOUND_S = 30.0  # a call that takes longer is a hang
+REFUSALS = (EngineBusyError, InconsistentWeightsError, EngineClosedError)  # named, expected refusals
+
+
+class CheckingGate(GatedExecutor):
+    """The gate, plus the invariants that only the executor can see."""
+
+    def __init__(self, inner, control) -> None:
+        super().__init__(inner)
+        self.control = control
+        self.in_flight = 0
+        self.violations: list[str] = []
+        self._mu = threading.Lock()
+
+    def execute(self, plan):
+        with self._mu:
+            self.in_flight += 1
+        try:
+            if not plan.is_empty and (self.control.missing or self.control.sleep_level):
+                self.violations.append(f"step {plan.step_id} ran with weights missing or asleep")
+            return super().execute(plan)
+        finally:
+            with self._mu:
+                self.in_flight -= 1
+
+    def _maintenance(self, name: str, *args: Any) -> Any:
+        if self.in_flight:
+            self.violations.append(f"{name} ran with a step in flight")
+        return getattr(self.inner, name)(*args)
+
+    def update_weights(self, named_tensors):
+        return self._maintenance("update_weights", named_tensors)
+
+    def sleep(self, level):
+        return self._maintenance("sleep", level)
+
+    def wake_up(self):
+        return self._maintenance("wake_up")
+
+
+class ControlMachine(RuleBasedStateMachine):
+    """Subclasses provide: start_engine(), submit(fn_name, *args) -> Future, control (EngineControl),
+    stats(), close_engine(), and `generate_call`."""
+
+    checkpoints: tuple = ()  # (a, b) set by the test module
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = self.checkpoints
+        self.tensors = {p: load_file(str(p / "model.safetensors")) for p in (self.a, self.b)}
+        self.requests: list[dict] = []  # {future, max_tokens, keeps_at_start, id}
+        self.calls: list[tuple[str, concurrent.futures.Future]] = []
+        self.num_keeps = 0
+        self.closed = False
+        self.n = 0
+        self.start_engine()
+        self.gate = CheckingGate(self.core.executor, self.core.control)
+        self.core.executor = self.gate
+
+    # ------------------------------------------------------------------ hooks for subclasses
+
+    def start_engine(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(prompt=st.lists(st.integers(1, 30), min_size=1, max_size=6), max_tokens=st.integers(1, 14),
+          n=st.sampled_from([1, 1, 2]))
+    def generate(self, prompt, max_tokens, n):
+        self.n += 1
+        rid = f"q{self.n}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=self.n, n=n, ignore_eos=True)
+        future = self.submit("generate", prompt, params, rid)
+        self.requests.append(dict(future=future, max_tokens=max_tokens, keeps=self.num_keeps, id=rid))
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from([r["id"] for r in self.requests]))
+        self._call("abort", rid)
+
+    @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
+    def pause(self, mode):
+        if mode == "keep":
+            self.num_keeps += 1
+        self._call("pause", mode)
+
+    @rule(recompute=st.booleans())
+    def resume(self, recompute):
+        self._call("resume", recompute_kv=recompute)
+
+    @rule(level=st.sampled_from([1, 2]))
+    def sleep(self, level):
+        self._call("sleep", level)
+
+    @rule()
+    def wake_up(self):
+        self._call("wake_up")
+
+    @rule(which=st.sampled_from(["a", "b"]), from_disk=st.booleans())
+    def update_weights(self, which, from_disk):
+        path = self.a if which == "a" else self.b
+        if from_disk:
+            self._call("load_weights", path)
+        else:
+            self._call("update_weights", list(self.tensors[path].items()))
+
+    @rule(steps=st.integers(0, 3))
+    def hold_steps(self, steps):
+        self.gate.hold(steps)  # the next step after `steps` more stays in flight until settle
+
+    @rule(ops=st.lists(st.sampled_from(["pause abort", "pause wait", "pause keep", "resume", "resume recompute",
+                                        "sleep 1", "sleep 2", "wake_up", "update a", "update b", "abort"]),
+                       min_size=2, max_size=5))
+    def burst_with_a_step_in_flight(self, ops):
+        """A request, its step held in flight (if the engine can step at all), then control calls back to
+        back while it is held: the interleavings single rules reach only rarely."""
+        self.generate([1, 2, 3], 12, 1)
+        self.gate.hold(0)
+        self.gate.entered.wait(timeout=2)  # no step comes while paused, asleep or without weights
+        for op in ops:
+            name, _, arg = op.partition(" ")
+            if name == "pause":
+                self.pause(arg)
+            elif name == "resume":
+                self.resume(arg == "recompute")
+            elif name == "sleep":
+                self.sleep(int(arg))
+            elif name == "update":
+                self.update_weights(arg, from_disk=False)
+            elif name == "abort":
+                self._call("abort", self.requests[-1]["id"])
+            else:
+                self.wake_up()
+
+    @rule()
+    def settle(self):
+        self._settle()
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self):
+        self.closed = True
+        self._call("close")
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((method, self.submit(method, *args, **kwargs)))
+
+    # ------------------------------------------------------------------ settling and invariants
+
+    def _settle(self) -> None:
+        self.gate.open()
+        for method, future in self.calls:
+            self._outcome(method, future)
+        self.calls = []
+        if not self.closed:  # restore what the machine stopped, so every request can finish
+            for method, args in (("wake_up", ()), ("load_weights", (self.a,)), ("resume", ())):
+                state = self.control.state
+                if method == "load_weights" and state not in ("asleep", "weights_missing"):
+                    continue
+                if method == "wake_up" and state != "asleep":
+                    continue
+                self._outcome(method, self.submit(method, *args))
+        for r in self.requests:
+            self._check_output(r)
+        self.requests = []
+        assert not self.gate.violations, self.gate.violations
+        if not self.closed:
+            stats = self.stats()
+            assert stats["num_running"] == stats["num_waiting"] == 0
+            assert stats["kv_blocks_used"] == 0, stats
+
+    def _outcome(self, method: str, future: concurrent.futures.Future) -> Any:
+        try:
+            return future.result(timeout=BOUND_S)
+        except concurrent.futures.TimeoutError:
+            raise AssertionError(f"{method} did not return within {BOUND_S}s (a hang)") from None
+        except (EngineDeadError, InvalidTransition) as exc:
+            raise AssertionError(f"{method}: the engine died: {exc}") from exc
+        except REFUSALS:
+            return None
+        except OurobatchError as exc:
+            if method == "resume" and isinstance(exc, InconsistentWeightsError):
+                return None
+            raise
+
+    def _check_output(self, r: dict) -> None:
+        out = self._outcome("generate", r["future"])
+        if out is None:
+            return  # refused with a named error (closed, weights missing, SyncEngine paused)
+        for c in out.outputs:
+            assert c.finish_reason in ("stop", "length", "abort"), (c.finish_reason, c.error)
+            assert len(c.token_ids) <= r["max_tokens"]
+            assert len(c.weight_versions) == len(c.token_ids) == len(c.logprobs)
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == r["max_tokens"]
+            if self.num_keeps == r["keeps"] and r["future"].done():
+                assert len(set(c.weight_versions)) <= 1, (r["id"], c.weight_versions)
+
+    @invariant()
+    def executor_saw_no_violation(self):
+        assert not self.gate.violations, self.gate.violations
+
+    def teardown(self) -> None:
+        try:
+            self._settle()
+        finally:
+            self.gate.open()
+            self.close_engine()
+
+
+def stateful_settings() -> dict[str, Any]:
+    """CONTROL_EXAMPLES=200 for a long local run. No shrinking: a failure depends on thread timing as well
+    as on the drawn steps, so replays shrink slowly and flakily; the printed steps are the whole story."""
+    return dict(max_examples=int(os.environ.get("CONTROL_EXAMPLES", 6)), stateful_step_count=14, deadline=None,
+                phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
+Caller = Callable[..., Any]
