@@ -105,10 +105,7 @@ class Scheduler:
 
     def add(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams) -> Request:
         """Validate and queue a request. Raises (and changes nothing) on bad input."""
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        validate.check_ids_free([request_id], self.requests)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = validate.check_prompt(prompt_token_ids, self.config.vocab_size)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .control import EngineControl
 from .core import RequestUpdate, Scheduler, SchedulerConfig
 from .errors import RequestRejectedError
+from .validate import check_ids_free
 from .log import get_logger
 from .outputs import CompletionOutput, RequestOutput
 from .params import MAX_SEED, SamplingParams
@@ -52,10 +53,7 @@ def check_new_request(params: SamplingParams, request_id: str | None, max_num_se
                                    f"raise max_num_seqs")
     if request_id is None:
         return f"req-{uuid.uuid4().hex}"
-    if not isinstance(request_id, str) or not request_id:
-        raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
-    if request_id in live_ids:
-        raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+    check_ids_free([request_id], live_ids)
     return request_id
 
 
@@ -122,9 +120,7 @@ class EngineCore:
         self.control.check(op)
         request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
         child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
-        for cid in child_ids:
-            if cid in self.scheduler.requests:
-                raise ValueError(f"request_id {cid!r} is already in use by a live request")
+        check_ids_free(child_ids, self.scheduler.requests)  # all before any is added: nothing half-queued
         unseeded = params.seed is None
         if unseeded:  # request i of this engine gets a seed derived from (engine seed, i), reported back
             params = params.with_seed(request_seed(self.seed, self._num_unseeded))

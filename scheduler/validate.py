@@ -4,7 +4,7 @@ with max_tokens against max_model_len and the KV pool, its stop token ids. Each 
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Container, Iterable
 
 from .errors import RequestRejectedError
 from .params import SamplingParams
@@ -51,3 +51,12 @@ def check_fits(cfg: "SchedulerConfig", blocks: "BlockManager", prompt_len: int, 
     for tok in params.stop_token_ids:
         if tok >= cfg.vocab_size:
             raise ValueError(f"stop_token_ids holds {tok}, outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def check_ids_free(request_ids: Iterable[str], live: Container[str]) -> None:
+    """The one "id in use" rule: every id must be a non-empty str no live request holds."""
+    for request_id in request_ids:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        if request_id in live:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
