@@ -1,0 +1,442 @@
+"""Collector: continuous RL collection on an Engine or an EnginePool (docs/rollout.md).
+
+Theory of operation. The collector owns one task group (started by ``async with``) holding a feeder
+and one task per sample in flight. The feeder starts a task's group (n engine requests of one sample
+each, seeds derived from the task) whenever the Budget (budget.py) allows: enough free *sample* slots
+and the staleness bound. Each sample task awaits its generate(), then its reward (a sync reward runs on
+a worker thread), and the group is complete when all n are; the keep_group filter then drops it or
+queues it as ready. The consumer's ``async for`` hands over the oldest ready groups, groups_per_batch at
+a time, after dropping (and regenerating) any group whose oldest token is more than max_staleness
+updates behind; so the engine keeps generating while the consumer trains. ``update_weights`` pauses
+the engine ("keep"), applies the on_update policy to the samples in flight, copies, and resumes.
+
+Nothing is lost silently: every task ends yielded, filtered (counted), failed (``collector.failed``),
+or is requeued (stale, surplus aborted) and generated again. Closing or cancelling aborts what runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import anyio
+from tqdm.auto import tqdm
+
+from ourobatch.scheduler.errors import OurobatchError
+from ourobatch.scheduler.frontend import child_seed
+from ourobatch.scheduler.log import get_logger
+from ourobatch.scheduler.params import SamplingParams
+
+from .budget import Budget, new_counters
+from .types import Batch, Group, Sample, prompt_of
+
+log = get_logger()
+ON_UPDATE = ("continue", "recompute", "abort")
+SURPLUS = ("carry", "abort")
+ON_REWARD_ERROR = ("drop", "raise")
+
+
+@dataclass(eq=False)
+class _Run:
+    """A group being generated."""
+
+    seq: int  # start order
+    task: Any
+    task_index: int
+    prompt: list[int]
+    samples: list[Sample | None]
+    live: dict[int, str] = field(default_factory=dict)  # sample index -> engine request id in flight
+    attempts: list[int] = field(default_factory=list)
+    restart: set[int] = field(default_factory=set)  # aborted by on_update="abort": resubmit
+    aborted: bool = False  # surplus aborted: its task is requeued
+    error: BaseException | None = None
+
+
+class Collector:
+    """``async with Collector(engine, tasks, n=8, params=..., reward=fn, groups_per_batch=32) as c:
+    async for batch in c: ...; await c.update_weights(...)`` (docs/rollout.md)."""
+
+    def __init__(self, engine: Any, tasks: Iterable[Any] | AsyncIterator[Any], *, n: int,
+                 params: SamplingParams | dict | None, groups_per_batch: int,
+                 reward: Callable[[Any, Sample], Any] | None = None, max_staleness: int | None = 1,
+                 on_update: str = "continue", keep_group: Callable[[Group], bool] | None = None,
+                 oversample: int = 0, surplus: str = "carry", max_samples_in_flight: int | None = None,
+                 on_reward_error: str = "drop", seed: int = 0, progress: bool = False,
+                 occupancy_interval_s: float = 0.25) -> None:
+        self.engine = engine
+        self.n, self.groups_per_batch = _positive("n", n), _positive("groups_per_batch", groups_per_batch)
+        self.params = _sample_params(params)
+        _choice("on_update", on_update, ON_UPDATE)
+        _choice("surplus", surplus, SURPLUS)
+        _choice("on_reward_error", on_reward_error, ON_REWARD_ERROR)
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None (no bound), got {max_staleness!r}")
+        if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
+            raise ValueError(f"oversample must be an int >= 0 (extra groups in flight), got {oversample!r}")
+        self.on_update, self.surplus, self.on_reward_error = on_update, surplus, on_reward_error
+        self.reward, self.keep_group, self.seed = reward, keep_group, seed
+        capacity = engine.config.max_num_seqs * getattr(engine, "num_replicas", 1)
+        slots = capacity + n if max_samples_in_flight is None else max_samples_in_flight
+        if slots < n:
+            raise ValueError(f"max_samples_in_flight must be >= n ({n}), got {slots}")
+        self.budget = Budget(n, groups_per_batch, max_staleness, oversample, slots)
+        self._tasks = tasks
+        self._total = len(tasks) if hasattr(tasks, "__len__") else None  # type: ignore[arg-type]
+        self._iter: Any = None
+        self._exhausted = False
+        self._requeued: deque[tuple[int, Any]] = deque()
+        self._next_index = 0
+        self._runs: dict[int, _Run] = {}
+        self._ready: deque[tuple[int, Group]] = deque()  # (start seq, group), oldest first
+        self._seq = 0
+        self._batches = 0
+        self._changed = anyio.Event()
+        self._update_lock = anyio.Lock()
+        self._update_done = anyio.Event()
+        self._update_done.set()
+        self._inner: Any = None
+        self._stopped = anyio.Event()
+        self._closing = False
+        self._error: BaseException | None = None
+        self.failed: list[tuple[Any, BaseException]] = []  # (task, error) of groups that failed
+        self.counters = new_counters()
+        self.staleness_histogram: Counter[int] = Counter()  # consumed tokens by staleness (updates behind)
+        self.occupancy: list[tuple[float, int, int | None]] = []  # (t, samples in flight, engine running)
+        self._occupancy_interval_s = occupancy_interval_s
+        self._bar = tqdm(total=self._total, desc="collect", unit="group", disable=not progress)
+        self._prefix = f"rollout-{id(self):x}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "Collector":
+        stats = await self._engine_stats()
+        self.budget.start_at(stats["weight_version"])
+        self._iter = self._tasks.__aiter__() if hasattr(self._tasks, "__aiter__") else iter(self._tasks)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        await self._tg.start(self._run)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        with anyio.CancelScope(shield=True):  # leaving the block always aborts what is in flight
+            await self.aclose()
+        await self._tg.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        """Abort every sample in flight (their KV is freed at once) and stop; iteration then ends."""
+        self._closing = True
+        if self._inner is not None:
+            self._inner.cancel_scope.cancel()
+            await self._stopped.wait()
+        self._bar.close()
+        self._notify()
+
+    async def _run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as inner:
+                self._inner = inner
+                inner.start_soon(self._feed)
+                inner.start_soon(self._monitor)
+                task_status.started()
+        finally:
+            self._stopped.set()
+
+    async def _engine_stats(self) -> dict[str, Any]:
+        if hasattr(self.engine, "num_replicas"):  # an EnginePool: stats() gathers from the actors (blocking)
+            return await anyio.to_thread.run_sync(self.engine.stats)
+        return self.engine.stats()
+
+    # ------------------------------------------------------------------ the feeder
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    def _has_tasks(self) -> bool:
+        return bool(self._requeued) or not self._exhausted
+
+    async def _next_task(self) -> tuple[int, Any] | None:
+        if self._requeued:
+            return self._requeued.popleft()
+        try:
+            task = await self._iter.__anext__() if hasattr(self._iter, "__anext__") else next(self._iter)
+        except (StopIteration, StopAsyncIteration):
+            self._exhausted = True
+            return None
+        self._next_index += 1
+        return self._next_index - 1, task
+
+    async def _feed(self) -> None:
+        try:
+            while True:
+                while not self._closing and self._has_tasks() and self.budget.can_start_group():
+                    item = await self._next_task()
+                    if item is not None:
+                        self._start(*item)
+                self._notify()
+                await self._changed.wait()
+        except Exception as exc:  # noqa: BLE001 - the task iterable failed: the consumer gets it
+            self._fail(exc)
+
+    def _start(self, task_index: int, task: Any) -> None:
+        run = _Run(self._seq, task, task_index, prompt_of(task), [None] * self.n, attempts=[0] * self.n)
+        self._seq += 1
+        self._runs[run.seq] = run
+        b = self.budget
+        b.groups_in_flight += 1
+        b.samples_in_flight += self.n
+        self.counters["groups_started"] += 1
+        self.counters["samples_started"] += self.n
+        for i in range(self.n):
+            self._inner.start_soon(self._sample, run, i)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = self._error or exc
+        self._notify()
+
+    # ------------------------------------------------------------------ one sample
+
+    async def _sample(self, run: _Run, i: int) -> None:
+        seed = self.params.seed if self.params.seed is not None else self.seed
+        params = self.params.with_seed(child_seed(child_seed(seed, run.task_index + 1), i))
+        try:
+            while not run.aborted and run.error is None:
+                run.live[i] = rid = f"{self._prefix}-{run.seq}-{i}-{run.attempts[i]}"
+                try:
+                    out = await self.engine.generate(run.prompt, params, rid)
+                finally:
+                    run.live.pop(i, None)
+                c = out.outputs[0]
+                if c.finish_reason == "abort" and i in run.restart:  # on_update="abort": from scratch
+                    run.restart.discard(i)
+                    run.attempts[i] += 1
+                    self.counters["samples_restarted"] += 1
+                    await self._update_done.wait()
+                    continue
+                if c.finish_reason not in ("stop", "length"):
+                    if not run.aborted:
+                        raise RuntimeError(f"sample {i} ended with finish_reason {c.finish_reason!r}: {c.error}")
+                    break
+                sample = Sample(i, list(out.prompt_token_ids), list(c.token_ids), list(c.logprobs),
+                                list(c.readout_loops), list(c.weight_versions), c.finish_reason,
+                                c.weight_version, num_restarts=run.attempts[i])
+                sample.reward = await self._reward(run.task, sample)
+                run.samples[i] = sample
+                break
+        except Exception as exc:  # noqa: BLE001 - the group fails, never the collector
+            await self._fail_run(run, exc)
+        finally:
+            self.budget.samples_in_flight -= 1
+            self._notify()
+        if all(s is not None for s in run.samples) or (run.error is not None and not run.live):
+            self._complete(run)
+
+    async def _reward(self, task: Any, sample: Sample) -> float | None:
+        if self.reward is None:
+            return None
+        if inspect.iscoroutinefunction(self.reward):
+            return await self.reward(task, sample)
+        value = await anyio.to_thread.run_sync(self.reward, task, sample)
+        return await value if inspect.isawaitable(value) else value
+
+    async def _fail_run(self, run: _Run, exc: BaseException) -> None:
+        if run.error is None and not run.aborted:
+            run.error = exc
+            for rid in list(run.live.values()):  # the group is lost: stop its other samples now
+                await self.engine.abort(rid)
+
+    def _complete(self, run: _Run) -> None:
+        if self._runs.pop(run.seq, None) is None or run.aborted:
+            return  # completed already, or counted as aborted surplus
+        self.budget.groups_in_flight -= 1
+        if run.error is not None:
+            self.counters["groups_failed"] += 1
+            self.failed.append((run.task, run.error))
+            log.warning("rollout_group_failed", task_index=run.task_index,
+                        error=f"{type(run.error).__name__}: {run.error}")
+            if self.on_reward_error == "raise":
+                self._fail(run.error)
+            return
+        group = Group(run.task, run.task_index, [s for s in run.samples if s is not None])
+        try:
+            keep = self.keep_group is None or self.keep_group(group)
+        except Exception as exc:  # noqa: BLE001 - a failing filter fails its group
+            self.counters["groups_failed"] += 1
+            self.failed.append((run.task, exc))
+            if self.on_reward_error == "raise":
+                self._fail(exc)
+            return
+        if not keep:
+            self.counters["groups_filtered"] += 1
+            return
+        self._ready.append((run.seq, group))
+        self.budget.groups_ready += 1
+
+    # ------------------------------------------------------------------ the consumer
+
+    def __aiter__(self) -> "Collector":
+        return self
+
+    async def __anext__(self) -> Batch:
+        while True:
+            if self._error is not None:
+                raise self._error
+            batch = await self._take_batch()
+            if batch is not None:
+                return batch
+            b = self.budget
+            if self._closing or (not self._has_tasks() and not b.groups_in_flight and not self._ready):
+                raise StopAsyncIteration
+            if not b.groups_in_flight and not self._ready and self._has_tasks() and not b.can_start_group():
+                b.open_one_batch()  # no update is coming for work that was never started
+            self._notify()
+            await self._changed.wait()
+
+    def _drop_stale(self) -> None:
+        kept: deque[tuple[int, Group]] = deque()
+        for seq, group in self._ready:
+            if self.budget.is_stale(group.oldest_version):  # regenerated under the current weights
+                self.counters["groups_stale"] += 1
+                self._requeued.append((group.task_index, group.task))
+                self.budget.groups_ready -= 1
+            else:
+                kept.append((seq, group))
+        self._ready = kept
+
+    async def _take_batch(self) -> Batch | None:
+        self._drop_stale()
+        G = self.groups_per_batch
+        done_generating = not self._has_tasks() and not self.budget.groups_in_flight
+        if len(self._ready) < G and not (done_generating and self._ready):
+            return None
+        taken = [self._ready.popleft() for _ in range(min(G, len(self._ready)))]
+        groups = [g for _, g in taken]
+        b = self.budget
+        b.groups_ready -= len(groups)
+        b.groups_yielded += len(groups)
+        batch = Batch(self._batches, groups, b.current_version)
+        self._batches += 1
+        self._account(batch)
+        await self._handle_surplus(max(seq for seq, _ in taken))
+        self._notify()
+        return batch
+
+    def _account(self, batch: Batch) -> None:
+        c = self.counters
+        c["batches"] += 1
+        c["groups_yielded"] += len(batch.groups)
+        for s in batch.samples:
+            c["samples_consumed"] += 1
+            c["tokens_consumed"] += len(s.token_ids)
+            c["mixed_version_samples"] += s.is_mixed
+            for v in s.weight_versions:
+                self.staleness_histogram[self.budget.staleness(v)] += 1
+        self._bar.update(len(batch.groups))
+
+    async def _handle_surplus(self, newest_seq: int) -> None:
+        """Groups in flight that started before the batch's newest group are its stragglers."""
+        stragglers = [run for run in self._runs.values() if run.seq < newest_seq]
+        if self.surplus == "carry":
+            self.counters["groups_carried"] += len(stragglers) + len(self._ready)
+            return
+        self.counters["groups_carried"] += len(self._ready)
+        for run in stragglers:
+            run.aborted = True
+            self._runs.pop(run.seq, None)
+            self.budget.groups_in_flight -= 1
+            self.counters["groups_aborted"] += 1
+            self._requeued.append((run.task_index, run.task))
+            for rid in list(run.live.values()):
+                await self.engine.abort(rid)
+
+    # ------------------------------------------------------------------ weight updates
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
+        """Push new weights into the engine without stopping collection for longer than the copy; the
+        samples in flight follow on_update. Returns the new weight version."""
+        return await self._update(lambda: self.engine.update_weights(named_tensors, version=version))
+
+    async def load_weights(self, path: Any, *, version: int | None = None) -> int:
+        """update_weights from a Hugging Face checkpoint folder."""
+        return await self._update(lambda: self.engine.load_weights(path, version=version))
+
+    async def _update(self, push: Callable[[], Any]) -> int:
+        async with self._update_lock:
+            done = self._update_done = anyio.Event()
+            error: BaseException | None = None
+            await self.engine.pause("keep")
+            try:
+                if self.on_update == "abort":
+                    for run in list(self._runs.values()):
+                        for i, rid in list(run.live.items()):
+                            run.restart.add(i)
+                            await self.engine.abort(rid)
+                version = await push()
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                try:
+                    await self.engine.resume(recompute_kv=self.on_update == "recompute")
+                except OurobatchError:
+                    if error is None:
+                        raise
+                done.set()
+            self.budget.updated(version)
+            self.counters["updates"] += 1
+            log.info("rollout_weights_updated", version=version, policy=self.on_update,
+                     groups_in_flight=self.budget.groups_in_flight)
+            self._notify()
+            return version
+
+    # ------------------------------------------------------------------ stats
+
+    async def _monitor(self) -> None:
+        is_pool = hasattr(self.engine, "num_replicas")
+        start = time.perf_counter()
+        while True:
+            running = None if is_pool else self.engine.stats()["num_running"]
+            self.occupancy.append((time.perf_counter() - start, self.budget.samples_in_flight, running))
+            await anyio.sleep(self._occupancy_interval_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the staleness histogram of consumed tokens, versions in flight, occupancy means."""
+        b = self.budget
+        in_flight: Counter[int] = Counter()
+        for run in self._runs.values():
+            for s in run.samples:
+                if s is not None:
+                    in_flight[s.oldest_version] += 1
+        running = [r for _, _, r in self.occupancy if r is not None]
+        return {**self.counters, "samples_in_flight": b.samples_in_flight, "groups_in_flight": b.groups_in_flight,
+                "groups_ready": b.groups_ready, "weight_version": b.current_version,
+                "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
+                "finished_samples_in_flight_by_version": dict(in_flight),
+                "mean_samples_in_flight": _mean([s for _, s, _ in self.occupancy]),
+                "mean_engine_running": _mean(running) if running else None}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _sample_params(params: SamplingParams | dict | None) -> SamplingParams:
+    p = SamplingParams.coerce(params)
+    if p.n != 1:
+        raise ValueError(f"SamplingParams.n={p.n}: give the group size as Collector(n=...), and params with n=1")
+    return p  # each sample is one generate() (FINAL_ONLY): it wakes its task only when it ends
