@@ -25,18 +25,16 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import anyio
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.errors import OurobatchError
 from ourobatch.scheduler.frontend import child_seed
 from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams
 
+from . import options
 from .budget import Budget, new_counters
 from .types import Batch, Group, Sample, prompt_of
+from .updates import push_weights
 
 log = get_logger()
-ON_UPDATE = ("continue", "recompute", "abort")
-SURPLUS = ("carry", "abort")
-ON_REWARD_ERROR = ("drop", "raise")
 
 
 @dataclass(eq=False)
@@ -67,17 +65,14 @@ class Collector:
                  on_reward_error: str = "drop", seed: int = 0, progress: bool = False,
                  occupancy_interval_s: float = 0.25) -> None:
         self.engine = engine
-        self.n, self.groups_per_batch = _positive("n", n), _positive("groups_per_batch", groups_per_batch)
-        self.params = _sample_params(params)
-        _choice("on_update", on_update, ON_UPDATE)
-        _choice("surplus", surplus, SURPLUS)
-        _choice("on_reward_error", on_reward_error, ON_REWARD_ERROR)
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                          or max_staleness < 0):
-            raise ValueError(f"max_staleness must be an int >= 0 or None (no bound), got {max_staleness!r}")
-        if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
-            raise ValueError(f"oversample must be an int >= 0 (extra groups in flight), got {oversample!r}")
-        self.on_update, self.surplus, self.on_reward_error = on_update, surplus, on_reward_error
+        self.n, self.groups_per_batch = options.positive("n", n), options.positive("groups_per_batch", groups_per_batch)
+        self.params = options.sample_params(params)
+        self.on_update = options.choice("on_update", on_update, options.ON_UPDATE)
+        self.surplus = options.choice("surplus", surplus, options.SURPLUS)
+        self.on_reward_error = options.choice("on_reward_error", on_reward_error, options.ON_REWARD_ERROR)
+        options.non_negative_or_none("max_staleness", max_staleness, " or None (no bound)")
+        if options.non_negative_or_none("oversample", oversample, " (extra groups in flight)") is None:
+            raise ValueError("oversample must be an int >= 0 (extra groups in flight), got None")
         self.reward, self.keep_group, self.seed = reward, keep_group, seed
         capacity = engine.config.max_num_seqs * getattr(engine, "num_replicas", 1)
         slots = capacity + n if max_samples_in_flight is None else max_samples_in_flight
@@ -285,11 +280,13 @@ class Collector:
         while True:
             if self._error is not None:
                 raise self._error
+            if self._closing:
+                raise StopAsyncIteration
             batch = await self._take_batch()
             if batch is not None:
                 return batch
             b = self.budget
-            if self._closing or (not self._has_tasks() and not b.groups_in_flight and not self._ready):
+            if not self._has_tasks() and not b.groups_in_flight and not self._ready:
                 raise StopAsyncIteration
             if not b.groups_in_flight and not self._ready and self._has_tasks() and not b.can_start_group():
                 b.open_one_batch()  # no update is coming for work that was never started
@@ -366,26 +363,11 @@ class Collector:
 
     async def _update(self, push: Callable[[], Any]) -> int:
         async with self._update_lock:
-            done = self._update_done = anyio.Event()
-            error: BaseException | None = None
-            await self.engine.pause("keep")
+            self._update_done = anyio.Event()
             try:
-                if self.on_update == "abort":
-                    for run in list(self._runs.values()):
-                        for i, rid in list(run.live.items()):
-                            run.restart.add(i)
-                            await self.engine.abort(rid)
-                version = await push()
-            except BaseException as exc:
-                error = exc
-                raise
+                version = await push_weights(self.engine, self.on_update, list(self._runs.values()), push)
             finally:
-                try:
-                    await self.engine.resume(recompute_kv=self.on_update == "recompute")
-                except OurobatchError:
-                    if error is None:
-                        raise
-                done.set()
+                self._update_done.set()  # samples restarted by on_update="abort" go again
             self.budget.updated(version)
             self.counters["updates"] += 1
             log.info("rollout_weights_updated", version=version, policy=self.on_update,
@@ -422,21 +404,3 @@ class Collector:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _sample_params(params: SamplingParams | dict | None) -> SamplingParams:
-    p = SamplingParams.coerce(params)
-    if p.n != 1:
-        raise ValueError(f"SamplingParams.n={p.n}: give the group size as Collector(n=...), and params with n=1")
-    return p  # each sample is one generate() (FINAL_ONLY): it wakes its task only when it ends

@@ -1,0 +1,34 @@
+"""The Collector's options: each checked once, with a message naming the option and the allowed values."""
+
+from __future__ import annotations
+
+from ourobatch.scheduler.params import SamplingParams
+
+ON_UPDATE = ("continue", "recompute", "abort")
+SURPLUS = ("carry", "abort")
+ON_REWARD_ERROR = ("drop", "raise")
+
+
+def positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def non_negative_or_none(name: str, value: object, meaning: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0{meaning}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def sample_params(params: SamplingParams | dict | None) -> SamplingParams:
+    p = SamplingParams.coerce(params)
+    if p.n != 1:
+        raise ValueError(f"SamplingParams.n={p.n}: give the group size as Collector(n=...), and params with n=1")
+    return p  # each sample is one generate() (FINAL_ONLY): it wakes its task only when it ends
