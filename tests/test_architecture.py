@@ -44,3 +44,12 @@ def test_engine_has_no_async_and_only_the_boundary_of_the_scheduler():
 def test_importing_the_scheduler_does_not_load_torch():
     code = "import sys, ourobatch.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_rollout_collector_is_torch_free_and_drives_the_engine_through_its_public_calls():
+    bad = [(p.name, m) for p, m, _ in imports("ourobatch/rollout")
+           if m.split(".")[0] in {"torch", "numpy", "safetensors", "asyncio"}
+           or m.startswith(("ourobatch.engine", "ourobatch.async_engine", "ourobatch.scheduler.driver"))]
+    assert bad == []
+    code = "import sys, ourobatch.rollout; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
