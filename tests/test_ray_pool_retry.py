@@ -24,7 +24,8 @@ import torch
 
 from ourobatch.ray import EnginePool, ReplicaDiedError
 from ourobatch.testing import make_tiny_checkpoint
-from tests.test_ray_pool import LIMIT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp
+from tests.test_ray_pool import (LIMIT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp,
+                              until_restarted)
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [20, 19, 18, 17, 16]
@@ -244,3 +245,26 @@ async def test_continuation_under_pause_keep_continues_on_the_new_weights(fresh,
     assert have >= 1 and got.weight_versions == [version - 1] * have + [version] * (30 - have)
     assert got.token_ids[:have] == want.token_ids[:have]
     await asyncio.wait_for(fresh.load_weights(ckpt), LIMIT)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_replica_restarted_after_sleep2_and_wake_up_is_missing_its_weights_too(fresh, ckpt):
+    """After sleep(2) + wake_up no replica holds weights until a full load: one restarted meanwhile (from its
+    checkpoint) must not serve them either, or requests routed there would run while the others refuse."""
+    from ourobatch.scheduler.errors import InconsistentWeightsError
+
+    pool = fresh
+    await asyncio.wait_for(pool.sleep(2), LIMIT)
+    await asyncio.wait_for(pool.wake_up(), LIMIT)
+    ray.kill(pool.actors[0], no_restart=False)
+    await asyncio.wait_for(until_restarted(pool, 0), 2 * LIMIT)
+    for request_id in ("missing0", "missing1"):  # both idle: the first goes to replica 0, the restarted one
+        with pytest.raises(InconsistentWeightsError):
+            await asyncio.wait_for(pool.generate(PROMPT, sp(5, seed=12), request_id=request_id), LIMIT)
+    version = await asyncio.wait_for(pool.load_weights(ckpt), LIMIT)
+    got = await asyncio.wait_for(pool.generate_batch([PROMPT, PROMPT], sp(5, seed=12), request_ids=["w0", "w1"]),
+                                 LIMIT)
+    (want,) = reference(config(ckpt, "interval1"), [PROMPT], [sp(5, seed=12)], ["w0"])
+    for g in got:
+        assert g.outputs[0].token_ids == want.outputs[0].token_ids
+        assert g.outputs[0].weight_versions == [version] * 5

@@ -5,8 +5,9 @@ Every broadcast calls ``Engine.<method>`` by name on each ready replica (EngineA
 lock, which a restarting replica also takes while it catches up, so a replica either took part in a
 broadcast or replays it: never neither. The catch-up log holds the weight updates since the checkpoint
 (each update's tensors are one object in Ray's object store, put there once and read by every replica;
-an update whose tensor names later updates all overwrite is dropped from the log) and the pause and
-sleep state, so a restarted replica serves exactly what the others serve.
+an update whose tensor names later updates all overwrite is dropped from the log; a wake_up after
+sleep(2), which leaves the weights missing until a full load, is an entry too, replayed as sleep(2) +
+wake_up) and the pause and sleep state, so a restarted replica serves exactly what the others serve.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failur
 log = get_logger()
 
 VERSIONED = ("update_weights", "load_weights")
+DROP = "drop"  # a log entry: sleep(2) then wake_up, after which the weights are missing until a full load
 
 
 @dataclass
 class _LogEntry:
-    method: str  # "update_weights" | "load_weights"
-    payload: Any  # ObjectRef of the (name, tensor) list, or the checkpoint path
+    method: str  # "update_weights" | "load_weights" | DROP
+    payload: Any  # ObjectRef of the (name, tensor) list, or the checkpoint path (None for DROP)
     version: int
     names: frozenset[str] | None  # tensor names of an update (None: a checkpoint folder, names unknown)
 
@@ -58,6 +60,14 @@ class Control:
             return None
         args, kwargs = self._paused
         return args[0] if args else kwargs.get("mode", "abort")
+
+    @property
+    def sleep_level(self) -> int:
+        """The level of the sleep in force (Engine.sleep's default is 1); 0 when awake."""
+        if self._asleep is None:
+            return 0
+        args, kwargs = self._asleep
+        return args[0] if args else kwargs.get("level", 1)
 
     @property
     def asleep(self) -> bool:
@@ -109,6 +119,8 @@ class Control:
         if method in ("pause", "resume"):
             self._paused = (args, kwargs) if method == "pause" else None
         elif method in ("sleep", "wake_up"):
+            if method == "wake_up" and self.sleep_level == 2:  # awake without weights: a restart must be too
+                self._log.append(_LogEntry(DROP, None, self.weight_version, None))
             self._asleep = (args, kwargs) if method == "sleep" else None
         return results
 
@@ -145,6 +157,10 @@ class Control:
         """Bring a restarted replica (fresh from its checkpoint) to the pool's weights and state. Call
         with the lock held."""
         for entry in self._log:
+            if entry.method == DROP:  # the others woke from sleep(2): their weights are gone until a full load
+                await self.call(replica, "sleep", 2)
+                await self.call(replica, "wake_up")
+                continue
             version = await self.call(replica, entry.method, entry.payload, version=entry.version)
             if version != entry.version:
                 raise RuntimeError(f"replica {replica.index}: {entry.method} replay reports version {version}, "
