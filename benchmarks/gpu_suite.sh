@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|public|serving|sweep] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,14 @@ if [ "$what" = serving ]; then  # latency under Poisson arrivals (benchmarks/ser
 fi
 if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
   python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
+fi
+if [ "$what" = rl_pipeline ]; then  # sync loop vs Collector under a simulated learner (benchmarks/rl_pipeline.py)
+  # The issue's workload; the whole matrix takes ~65 min, so one call runs deferred8's sync loop and
+  # collector at eta=1 / continue (~7 min), then eta=0 if --time-limit-s still allows it. Later arguments
+  # win: e.g. `rl_pipeline --configs interval1`, `rl_pipeline --no-sync --etas 1 --policies recompute,abort`.
+  python3 benchmarks/rl_pipeline.py --out "$OUT/rl_pipeline" --prompts 32 --n 8 --prompt-len 512 --max-tokens 2048 \
+    --median 400 --train-s 10 --batches 5 --configs deferred8 --etas 1,0 --policies continue --time-limit-s 540 "$@" \
+    2>&1 | tee "$OUT/rl_pipeline.log" | grep -v '^{' | grep -v 'batch/s\|s/batch' | tail -30
 fi
 if [ "$what" = rl ] || [ "$what" = all ]; then  # sleep / wake / load / update timings and memory
   python3 benchmarks/rl_ops.py --out "$OUT/rl_ops" 2>&1 | tee "$OUT/rl_ops.log" | grep -v '^{' | tail -12
