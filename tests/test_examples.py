@@ -43,6 +43,23 @@ def test_rl_collector():
     assert re.search(r"engine: deep_calls=[1-9]\d* deep_rows=\d+", out), out
 
 
+def test_multi_turn_collector():
+    out = run_example("multi_turn_collector.py")
+    episodes = re.findall(r"batch (\d) task (\d) episode (\d): turns=3 policy_tokens=\[(\d+), (\d+), (\d+)\] "
+                          r"tool_tokens=6 versions=\[(\d), (\d), (\d)\] reward=(0\.00|0\.50|1\.00)", out)
+    assert sorted((int(m[1]), int(m[2])) for m in episodes) == [(t, e) for t in range(6) for e in range(2)], out
+    num_policy_tokens = 0
+    for m in episodes:
+        batch, tokens, versions = int(m[0]), [int(x) for x in m[3:6]], [int(x) for x in m[6:9]]
+        assert all(1 <= k <= 6 for k in tokens)
+        # each turn starts after the one before: never under older weights, never past the batch's version
+        assert versions == sorted(versions) and versions[-1] <= batch, out
+        num_policy_tokens += sum(tokens)
+    assert f"episodes=12 turns=36 policy_tokens={num_policy_tokens} tool_tokens=72 mean_reward=" in out, out
+    assert re.search(r"collector: batches=3 updates=3 groups_stale=\d+ first_turn_tokens=\d+ "
+                     r"staleness_histogram=\{0: \d+(, 1: \d+)?\}", out), out
+
+
 @pytest.mark.parametrize("name", ["quickstart.py"])
 def test_other_examples_run(name):
     assert run_example(name).strip()

@@ -1,51 +1,60 @@
-"""examples/grpo_loop.py: two GRPO iterations on the shipped pointer-chase model, on the CPU. The trainer's
-replay agrees with the engine's log-probs (float32 rounding), the step moves the policy by far more than
-that, and the next iteration agrees again: the update reached the engine (with update_weights, and
-through the checkpoint fallback for engines without it)."""
+"""examples/grpo_loop.py: two GRPO iterations on the shipped pointer-chase model, on the CPU, continuous
+(the default, through ourobatch.rollout.Collector) and synchronous (--sync, the control). In both, the
+learner's replay agrees with the engine's log-probs on every token drawn under the learner's current
+weights (float32 rounding), the step moves the policy by far more than that, and the next iteration's
+current tokens agree again: the update reached the engine. Continuous batches may hold tokens drawn one
+update back (max_staleness=1), never more; the synchronous loop has none."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import anyio
-
-from ourobatch import Engine
-
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"iter (\d+): reward=([\d.]+) max\|ratio-1\|=([\d.e+-]+) policy_change=([\d.e+-]+) "
-                  r"rollout_versions=\[([\d, ]*)\] version=(\d+)")
+NUM = r"([\d.e+-]+|-)"  # a number, or "-": no token of that kind in the batch
+LINE = re.compile(rf"iter (\d+): reward=([\d.]+) stale_share=([\d.]+) max\|ratio-1\| current={NUM} mixed={NUM} "
+                  rf"stale={NUM} policy_change=([\d.e+-]+) rollout_versions=\[([\d, ]*)\] version=(\d+)")
+COLLECTOR = re.compile(r"collector: batches=(\d+) groups_stale=\d+ mixed_version_samples=\d+ samples_restarted=\d+ "
+                       r"staleness_histogram=(\{.*\})")
 
 
-def check(out: str, versions_in_rollouts: bool) -> None:
-    rows = [LINE.fullmatch(line) for line in out.strip().splitlines()]
-    assert len(rows) == 2 and all(rows), out
-    (it1, r1, mis1, moved1, v1, ver1), (it2, r2, mis2, _, v2, ver2) = (m.groups() for m in rows)
-    assert (it1, ver1, it2, ver2) == ("1", "1", "2", "2")
-    assert 0 <= float(r1) <= 1 and 0 <= float(r2) <= 1
-    assert float(moved1) > 1e-2  # the first step changed the policy ...
-    assert float(mis1) < 1e-4 and float(mis2) < 1e-4  # ... yet the engine's next rollouts match the trainer
-    if versions_in_rollouts:
-        assert (v1, v2) == ("0", "1")  # per-token weight_versions: the second batch ran on version 1
-
-
-def test_grpo_loop_two_iterations():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_loop.py"), "--iterations", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def run_grpo(*args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_loop.py"), "--iterations", "2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    check(proc.stdout, versions_in_rollouts=True)
+    return proc.stdout.strip().splitlines()
 
 
-def test_grpo_loop_without_update_weights_falls_back_to_a_checkpoint(monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import grpo_loop
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    monkeypatch.delattr(Engine, "update_weights")
-    monkeypatch.setattr(sys, "argv", ["grpo_loop.py", "--iterations", "2", "--prompts", "4"])
-    anyio.run(grpo_loop.main, grpo_loop.parse_args())
-    check(capsys.readouterr().out, versions_in_rollouts=False)  # a fresh engine restarts at version 0
+def check_iterations(lines: list[str], max_staleness: int) -> None:
+    rows = [LINE.fullmatch(line) for line in lines]
+    assert len(rows) == 2 and all(rows), lines
+    for k, m in enumerate(rows, start=1):
+        it, reward, stale_share, current, mixed, stale, moved, versions, version = m.groups()
+        assert (int(it), int(version)) == (k, k)
+        assert 0 <= float(reward) <= 1 and 0 <= float(stale_share) <= 1
+        rollout_versions = [int(v) for v in versions.split(",")]
+        # every token was drawn at most max_staleness updates before the learner's version (k - 1)
+        assert all(k - 1 - max_staleness <= v <= k - 1 for v in rollout_versions), versions
+        # the engine serves exactly the learner's weights: rounding only, wherever tokens are current
+        assert current == "-" or float(current) < 1e-4, m.group(0)
+        assert (stale == "-") == (float(stale_share) == 0), m.group(0)
+        if k == 1:  # nothing is stale before the first update, and the first step changes the policy
+            assert current != "-" and (mixed, stale) == ("-", "-")
+            assert float(moved) > 1e-2
 
+
+def test_grpo_loop_continuous():
+    lines = run_grpo()  # Collector, max_staleness=1, on_update="continue"
+    check_iterations(lines[:2], max_staleness=1)
+    m = COLLECTOR.fullmatch(lines[2])
+    assert m and m.group(1) == "2", lines
+    assert set(ast.literal_eval(m.group(2))) <= {0, 1}  # consumed tokens by staleness: within the bound
+
+
+def test_grpo_loop_sync():
+    lines = run_grpo("--sync")
+    check_iterations(lines, max_staleness=0)
+    assert all("stale_share=0.000 " in line and " stale=- " in line for line in lines), lines
