@@ -168,11 +168,14 @@ class Collector:
     async def _feed(self) -> None:
         try:
             while True:
+                started = False
                 while not self._closing and self._has_tasks() and self.budget.can_start_group():
                     item = await self._next_task()
                     if item is not None:
                         self._start(*item)
-                self._notify()
+                        started = True
+                if started or self._exhausted:  # only a change wakes the consumer (no ping-pong)
+                    self._notify()
                 await self._changed.wait()
         except Exception as exc:  # noqa: BLE001 - the task iterable failed: the consumer gets it
             self._fail(exc)
@@ -290,7 +293,7 @@ class Collector:
                 raise StopAsyncIteration
             if not b.groups_in_flight and not self._ready and self._has_tasks() and not b.can_start_group():
                 b.open_one_batch()  # no update is coming for work that was never started
-            self._notify()
+                self._notify()  # the feeder may start it
             await self._changed.wait()
 
     def _drop_stale(self) -> None:
@@ -302,6 +305,8 @@ class Collector:
                 self.budget.groups_ready -= 1
             else:
                 kept.append((seq, group))
+        if len(kept) < len(self._ready):
+            self._notify()  # the feeder regenerates them
         self._ready = kept
 
     async def _take_batch(self) -> Batch | None:
