@@ -55,7 +55,7 @@ class Group:
 
 @dataclass
 class Batch:
-    """groups_per_batch complete groups (the last batch may hold fewer), oldest first."""
+    """groups_per_batch complete groups (the last batch may hold fewer), in the order they completed."""
 
     index: int
     groups: list[Group]
