@@ -141,7 +141,6 @@ class SyncEngine:
         self._controlled(self._pause, mode)
 
     def _pause(self, core: EngineCore, mode: str) -> None:
-        core.control.check_pause_can_finish(mode)
         core.control.pause(mode)  # validates the mode
         if mode == "abort":
             self.abort_all()

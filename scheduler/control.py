@@ -161,7 +161,7 @@ class EngineControl:
     @property
     def needs_loop(self) -> bool:
         """Something the loop must decide on between steps (the stepping thread hands back)."""
-        return (self.run is not Run.RUNNING or self.holds > 0 or self._recompute or not self.may_step)
+        return self.run is not Run.RUNNING or self._recompute or not self.may_step  # may_step covers holds
 
     # ------------------------------------------------------------------ pause / resume
 
@@ -171,6 +171,7 @@ class EngineControl:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self.check("pause")
+        self._check_pause_can_finish(mode)
         if self.run is Run.PAUSED:
             if on_paused is not None:
                 on_paused()
@@ -215,7 +216,7 @@ class EngineControl:
             self._release_waiters()
         return self.may_step
 
-    def check_pause_can_finish(self, mode: str) -> None:
+    def _check_pause_can_finish(self, mode: str) -> None:
         """pause("wait") needs steps; refuse it where none can run and admitted requests would wait forever."""
         if mode == "wait" and self.state in ("asleep", "weights_missing") and (
                 self.scheduler.num_running or self.scheduler.num_started_waiting):

@@ -281,7 +281,6 @@ class AsyncDriver:
         self._check_running()
         done = anyio.Event()
         with self.lock:
-            self.control.check_pause_can_finish(mode)
             self.control.pause(mode, done.set)  # validates the mode
         if mode == "abort":
             self.abort_all()

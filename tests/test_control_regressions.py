@@ -14,14 +14,12 @@ import threading
 
 import anyio
 import pytest
-from safetensors.torch import load_file
 
 from ourobatch import (
     Engine,
     EngineAsleepError,
     EngineBusyError,
     EngineClosedError,
-    EngineConfig,
     EngineDeadError,
     InconsistentWeightsError,
     SamplingParams,
@@ -30,6 +28,7 @@ from ourobatch import (
 from ourobatch.testing import make_tiny_checkpoint
 
 from .helpers import GatedExecutor, until
+from .test_rl_control import config, tensors_of  # the same float64 engine and checkpoint tensors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,19 +40,8 @@ def ckpts(tmp_path_factory):
             make_tiny_checkpoint(root / "b", seed=4, eos_token_id=None))
 
 
-def config(ckpt, mode="deferred", B=4, **kw) -> EngineConfig:
-    base = dict(model=str(ckpt), dtype="float64", mode=mode, deep_interval=B, block_size=4, num_kv_blocks=256,
-                max_model_len=64)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
 def sp(seed, max_tokens=12) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
-
-
-def tensors_of(ckpt):
-    return load_file(str(ckpt / "model.safetensors"))
 
 
 def reference(ckpt, prompt, params, mode="deferred", B=4):

@@ -65,6 +65,7 @@ class Collector:
                  on_reward_error: str = "drop", seed: int = 0, progress: bool = False,
                  occupancy_interval_s: float = 0.25) -> None:
         self.engine = engine
+        self._is_pool = hasattr(engine, "num_replicas")  # an EnginePool: stats() gathers from actors (blocking)
         self.n, self.groups_per_batch = options.positive("n", n), options.positive("groups_per_batch", groups_per_batch)
         self.params = options.sample_params(params)
         self.on_update = options.choice("on_update", on_update, options.ON_UPDATE)
@@ -141,7 +142,7 @@ class Collector:
             self._stopped.set()
 
     async def _engine_stats(self) -> dict[str, Any]:
-        if hasattr(self.engine, "num_replicas"):  # an EnginePool: stats() gathers from the actors (blocking)
+        if self._is_pool:
             return await anyio.to_thread.run_sync(self.engine.stats)
         return self.engine.stats()
 
@@ -383,10 +384,9 @@ class Collector:
     # ------------------------------------------------------------------ stats
 
     async def _monitor(self) -> None:
-        is_pool = hasattr(self.engine, "num_replicas")
         start = time.perf_counter()
         while True:
-            running = None if is_pool else self.engine.stats()["num_running"]
+            running = None if self._is_pool else self.engine.stats()["num_running"]
             self.occupancy.append((time.perf_counter() - start, self.budget.samples_in_flight, running))
             await anyio.sleep(self._occupancy_interval_s)
 
