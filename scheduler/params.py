@@ -14,6 +14,8 @@ from typing import Any, Mapping
 # vLLM treats temperatures below this as greedy.
 GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1
+# num_top_logprobs for logprobs=-1: more than any vocabulary, so the engine's top-k is the whole vocabulary.
+ALL_TOP_LOGPROBS = 2**31 - 1
 # Completions per request at most. An engine also refuses n above its max_num_seqs (EngineCore.add).
 MAX_N = 4096
 
@@ -62,7 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False  # True: the checkpoint's eos does not end the request
     max_tokens: int = 16  # generated tokens at most (>= 1)
     logprobs: int | None = None  # k > 0: also report the top-k processed log-probs of every position;
-    #                                True / False are 1 / 0 (as in vLLM, where bool is an int)
+    #                                -1: the whole vocabulary (vLLM); True / False are 1 / 0 (as in vLLM)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # for streaming
     min_tokens: int = 0  # stop tokens and eos are masked (never sampled) until this many tokens exist
     # Penalties: vLLM's names; only the neutral values are supported (anything else is a ValueError).
@@ -112,7 +114,8 @@ class SamplingParams:
         if isinstance(self.logprobs, bool):
             object.__setattr__(self, "logprobs", int(self.logprobs))
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
+            _check_int("logprobs", self.logprobs, -1, allowed="logprobs >= 0 (the sampled token's log-prob plus "
+                       "the top k), -1 (the whole vocabulary) or None (off)")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    allowed=f"0 <= min_tokens <= max_tokens ({self.max_tokens})")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -152,7 +155,9 @@ class SamplingParams:
 
     @property
     def num_top_logprobs(self) -> int:
-        return self.logprobs or 0
+        """k of the top-k log-probs to report per token; logprobs=-1 (the whole vocabulary) is ALL_TOP_LOGPROBS,
+        which the engine caps at its vocabulary size."""
+        return ALL_TOP_LOGPROBS if self.logprobs == -1 else self.logprobs or 0
 
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
