@@ -87,9 +87,30 @@ SGLANG_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"
 SGLANG_DEFAULTS = {"max_tokens": 128}  # SGLang's max_new_tokens default (vLLM's max_tokens is 16)
 SGLANG_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "stop_regex": (None,),
-    "custom_params": (None, {}), "logit_bias": (None, {}), "dtype": (None,),
+    "logit_bias": (None, {}), "dtype": (None,),
 }
 SGLANG_IGNORED = frozenset({"stream_interval"})  # only how often a stream reports
+# custom_params keys that a patched SGLang reads to return what ourobatch does not compute, and why
+SGLANG_CUSTOM_PARAMS_REFUSED = {
+    "return_top_p_token_ids": "slime's patched SGLang then returns the token ids each top-p/top-k draw kept "
+                              "(meta_info top_p_token_ids / top_p_token_offsets, for top-p replay in the trainer), "
+                              "which the engine does not report (with logprobs_mode 'processed', the default, "
+                              "its log-probs already are those of the distribution each token was drawn from, "
+                              "after top-k/top-p). Sample with top_p 1 (slime: --rollout-top-p 1.0)",
+}
+
+
+def _check_custom_params(value: Any, where: str) -> None:
+    """SGLang hands ``custom_params`` only to the request's custom logit processor, and none runs here
+    (/generate refuses ``custom_logit_processor``), so a dict changes nothing: accepted, except a key
+    that a patched SGLang reads to return more than ourobatch computes (SGLANG_CUSTOM_PARAMS_REFUSED)."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where}.custom_params must be a JSON object or null, got {type(value).__name__}")
+    for key, why in SGLANG_CUSTOM_PARAMS_REFUSED.items():
+        if value.get(key) not in (None, False):
+            raise ValueError(f"{where}.custom_params.{key}={value[key]!r} is not supported: {why}")
 
 
 def _reject(where: str, name: str, value: Any, allowed: tuple[Any, ...], why: str = "") -> None:
@@ -206,6 +227,9 @@ def from_dict(params: Mapping[str, Any], dialect: str = "auto", where: str = "sa
     values: dict[str, Any] = dict(SGLANG_DEFAULTS)
     seen: dict[str, str] = {}
     for key, value in params.items():
+        if key == "custom_params":
+            _check_custom_params(value, where)
+            continue
         if key in SGLANG_UNSUPPORTED:
             if not any(value == a for a in SGLANG_UNSUPPORTED[key]):
                 _reject(where, key, value, SGLANG_UNSUPPORTED[key])
@@ -214,7 +238,7 @@ def from_dict(params: Mapping[str, Any], dialect: str = "auto", where: str = "sa
             continue
         name = SGLANG_RENAMES.get(key, key)
         if name not in FIELDS:
-            allowed = sorted(set(FIELDS) | set(SGLANG_RENAMES) | set(SGLANG_IGNORED))
+            allowed = sorted(set(FIELDS) | set(SGLANG_RENAMES) | set(SGLANG_IGNORED) | {"custom_params"})
             raise ValueError(f"unknown {where} field {key!r}; allowed: {allowed}")
         if name in seen:
             raise ValueError(f"{where} gives {name!r} twice, as {seen[name]!r} and as {key!r}; use one")

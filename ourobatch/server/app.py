@@ -2,10 +2,12 @@
 
 - OpenAI: ``/v1/completions`` (plain or SSE), ``/v1/models``;
 - token-in/token-out: ``/generate`` (SGLang's request and response shapes);
-- control: ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
-  ``/update_weights_from_disk``, ``/get_weight_version``, ``/flush_cache``, ``/sleep``, ``/wake_up``.
-  Each calls the Engine method of the same job (``pause``, ``resume``, ``load_weights``,
-  ``reset_prefix_cache``, ``sleep``, ``wake_up``) when the engine has it, and answers 501 otherwise;
+- control (control_routes.py, SGLang's names as slime and AReaL call them): ``/abort_request``,
+  ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, ``/get_weight_version``,
+  ``/flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/sleep``, ``/wake_up``,
+  ``/health_generate``, ``/get_server_info``, ``/get_model_info``. Each calls the Engine method of the same
+  job (``pause``, ``resume``, ``load_weights``, ``reset_prefix_cache``, ``sleep``, ``wake_up``) when the
+  engine has it, and answers 501 otherwise;
 - ``/health`` (503 while draining or once the engine is dead) and ``/metrics`` (Prometheus).
 
 The engine runs for the app's lifespan. Bad JSON or a bad field is a 400 whose message and ``param``
@@ -19,12 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import inspect
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -35,18 +34,13 @@ from ourobatch.config import EngineConfig
 from ourobatch.scheduler.errors import EngineClosedError, OurobatchError
 from ourobatch.text import Tokenizer
 
+from .chat import mount_chat
 from .completions import Generation
-from .errors import STATUS, BadRequest, NotImplementedRoute, error, error_response
+from .control_routes import DEFAULT_HEALTH_CHECK_TIMEOUT, control_router
+from .errors import STATUS, error, error_response
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import ServerMetrics
-from .protocol import (
-    AbortRequest,
-    CompletionRequest,
-    GenerateRequest,
-    PauseRequest,
-    SleepRequest,
-    UpdateWeightsFromDiskRequest,
-)
+from .protocol import CompletionRequest, GenerateRequest
 
 OPEN_ROUTES = ("/health",)  # no api key needed
 ALWAYS_ROUTES = ("/health", "/metrics")  # answered while draining
@@ -58,13 +52,18 @@ def _field(loc: tuple[Any, ...]) -> str:
 
 
 def create_app(config: EngineConfig, *, served_model_name: str | None = None, api_key: str | None = None,
-               tokenizer: Tokenizer | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               tokenizer: Tokenizer | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT) -> FastAPI:
     """The app for one engine built from `config` (started and closed with the app's lifespan). A request
-    body over `max_request_bytes` is answered 413 without being parsed."""
+    body over `max_request_bytes` is answered 413 without being parsed; /health_generate answers 503 when
+    its probe gets no engine step done within `health_check_timeout` seconds."""
     from ourobatch.async_engine import Engine
 
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
+    if isinstance(health_check_timeout, bool) or not isinstance(health_check_timeout, (int, float)) or \
+            not health_check_timeout > 0:
+        raise ValueError(f"health_check_timeout must be a number of seconds > 0, got {health_check_timeout!r}")
     model_name = served_model_name or str(config.model)
     metrics = ServerMetrics()
 
@@ -79,6 +78,7 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
 
     app = FastAPI(title="ourobatch", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.draining = False
+    app.state.recompute_on_continue = False  # set by /pause_generation mode "retract"
     app.state.metrics = metrics
     app.state.started = int(time.time())
 
@@ -110,6 +110,8 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await app.state.gen.generate(request, body)
 
+    mount_chat(app)  # /v1/chat/completions (chat.py)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         max_len = app.state.engine.stats().get("max_model_len", config.max_model_len)
@@ -136,72 +138,10 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    # ------------------------------------------------------------------ control
+    # ------------------------------------------------------------------ control (control_routes.py)
 
-    async def call(name: str, route: str, *args: Any, **kwargs: Any) -> Any:
-        method = getattr(app.state.engine, name, None)
-        if method is None:
-            raise NotImplementedRoute(f"{route} needs Engine.{name}(), which this version of ourobatch does not "
-                                      f"have yet")
-        result = method(*args, **kwargs)
-        return await result if inspect.isawaitable(result) else result
-
-    @app.post("/abort_request")
-    async def abort_request(body: AbortRequest) -> dict[str, Any]:
-        engine = app.state.engine
-        if body.abort_all == (body.rid is not None):
-            raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
-        if body.abort_all:
-            if hasattr(engine, "abort_all"):
-                aborted = await call("abort_all", "/abort_request")  # the aborted requests' outputs
-                return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
-            ids = list(engine.core.parents)
-            return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
-        return {"success": await engine.abort(body.rid), "aborted": None}
-
-    @app.post("/pause_generation")
-    async def pause_generation(body: PauseRequest | None = None) -> dict[str, Any]:
-        await call("pause", "/pause_generation", mode=(body or PauseRequest()).mode)
-        return {"success": True}
-
-    @app.post("/continue_generation")
-    async def continue_generation() -> dict[str, Any]:
-        await call("resume", "/continue_generation")
-        return {"success": True}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        if body.load_format not in (None, "auto"):
-            raise BadRequest(f"load_format={body.load_format!r}: only an HF safetensors folder ('auto') loads",
-                             "load_format")
-        if body.abort_all_requests:  # the body is checked whole first: a bad one aborts nothing
-            from ourobatch.engine.loader import checkpoint_files
-
-            await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
-            await abort_request(AbortRequest(abort_all=True))
-        version = await call("load_weights", "/update_weights_from_disk", body.model_path,
-                             version=body.weight_version)
-        return {"success": True, "message": f"loaded {body.model_path}",
-                "weight_version": version if version is not None else app.state.engine.stats()["weight_version"]}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, Any]:
-        return {"weight_version": app.state.engine.stats()["weight_version"]}
-
-    @app.post("/flush_cache")
-    async def flush_cache() -> dict[str, Any]:
-        await call("reset_prefix_cache", "/flush_cache")
-        return {"success": True}
-
-    @app.post("/sleep")
-    async def sleep(body: SleepRequest | None = None) -> dict[str, Any]:
-        await call("sleep", "/sleep", level=(body or SleepRequest()).level)
-        return {"success": True}
-
-    @app.post("/wake_up")
-    async def wake_up() -> dict[str, Any]:
-        await call("wake_up", "/wake_up")
-        return {"success": True}
+    app.include_router(control_router(config, model_name, str(tokenizer.path) if tokenizer is not None and
+                                      tokenizer.path is not None else None, health_check_timeout))
 
     return app
 

@@ -20,10 +20,11 @@ from anyio.streams.memory import MemoryObjectSendStream
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ourobatch.compat import from_dict
+from ourobatch.compat import from_sglang
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.text import Tokenizer, check_text_params
 
+from . import sglang_shapes
 from .errors import BadRequest
 from .limits import check_text_length
 from .protocol import CompletionRequest, GenerateRequest
@@ -164,6 +165,10 @@ class Generation:
     # ------------------------------------------------------------------ /generate
 
     async def generate(self, request: Request, body: GenerateRequest) -> Response:
+        started = time.perf_counter()  # meta_info.e2e_latency: seconds from here to the completion's end
+        refused = body.refused_field()
+        if refused is not None:
+            raise BadRequest(refused[1], refused[0])
         if body.logprob_start_len not in (None, -1):
             raise BadRequest("logprob_start_len: prompt log-probs are not computed; use -1 or leave it out",
                              "logprob_start_len")
@@ -183,7 +188,7 @@ class Generation:
         if len(raw) != len(prompts):
             raise BadRequest(f"got {len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
         try:
-            params = [from_dict(p, dialect="sglang") for p in raw]
+            params = [from_sglang(p) for p in raw]
         except (TypeError, ValueError) as exc:
             raise BadRequest(str(exc), "sampling_params") from None
         if body.top_logprobs_num:
@@ -191,38 +196,41 @@ class Generation:
         rids = [body.rid] if isinstance(body.rid, str) else body.rid
         if rids is not None and len(rids) != len(prompts):
             raise BadRequest(f"got {len(rids)} rid for {len(prompts)} prompts", "rid")
+        rids = rids or [uuid.uuid4().hex for _ in prompts]  # SGLang's: a fresh id each (for /abort_request)
+        text_of = None
+        if body.return_logprob and body.return_text_in_logprobs:
+            if self.tokenizer is None:
+                raise BadRequest("return_text_in_logprobs needs a tokenizer, and the server has none (no "
+                                 "tokenizer.json beside the model)", "return_text_in_logprobs")
+            text_of = self.tokenizer.token_text
         produce = await self.run(prompts, params, rids)
         flat = not (single and params[0].n == 1)
 
         def record(d: Delta, state: dict[str, Any]) -> dict[str, Any]:
             state["output_ids"] += d.token_ids
             state["text"] += d.text
-            state["lps"] += [[_finite(lp), t, None] for t, lp in zip(d.token_ids, d.logprobs)]
+            state["lps"] += sglang_shapes.triples(zip(d.token_ids, d.logprobs), text_of)
             state["loops"] += d.readout_loops
             k = body.top_logprobs_num
             if k and d.top_logprobs is not None:
-                state["tops"] += [[[_finite(v), t, None] for t, v in list(top.items())[:k]] for top in d.top_logprobs]
-            finish = None
-            if d.finish_reason is not None:
-                finish = {"type": d.finish_reason}
-                if d.finish_reason == "stop":
-                    finish["matched"] = d.stop_reason
-                elif d.finish_reason == "length":
-                    finish["length"] = len(state["output_ids"])
+                state["tops"] += [sglang_shapes.triples(list(top.items())[:k], text_of) for top in d.top_logprobs]
+            finish = sglang_shapes.finish_reason(d.finish_reason, d.stop_reason, state["output_ids"])
             meta = {"id": state["id"], "finish_reason": finish, "prompt_tokens": len(prompts[d.prompt_index]),
                     "completion_tokens": len(state["output_ids"]), "cached_tokens": 0,
                     "readout_loops": state["loops"], "weight_version": d.weight_version, "seed": d.seed}
+            if finish is not None:
+                meta["e2e_latency"] = time.perf_counter() - started
             out = {"text": state["text"], "output_ids": state["output_ids"], "meta_info": meta}
             if body.return_logprob:
                 meta["output_token_logprobs"] = out["output_token_logprobs"] = state["lps"]
                 if body.top_logprobs_num:
-                    meta["output_top_logprobs"] = state["tops"]  # per token: the k best [logprob, id, None]
+                    meta["output_top_logprobs"] = state["tops"]  # per token: the k best [logprob, id, text]
             return out
 
         states: dict[tuple[int, int], dict[str, Any]] = {}
 
         def state_of(d: Delta) -> dict[str, Any]:
-            rid = (rids[d.prompt_index] if rids else None) or f"gen-{d.prompt_index}"
+            rid = rids[d.prompt_index] if params[d.prompt_index].n == 1 else f"{rids[d.prompt_index]}:{d.index}"
             return states.setdefault((d.prompt_index, d.index), {"id": rid, "output_ids": [], "text": "",
                                                                   "lps": [], "loops": [], "tops": []})
 
