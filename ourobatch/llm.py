@@ -162,7 +162,8 @@ class LLM:
                     if checkers[i] is not None:
                         for j, child in enumerate(parent.children):
                             if stops[i][j] is None:
-                                stops[i][j] = checkers[i][j].check(child.output_token_ids)
+                                stops[i][j] = checkers[i][j].check(child.output_token_ids,  # eos first (vLLM)
+                                                                   child.finish_reason == "stop")
                                 if stops[i][j] is not None and not child.is_finished:
                                     core.abort(child.request_id)  # this completion only; siblings run on
                     if parent.finished:

@@ -70,7 +70,15 @@ class StopMatch:
 
 
 class StopChecker:
-    """Watches one completion's growing token list for the params' stop strings.
+    """Watches one completion's growing token list for the params' stop strings, in vLLM's order
+    (vllm/v1/engine/detokenizer.py): the engine's own stop first, then stop strings on the text.
+
+    A completion the engine ended on its last token (eos, or a stop_token_ids token: ``stop_terminated``)
+    has that token's text left out before stop strings are searched, unless include_stop_str_in_output,
+    so a stop string that is the eos token's text ("<|endoftext|>", lm-eval's default ``until``) never
+    matches it: the answer ends with eos, its text with the last real word. A stop string counts only
+    where it ends after the text of the first min_tokens tokens (vLLM). Of the stop strings a token
+    completes, the one that ends first in the text wins (ties: the order of ``stop``).
 
     The whole text is decoded and searched after each step (O(length) per step), and when it holds a stop
     string, each prefix since the last check is decoded to find the token that completed it."""
@@ -80,16 +88,22 @@ class StopChecker:
         self.params = params
         self.num_checked = 0  # tokens already known not to complete a stop string
 
-    def check(self, token_ids: Sequence[int]) -> StopMatch | None:
-        """The first stop string completed by the tokens after the checked ones, or None."""
-        n = len(token_ids)
-        if n <= self.num_checked:
+    def check(self, token_ids: Sequence[int], stop_terminated: bool = False) -> StopMatch | None:
+        """The first stop string completed by the tokens after the checked ones, or None.
+        `stop_terminated`: the engine ended the completion on the last of `token_ids`."""
+        ids = list(token_ids)
+        if stop_terminated and ids and not self.params.include_stop_str_in_output:
+            ids = ids[:-1]  # the stop token has no text (vLLM does not detokenize it)
+        n = len(ids)
+        first = max(self.num_checked, self.params.min_tokens) + 1  # a match needs a token after min_tokens
+        if n < first:
             return None
         skip = self.params.skip_special_tokens
-        if self._find(self.tokenizer.decode(token_ids[:n], skip)) is not None:
-            for k in range(self.num_checked + 1, n + 1):  # the first token that completes one
-                text = self.tokenizer.decode(token_ids[:k], skip)
-                found = self._find(text)
+        floor = len(self.tokenizer.decode(ids[:self.params.min_tokens], skip)) if self.params.min_tokens else 0
+        if self._find(self.tokenizer.decode(ids, skip), floor) is not None:
+            for k in range(first, n + 1):  # the first token that completes one
+                text = self.tokenizer.decode(ids[:k], skip)
+                found = self._find(text, floor)
                 if found is not None:
                     at, stop = found
                     end = at + len(stop) if self.params.include_stop_str_in_output else at
@@ -97,14 +111,14 @@ class StopChecker:
         self.num_checked = n
         return None
 
-    def _find(self, text: str) -> tuple[int, str] | None:
-        """(where, which) of the earliest stop string in text."""
-        best: tuple[int, str] | None = None
+    def _find(self, text: str, floor: int) -> tuple[int, str] | None:
+        """(where, which) of the stop string in text that ends first after `floor` characters."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.params.stop:
-            at = text.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        return best
+            at = text.find(stop, max(0, floor - len(stop) + 1))
+            if at >= 0 and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), at, stop)
+        return (best[1], best[2]) if best is not None else None
 
 
 def completion_text(tokenizer: Tokenizer | None, token_ids: Sequence[int], finish_reason: str | None,

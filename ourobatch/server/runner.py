@@ -49,7 +49,8 @@ class _Completion:
         self.done = False
 
     def update(self, prompt_index: int, c: CompletionOutput) -> Delta | None:
-        match = self.checker.check(c.token_ids) if self.checker is not None else None
+        stop_terminated = c.finish_reason == "stop"  # eos or a stop token: its text is left out first (vLLM)
+        match = self.checker.check(c.token_ids, stop_terminated) if self.checker is not None else None
         keep = match.num_tokens if match is not None else len(c.token_ids)
         finish, reason = c.finish_reason, None
         if match is not None:
