@@ -26,6 +26,7 @@ from ourobatch.scheduler.plan import (
     DeepWork,
     Phase,
     PrefillWork,
+    PromptLogprobs,
     SampledToken,
     SampleSpec,
     ShallowWork,
@@ -39,6 +40,7 @@ from .attention import SeqSpan
 from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
+from .prompt_logprobs import prompt_logprobs
 from .sampler import sample
 from . import weights
 from .verify import VerifyItem, verify_batch
@@ -122,15 +124,17 @@ class ModelExecutor:
             return StepResult(plan.step_id, (), tuple(failures), ())
         failures: list[StepFailure] = []
         readouts: list[_Readout] = []
+        prompt_lps: list[PromptLogprobs] = []
         failed: set[str] = set()
         events = self._start_timing()
 
         if plan.prefills:
             try:
                 self._enter(Phase.PREFILL, plan.prefills)
-                readouts += self._prefill(plan.prefills)
+                readouts += self._prefill(plan.prefills, prompt_lps)
             except Exception as exc:  # noqa: BLE001 - reported to the scheduler as data
                 failures.append(_failure(Phase.PREFILL, plan.prefills, exc))
+                prompt_lps.clear()
         if plan.shallow:
             try:
                 self._enter(Phase.SHALLOW, plan.shallow)
@@ -160,7 +164,7 @@ class ModelExecutor:
                 ids = tuple(rid for r in readouts for rid, _ in r.items)
                 failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
         self._stop_timing(events)
-        return StepResult(plan.step_id, tuple(sampled), tuple(failures), tuple(verified))
+        return StepResult(plan.step_id, tuple(sampled), tuple(failures), tuple(verified), tuple(prompt_lps))
 
     def _enter(self, phase: Phase, works) -> None:
         if self.fault_hook is not None:
@@ -180,7 +184,7 @@ class ModelExecutor:
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _prefill(self, works: tuple[PrefillWork, ...]) -> list[_Readout]:
+    def _prefill(self, works: tuple[PrefillWork, ...], prompt_out: list[PromptLogprobs]) -> list[_Readout]:
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
         rows = [self.tables.row_of[w.request_id] for w in run]
         starts = [w.start_position for w in run]
@@ -192,6 +196,9 @@ class ModelExecutor:
         ids = self._index([t for w in run for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
         last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
+        if any(w.prompt_logprobs is not None for w in run):  # engine/prompt_logprobs.py
+            prompt_out += prompt_logprobs(self.model, h_T, run, [span.row_start for span in meta.spans],
+                                          self.logprobs_mode, self.head_dtype, _require_finite)
         items = [(w.request_id, w.sample) for w in works if w.sample is not None]
         keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
         return [_Readout(h_T.index_select(0, self._index(keep)), items)] if items else []

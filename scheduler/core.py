@@ -262,11 +262,17 @@ class Scheduler:
                     updates[rid] = RequestUpdate(request, 0, True)
 
         T = self.config.total_ut_steps
+        prompt_lps = {x.request_id: x for x in result.prompt_logprobs}
         for p in plan.prefills:
             r = live(p.request_id)
             if r is not None and p.request_id not in failed:
                 r.num_deep_positions = p.start_position + len(p.token_ids)
                 self.kv.on_prefilled(r)
+                r.error = prefill.record_prompt_logprobs(r, p, prompt_lps.get(p.request_id))
+                if r.error is not None:
+                    failed.add(p.request_id)
+                    self._finish(r, RequestStatus.FINISHED_ERROR)
+                    updates[p.request_id] = RequestUpdate(r, 0, True)
         for w in plan.shallow:
             r = live(w.request_id)
             if r is not None and w.request_id not in failed and w.last_loop == T:

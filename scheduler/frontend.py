@@ -9,6 +9,7 @@ async driver calls the three parts itself so that ``execute`` runs on its worker
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -18,7 +19,7 @@ from .core import RequestUpdate, Scheduler, SchedulerConfig
 from .errors import RequestRejectedError
 from .validate import check_ids_free
 from .log import get_logger
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .params import MAX_SEED, SamplingParams
 from .plan import Executor, StepPlan, StepResult
 from .request import Request
@@ -57,6 +58,20 @@ def check_new_request(params: SamplingParams, request_id: str | None, max_num_se
     return request_id
 
 
+def build_prompt_logprobs(r: Request) -> list[dict[int, Logprob] | None] | None:
+    """r's prompt log-probs in vLLM's shape, or None until all P - 1 of them are computed."""
+    prompt = r.prompt_token_ids
+    if len(r.prompt_logprobs) < len(prompt) - 1:
+        return None
+    out: list[dict[int, Logprob] | None] = [None]
+    for token, (logprob, rank, top) in zip(prompt[1:], r.prompt_logprobs):
+        entry = {token: Logprob(logprob, rank)}
+        for i, (t, lp) in enumerate(top, start=1):
+            entry.setdefault(t, Logprob(lp, i))
+        out.append(entry)
+    return out
+
+
 @dataclass(eq=False)
 class ParentRequest:
     """A caller's request: one prompt, n child requests in the scheduler."""
@@ -66,6 +81,7 @@ class ParentRequest:
     params: SamplingParams
     children: list[Request] = field(default_factory=list)
     weight_version: int = 0
+    _prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -88,7 +104,15 @@ class ParentRequest:
                 top_logprobs=[dict(t) for t in top] if top is not None else None,
                 stop_reason=stop, error=c.error, num_drafted=c.num_drafted, num_accepted=c.num_accepted,
             ))
-        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished)
+        first = since is None or not since[0]  # DELTA outputs carry the prompt log-probs once, as vLLM's
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished,
+                             self.prompt_logprobs() if first else None)
+
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs (built once, when completion 0's prefill has computed them all)."""
+        if self._prompt_logprobs is None and self.params.prompt_logprobs is not None and self.children:
+            self._prompt_logprobs = build_prompt_logprobs(self.children[0])
+        return self._prompt_logprobs
 
     def num_tokens(self) -> list[int]:
         return [c.num_output_tokens for c in self.children]
@@ -130,6 +154,8 @@ class EngineCore:
         for i, cid in enumerate(child_ids):
             # Child 0 is validated first; the others differ only in seed and id, so they cannot fail.
             child_params = params.with_seed(child_seed(params.seed, i))
+            if i and params.prompt_logprobs is not None:  # the prompt's log-probs are the request's: completion
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)  # 0 computes them
             parent.children.append(self.scheduler.add(cid, prompt_token_ids, child_params))
             self._parent_of[cid] = request_id
         self._num_unseeded += unseeded

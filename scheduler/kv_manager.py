@@ -78,6 +78,9 @@ class KVManager:
         # A fork shares every block (its token comes from the owner's readout); anything else never shares
         # the block of its last token, whose readout it must compute.
         limit = len(keys) if owner is not None else (len(tokens) - 1) // bs
+        needed = r.prompt_logprobs_from  # prompt log-probs need that position's readout computed: share no
+        if needed is not None:           # block holding it (a fork would skip it too)
+            limit = min(limit, needed // bs)
         shared: list[int] = []
         cached = self.blocks.lookup(keys) if self.enable_prefix_caching else []
         for i, key in enumerate(keys[:limit]):

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: one token's log-prob, its 1-based rank among its position's log-probs (1 = the most
+    likely; None where it is not known) and its text (None from the token engines, which hold no tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt."""
 
@@ -38,3 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # with SamplingParams(prompt_logprobs=k), vLLM's shape: None for position 0, then per prompt position a
+    # dict token id -> Logprob: the prompt token first, then the k best (in rank order); None when not asked
+    # for or not computed (a request that ended before its prefill did). DELTA streams carry it once.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

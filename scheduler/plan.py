@@ -30,6 +30,17 @@ class SampleSpec:
 
 
 @dataclass(frozen=True)
+class PromptLogprobSpec:
+    """Report prompt log-probs from a prefill chunk: the log-prob of each prompt token under loop T's readout
+    at the position before it (raw or processed per the engine's logprobs_mode), its rank, the top k."""
+
+    start_position: int  # scheduler: readout position of row 0; its target is the prompt token at start_position + 1
+    target_token_ids: tuple[int, ...]  # scheduler: the prompt tokens at start_position + 1, ...: one per readout row
+    num_top: int  # scheduler: SamplingParams.prompt_logprobs: k best to report too (0: none; -1: the whole vocabulary)
+    params: SamplingParams  # scheduler: temperature and filters, for logprobs_mode "processed"
+
+
+@dataclass(frozen=True)
 class PrefillWork:
     """Run all T loops over prompt tokens, filling every cache plane at their positions."""
 
@@ -43,6 +54,8 @@ class PrefillWork:
     # scheduler: a sample of the same prompt forked from another prefill of this step (token_ids is empty,
     # every block is shared): its token is drawn from that request's readout at the prompt's last position
     sample_from: str | None = None
+    # scheduler: the prompt log-probs this chunk's readouts give (positions inside the chunk), or None
+    prompt_logprobs: PromptLogprobSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,17 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt log-probs of one PrefillWork's PromptLogprobSpec, one entry per target token."""
+
+    request_id: str
+    start_position: int  # engine: the spec's start_position
+    logprobs: tuple[float, ...]  # engine: each target's log-prob (logprobs_mode: processed or raw)
+    ranks: tuple[int, ...]  # engine: each target's 1-based rank in its row (ties: the lower token id ranks first)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # engine: per row the k best, in rank order (k != 0)
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     """The outcome of verifying one request's drafts against loop T (verify mode)."""
 
@@ -144,6 +168,7 @@ class StepResult:
     sampled: tuple[SampledToken, ...] = ()
     failures: tuple[StepFailure, ...] = field(default=())
     verified: tuple[VerifyResult, ...] = ()  # verify mode: one per DeepWork with verify=True
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per PrefillWork with a PromptLogprobSpec
 
 
 class Executor(Protocol):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from .block_manager import BlockKey
 from .kv_manager import Admission, PendingPrefills
-from .plan import PrefillWork, SampleSpec
+from .plan import PrefillWork, PromptLogprobs, PromptLogprobSpec, SampleSpec
 from .request import Request, RequestStatus, set_status
 
 if TYPE_CHECKING:
@@ -79,6 +79,35 @@ def next_chunk_blocks(sched: "Scheduler") -> int:
         end = min(r.num_deep_positions + bs, _num_tokens(r))
         need += max(0, sched.blocks.blocks_for(end) - len(r.block_ids))
     return need
+
+
+def prompt_logprob_spec(r: Request, start: int, end: int) -> PromptLogprobSpec | None:
+    """The prompt log-probs a chunk computing positions [start, end) of `r` gives: the readouts at the
+    positions still needed (from r.prompt_logprobs_from) before the last prompt position, whose readout
+    samples generated token 1 instead. Admission shares no block holding a needed position."""
+    first = r.prompt_logprobs_from
+    if first is None:
+        return None
+    assert start <= first, f"req {r.request_id}: prompt log-probs from {first}, but the prefill starts at {start}"
+    last = min(end, r.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptLogprobSpec(first, r.prompt_token_ids[first + 1:last + 1], r.params.prompt_logprobs, r.params)
+
+
+def record_prompt_logprobs(r: Request, work: PrefillWork, got: PromptLogprobs | None) -> str | None:
+    """Append a successful chunk's prompt log-probs to `r`; the error to end `r` with if the executor's
+    result does not match the spec (an executor bug must not pass silently)."""
+    spec = work.prompt_logprobs
+    if spec is None:
+        return None
+    n = len(spec.target_token_ids)
+    if (got is None or got.start_position != spec.start_position or len(got.logprobs) != n or len(got.ranks) != n
+            or spec.start_position != len(r.prompt_logprobs) or len(got.top_logprobs) not in (0, n)):
+        return "the executor returned no (or mismatched) prompt log-probs for this request"
+    tops = got.top_logprobs or ((),) * n
+    r.prompt_logprobs.extend(zip(got.logprobs, got.ranks, tops))
+    return None
 
 
 def _num_tokens(r: Request) -> int:
@@ -140,7 +169,8 @@ class ChunkPlanner:
         last = end == total
         spec = SampleSpec(sched.config.total_ut_steps, r.num_outputs_at_prefill + 1, r.params) if last else None
         tokens = (r.prompt_token_ids + tuple(r.output_token_ids))[start:end]
-        self.works.append(PrefillWork(r.request_id, tokens, start, r.block_ids, spec, sample_from))
+        self.works.append(PrefillWork(r.request_id, tokens, start, r.block_ids, spec, sample_from,
+                                      prompt_logprob_spec(r, start, end)))
         self.left = max(0, self.left - n)
         self.num_tokens += n
         if last:

@@ -48,6 +48,9 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
+# One prompt position's log-prob: (logprob of the prompt token, its rank, the k best (token, logprob) pairs)
+PromptLogprob = tuple[float, int, tuple[tuple[int, float], ...]]
+
 _S = RequestStatus
 _ENDS_EARLY = frozenset({_S.FINISHED_ABORTED, _S.FINISHED_ERROR})
 _ENDS = frozenset({_S.FINISHED_STOPPED, _S.FINISHED_LENGTH}) | _ENDS_EARLY
@@ -95,6 +98,8 @@ class Request:
     num_drafted: int = 0  # verify mode: drafts checked against loop T
     num_accepted: int = 0  # verify mode: drafts accepted
     error: str | None = None  # why it ended with finish_reason "error"
+    # params.prompt_logprobs set: (logprob, rank, top k) of prompt positions 1, 2, ... computed so far
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +113,15 @@ class Request:
     def num_cache_positions(self) -> int:
         """Positions this request may ever write: P + max_tokens - 1 (the last token is never fed)."""
         return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first position whose loop-T readout a prefill must still compute for prompt log-probs (its
+        target is the prompt token after it); None when none is needed (not asked for, or all computed).
+        No shared (prefix-cached) block may cover it: kv_manager.plan_admission stops sharing before it."""
+        if self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:
