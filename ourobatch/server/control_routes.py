@@ -245,7 +245,7 @@ async def _unhealthy(state: Any, timeout: float) -> str | None:
 
 async def _probe(engine: Any, timeout: float) -> str | None:
     """One greedy token from [0]; healthy as soon as it finishes or any engine step completes meanwhile."""
-    steps = engine.stats()["steps"]
+    steps = engine.stats()["engine_steps"]  # steps completed (the async driver's count, after each update)
     outcome: dict[str, Any] = {}
 
     async def generate(scope: anyio.CancelScope) -> None:
@@ -258,7 +258,7 @@ async def _probe(engine: Any, timeout: float) -> str | None:
         scope.cancel()
 
     async def watch(scope: anyio.CancelScope) -> None:
-        while engine.stats()["steps"] == steps:
+        while engine.stats()["engine_steps"] == steps:
             await anyio.sleep(PROGRESS_POLL_S)
         outcome["progress"] = True
         scope.cancel()
