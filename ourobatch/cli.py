@@ -168,7 +168,7 @@ def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _LazyTokenizer:
-    """tokenizer.json beside the checkpoint, loaded on first use with the `tokenizers` package."""
+    """tokenizer.json beside the checkpoint, loaded on first use (ourobatch.text.Tokenizer)."""
 
     def __init__(self, model_dir: Path) -> None:
         self.path = model_dir / "tokenizer.json"
@@ -187,31 +187,15 @@ class _LazyTokenizer:
             if not self.exists:
                 self._error = f"there is no tokenizer.json beside the checkpoint ({self.path})"
             else:
+                from ourobatch.text import Tokenizer
+
                 try:
-                    from tokenizers import Tokenizer
-                except ImportError:
-                    self._error = ("the `tokenizers` package is not installed "
-                                   "(pip install tokenizers, or pip install 'ourobatch[text]')")
-                else:
-                    try:
-                        self._tok = Tokenizer.from_file(str(self.path))
-                    except Exception as exc:  # noqa: BLE001 - any parse failure of the file
-                        self._error = f"cannot load {self.path}: {exc}"
+                    self._tok = Tokenizer.from_path(self.path)
+                except (ImportError, ValueError) as exc:  # `tokenizers` missing (its extra named), a bad file
+                    self._error = str(exc)
         if self._tok is None:
             raise RuntimeError(self._error)
         return self._tok
-
-    def unknown_words(self, text: str, encoding: Any) -> tuple[list[str], str]:
-        """Words of `text` that the tokenizer maps to its unk token (a WordLevel or WordPiece vocabulary
-        does so silently), and that token; ([], "") for tokenizers without one (byte-level BPE)."""
-        tok = self.get()
-        unk = getattr(tok.model, "unk_token", None)
-        unk_id = tok.token_to_id(unk) if unk else None
-        if unk_id is None:
-            return [], ""
-        words = [text[a:b] for tid, (a, b) in zip(encoding.ids, encoding.offsets)
-                 if tid == unk_id and text[a:b] != unk]  # the unk token written out is a real token
-        return list(dict.fromkeys(words)), unk
 
     def available(self) -> bool:
         if not self.exists:
@@ -265,13 +249,10 @@ def _parse_line(lineno: int, text: str, defaults: dict[str, Any], tokenizer: _La
         except RuntimeError as exc:
             raise ValueError(f'a text "prompt" needs a tokenizer, but {exc}; '
                              f'give "prompt_token_ids" instead') from None
-        encoding = tok.encode(prompt)
-        unknown, unk = tokenizer.unknown_words(prompt, encoding)
-        if unknown:
-            shown = ", ".join(repr(w) for w in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
-            raise ValueError(f'"prompt" has {len(unknown)} word(s) not in the vocabulary of {tokenizer.path.name}: '
-                             f"{shown} (the tokenizer would silently read each as {unk!r})")
-        ids = list(encoding.ids)
+        try:
+            ids = tok.encode(prompt)  # a word outside the vocabulary is refused (ourobatch.text, one rule)
+        except ValueError as exc:
+            raise ValueError(f'"prompt": {exc}') from None
     if not ids:
         raise ValueError("the prompt is empty (it must hold at least one token)")
 
@@ -469,9 +450,15 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the HTTP server has its own options (ourobatch.server.cli)
-        from ourobatch.server.cli import main as serve
+        from ourobatch._extras import MissingExtraError
 
-        return serve(argv[1:])
+        try:
+            from ourobatch.server.cli import main as serve
+
+            return serve(argv[1:])
+        except MissingExtraError as exc:  # one line naming the pip install, not a traceback
+            print(f"ourobatch serve: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

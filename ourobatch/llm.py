@@ -17,11 +17,16 @@ from typing import Any, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from ourobatch.scheduler.errors import EngineClosedError
+from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams
 
+from ._extras import MissingExtraError
+from .chat_template import ChatTemplate, conversations, no_template_error, read_special_tokens
 from .compat import LLMRequestOutput, to_sampling_params, to_vllm_completion
 from .config import EngineConfig
 from .text import StopChecker, Tokenizer, check_text_params
+
+log = get_logger("ourobatch.llm")
 
 # vLLM engine arguments with no counterpart here, and the values that mean "the same as ourobatch does".
 # Other values raise: dropping them would change what runs. None: every value is fine (no effect here).
@@ -95,10 +100,16 @@ class LLM:
                                    max_model_len=max_model_len, seed=seed,
                                    gpu_memory_utilization=gpu_memory_utilization, **options)
         self.tokenizer: Tokenizer | None = None
-        if not skip_tokenizer_init:
-            source = Path(tokenizer) if tokenizer is not None else Path(model)
-            if tokenizer is not None or (source / "tokenizer.json").is_file():
-                self.tokenizer = Tokenizer.from_path(source)  # one that was asked for must load
+        self._tokenizer_missing: MissingExtraError | None = None  # a tokenizer.json, but no `tokenizers`
+        if tokenizer is not None and not skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_path(tokenizer)  # one that was asked for must load
+        elif not skip_tokenizer_init and (Path(model) / "tokenizer.json").is_file():
+            try:
+                self.tokenizer = Tokenizer.from_path(model)
+            except MissingExtraError as exc:  # token-id prompts run on; whatever needs text says why not
+                self._tokenizer_missing = exc
+                log.warning("no_tokenizer", reason=str(exc),
+                            effect="text prompts, stop strings and chat are refused; completions have text ''")
         self._core = build_engine_core(self.config)
         self._next_id = 0
 
@@ -135,6 +146,8 @@ class LLM:
         else:
             per_prompt = [to_sampling_params(sampling_params)] * len(batch)
         for p in per_prompt:
+            if p.stop:
+                self._require_tokenizer(f"stop={list(p.stop)!r}")
             check_text_params(p, self.tokenizer)
         parents = []
         try:
@@ -204,14 +217,60 @@ class LLM:
                 raise ValueError(f"prompts[{i}] needs 'prompt_token_ids' or 'prompt'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is text, but no tokenizer is loaded (no tokenizer.json beside the "
-                                 f"model, or skip_tokenizer_init=True); give token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
+            tok = self._require_tokenizer(f"prompts[{i}] is text: it")
+            try:
+                return prompt, tok.encode(prompt)
+            except ValueError as exc:  # a word outside the vocabulary
+                raise ValueError(f"prompts[{i}]: {exc}") from None
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             return None, list(prompt)
         raise TypeError(f"prompts[{i}] must be a token-id list, a {{'prompt_token_ids': [...]}} dict or text, got "
                         f"{type(prompt).__name__}")
+
+    def chat(self, messages: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: Any = None,
+             documents: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
+             **unsupported: Any) -> list[LLMRequestOutput]:
+        """vLLM's ``LLM.chat``: render each conversation with the chat template, then ``generate``.
+
+        `messages`: one conversation (a list of ``{"role", "content"}`` dicts; content a string or a list of
+        text parts) or a list of conversations. `chat_template`: the template text (default: the
+        tokenizer folder's, see ourobatch.chat_template). The rendered text is tokenized without the
+        tokenizer's own special tokens (the template writes them) and is each output's ``prompt``."""
+        if unsupported:  # lora_request, mm_processor_kwargs, ...
+            raise TypeError(f"LLM.chat() got unsupported argument(s) {sorted(unsupported)}")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported "
+                             f"(allowed: 'auto', 'string': a message's text parts are joined into one string)")
+        tok = self._require_tokenizer("LLM.chat")
+        template = tok.chat_template
+        if chat_template is not None:
+            special = template.special_tokens if template is not None else read_special_tokens(tok.path.parent)
+            template = ChatTemplate({"default": chat_template}, "chat_template=...", special)
+        if template is None:
+            raise no_template_error(tok.path.parent if tok.path else None, "pass LLM.chat(..., chat_template=TEXT)")
+        convs = conversations(messages)
+        prompts = []
+        for i, conv in enumerate(convs):
+            where = f"messages[{i}]: " if len(convs) > 1 else ""
+            try:
+                text = template.render(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                       continue_final_message=continue_final_message, documents=documents,
+                                       chat_template_kwargs=chat_template_kwargs)
+                ids = tok.encode(text, add_special_tokens=False)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}{exc}") from None
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self._tokenizer_missing is not None:
+            raise MissingExtraError(f"{what} needs the tokenizer: {self._tokenizer_missing}")
+        raise ValueError(f"{what} needs a tokenizer, but no tokenizer is loaded (no tokenizer.json beside the "
+                         f"model, or skip_tokenizer_init=True); give token ids instead")
 
     # ------------------------------------------------------------------ lifecycle
 

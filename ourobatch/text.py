@@ -16,34 +16,65 @@ from typing import Any, Sequence
 
 from ourobatch.scheduler.params import SamplingParams
 
+from ._extras import require
+from .chat_template import ChatTemplate, load_chat_template
+
 
 class Tokenizer:
-    """A tokenizer.json (Hugging Face `tokenizers`), with the calls the front ends need."""
+    """A tokenizer.json (Hugging Face `tokenizers`, the `text` extra), with the calls the front ends need."""
 
     def __init__(self, tok: Any, path: Path | None = None) -> None:
         self.tok = tok
         self.path = path
+        # the checkpoint's chat template(s), read beside tokenizer.json as Hugging Face does (None: none);
+        # the server's --chat-template replaces it
+        self.chat_template: ChatTemplate | None = None
 
     @classmethod
     def from_path(cls, path: str | Path) -> "Tokenizer":
-        """`path`: a tokenizer.json file or a folder holding one. Raises ValueError saying why not."""
+        """`path`: a tokenizer.json file or a folder holding one, with the chat template beside it if any.
+        Raises ValueError saying why not, MissingExtraError without the `tokenizers` package."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"no tokenizer.json at {path}")
+        tokenizers = require("tokenizers", "text", f"reading {path.name} (text prompts, output text)")
         try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError:
-            raise ValueError("the `tokenizers` package is not installed (pip install tokenizers, or "
-                             "pip install 'ourobatch[text]')") from None
-        try:
-            return cls(HFTokenizer.from_file(str(path)), path)
+            tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - any parse failure of the file
             raise ValueError(f"cannot load {path}: {exc}") from None
+        tokenizer = cls(tok, path)
+        tokenizer.chat_template = load_chat_template(path.parent)  # ValueError for a malformed one
+        return tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. A word the vocabulary lacks is a ValueError naming it: a word-level (or
+        WordPiece) tokenizer would map it to its unk token without a word, and for the shipped model that
+        token is eos. `add_special_tokens`: the tokenizer's post-processor (a BOS it adds); a chat prompt
+        rendered from a template has its own and is encoded without (as vLLM does)."""
+        encoding = self.tok.encode(text, add_special_tokens=add_special_tokens)
+        unknown, unk = self.unknown_words(text, encoding)
+        if unknown:
+            shown = ", ".join(repr(w) for w in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+            raise ValueError(f"{len(unknown)} word(s) not in the vocabulary of {self.name}: {shown} (the tokenizer "
+                             f"would silently read each as {unk!r}); send token ids for other text")
+        return list(encoding.ids)
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path is not None else "the tokenizer"
+
+    def unknown_words(self, text: str, encoding: Any) -> tuple[list[str], str]:
+        """The words of `text` that `encoding` maps to the tokenizer's unk token, and that token; ([], "")
+        for a tokenizer without one (byte-level BPE encodes every text)."""
+        unk = getattr(self.tok.model, "unk_token", None)
+        unk_id = self.tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return [], ""
+        words = [text[a:b] for tid, (a, b) in zip(encoding.ids, encoding.offsets)
+                 if tid == unk_id and text[a:b] != unk]  # the unk token written out is a real token
+        return list(dict.fromkeys(words)), unk
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -313,6 +313,7 @@ def test_generate_ids_are_unique_and_abortable_without_rid(server, client, gate)
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     finish = events[-1]["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and "aborted" in finish["message"] and len(events[-1]["output_ids"]) < 40
+    assert client.post("/abort_request", json={"rid": "", "abort_all": True}).json()["success"] is True  # SGLang's
 
 
 def test_generate_finish_reasons_are_sglangs(client, reference):

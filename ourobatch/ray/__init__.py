@@ -14,13 +14,10 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        try:
-            module = importlib.import_module(_LAZY[name])
-        except ModuleNotFoundError as exc:
-            if exc.name != "ray" and not (exc.name or "").startswith("ray."):
-                raise
-            raise ImportError(f"ourobatch.ray.{name} needs Ray: pip install 'ourobatch[ray]' (or 'ray>=2.40')") from exc
-        return getattr(module, name)
+        from ourobatch._extras import require
+
+        require("ray", "ray", f"ourobatch.ray.{name}")  # MissingExtraError naming the pip install
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ourobatch.ray' has no attribute {name!r}")
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ourobatch._extras import require
+
+for _package in ("fastapi", "uvicorn", "prometheus_client"):  # one line naming the pip install, if missing
+    require(_package, "server", "the HTTP server (ourobatch.server, python -m ourobatch serve)")
+del _package
+
 
 def create_app(*args: Any, **kwargs: Any) -> Any:
     """ourobatch.server.app.create_app (imported on first use: it needs fastapi)."""

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health (default: no key)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json or its folder "
                         "(default: the model folder's, if any; without one, text prompts are refused)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE", help="the jinja chat template for "
+                        "/v1/chat/completions (or its text), instead of the checkpoint's (tokenizer_config.json's "
+                        "chat_template or chat_template.jinja)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds "
                         "in-flight requests get to finish before they are aborted (default: %(default)s)")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
@@ -102,11 +105,19 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 def load_tokenizer(args: argparse.Namespace) -> Any:
     from ourobatch.text import Tokenizer
 
+    tokenizer = None
     if args.tokenizer is not None:
-        return Tokenizer.from_path(args.tokenizer)
-    if (Path(args.model) / "tokenizer.json").is_file():
-        return Tokenizer.from_path(args.model)
-    return None
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+    elif (Path(args.model) / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_path(args.model)
+    if args.chat_template is not None:  # replaces the checkpoint's, checked (compiled) before the model loads
+        from ourobatch.chat_template import template_override
+
+        if tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer (chat prompts are text): give --tokenizer, or a "
+                             "model folder with tokenizer.json")
+        tokenizer.chat_template = template_override(args.chat_template, tokenizer.path.parent)
+    return tokenizer
 
 
 def make_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "warning") -> Any:

@@ -56,8 +56,9 @@ class Generation:
     def eos(self) -> frozenset[int]:
         return self.engine.core.scheduler.config.eos_token_ids
 
-    async def encode(self, texts: list[str], fields: list[str]) -> list[list[int]]:
-        """Token ids of each text, tokenized on a worker thread once every text passed the length bound."""
+    async def encode(self, texts: list[str], fields: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, tokenized on a worker thread once every text passed the length bound. A
+        word outside the vocabulary is a 400 naming it and the field (ourobatch.text.Tokenizer.encode)."""
         if not texts:
             return []
         if self.tokenizer is None:
@@ -66,7 +67,17 @@ class Generation:
         for text, field in zip(texts, fields):
             check_text_length(text, self.max_model_len, field)
         encode = self.tokenizer.encode
-        return await anyio.to_thread.run_sync(lambda: [encode(t) for t in texts])
+
+        def encode_all() -> list[list[int]]:
+            out = []
+            for text, field in zip(texts, fields):
+                try:
+                    out.append(encode(text) if add_special_tokens else encode(text, add_special_tokens=False))
+                except ValueError as exc:
+                    raise BadRequest(f"{field}: {exc}", field) from None
+            return out
+
+        return await anyio.to_thread.run_sync(encode_all)
 
     def token_str(self, token_id: int, as_ids: bool) -> str:
         if as_ids or self.tokenizer is None:
@@ -88,10 +99,16 @@ class Generation:
 
     # ------------------------------------------------------------------ /v1/completions
 
+    def unknown_model(self, model: str | None) -> Response | None:
+        """OpenAI's 404 for a request naming another model (None: the model is ours or not named)."""
+        if model is None or model == self.model_name:
+            return None
+        return JSONResponse({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+                                       "param": "model", "code": 404}}, status_code=404)
+
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        if body.model is not None and body.model != self.model_name:
-            return JSONResponse({"error": {"message": f"The model `{body.model}` does not exist.", "type":
-                                           "NotFoundError", "param": "model", "code": 404}}, status_code=404)
+        if (missing := self.unknown_model(body.model)) is not None:
+            return missing
         params = body.sampling_params()
         prompts = await self._completion_prompts(body.prompt)
         if body.request_id is not None and len(prompts) > 1:

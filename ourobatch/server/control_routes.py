@@ -95,7 +95,8 @@ def control_router(config: Any, model_name: str, tokenizer_path: str | None,
     @router.post("/abort_request")
     async def abort_request(request: Request, body: AbortRequest) -> dict[str, Any]:
         engine = request.app.state.engine
-        if body.abort_all == (body.rid is not None):
+        rid = body.rid or None  # SGLang's AbortReq defaults rid to "" (no request)
+        if body.abort_all == (rid is not None):
             raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
         if body.abort_all:
             if hasattr(engine, "abort_all"):
@@ -103,7 +104,7 @@ def control_router(config: Any, model_name: str, tokenizer_path: str | None,
                 return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
             ids = list(engine.core.parents)
             return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
-        return {"success": await engine.abort(body.rid), "aborted": None}
+        return {"success": await engine.abort(rid), "aborted": None}
 
     @router.post("/pause_generation")
     async def pause_generation(request: Request, body: PauseRequest | None = None) -> dict[str, Any]:
