@@ -1,6 +1,7 @@
 """ModelExecutor: runs a StepPlan on the model and the paged pool, returns a StepResult.
 
-Order within a step: prefills (loops 1..T), the shallow call (one fed token per decoding request,
+Order within a step: prefills (loops 1..T; their loop-T readouts also give the prompt log-probs a
+PrefillWork asks for, engine/prompt_logprobs.py), the shallow call (one fed token per decoding request,
 loops 1..last_loop), the deep call (retained rows of every boundary request, loops first_loop..T, one
 batch), then one batched sampling pass over every work item that carries a SampleSpec.
 

@@ -81,6 +81,12 @@ VLLM_FIELDS: dict[str, FieldRule] = {
 }
 
 
+# The log-probs vLLM's own surfaces report by default (vLLM's logprobs_mode "raw_logprobs": log_softmax of the
+# model's logits before temperature and filters, what a trainer's forward computes). It is the default of
+# the vLLM-shaped surfaces, ourobatch.LLM and `ourobatch serve` (the OpenAI routes); the native Engine and
+# SyncEngine keep EngineConfig's "processed" (the distribution each token was drawn from).
+VLLM_LOGPROBS_MODE = "raw"
+
 # SGLang name -> ourobatch name. SGLang's other sampling fields are the same as vLLM's.
 SGLANG_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
                   "no_stop_trim": "include_stop_str_in_output"}

@@ -22,7 +22,8 @@ from ourobatch.scheduler.params import SamplingParams
 
 from ._extras import MissingExtraError
 from .chat_template import ChatTemplate, conversations, no_template_error, read_special_tokens
-from .compat import LLMRequestOutput, to_sampling_params, to_vllm_completion
+from .compat import (VLLM_LOGPROBS_MODE, LLMRequestOutput, to_sampling_params, to_vllm_completion,
+                     to_vllm_prompt_logprobs)
 from .config import EngineConfig
 from .text import StopChecker, Tokenizer, check_text_params
 
@@ -40,7 +41,7 @@ VLLM_ONLY_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     "compilation_config": None, "worker_extension_cls": None, "enable_prefix_caching": None,
 }
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# vLLM's logprobs_mode spellings -> EngineConfig.logprobs_mode (vLLM's default is raw; ourobatch's processed)
+# vLLM's logprobs_mode spellings -> EngineConfig.logprobs_mode (LLM's default: raw, as vLLM's; Engine's processed)
 LOGPROBS_MODE_ALIASES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 
@@ -58,6 +59,8 @@ class LLM:
     arguments are EngineConfig fields (``mode``, ``deep_interval``, ``shallow_loops``, ``max_num_seqs``,
     ...; the default is full-depth decoding) or vLLM engine arguments with no effect here
     (VLLM_ONLY_OPTIONS; a value that would change what runs, like ``tensor_parallel_size=2``, raises).
+    Reported log-probs are raw by default, as vLLM's (``logprobs_mode="processed"`` for the distribution
+    each token was drawn from, the native Engine's default).
     """
 
     def __init__(self, model: str | Path, *, dtype: Any = "auto", max_model_len: int | None = None, seed: int = 0,
@@ -67,6 +70,7 @@ class LLM:
         from ._core import build_engine_core  # torch loads here
 
         options = dict(engine_options)
+        options.setdefault("logprobs_mode", VLLM_LOGPROBS_MODE)  # vLLM's default, raw (EngineConfig's: processed)
         mode = options.get("logprobs_mode")
         if isinstance(mode, str) and mode in LOGPROBS_MODE_ALIASES:
             options["logprobs_mode"] = LOGPROBS_MODE_ALIASES[mode]
@@ -193,7 +197,9 @@ class LLM:
         for (text, _), p, parent, hits in zip(batch, per_prompt, parents, stops):
             out = parent.output()
             completions = [to_vllm_completion(c, p, self.tokenizer, eos, hit) for c, hit in zip(out.outputs, hits)]
-            results.append(LLMRequestOutput(out.request_id, text, list(out.prompt_token_ids), completions))
+            results.append(LLMRequestOutput(out.request_id, text, list(out.prompt_token_ids), completions,
+                                            prompt_logprobs=to_vllm_prompt_logprobs(out.prompt_logprobs, p,
+                                                                                    self.tokenizer)))
         return results
 
     def _prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:

@@ -24,7 +24,7 @@ from ourobatch.compat import from_sglang
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.text import Tokenizer, check_text_params
 
-from . import sglang_shapes
+from . import prompt_logprobs as plp, sglang_shapes
 from .errors import BadRequest
 from .limits import check_text_length
 from .protocol import CompletionRequest, GenerateRequest
@@ -115,16 +115,29 @@ class Generation:
             raise BadRequest("request_id names one request: send one prompt with it", "request_id")
         produce = await self.run(prompts, [params] * len(prompts),
                                  [body.request_id] if body.request_id is not None else None)
+        if body.echo:  # the prompt (and its log-probs) before each choice's first text (prompt_logprobs.py)
+            echo_texts = plp.prompt_texts(body.prompt, prompts, self.tokenizer)
+            if body.max_tokens == 0:
+                produce = plp.without_generation(produce)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         n = params.n
         num_prompt = sum(len(p) for p in prompts)
 
-        def choice(d: Delta, offset: int) -> dict[str, Any]:
+        def choice(d: Delta, offset: int, with_prompt: bool = True) -> dict[str, Any]:
             out = {"index": d.prompt_index * n + d.index, "text": d.text, "logprobs": None,
                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
             if params.logprobs is not None:
                 out["logprobs"] = self._openai_logprobs(d, params.logprobs, body.return_tokens_as_token_ids, offset)
+            if body.return_token_ids:  # vLLM's: the prompt's ids (a stream: in a choice's first chunk only), and
+                out["prompt_token_ids"] = list(prompts[d.prompt_index]) if with_prompt else None  # the new ids
+                out["token_ids"] = list(d.token_ids)
+            if body.echo and with_prompt:
+                plp.echo_into(out, prompts[d.prompt_index], echo_texts[d.prompt_index], d.prompt_logprobs,
+                              params.logprobs, lambda t: self.token_str(t, body.return_tokens_as_token_ids))
+            if params.prompt_logprobs is not None and not body.stream:  # vLLM's choices[i].prompt_logprobs
+                out["prompt_logprobs"] = plp.vllm_prompt_logprobs(
+                    d.prompt_logprobs, self.tokenizer.token_text if self.tokenizer is not None else None)
             return out
 
         if body.stream:
@@ -137,7 +150,8 @@ class Generation:
                     async with inner_receive:
                         async for d in inner_receive:
                             key = (d.prompt_index, d.index)
-                            await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0))]}))
+                            first = key not in offsets
+                            await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0), first)]}))
                             offsets[key] = offsets.get(key, 0) + len(d.text)
                             total += len(d.token_ids)
                 if body.stream_options is not None and body.stream_options.include_usage:
@@ -170,7 +184,7 @@ class Generation:
         tops: list[dict[str, float]] = []
         for i, (tok, lp) in enumerate(zip(d.token_ids, d.logprobs)):
             top = d.top_logprobs[i] if d.top_logprobs else {tok: lp}
-            entries = list(top.items())[:k] if k > 0 else [(tok, lp)]
+            entries = list(top.items()) if k == -1 else list(top.items())[:k] if k > 0 else [(tok, lp)]  # -1: all
             tops.append({self.token_str(t, as_ids): _finite(v) for t, v in entries})
         offsets, at = [], offset
         for t in tokens:
@@ -186,9 +200,11 @@ class Generation:
         refused = body.refused_field()
         if refused is not None:
             raise BadRequest(refused[1], refused[0])
-        if body.logprob_start_len not in (None, -1):
-            raise BadRequest("logprob_start_len: prompt log-probs are not computed; use -1 or leave it out",
-                             "logprob_start_len")
+        start = -1 if body.logprob_start_len is None else body.logprob_start_len  # SGLang's: -1, none
+        if start < -1:
+            raise BadRequest(f"logprob_start_len must be -1 (no prompt log-probs) or a prompt position >= 0, got "
+                             f"{start}", "logprob_start_len")
+        with_input = body.return_logprob and start >= 0  # meta_info.input_token_logprobs from position `start`
         if (body.input_ids is None) == (body.text is None):
             raise BadRequest("give exactly one of input_ids (token ids) or text", "input_ids")
         if body.input_ids is not None:
@@ -210,6 +226,12 @@ class Generation:
             raise BadRequest(str(exc), "sampling_params") from None
         if body.top_logprobs_num:
             params = [dataclasses.replace(p, logprobs=body.top_logprobs_num) for p in params]
+        if with_input:
+            for i, ids in enumerate(prompts):
+                if start >= len(ids):
+                    raise BadRequest(f"logprob_start_len={start} must be less than the prompt's length ({len(ids)}"
+                                     f"{'' if len(prompts) == 1 else f', prompt {i}'})", "logprob_start_len")
+            params = [dataclasses.replace(p, prompt_logprobs=body.top_logprobs_num) for p in params]
         rids = [body.rid] if isinstance(body.rid, str) else body.rid
         if rids is not None and len(rids) != len(prompts):
             raise BadRequest(f"got {len(rids)} rid for {len(prompts)} prompts", "rid")
@@ -238,6 +260,11 @@ class Generation:
             if finish is not None:
                 meta["e2e_latency"] = time.perf_counter() - started
             out = {"text": state["text"], "output_ids": state["output_ids"], "meta_info": meta}
+            if with_input:
+                if "input" not in state:  # a completion's first delta carries the prompt log-probs
+                    state["input"] = plp.sglang_input_logprobs(prompts[d.prompt_index], d.prompt_logprobs, start,
+                                                               body.top_logprobs_num, text_of)
+                meta.update(state["input"])
             if body.return_logprob:
                 meta["output_token_logprobs"] = out["output_token_logprobs"] = state["lps"]
                 if body.top_logprobs_num:
@@ -288,7 +315,8 @@ def _merge(deltas: list[Delta]) -> dict[tuple[int, int], Delta]:
         if m is None:
             merged[key] = Delta(d.prompt_index, d.index, list(d.token_ids), list(d.logprobs),
                                 list(d.top_logprobs) if d.top_logprobs is not None else None, list(d.readout_loops),
-                                d.text, d.finish_reason, d.stop_reason, d.seed, d.weight_version, d.num_tokens)
+                                d.text, d.finish_reason, d.stop_reason, d.seed, d.weight_version, d.num_tokens,
+                                d.prompt_logprobs)
             continue
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs

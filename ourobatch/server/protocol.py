@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ourobatch.scheduler.params import SamplingParams
 
+from .errors import BadRequest
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,13 +53,63 @@ class CompletionRequest(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = False
     request_id: str | None = None
+    return_token_ids: bool | None = False  # vLLM: prompt_token_ids and token_ids in each choice
+    prompt_logprobs: int | None = None  # vLLM: each choice's prompt_logprobs (k best; -1: all); not with stream
+    # vLLM's extras with no effect on what a completion holds, accepted at any value (as vLLM ignores the
+    # first three on its generation routes; stream_interval only batches a stream's chunks, ourobatch
+    # sends one per step; session_id, like user, names the caller's session for its own logs)
+    return_token_offsets: bool | None = False
+    mm_payload: str | None = "tensors"
+    return_mm_kwargs: bool | None = None
+    stream_interval: int | None = Field(default=None, ge=1)
+    session_id: str | None = None
+    # vLLM's other extras, accepted only at their neutral value (NEUTRAL_COMPLETION_FIELDS; 400 otherwise)
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    watermarking: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    allowed_token_ids: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    prompt_embeds: Any = None
+    add_special_tokens: Any = True
+    response_format: Any = None
+    structured_outputs: Any = None
+    priority: Any = 0
+    routed_experts_prompt_start: Any = 0
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+
+    def refused_field(self) -> BadRequest | None:
+        """The 400 for the first vLLM extra set to a value ourobatch cannot honour (None if none is)."""
+        for name, (neutral, why) in NEUTRAL_COMPLETION_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value is v or (value == v and type(value) is type(v)) for v in neutral):
+                return BadRequest(f"{name}={value!r} is not supported: {why}; allowed: "
+                                  f"{', '.join(repr(v) for v in neutral)}", name)
+        return None
 
     def sampling_params(self) -> SamplingParams:
-        """The SamplingParams these fields ask for; ValueError/TypeError naming the field otherwise."""
-        if self.echo:
-            raise ValueError("echo=true is not supported (prompt log-probs are not computed); leave echo false")
+        """The SamplingParams these fields ask for; ValueError/TypeError naming the field otherwise.
+        ``max_tokens: null`` is vLLM 0.32's default, 16 (its CompletionRequest.normalize_null_max_tokens;
+        vLLM's chat route is what reads null as "up to the context length")."""
+        refused = self.refused_field()
+        if refused is not None:
+            raise refused
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens=0 asks for no completion: it needs echo=true (the prompt and, with "
+                             "logprobs, its log-probs, as vLLM); give max_tokens >= 1 or echo=true", "max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest("prompt_logprobs is not supported with stream=true (as in vLLM); use echo=true with "
+                             "logprobs, which streams the prompt's log-probs in each choice's first chunk",
+                             "prompt_logprobs")
         if self.suffix:
             raise ValueError("suffix is not supported (no fill-in-the-middle); leave it out")
         if self.logit_bias:
@@ -77,7 +129,38 @@ class CompletionRequest(_Strict):
                 values[name] = value
         if values.get("top_k") == -1:
             values["top_k"] = 0
+        # prompt log-probs: vLLM's prompt_logprobs, else with echo the logprobs k (docs/server.md)
+        values["prompt_logprobs"] = self.prompt_logprobs if self.prompt_logprobs is not None else (
+            self.logprobs if self.echo else None)
+        if self.echo and self.max_tokens == 0:  # vLLM's echo without generation: one token is drawn, then dropped
+            values["max_tokens"] = 1
         return SamplingParams(**values)
+
+
+# vLLM /v1/completions extras with no counterpart here: the values that ask for nothing, and why others cannot
+# be honoured. (vLLM 0.32's CompletionRequest; prompt_logprobs and echo are the prompt log-prob routes'.)
+NEUTRAL_COMPLETION_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "ourobatch has no beam search"),
+    "length_penalty": ((1.0, 1), "a beam-search option"),
+    "watermarking": ((None, False), "ourobatch has no watermark"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated (a long one is a 400)"),
+    "truncation_side": ((None, "left", "right"), "only with truncate_prompt_tokens"),
+    "allowed_token_ids": ((None,), "no logits processors"),
+    "logprob_token_ids": ((None, []), "log-probs of chosen ids are not computed (logprobs=k or -1 are)"),
+    "bad_words": ((None, []), "no logits processors"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "add_special_tokens": ((True,), "text is encoded with the tokenizer's special tokens"),
+    "response_format": ((None, {"type": "text"}), "no structured outputs"),
+    "structured_outputs": ((None,), "no structured outputs"),
+    "priority": ((0,), "no priority scheduling"),
+    "routed_experts_prompt_start": ((0,), "Ouro is not a mixture of experts"),
+    "cache_salt": ((None,), "the prefix cache is shared by every request"),
+    "kv_transfer_params": ((None,), "no disaggregated serving"),
+    "ec_transfer_params": ((None,), "no disaggregated serving"),
+    "vllm_xargs": ((None, {}), "no custom extensions"),
+    "repetition_detection": ((None,), "sequences are not ended on a repeated n-gram"),
+    "thinking_token_budget": ((None, -1), "no thinking budget (-1: unlimited)"),
+}
 
 
 class GenerateRequest(_Strict):
@@ -88,7 +171,7 @@ class GenerateRequest(_Strict):
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
     return_logprob: bool | None = False
     top_logprobs_num: int | None = 0
-    logprob_start_len: int | None = None  # only -1 / None: prompt log-probs are not computed
+    logprob_start_len: int | None = None  # with return_logprob, L >= 0: input_token_logprobs from position L
     rid: Union[str, list[str], None] = None
     stream: bool | None = False  # null: false (as every optional field below: SGLang clients send nulls)
     return_text_in_logprobs: bool | None = False  # the token's text as the third element of each triple

@@ -33,6 +33,7 @@ class Delta:
     seed: int
     weight_version: int
     num_tokens: int  # the completion's tokens so far (after a stop-string cut: the tokens it keeps)
+    prompt_logprobs: list | None = None  # the first delta of each completion: RequestOutput.prompt_logprobs
 
 
 class _Completion:
@@ -102,6 +103,7 @@ async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: Sampli
     """Deliver one queued prompt's deltas to `emit` until each completion ends. A completion cut by a stop
     string is aborted in the engine at once (its siblings run on); leaving the stream aborts the rest."""
     completions = [_Completion(tokenizer, params, eos) for _ in range(params.n)]
+    first = [True] * params.n  # each completion's first delta carries the prompt log-probs
     async with stream:
         async for out in stream:
             for c in out.outputs:
@@ -113,6 +115,8 @@ async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: Sampli
                     continue
                 if delta.finish_reason is not None and c.finish_reason is None:  # cut by a stop string
                     await engine.abort(stream.request_id if params.n == 1 else f"{stream.request_id}:{c.index}")
+                if first[c.index]:
+                    delta.prompt_logprobs, first[c.index] = out.prompt_logprobs, False
                 await emit(delta)
             if all(state.done for state in completions):
                 break
