@@ -65,6 +65,9 @@ class SamplingParams:
     max_tokens: int = 16  # generated tokens at most (>= 1)
     logprobs: int | None = None  # k > 0: also report the top-k processed log-probs of every position;
     #                                -1: the whole vocabulary (vLLM); True / False are 1 / 0 (as in vLLM)
+    # None: off. k >= 0: the log-prob of every prompt token (from position 1) under loop T's readout at the
+    # position before it, plus the top k there; -1: the whole vocabulary (vLLM). RequestOutput.prompt_logprobs
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # for streaming
     min_tokens: int = 0  # stop tokens and eos are masked (never sampled) until this many tokens exist
     # Penalties: vLLM's names; only the neutral values are supported (anything else is a ValueError).
@@ -116,6 +119,12 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, -1, allowed="logprobs >= 0 (the sampled token's log-prob plus "
                        "the top k), -1 (the whole vocabulary) or None (off)")
+        if isinstance(self.prompt_logprobs, bool):
+            object.__setattr__(self, "prompt_logprobs", int(self.prompt_logprobs))
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, -1,
+                       allowed="prompt_logprobs >= 0 (the prompt token's own log-prob plus the top k), -1 (the "
+                               "whole vocabulary) or None (off)")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    allowed=f"0 <= min_tokens <= max_tokens ({self.max_tokens})")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
