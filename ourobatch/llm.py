@@ -252,7 +252,10 @@ class LLM:
         tok = self._require_tokenizer("LLM.chat")
         template = tok.chat_template
         if chat_template is not None:
-            special = template.special_tokens if template is not None else read_special_tokens(tok.path.parent)
+            if template is not None:
+                special = template.special_tokens
+            else:  # the folder's bos_token, eos_token, ...
+                special = read_special_tokens(tok.path.parent) if tok.path is not None else {}
             template = ChatTemplate({"default": chat_template}, "chat_template=...", special)
         if template is None:
             raise no_template_error(tok.path.parent if tok.path else None, "pass LLM.chat(..., chat_template=TEXT)")
