@@ -15,7 +15,6 @@ The bound itself is enforced at hand-over (``Collector``), where a group over it
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 
@@ -61,15 +60,3 @@ class Budget:
 
     def is_stale(self, oldest_version: int) -> bool:
         return self.max_staleness is not None and self.staleness(oldest_version) > self.max_staleness
-
-
-COUNTERS = ("groups_started", "groups_yielded", "groups_filtered", "groups_carried", "groups_aborted",
-            "groups_stale", "groups_failed", "samples_started", "samples_restarted", "batches", "updates",
-            "tokens_consumed", "mixed_version_samples", "samples_consumed")
-
-
-def new_counters() -> collections.Counter:
-    counters: collections.Counter = collections.Counter()
-    for name in COUNTERS:
-        counters[name] = 0
-    return counters

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -30,7 +30,9 @@ from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams
 
 from . import options
-from .budget import Budget, new_counters
+from .budget import Budget
+from .ledger import Ledger
+from .partial import Pauser, Rounds, run_round
 from .types import Batch, Group, Sample, prompt_of
 from .updates import push_weights
 
@@ -49,6 +51,9 @@ class _Run:
     live: dict[int, str] = field(default_factory=dict)  # sample index -> engine request id in flight
     attempts: list[int] = field(default_factory=list)
     restart: set[int] = field(default_factory=set)  # aborted by on_update="abort": resubmit
+    rounds: dict[int, Rounds] = field(default_factory=dict)  # max_tokens_per_round: each sample's rounds
+    paused: set[int] = field(default_factory=set)  # aborted at a hand-over to continue after the update
+    wake: Any = None  # the event its paused samples wait on
     aborted: bool = False  # surplus aborted: its task is requeued
     error: BaseException | None = None
 
@@ -62,8 +67,8 @@ class Collector:
                  reward: Callable[[Any, Sample], Any] | None = None, max_staleness: int | None = 1,
                  on_update: str = "continue", keep_group: Callable[[Group], bool] | None = None,
                  oversample: int = 0, surplus: str = "carry", max_samples_in_flight: int | None = None,
-                 on_reward_error: str = "drop", seed: int = 0, progress: bool = False,
-                 occupancy_interval_s: float = 0.25) -> None:
+                 on_reward_error: str = "drop", max_tokens_per_round: int | None = None, seed: int = 0,
+                 progress: bool = False, occupancy_interval_s: float = 0.25) -> None:
         self.engine = engine
         self._is_pool = hasattr(engine, "num_replicas")  # an EnginePool: stats() gathers from actors (blocking)
         self.n, self.groups_per_batch = options.positive("n", n), options.positive("groups_per_batch", groups_per_batch)
@@ -74,6 +79,7 @@ class Collector:
         options.non_negative_or_none("max_staleness", max_staleness, " or None (no bound)")
         if options.non_negative_or_none("oversample", oversample, " (extra groups in flight)") is None:
             raise ValueError("oversample must be an int >= 0 (extra groups in flight), got None")
+        self.max_tokens_per_round = options.rounds(max_tokens_per_round, max_staleness)
         self.reward, self.keep_group, self.seed = reward, keep_group, seed
         capacity = engine.config.max_num_seqs * getattr(engine, "num_replicas", 1)
         slots = capacity + n if max_samples_in_flight is None else max_samples_in_flight
@@ -98,10 +104,11 @@ class Collector:
         self._stopped = anyio.Event()
         self._closing = False
         self._error: BaseException | None = None
+        self._pauser = Pauser(engine, self.max_tokens_per_round)
         self.failed: list[tuple[Any, BaseException]] = []  # (task, error) of groups that failed
-        self.counters = new_counters()
-        self.staleness_histogram: Counter[int] = Counter()  # consumed tokens by staleness (updates behind)
-        self.occupancy: list[tuple[float, int, int | None]] = []  # (t, samples in flight, engine running)
+        self.ledger = Ledger()
+        self.counters, self.staleness_histogram = self.ledger.counters, self.ledger.staleness_histogram
+        self.occupancy = self.ledger.occupancy
         self._occupancy_interval_s = occupancy_interval_s
         self._bar = tqdm(total=self._total, desc="collect", unit="group", disable=not progress)
         self._prefix = f"rollout-{id(self):x}"
@@ -204,25 +211,26 @@ class Collector:
         params = self.params.with_seed(child_seed(child_seed(seed, run.task_index + 1), i))
         try:
             while not run.aborted and run.error is None:
-                run.live[i] = rid = f"{self._prefix}-{run.seq}-{i}-{run.attempts[i]}"
-                try:
-                    out = await self.engine.generate(run.prompt, params, rid)
-                finally:
-                    run.live.pop(i, None)
-                c = out.outputs[0]
+                if self.max_tokens_per_round is not None:
+                    run.rounds.setdefault(i, Rounds())
+                c = await self._attempt(run, i, params)
                 if c.finish_reason == "abort" and i in run.restart:  # on_update="abort": from scratch
                     run.restart.discard(i)
+                    run.paused.discard(i)
+                    run.rounds.pop(i, None)
                     run.attempts[i] += 1
                     self.counters["samples_restarted"] += 1
                     await self._update_done.wait()
+                    continue
+                if c.finish_reason == "abort" and i in run.paused:  # partial rollout: after the update
+                    self.counters["samples_paused"] += 1
+                    await self._pauser.wait(run, i, self.budget, self._notify)
                     continue
                 if c.finish_reason not in ("stop", "length"):
                     if not run.aborted:
                         raise RuntimeError(f"sample {i} ended with finish_reason {c.finish_reason!r}: {c.error}")
                     break
-                sample = Sample(i, list(out.prompt_token_ids), list(c.token_ids), list(c.logprobs),
-                                list(c.readout_loops), list(c.weight_versions), c.finish_reason,
-                                c.weight_version, num_restarts=run.attempts[i])
+                sample = self._sample_of(run, i, c)
                 sample.reward = await self._reward(run.task, sample)
                 run.samples[i] = sample
                 break
@@ -233,6 +241,30 @@ class Collector:
             self._notify()
         if all(s is not None for s in run.samples) or (run.error is not None and not run.live):
             self._complete(run)
+
+    async def _attempt(self, run: _Run, i: int, params: SamplingParams) -> Any:
+        """One engine request of sample i (a whole sample, or its current round); its last output."""
+        rounds = run.rounds.get(i)
+        rid = f"{self._prefix}-{run.seq}-{i}-{run.attempts[i]}"
+        run.live[i] = rid = rid if rounds is None else f"{rid}-r{len(rounds.round_starts) - 1}"
+        try:
+            if rounds is None:
+                return (await self.engine.generate(run.prompt, params, rid)).outputs[0]
+            c = await run_round(self.engine, *rounds.request(run.prompt, params), rid, rounds)
+            if c is None:
+                raise RuntimeError(f"sample {i}'s stream ended without an output")
+            return c
+        finally:
+            run.live.pop(i, None)
+
+    def _sample_of(self, run: _Run, i: int, c: Any) -> Sample:
+        r = run.rounds.get(i)
+        if r is None:
+            return Sample(i, list(run.prompt), list(c.token_ids), list(c.logprobs), list(c.readout_loops),
+                          list(c.weight_versions), c.finish_reason, c.weight_version, num_restarts=run.attempts[i])
+        return Sample(i, list(run.prompt), r.token_ids, r.logprobs, r.readout_loops, r.weight_versions,
+                      c.finish_reason, c.weight_version if r.first_version is None else r.first_version,
+                      num_restarts=run.attempts[i], round_starts=r.round_starts)
 
     async def _reward(self, task: Any, sample: Sample) -> float | None:
         if self.reward is None:
@@ -245,6 +277,7 @@ class Collector:
     async def _fail_run(self, run: _Run, exc: BaseException) -> None:
         if run.error is None and not run.aborted:
             run.error = exc
+            self._pauser.wake([run])  # its paused samples end too
             for rid in list(run.live.values()):  # the group is lost: stop its other samples now
                 await self.engine.abort(rid)
 
@@ -295,6 +328,8 @@ class Collector:
             if not b.groups_in_flight and not self._ready and self._has_tasks() and not b.can_start_group():
                 b.open_one_batch()  # no update is coming for work that was never started
                 self._notify()  # the feeder may start it
+            if self._pauser.num_paused and not b.samples_in_flight:
+                self._pauser.wake(self._runs.values())  # only paused samples left: no update while we wait
             await self._changed.wait()
 
     def _drop_stale(self) -> None:
@@ -323,22 +358,12 @@ class Collector:
         b.groups_yielded += len(groups)
         batch = Batch(self._batches, groups, b.current_version)
         self._batches += 1
-        self._account(batch)
+        self.ledger.account(batch, b)
+        self._bar.update(len(groups))
         await self._handle_surplus(max(seq for seq, _ in taken))
+        await self._pauser.pause_long_samples(self._runs.values())
         self._notify()
         return batch
-
-    def _account(self, batch: Batch) -> None:
-        c = self.counters
-        c["batches"] += 1
-        c["groups_yielded"] += len(batch.groups)
-        for s in batch.samples:
-            c["samples_consumed"] += 1
-            c["tokens_consumed"] += len(s.token_ids)
-            c["mixed_version_samples"] += s.is_mixed
-            for v in s.weight_versions:
-                self.staleness_histogram[self.budget.staleness(v)] += 1
-        self._bar.update(len(batch.groups))
 
     async def _handle_surplus(self, newest_seq: int) -> None:
         """Groups in flight that started before the batch's newest group are its stragglers."""
@@ -349,6 +374,7 @@ class Collector:
         self.counters["groups_carried"] += len(self._ready)
         for run in stragglers:
             run.aborted = True
+            self._pauser.wake([run])
             self._runs.pop(run.seq, None)
             self.budget.groups_in_flight -= 1
             self.counters["groups_aborted"] += 1
@@ -375,6 +401,7 @@ class Collector:
             finally:
                 self._update_done.set()  # samples restarted by on_update="abort" go again
             self.budget.updated(version)
+            self._pauser.wake(self._runs.values())  # partial rollouts continue under the new weights
             self.counters["updates"] += 1
             log.info("rollout_weights_updated", version=version, policy=self.on_update,
                      groups_in_flight=self.budget.groups_in_flight)
@@ -392,20 +419,4 @@ class Collector:
 
     def stats(self) -> dict[str, Any]:
         """Counters, the staleness histogram of consumed tokens, versions in flight, occupancy means."""
-        b = self.budget
-        in_flight: Counter[int] = Counter()
-        for run in self._runs.values():
-            for s in run.samples:
-                if s is not None:
-                    in_flight[s.oldest_version] += 1
-        running = [r for _, _, r in self.occupancy if r is not None]
-        return {**self.counters, "samples_in_flight": b.samples_in_flight, "groups_in_flight": b.groups_in_flight,
-                "groups_ready": b.groups_ready, "weight_version": b.current_version,
-                "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
-                "finished_samples_in_flight_by_version": dict(in_flight),
-                "mean_samples_in_flight": _mean([s for _, s, _ in self.occupancy]),
-                "mean_engine_running": _mean(running) if running else None}
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+        return self.ledger.stats(self.budget, self._runs.values(), self._pauser.num_paused)

@@ -32,3 +32,14 @@ def sample_params(params: SamplingParams | dict | None) -> SamplingParams:
     if p.n != 1:
         raise ValueError(f"SamplingParams.n={p.n}: give the group size as Collector(n=...), and params with n=1")
     return p  # each sample is one generate() (FINAL_ONLY): it wakes its task only when it ends
+
+
+def rounds(max_tokens_per_round: object, max_staleness: int | None) -> int | None:
+    """Partial rollouts carry tokens across an update, which max_staleness=0 forbids."""
+    if max_tokens_per_round is None:
+        return None
+    k = positive("max_tokens_per_round", max_tokens_per_round)
+    if max_staleness == 0:
+        raise ValueError("max_tokens_per_round needs max_staleness >= 1 or None: a paused sample continues after "
+                         "the next update, so its group would always be over max_staleness=0 and regenerated")
+    return k

@@ -21,10 +21,16 @@ class Sample:
     weight_version: int  # the version it was admitted under (no tokens: its only version)
     reward: float | None = None
     num_restarts: int = 0  # times it was resubmitted from scratch (on_update="abort")
+    round_starts: list[int] = field(default_factory=lambda: [0])  # token index where each round began
+    # (max_tokens_per_round: a later round continued prompt + earlier tokens, prefilled under newer weights)
 
     @property
     def oldest_version(self) -> int:
         return min(self.weight_versions, default=self.weight_version)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.round_starts)
 
     @property
     def is_mixed(self) -> bool:
