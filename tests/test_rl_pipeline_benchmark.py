@@ -36,6 +36,9 @@ def test_tiny_run_has_every_run_with_whole_batches_and_the_staleness_bound(tmp_p
             assert b["t_consumed"] <= b["t_trained"], run
         assert r["tokens"] == drawn, run  # every sample ended at its drawn length, in every loop
         assert r["tokens_per_s"] > 0 and r["steady_tokens_per_s"] > 0 and r["trace"], run
+        generated = [p[4] for p in r["trace"]]  # tokens generated so far, sampled over the run
+        assert generated == sorted(generated) and generated[-1] <= r["tokens_generated"], run
+        assert r["steady_generated_tokens_per_s"] >= 0, run
         hist = {int(k): v for k, v in r["staleness_histogram"].items()}
         assert sum(hist.values()) == r["tokens"], run
         if r["loop"] == "sync" or r["eta"] == 0:
