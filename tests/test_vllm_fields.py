@@ -160,7 +160,8 @@ def test_a_field_the_table_does_not_know_must_stay_at_its_default():
 
 
 def test_best_of_equal_to_n_is_accepted_as_before():
-    old = dataclasses.make_dataclass("OldVllm", [("n", int, 1), ("best_of", Any, None), ("use_beam_search", bool, False)])
+    old = dataclasses.make_dataclass("OldVllm", [("n", int, 1), ("best_of", Any, None),
+                                                 ("use_beam_search", bool, False)])
     assert from_vllm(old(n=2, best_of=2)).n == 2
     with pytest.raises(ValueError, match=r"best_of=3"):
         from_vllm(old(n=2, best_of=3))

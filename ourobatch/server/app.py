@@ -1,7 +1,8 @@
 """The ASGI app: one async Engine behind FastAPI routes.
 
 - OpenAI: ``/v1/completions`` (plain or SSE), ``/v1/models``;
-- token-in/token-out: ``/generate`` (SGLang's request and response shapes);
+- token-in/token-out: ``/generate`` (SGLang's request and response shapes); vLLM's ``/tokenize``,
+  ``/detokenize`` and ``/tokenizer_info`` (tokenization.py);
 - control (control_routes.py, SGLang's names as slime and AReaL call them): ``/abort_request``,
   ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, ``/get_weight_version``,
   ``/flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/sleep``, ``/wake_up``,
@@ -41,6 +42,7 @@ from .errors import STATUS, error, error_response
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import ServerMetrics
 from .protocol import CompletionRequest, GenerateRequest
+from .tokenization import router as tokenization_router
 
 OPEN_ROUTES = ("/health",)  # no api key needed
 ALWAYS_ROUTES = ("/health", "/metrics")  # answered while draining
@@ -111,6 +113,7 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
         return await app.state.gen.generate(request, body)
 
     mount_chat(app)  # /v1/chat/completions (chat.py)
+    app.include_router(tokenization_router)  # vLLM's /tokenize, /detokenize, /tokenizer_info (tokenization.py)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -252,7 +252,8 @@ class Generation:
             state["loops"] += d.readout_loops
             k = body.top_logprobs_num
             if k and d.top_logprobs is not None:
-                state["tops"] += [sglang_shapes.triples(list(top.items())[:k], text_of) for top in d.top_logprobs]
+                state["tops"] += [sglang_shapes.triples(list(top.items())[:k if k > 0 else None], text_of)  # -1: all
+                                  for top in d.top_logprobs]
             finish = sglang_shapes.finish_reason(d.finish_reason, d.stop_reason, state["output_ids"])
             meta = {"id": state["id"], "finish_reason": finish, "prompt_tokens": len(prompts[d.prompt_index]),
                     "completion_tokens": len(state["output_ids"]), "cached_tokens": 0,
