@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
+from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
 from ourobatch.config import DTYPES, EngineConfig
 from ourobatch.scheduler.core import MODES
 from ourobatch.scheduler.errors import CheckpointError, OurobatchError, RequestRejectedError
+from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams
 
+log = get_logger("ourobatch.cli")
 EXIT_OK = 0
 EXIT_USAGE = 2
 
@@ -108,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--output", default="-", metavar="FILE", help="JSONL outputs (default: - = stdout)")
     io.add_argument("--no-progress", action="store_true",
                     help="no progress bar on stderr (there is none when stderr is not a terminal)")
+    io.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
+                    help="what stderr shows: info = the startup line and warnings (a capped max_model_len, ...), "
+                         "debug adds per-request events (default: %(default)s)")
 
     eng = gen.add_argument_group("engine (EngineConfig)")
     d = EngineConfig.__dataclass_fields__
@@ -427,6 +433,11 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with SyncEngine(config) as llm:
         load_s = time.perf_counter() - t0
+        stats = llm.stats()
+        log.info("generate_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
+                 shallow_loops=config.shallow_loops, dtype=str(dtype).removeprefix("torch."), device=config.device,
+                 max_model_len=stats.get("max_model_len"), kv_blocks=stats.get("kv_blocks_total"),
+                 kv_tokens=stats.get("kv_capacity_tokens"), requests=len(lines), load_s=round(load_s, 2))
         if pool_unknown:
             check_requests(llm.core.scheduler.config, lines)
         sink = _open_output(args.output)
@@ -467,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    with console_logging(args.log_level):  # the entry point is the host: the library configures nothing
+        return _generate_and_report(args)
+
+
+def _generate_and_report(args: argparse.Namespace) -> int:
+    """_generate, its errors as messages and exit codes."""
     try:
         return _generate(args)
     except InputError as exc:

@@ -183,11 +183,13 @@ def test_stdin_to_stdout_with_a_progress_bar_only_on_a_terminal(ckpt, monkeypatc
     out = [json.loads(line) for line in captured.out.splitlines()]
     assert [o["prompt_token_ids"] for o in out] == [[1, 2], [3]]
     assert all(len(o["outputs"][0]["token_ids"]) == 5 for o in out)
-    # The tqdm bar ("generate: ... 2/2") on a terminal; in a pipe or a log file only the summary line.
+    # The tqdm bar ("generate: ... 2/2") on a terminal; in a pipe or a log file only the startup line
+    # (issue 21 item 11: the console log's generate_ready) and the summary line.
     assert ("2/2" in err and "generate" in err) is terminal
     assert "tokens/s" in err.strip().splitlines()[-1]
     if not terminal:
-        assert len(err.strip().splitlines()) == 1 and "\r" not in err
+        lines = err.strip().splitlines()
+        assert len(lines) == 2 and "generate_ready" in lines[0] and "\r" not in err
 
 
 def test_text_prompts_with_a_tokenizer(tmp_path, tok_ckpt):

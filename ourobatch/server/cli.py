@@ -16,11 +16,15 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
+from ourobatch.compat import VLLM_LOGPROBS_MODE
 from ourobatch.config import EngineConfig
+from ourobatch.scheduler.log import get_logger
 
 from .limits import DEFAULT_MAX_REQUEST_BYTES
 
 EXIT_OK, EXIT_USAGE = 0, 2
+log = get_logger("ourobatch.server")
 
 ENGINE_HELP = {
     "mode": "deferred | eager | verify; matters only with --deep-interval > 1 (default: %(default)s)",
@@ -29,7 +33,11 @@ ENGINE_HELP = {
                      "docs/quality.md); verify stays exact",
     "shallow_loops": "s: loops run for every decoded token when B > 1 (default: %(default)s)",
     "seed": "engine seed: unseeded request i gets a seed derived from (seed, i) (default: %(default)s)",
+    "logprobs_mode": "reported log-probs: raw (log_softmax of the logits, vLLM's default) or processed (the "
+                     "distribution each token was drawn from, the native Engine's default) (default: %(default)s)",
 }
+# Where the server's default differs from EngineConfig's: the OpenAI routes report vLLM's raw log-probs.
+SERVER_DEFAULTS = {"logprobs_mode": VLLM_LOGPROBS_MODE}
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +46,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default = SERVER_DEFAULTS.get(f.name, f.default)
         help_text = ENGINE_HELP.get(f.name, "(default: %(default)s)")
         if isinstance(default, bool) or f.name == "cuda_graphs":
             group.add_argument(flag, type=_bool, default=default, metavar="BOOL", help=help_text)
@@ -92,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help="a request body over N bytes is refused (413) before it is parsed "
                         "(default: %(default)s, 8 MiB)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
+    parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
+                        help="what stderr shows, ourobatch's events and uvicorn's: info = the startup line, "
+                        "warnings and uvicorn's access log; debug adds per-request events (default: %(default)s)")
     _engine_arguments(parser)
     return parser
 
@@ -120,11 +130,19 @@ def load_tokenizer(args: argparse.Namespace) -> Any:
     return tokenizer
 
 
-def make_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "warning") -> Any:
-    """A uvicorn Server whose SIGTERM / SIGINT drain and then let the process exit normally."""
+def make_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "warning",
+                startup_fields: dict[str, Any] | None = None) -> Any:
+    """A uvicorn Server whose SIGTERM / SIGINT drain and then let the process exit normally. Once it
+    serves it logs ``server_ready`` (url, `startup_fields`, the engine's KV capacity), shown where the
+    host configured logging (``python -m ourobatch serve`` does)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                _log_ready(app, host, port, startup_fields or {})
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn re-raises a captured SIGTERM after shutdown (exit status 143); a drain is a clean exit.
@@ -148,17 +166,30 @@ def make_server(app: Any, host: str, port: int, drain_timeout: float, log_level:
     return DrainingServer(config)
 
 
+def _log_ready(app: Any, host: str, port: int, fields: dict[str, Any]) -> None:
+    stats = app.state.engine.stats()
+    address = f"[{host}]" if ":" in host else host
+    log.info("server_ready", url=f"http://{address}:{port}", **fields, max_model_len=stats.get("max_model_len"),
+             kv_blocks=stats.get("kv_blocks_total"), kv_tokens=stats.get("kv_capacity_tokens"),
+             attention=stats.get("attention_backend"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    with console_logging(args.log_level):  # the entry point is the host: the library configures nothing
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         from ourobatch._core import check_before_loading  # fail before binding the port
 
-        check_before_loading(config)
+        _, dtype = check_before_loading(config)
         tokenizer = load_tokenizer(args)
     except (TypeError, ValueError, OSError) as exc:
         print(f"ourobatch serve: error: {exc}", file=sys.stderr)
@@ -167,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer,
                      max_request_bytes=args.max_request_bytes)
-    server = make_server(app, args.host, args.port, args.drain_timeout, args.log_level)
+    startup = {"model": str(config.model), "served_model_name": args.served_model_name or str(config.model),
+               "mode": config.mode, "deep_interval": config.deep_interval, "shallow_loops": config.shallow_loops,
+               "dtype": str(dtype).removeprefix("torch."), "device": config.device,
+               "logprobs_mode": config.logprobs_mode, "tokenizer": tokenizer is not None}
+    server = make_server(app, args.host, args.port, args.drain_timeout, args.log_level, startup)
     server.run()
     return EXIT_OK if server.started else 1
 
