@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Union
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -35,13 +35,13 @@ from ourobatch.chat_template import no_template_error
 
 from .completions import CLIENT_CLOSED, Generation, _close_after, _finite, _merge, _sse, _usage
 from .errors import BadRequest
-from .protocol import CompletionRequest, StreamOptions, _Strict
+from .protocol import CompletionRequest, SamplingExtras, StreamOptions
 from .runner import Delta
 from .streaming import EventStream, collect
 
 
-class ChatCompletionRequest(_Strict):
-    """OpenAI's chat completions request, with vLLM's extra fields."""
+class ChatCompletionRequest(SamplingExtras):
+    """OpenAI's chat completions request, with vLLM's extra fields (the shared sampling ones: SamplingExtras)."""
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -54,26 +54,10 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # no effect on generation
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     tools: list[dict[str, Any]] | None = None  # refused when non-empty (no tool-call parser)
     tool_choice: Any = None  # only "none" / "auto" without tools
     parallel_tool_calls: bool | None = None  # no effect without tools
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: float | None = 1.0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the tokenizer's own (a BOS its post-processor adds) on top of the template's
@@ -87,9 +71,7 @@ class ChatCompletionRequest(_Strict):
 
 # the sampling fields with the same name and meaning in both requests: CompletionRequest.sampling_params
 # applies its rules to them (max_tokens and logprobs are mapped by _sampling_params)
-SHARED_FIELDS = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "user", "top_k", "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "repetition_penalty",
-                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+SHARED_FIELDS = ("n", "temperature", "top_p", *SamplingExtras.model_fields)
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:

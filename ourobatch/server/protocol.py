@@ -22,7 +22,29 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(_Strict):
+class SamplingExtras(_Strict):
+    """The sampling fields /v1/completions and /v1/chat/completions share, with one meaning: OpenAI's and
+    vLLM's extras (CompletionRequest.sampling_params applies their rules for both routes)."""
+
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own logs; no effect on generation
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = 1.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingExtras):
     """OpenAI's legacy completions request, with vLLM's extra sampling fields."""
 
     model: str | None = None
@@ -35,24 +57,8 @@ class CompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
     echo: bool = False
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for the caller's own logs; no effect on generation
     suffix: str | None = None
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: float | None = 1.0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = False
     request_id: str | None = None
     return_token_ids: bool | None = False  # vLLM: prompt_token_ids and token_ids in each choice
