@@ -211,6 +211,23 @@ async def test_pool_outputs_equal_a_single_engine(pools, ckpt, mode):
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["tokens_generated"] > 0
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_pool_outputs_carry_prompt_logprobs_as_a_single_engine_does(pools, ckpt):
+    pool = await pools.get("interval1")
+    params = sp(4, seed=3, prompt_logprobs=2, n=2)
+    with SyncEngine(config(ckpt, "interval1")) as llm:
+        want = llm.generate(PROMPTS[1], params).prompt_logprobs
+    got = await asyncio.wait_for(pool.generate(PROMPTS[1], params), LIMIT)
+    assert want is not None and want[0] is None and len(want) == len(PROMPTS[1])
+    assert [None if d is None else list(d) for d in got.prompt_logprobs] == [
+        None if d is None else list(d) for d in want]
+    assert [d[k].logprob for d in got.prompt_logprobs[1:] for k in d] == pytest.approx(
+        [d[k].logprob for d in want[1:] for k in d], abs=1e-9)
+    async with pool.stream(PROMPTS[1], dataclasses.replace(params, output_kind="DELTA")) as s:
+        carried = [out.prompt_logprobs is not None async for out in s]
+    assert sum(carried) == 1  # a DELTA stream carries them once
+
+
 async def freeze(pool: EnginePool, index: int) -> None:
     """Pause one replica with its requests kept (Engine.pause("keep")): they stay in flight."""
     await asyncio.wait_for(pool.actors[index].call.remote("pause", "keep"), LIMIT)

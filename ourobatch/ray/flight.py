@@ -173,6 +173,8 @@ class Flight:
         self.retry = False  # the pool's retry_aborted when the request was added
         self.aborted: set[int] = set()  # completions the caller aborted: never retried (docs/scaling.md)
         self.abandoned = False  # the caller is gone: nothing reads it
+        self.prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: from the first engine request
+        self.prompt_logprobs_sent = False  # DELTA streams carry them once
 
     @property
     def finished(self) -> bool:
@@ -181,6 +183,8 @@ class Flight:
     def merge(self, sub: SubRequest, out: RequestOutput) -> int:
         """Fold one engine output of `sub` in; returns the tokens added."""
         added = sum(self.completions[sub.indexes[c.index]].absorb(c, sub.is_cumulative) for c in out.outputs)
+        if out.prompt_logprobs is not None and not sub.is_retry:  # a retry's prompt holds generated tokens too
+            self.prompt_logprobs = out.prompt_logprobs
         self.event.set()
         return added
 
@@ -219,7 +223,8 @@ class Flight:
 
     def output(self, since: list[int] | None = None) -> RequestOutput:
         outs = [c.output(since[i] if since is not None else 0) for i, c in enumerate(self.completions)]
-        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished)
+        prompt = None if since is not None and self.prompt_logprobs_sent else self.prompt_logprobs
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished, prompt)
 
     def num_tokens(self) -> list[int]:
         return [len(c.token_ids) for c in self.completions]
@@ -237,6 +242,7 @@ class Flight:
             return None
         out = self.output(since=self.delivered if self.kind == RequestOutputKind.DELTA else None)
         self.delivered = self.num_tokens()
+        self.prompt_logprobs_sent = self.prompt_logprobs_sent or out.prompt_logprobs is not None
         self.sent_final = finished
         return out
 
