@@ -228,3 +228,22 @@ def test_llm_reports_raw_logprobs_by_default_as_vllm(tmp_path):
         assert all(e.logprob == pytest.approx(float(raw[t]), abs=1e-9) for t, e in top.items())
         moved = max(moved, abs(lp - plp))
     assert moved > 0.05
+
+
+def test_logprobs_k_gives_the_sampled_token_and_the_k_best_as_vllm(client):
+    """vLLM's /v1/completions top_logprobs: the sampled token first, then the k best, so k + 1 entries where
+    the sampled token is not among them (vllm/entrypoints/openai/completion/serving.py)."""
+    k = 1
+    r = client.post("/v1/completions", json={"prompt": TASKS[0]["prompt_token_ids"], "max_tokens": 8, "n": 4,
+                                              "temperature": 3.0, "seed": 0, "logprobs": k,
+                                              "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    beyond = 0
+    for choice in r.json()["choices"]:
+        lp = choice["logprobs"]
+        for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[tok] == pytest.approx(value) and len(top) <= k + 1
+            best = [v for t, v in top.items() if t != tok]
+            assert all(v >= value for v in best)  # the others are the k best
+            beyond += len(top) == k + 1
+    assert beyond > 0  # at temperature 3 some sampled tokens were not the best one

@@ -183,8 +183,9 @@ class Generation:
         tokens = [self.token_str(t, as_ids) for t in d.token_ids]
         tops: list[dict[str, float]] = []
         for i, (tok, lp) in enumerate(zip(d.token_ids, d.logprobs)):
-            top = d.top_logprobs[i] if d.top_logprobs else {tok: lp}
-            entries = list(top.items()) if k == -1 else list(top.items())[:k] if k > 0 else [(tok, lp)]  # -1: all
+            top = list(d.top_logprobs[i].items()) if d.top_logprobs else []
+            # vLLM's entries: the sampled token, then the k best (k + 1 when it is not among them); -1: all
+            entries = top if k == -1 else [(tok, lp)] + [(t, v) for t, v in top[:max(k, 0)] if t != tok]
             tops.append({self.token_str(t, as_ids): _finite(v) for t, v in entries})
         offsets, at = [], offset
         for t in tokens:
