@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -94,7 +95,15 @@ def write_tokenizer(out: Path, nodes: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>"])  # eos and bos (ids unchanged): skip_special_tokens
     tok.save(str(out / "tokenizer.json"))
+    # the chat template the shipped model carries (a user message = one task), and the tokens it names
+    template = Path(__file__).resolve().parents[1] / "models" / "pointer-chase" / "chat_template.jinja"
+    if template.resolve() != (out / "chat_template.jinja").resolve():
+        shutil.copyfile(template, out / "chat_template.jinja")
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|endoftext|>",
+         "model_max_length": 512, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
 
 
 MODEL_CARD = """\

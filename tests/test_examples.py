@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
+from ourobatch.text import Tokenizer
 from tests.pointer_chase import check_task_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,12 @@ def test_train_looped_model_toy(tmp_path):
     with SyncEngine(EngineConfig(model=str(out), deep_interval=2)) as llm:
         (result,) = llm.generate_batch([task["prompt_token_ids"]], SamplingParams(max_tokens=3, temperature=0.0))
     assert 1 <= len(result.outputs[0].token_ids) <= 3
+    # the tokenizer marks eos and bos special and the chat template renders a task to its trained prompt
+    specials = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    assert {t["content"]: t["id"] for t in specials if t["special"]} == {"<|endoftext|>": 0, "<|im_start|>": 1}
+    tok = Tokenizer.from_path(out)
+    message = [{"role": "user", "content": tok.decode(task["prompt_token_ids"][1:])}]
+    assert tok.encode(tok.chat_template.render(message), add_special_tokens=False) == task["prompt_token_ids"]
 
 
 @pytest.mark.parametrize("args, field", [(["--answers", "4", "--hops", "2", "--nodes", "8"], "--nodes"),
