@@ -31,12 +31,8 @@ from .protocol import CompletionRequest, GenerateRequest
 from .runner import Delta, open_streams, run_prompt
 from .streaming import EventStream, collect
 
-NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM writes this for an excluded token
 CLIENT_CLOSED = 499
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else NEG_INF_LOGPROB
+_finite = sglang_shapes.finite  # -inf (a token the filters exclude) as -9999.0, vLLM's JSON choice
 
 
 def _sse(obj: Any) -> bytes:

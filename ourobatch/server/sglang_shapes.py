@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-NEG_INF_LOGPROB = -9999.0  # JSON has no -inf (vLLM's choice, kept for both front ends)
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf (vLLM's choice, kept for every route: completions, chat, /generate)
 ABORTED = "aborted (/abort_request, /pause_generation mode abort, or the client left)"
 FAILED = "the engine failed on this request (finish_reason error); see the server log"
 
