@@ -65,17 +65,6 @@ def admit(sched: "Scheduler", planner: ChunkPlanner, started_only: bool = False)
         num_running += 1
 
 
-def feed_position(mode: str, r: Request) -> int | None:
-    """The position a decoding `r` writes in its next shallow step (None: verify drafts wait)."""
-    k = r.num_output_tokens
-    if mode == "verify":
-        drafts = r.draft_token_ids
-        k += len(drafts)
-        if k >= r.params.max_tokens or (drafts and drafts[-1] in r.stop_token_ids):
-            return None
-    return r.num_prompt_tokens + k - 1
-
-
 def blocks_needed(sched: "Scheduler") -> int:
     """New blocks the coming step's shallow writes need (the cohort rule of Scheduler.schedule()), plus one
     block for the next chunk of each prefill under way (prefill.py)."""
@@ -86,9 +75,8 @@ def blocks_needed(sched: "Scheduler") -> int:
         starts = not decoding or cohort.phase == 0  # aligning members start decoding this step
         for r in members:
             if r.status == RequestStatus.DECODING or (starts and r.status == RequestStatus.ALIGNING):
-                position = feed_position(sched.config.mode, r)
-                if position is not None:
-                    need += sched.kv.blocks_to_write(r, position)
+                if r.can_feed:
+                    need += sched.kv.blocks_to_write(r, r.feed_position)
     return need + next_chunk_blocks(sched)
 
 

@@ -171,15 +171,13 @@ class Scheduler:
                 continue
             boundary = cohort.is_boundary_step() or self._force_boundary
             for r in decoding:
-                position = admission.feed_position(self.config.mode, r)
-                if position is not None:  # _make_room left room for it
-                    self.kv.grow(r, self.kv.blocks_to_write(r, position))
+                if r.can_feed:  # make_room left room for it
+                    self.kv.grow(r, self.kv.blocks_to_write(r, r.feed_position))
                 if cfg.mode == "verify":
                     verify_plan.plan_verify(self, r, cohort.cohort_id, boundary, shallow, deep)
                     continue
-                k = r.num_output_tokens  # feed generated token k
-                pos = r.num_prompt_tokens + k - 1
-                nxt = k + 1
+                pos = r.feed_position  # feed generated token k = num_output_tokens here
+                nxt = r.num_output_tokens + 1
                 if cfg.mode == "eager" or cfg.deep_interval == 1:  # B=1: full depth in one call, no retained rows
                     loop = T if boundary else s
                     shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, T,
@@ -326,25 +324,14 @@ class Scheduler:
 
     def _append(self, r: Request, token_id: int, logprob: float, loop: int,
                 top: tuple[tuple[int, float], ...] | None) -> None:
-        r.output_token_ids.append(token_id)
-        r.logprobs.append(logprob)
-        r.readout_loops.append(loop)
-        r.weight_versions.append(self.weight_version)
-        r.cumulative_logprob += logprob
-        if r.params.num_top_logprobs > 0:
-            if r.top_logprobs is None:
-                r.top_logprobs = []
-            r.top_logprobs.append(dict(top or ()))
+        r.append_output(token_id, logprob, loop, self.weight_version, top)
         self.counters["tokens_generated"] += 1
 
     def _check_stop(self, r: Request) -> bool:
-        if r.output_token_ids[-1] in r.stop_token_ids:
-            self._finish(r, RequestStatus.FINISHED_STOPPED)
-            return True
-        if r.num_output_tokens >= r.params.max_tokens:
-            self._finish(r, RequestStatus.FINISHED_LENGTH)
-            return True
-        return False
+        status = r.stop_status()
+        if status is not None:
+            self._finish(r, status)
+        return status is not None
 
     def _close_cohort(self, cohort_id: int) -> list[str]:
         cohort = self.cohorts.get(cohort_id)
@@ -389,8 +376,7 @@ class Scheduler:
 
     def needs_flush(self) -> bool:
         """Deep work is pending: a decoding request has positions whose deep loops have not run."""
-        return any(r.status == RequestStatus.DECODING
-                   and r.num_prompt_tokens + r.num_output_tokens - 1 + len(r.draft_token_ids) > r.num_deep_positions
+        return any(r.status == RequestStatus.DECODING and r.feed_position > r.num_deep_positions
                    for r in self.requests.values())
 
     def force_boundary(self) -> None:

@@ -72,7 +72,7 @@ class KVManager:
         self.epoch = 0  # prefix-cache resets so far
 
     def plan_admission(self, r: Request, pending: PendingPrefills) -> Admission:
-        tokens = r.prompt_token_ids + tuple(r.output_token_ids)
+        tokens = r.all_token_ids
         bs = self.blocks.block_size
         keys = prefix_block_keys(tokens, bs, pending.weight_version)
         owner = pending.last_block_owner.get(keys[-1]) if keys and len(tokens) % bs == 0 else None
@@ -133,7 +133,7 @@ class KVManager:
         for i in range(start // bs, end // bs):  # full blocks this chunk computes
             pending.blocks.setdefault(keys[i], r.block_ids[i])
             r.pending_block_keys.append((keys[i], r.block_ids[i]))
-        total = r.num_prompt_tokens + r.num_output_tokens
+        total = r.num_tokens
         if end == total > start and total % bs == 0:  # the last chunk computes the last readout
             pending.last_block_owner.setdefault(keys[-1], r.request_id)
 

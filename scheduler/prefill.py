@@ -76,7 +76,7 @@ def next_chunk_blocks(sched: "Scheduler") -> int:
     need = 0
     for p in prefills_under_way(sched):
         r = p.request
-        end = min(r.num_deep_positions + bs, _num_tokens(r))
+        end = min(r.num_deep_positions + bs, r.num_tokens)
         need += max(0, sched.blocks.blocks_for(end) - len(r.block_ids))
     return need
 
@@ -110,11 +110,6 @@ def record_prompt_logprobs(r: Request, work: PrefillWork, got: PromptLogprobs | 
     return None
 
 
-def _num_tokens(r: Request) -> int:
-    """Tokens of r's (re)prefill: prompt + outputs (outputs do not change while it prefills)."""
-    return r.num_prompt_tokens + r.num_output_tokens
-
-
 class ChunkPlanner:
     """One step's prefills: the token budget the decode rows left, and the chunks planned so far.
 
@@ -132,7 +127,7 @@ class ChunkPlanner:
         for p in prefills_under_way(sched):
             r = p.request
             start = r.num_deep_positions
-            n = sched.kv.fit_chunk(r, start, self.chunk_size(_num_tokens(r) - start))
+            n = sched.kv.fit_chunk(r, start, self.chunk_size(r.num_tokens - start))
             if n:
                 self._plan(p, start, n, None)
 
@@ -163,12 +158,12 @@ class ChunkPlanner:
     def _plan(self, p: PartialPrefill, start: int, n: int, sample_from: str | None) -> None:
         """One PrefillWork over positions [start, start + n); the last chunk samples from loop T."""
         sched, r = self.sched, p.request
-        end, total = start + n, _num_tokens(r)
+        end, total = start + n, r.num_tokens
         fresh = p.epoch == sched.kv.epoch and p.weight_version == self.pending.weight_version  # whole prefix
         sched.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=fresh)
         last = end == total
         spec = SampleSpec(sched.config.total_ut_steps, r.num_outputs_at_prefill + 1, r.params) if last else None
-        tokens = (r.prompt_token_ids + tuple(r.output_token_ids))[start:end]
+        tokens = r.all_token_ids[start:end]
         self.works.append(PrefillWork(r.request_id, tokens, start, r.block_ids, spec, sample_from,
                                       prompt_logprob_spec(r, start, end)))
         self.left = max(0, self.left - n)

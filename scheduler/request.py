@@ -110,6 +110,35 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs: the tokens a (re)prefill feeds (outputs do not change while it prefills)."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt + outputs, the tokens a (re)prefill feeds."""
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        """Prompt + outputs + unverified drafts (verify mode; elsewhere the drafts are always empty)."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def feed_position(self) -> int:
+        """Where the newest token (output or draft) is fed: token k at P + k - 1, the position a decoding
+        request's next shallow step writes. Positions before it are fed (written at least to loop s)."""
+        return self.num_tokens_with_drafts - 1
+
+    @property
+    def can_feed(self) -> bool:
+        """Whether a decoding request's next shallow step feeds it a token: not when its unverified drafts
+        (verify mode) already reach max_tokens or end in a stop token; it then waits for its boundary."""
+        drafts = self.draft_token_ids
+        return not (self.num_output_tokens + len(drafts) >= self.params.max_tokens
+                    or (bool(drafts) and drafts[-1] in self.stop_token_ids))
+
+    @property
     def num_cache_positions(self) -> int:
         """Positions this request may ever write: P + max_tokens - 1 (the last token is never fed)."""
         return self.num_prompt_tokens + self.params.max_tokens - 1
@@ -126,6 +155,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def append_output(self, token_id: int, logprob: float, loop: int, weight_version: int,
+                      top_logprobs: tuple[tuple[int, float], ...] | None) -> None:
+        """Record one generated token: its log-prob, readout loop, weight version and (when asked for) the
+        top log-probs. The only place outputs grow."""
+        self.output_token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.readout_loops.append(loop)
+        self.weight_versions.append(weight_version)
+        self.cumulative_logprob += logprob
+        if self.params.num_top_logprobs > 0:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.append(dict(top_logprobs or ()))
+
+    def stop_status(self) -> RequestStatus | None:
+        """The status the newest output ends it with (a stop token, then max_tokens), or None."""
+        if self.output_token_ids[-1] in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     @property
     def finish_reason(self) -> str | None:

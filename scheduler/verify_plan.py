@@ -27,9 +27,8 @@ def plan_verify(sched: "Scheduler", r: Request, cohort_id: int, boundary: bool, 
     s, T = sched.config.shallow_loops, sched.config.total_ut_steps
     drafts = r.draft_token_ids
     k = r.num_output_tokens + len(drafts)  # tokens so far, verified or not
-    idle = k >= r.params.max_tokens or (bool(drafts) and drafts[-1] in r.stop_token_ids)
-    frontier = r.num_prompt_tokens + k - 1  # end of the fed positions; token k goes here when fed
-    if not idle:
+    frontier = r.feed_position  # end of the fed positions; token k goes here when fed
+    if r.can_feed:
         last = drafts[-1] if drafts else r.output_token_ids[-1]
         spec = None if boundary else SampleSpec(s, k + 1, r.params)
         shallow.append(ShallowWork(r.request_id, last, frontier, r.block_ids, s, True, spec))
@@ -62,5 +61,5 @@ def apply_verify(sched: "Scheduler", r: Request, d: DeepWork, v: "VerifyResult")
         if sched._check_stop(r):
             break
     # every position whose token is verified and fed keeps its planes; the rest is rolled back
-    r.num_deep_positions = r.num_prompt_tokens + r.num_output_tokens - 1
+    r.num_deep_positions = r.feed_position  # the drafts are cleared: the newest output's position
     sched.counters["rolled_back_positions"] += max(0, fed - r.num_deep_positions)

@@ -13,7 +13,6 @@ import random
 import pytest
 
 from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
-from ourobatch.scheduler.admission import feed_position
 
 from .conftest import abort_all_and_release, check_block_refs, make_scheduler, update_checked
 from .fakes import FakeExecutor
@@ -55,7 +54,7 @@ def run(sched, ex, arrivals, budget, on_plan=None, max_steps=5000):
             sched.add(rid, prompt, p)
         before = {rid: r.status for rid, r in sched.requests.items()}
         feeding = {rid for rid, r in sched.requests.items()
-                   if r.status == RequestStatus.DECODING and feed_position(sched.config.mode, r) is not None}
+                   if r.status == RequestStatus.DECODING and r.can_feed}
         plan = sched.schedule()
         plans.append(plan)
         check_plan_budget(plan, budget, sched.config.block_size)
