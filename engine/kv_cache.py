@@ -1,30 +1,61 @@
 """The paged KV pool: one plane per loop, one block table per request shared by every plane.
 
-    k, v: [T, layers, num_blocks, block_size, kv_heads, head_dim]
+    k, v: [T, layers, num_blocks + 1, block_size, kv_heads, head_dim]
 
 A position's slot (block_ids[pos // block_size] * block_size + pos % block_size) is the same in every
 loop plane, so blocks are allocated per position, not per loop. Loop t's attention reads only plane t.
 Rolling a request back to an earlier position needs no work here: later slots are simply overwritten
 when those positions are fed again (the scheduler owns the lengths).
+
+The pool owns its geometry (``shape``, ``bytes_per_block``: the one place that computes them) and its
+memory: ``release()`` frees k and v while the engine sleeps, ``reallocate()`` gives them back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .config import OuroConfig
+
 
 class KVPool:
     def __init__(self, num_loops: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         # One extra block at index num_blocks: the scratch block that padding rows of a CUDA graph write to.
-        shape = (num_loops, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        # Uninitialised on purpose: only slots a request has written are ever read, and untouched pages
-        # of a large CPU pool cost no memory.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.shape = (num_loops, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.reallocate()
+
+    @classmethod
+    def for_model(cls, config: OuroConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str) -> "KVPool":
+        """A pool with one plane per loop and layer of `config`'s model."""
+        return cls(config.total_ut_steps, config.num_hidden_layers, num_blocks, block_size,
+                   config.num_key_value_heads, config.head_dim, dtype, device)
+
+    @staticmethod
+    def bytes_per_block(config: OuroConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Device bytes one block of `config`'s pool takes (K and V, every loop plane and layer)."""
+        return (2 * config.total_ut_steps * config.num_hidden_layers * block_size * config.num_key_value_heads
+                * config.head_dim * torch.empty((), dtype=dtype).element_size())
+
+    def release(self) -> None:
+        """Free k and v (the engine sleeps); the geometry stays, reallocate() gives the memory back."""
+        self.k = self.v = None
+
+    def reallocate(self) -> None:
+        """(Re)allocate k and v at the pool's geometry. Their contents are undefined: nothing is read
+        before a request writes it."""
+        # Uninitialised on purpose: only slots a request has written are ever read, and untouched pages
+        # of a large CPU pool cost no memory.
+        self.k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     @property
     def num_bytes(self) -> int:

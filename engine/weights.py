@@ -114,7 +114,7 @@ def sleep(ex: "ModelExecutor", level: int) -> None:
     ex.model = None  # type: ignore[assignment]
     if ex.graphs is not None:
         ex.graphs.close()
-    ex.pool.k = ex.pool.v = None  # type: ignore[assignment]
+    ex.pool.release()
     ex.retained_rows = None  # type: ignore[assignment]
     ex.retained.clear()
     del model
@@ -143,11 +143,7 @@ def wake_up(ex: "ModelExecutor") -> None:
     ex.model = model
     ex.sleeping_state = None
     ex.sleep_level = 0
-    pool = ex.pool
-    shape = (config.total_ut_steps, config.num_hidden_layers, pool.num_blocks + 1, pool.block_size,
-             config.num_key_value_heads, config.head_dim)
-    pool.k = torch.empty(shape, dtype=dtype, device=device)
-    pool.v = torch.empty(shape, dtype=dtype, device=device)
+    ex.pool.reallocate()
     ex.retained_rows = torch.zeros(ex.retained_shape, dtype=dtype, device=device)
     if ex.graphs is not None:
         from .cuda_graphs import GraphCache

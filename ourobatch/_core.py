@@ -71,8 +71,7 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
     kv_cache_memory_gb.
     CUDA: what gpu_memory_utilization of the device leaves after the weights (call after loading them)."""
     mc = model_config
-    per_block = (2 * mc.total_ut_steps * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads
-                 * mc.head_dim * torch.empty((), dtype=dtype).element_size())
+    per_block = KVPool.bytes_per_block(mc, config.block_size, dtype)
     wanted = config.max_num_seqs * math.ceil(effective_max_model_len(config, mc) / config.block_size)
     if config.kv_allocation == "lazy":  # admission keeps the watermark free: add it, so all of them fit
         wanted += math.ceil(config.kv_watermark * wanted / (1 - config.kv_watermark)) + 1
@@ -160,7 +159,6 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
     mc, dtype = check_before_loading(config)
-    T = mc.total_ut_steps
     max_model_len = effective_max_model_len(config, mc)
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,
@@ -169,8 +167,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
         model = load_model(config.model, dtype, config.device, should_stop)
         model.fuse_projections()
     num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
-    pool = KVPool(T, mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim,
-                  dtype, config.device)
+    pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
     executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
                              max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
                              deep_interval=config.deep_interval, attention=config.attention_backend,
