@@ -105,7 +105,7 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
     decode_steps = decode_tokens = max_running = 0
     t_start = time.perf_counter()
     while core.has_unfinished:
-        generated = core.scheduler.counters["tokens_generated"]
+        generated = core.scheduler.counters.tokens_generated
         t0 = time.perf_counter()
         plan = core.schedule()
         result = ex.execute(plan)
@@ -115,7 +115,7 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
         if not plan.prefills and (plan.shallow or plan.deep):
             decode_steps += 1
             decode_wall += t1 - t0
-            decode_tokens += core.scheduler.counters["tokens_generated"] - generated  # verified tokens only
+            decode_tokens += core.scheduler.counters.tokens_generated - generated  # verified tokens only
             if ex.timing:
                 decode_gpu += ex.timing[-1] / 1e3
     total = time.perf_counter() - t_start

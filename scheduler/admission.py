@@ -103,7 +103,7 @@ def preempt(sched: "Scheduler", r: Request) -> None:
     r.num_deep_positions = 0
     r.num_preemptions += 1
     r.num_bypassed = 0
-    sched.counters["preemptions"] += 1
+    sched.counters.preemptions += 1
     sched.release(r.request_id)  # the engine drops its retained rows and table row
     index = next((i for i, w in enumerate(sched.waiting) if w.arrival_index > r.arrival_index),
                  len(sched.waiting))

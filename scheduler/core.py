@@ -29,7 +29,7 @@ from . import admission, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohort
-from .counters import new_counters
+from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
 from .plan import DeepWork, Phase, SampleSpec, ShallowWork, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
@@ -99,7 +99,7 @@ class Scheduler:
         self._next_step = 0
         self._next_cohort = 0
         self._seed_rng = random.Random()
-        self.counters: dict[str, int] = new_counters()
+        self.counters = SchedulerCounters()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -119,7 +119,7 @@ class Scheduler:
         self._next_arrival += 1
         self.requests[request_id] = request
         self.waiting.append(request)
-        self.counters["requests_added"] += 1
+        self.counters.requests_added += 1
         return request
 
     def abort(self, request_id: str) -> RequestUpdate | None:
@@ -156,6 +156,7 @@ class Scheduler:
         T, s = cfg.total_ut_steps, cfg.shallow_loops
         shallow: list[ShallowWork] = []
         deep: list[DeepWork] = []
+        num_boundaries = 0
         preempted = admission.make_room(self)
         for cohort in list(self.cohorts.values()):
             members = [self.requests[rid] for rid in cohort.member_ids]
@@ -193,7 +194,7 @@ class Scheduler:
                     shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
                                                True, SampleSpec(s, nxt, r.params)))
             if boundary:
-                self.counters["boundaries"] += 1
+                num_boundaries += 1
                 cohort.phase = cohort.interval - 1  # a forced boundary ends the block too
             cohort.advance()
 
@@ -210,14 +211,7 @@ class Scheduler:
                                                       self.requests[w.request_id].num_preemptions)
                                        for w in (*prefills, *shallow, *deep)}
         self._next_step += 1
-        c = self.counters
-        c["steps"] += 1
-        if shallow:
-            c["shallow_steps"] += 1
-            c["shallow_rows"] += len(shallow)
-        if deep:
-            c["deep_calls"] += 1
-            c["deep_rows"] += sum(d.num_rows for d in deep)
+        self.counters.count_plan(plan, num_boundaries)
         return plan
 
     def _cohort_for_new_request(self) -> Cohort:
@@ -308,7 +302,7 @@ class Scheduler:
                 continue
             if self.config.mode == "verify" and r.status == RequestStatus.DECODING:
                 r.draft_token_ids.append(tok.token_id)  # unverified: not an output until its boundary
-                self.counters["drafted_tokens"] += 1
+                self.counters.drafted_tokens += 1
                 continue
             self._append(r, tok.token_id, tok.logprob, tok.loop, tok.top_logprobs)
             finished = self._check_stop(r)
@@ -325,7 +319,7 @@ class Scheduler:
     def _append(self, r: Request, token_id: int, logprob: float, loop: int,
                 top: tuple[tuple[int, float], ...] | None) -> None:
         r.append_output(token_id, logprob, loop, self.weight_version, top)
-        self.counters["tokens_generated"] += 1
+        self.counters.tokens_generated += 1
 
     def _check_stop(self, r: Request) -> bool:
         status = r.stop_status()
@@ -344,7 +338,7 @@ class Scheduler:
         was_waiting = r.status == RequestStatus.WAITING
         set_status(r, status)
         del self.requests[r.request_id]
-        self.counters[f"finished_{status.finish_reason}"] += 1
+        self.counters.count_finish(status)
         if was_waiting:
             self.waiting.remove(r)
             return
@@ -400,7 +394,7 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict[str, int]:
-        stats = dict(self.counters)
+        stats: dict = self.counters.as_dict()
         stats["num_waiting"] = len(self.waiting)
         stats["num_running"] = len(self.requests) - len(self.waiting)
         stats["num_cohorts"] = len(self.cohorts)

@@ -147,11 +147,7 @@ class ChunkPlanner:
         set_status(r, RequestStatus.PREFILLING)
         r.num_outputs_at_prefill = r.num_output_tokens  # > 0 after a preemption: prompt + outputs again
         r.num_deep_positions = start  # shared blocks hold every plane
-        c = sched.counters
-        c["prefill_tokens_requested"] += len(a.tokens)
-        c["prefix_cache_hits"] += start
-        if r.num_output_tokens:
-            c["recomputed_tokens"] += len(a.tokens) - start
+        sched.counters.count_admission(len(a.tokens), start, is_recompute=r.num_output_tokens > 0)
         p = PartialPrefill(r, a.keys, sched.kv.epoch, self.pending.weight_version)
         self._plan(p, start, num_tokens, a.sample_from)
 
@@ -172,8 +168,3 @@ class ChunkPlanner:
             sched.partial_prefills.pop(r.request_id, None)
         else:
             sched.partial_prefills[r.request_id] = p
-        c = sched.counters
-        c["prefills"] += last  # prompts prefilled (a fork samples from its sibling's last chunk)
-        c["prefill_chunks"] += n > 0
-        c["prefill_tokens"] += n
-        c["prefill_tokens_computed"] += n

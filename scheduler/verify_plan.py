@@ -46,9 +46,6 @@ def apply_verify(sched: "Scheduler", r: Request, d: DeepWork, v: "VerifyResult")
     r.draft_token_ids = []
     r.num_drafted += len(drafts)
     r.num_accepted += v.num_accepted
-    sched.counters["accepted_tokens"] += v.num_accepted
-    # the test stops at the first rejection: drafts after it were never tested
-    sched.counters["tested_drafts"] += v.num_accepted + (v.num_accepted < len(drafts))
     fed = d.start_position + d.num_rows  # the deep frontier this call filled
     tokens = list(zip(drafts[:v.num_accepted], v.accepted_logprobs))
     if v.token_id is not None:
@@ -62,4 +59,4 @@ def apply_verify(sched: "Scheduler", r: Request, d: DeepWork, v: "VerifyResult")
             break
     # every position whose token is verified and fed keeps its planes; the rest is rolled back
     r.num_deep_positions = r.feed_position  # the drafts are cleared: the newest output's position
-    sched.counters["rolled_back_positions"] += max(0, fed - r.num_deep_positions)
+    sched.counters.count_verify(len(drafts), v.num_accepted, max(0, fed - r.num_deep_positions))

@@ -256,7 +256,7 @@ async def test_pause_wait_finishes_requests_preempted_for_room_under_the_old_wei
         gate.hold(0)
         streams = [engine.stream([1 + i, 2, 3], sp(i, 30)) for i in range(3)]
         sched = engine.core.scheduler
-        while not (sched.counters["preemptions"] and sched.num_started_waiting):
+        while not (sched.counters.preemptions and sched.num_started_waiting):
             gate.allow(1)
             await until(lambda: gate.entered.is_set())
         async with anyio.create_task_group() as tg:

@@ -147,7 +147,7 @@ def test_recompute_is_applied_between_steps_and_only_for_a_pause_that_kept_reque
     assert ctl.run is Run.PAUSED
     ctl.resume(recompute_kv=True)
     assert ctl.scheduler.num_running == 1  # not yet: resume() may run with a step in flight
-    assert ctl.poll() and ctl.scheduler.num_running == 0 and ctl.scheduler.counters["preemptions"] == 1
+    assert ctl.poll() and ctl.scheduler.num_running == 0 and ctl.scheduler.counters.preemptions == 1
 
 
 # ---------------------------------------------------------------------- the scheduler's last guard

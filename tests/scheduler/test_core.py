@@ -345,6 +345,6 @@ def test_verify_counters_count_tested_drafts():
     c = sched.counters
     rejected_blocks = sum(acc < n for n, acc in calls)
     assert rejected_blocks > 0 and sum(acc == n for n, acc in calls) > 0  # both cases exercised
-    assert c["accepted_tokens"] == sum(acc for _, acc in calls)
-    assert c["tested_drafts"] == c["accepted_tokens"] + rejected_blocks
-    assert c["drafted_tokens"] >= sum(n for n, _ in calls) >= c["tested_drafts"]
+    assert c.accepted_tokens == sum(acc for _, acc in calls)
+    assert c.tested_drafts == c.accepted_tokens + rejected_blocks
+    assert c.drafted_tokens >= sum(n for n, _ in calls) >= c.tested_drafts
