@@ -6,9 +6,9 @@ loops 1..last_loop), the deep call (retained rows of every boundary request, loo
 batch), then one batched sampling pass over every work item that carries a SampleSpec.
 
 Retained rows (deferred mode) are the loop-s readouts of fed positions whose deep loops have not run.
-They live in one device buffer ``retained[table_row, i]`` (i < deep_interval), written by the shallow
-call and read by the deep call, so neither needs per-request host work; a released request's rows are
-simply forgotten. A failing phase is reported as a StepFailure, never raised: the scheduler decides
+They live in one device buffer ``rows[table_row, i]`` (i < deep_interval; engine/retained.py owns it),
+written by the shallow call and read by the deep call, so neither needs per-request host work; a
+released request's rows are simply forgotten. A failing phase is reported as a StepFailure, never raised: the scheduler decides
 who ends with it.
 
 On CUDA with the Triton backend, shallow and deep calls replay CUDA graphs captured per batch-size
@@ -42,15 +42,10 @@ from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .prompt_logprobs import prompt_logprobs
+from .retained import RetainedRows, RetainedSpan
 from .sampler import sample
 from . import weights
 from .verify import VerifyItem, verify_batch
-
-
-@dataclass
-class RetainedRows:
-    start_position: int  # position of retained row 0
-    count: int = 0  # rows held in the device buffer
 
 
 @dataclass
@@ -87,9 +82,7 @@ class ModelExecutor:
         dtype = next(model.parameters()).dtype
         # A request holds at most deep_interval retained rows, and never more than it has positions.
         max_retained = max(1, min(deep_interval, max_blocks_per_seq * self.block_size))
-        self.retained_rows = torch.zeros(max_num_seqs + 1, max_retained, cfg.hidden_size, dtype=dtype,
-                                         device=self.device)
-        self.retained: dict[str, RetainedRows] = {}
+        self.kept_rows = RetainedRows(max_num_seqs + 1, max_retained, cfg.hidden_size, dtype, self.device)
         # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.
         self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
         if cuda_graphs is None:
@@ -102,16 +95,25 @@ class ModelExecutor:
         self.timing: list[float] | None = None  # set to a list to record GPU ms per step (CUDA events)
         # what sleep/wake_up need to rebuild the model and the buffers (engine/weights.py)
         self.model_config, self.dtype = cfg, dtype
-        self.retained_shape = tuple(self.retained_rows.shape)
         self.sleeping_state: dict[str, torch.Tensor] | None = None
         self.sleep_level = 0  # 0 awake; 1 weights in CPU memory; 2 weights dropped
+
+    @property
+    def retained(self) -> dict[str, RetainedSpan]:
+        """Request id -> the retained rows this executor holds for it (engine/retained.py)."""
+        return self.kept_rows.spans
+
+    @property
+    def retained_rows(self) -> torch.Tensor | None:
+        """The retained-row buffer, [max_num_seqs + 1, rows, hidden] (None while asleep or closed)."""
+        return self.kept_rows.rows
 
     # ------------------------------------------------------------------ the seam
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.released_request_ids:
-            self.retained.pop(rid, None)
+            self.kept_rows.forget(rid)
             self.tables.release(rid)
         try:  # new rows and grown block lists, once per step; the phases below read tables.row_of
             for w in (*plan.prefills, *plan.shallow, *plan.deep):
@@ -156,7 +158,7 @@ class ModelExecutor:
                 failures.append(_failure(Phase.DEEP, deep, exc))
             finally:
                 for d in deep:  # consumed, or discarded with a failed (closing) cohort
-                    self.retained.pop(d.request_id, None)
+                    self.kept_rows.forget(d.request_id)
         sampled: list[SampledToken] = []
         if readouts:
             try:
@@ -211,22 +213,11 @@ class ModelExecutor:
             groups.setdefault((w.last_loop, w.retain), []).append(w)
         for (last_loop, retain), group in groups.items():
             rows = [self.tables.row_of[w.request_id] for w in group]
-            slots = []
-            if retain:
-                for w in group:
-                    kept = self.retained.get(w.request_id)
-                    if kept is None:
-                        kept = self.retained[w.request_id] = RetainedRows(w.position)
-                    if kept.start_position + kept.count != w.position:
-                        raise RuntimeError(f"req {w.request_id}: retained rows end at "
-                                           f"{kept.start_position + kept.count}, fed position {w.position}")
-                    slots.append(kept.count)
+            slots = self.kept_rows.next_slots(group) if retain else None
             positions = [w.position for w in group]
-            readouts = self._run_shallow([w.token_id for w in group], rows, positions, slots if retain else None,
-                                         last_loop, group)
+            readouts = self._run_shallow([w.token_id for w in group], rows, positions, slots, last_loop, group)
             if retain:
-                for w in group:
-                    self.retained[w.request_id].count += 1
+                self.kept_rows.advance(group)
             by_loop: dict[int, list[int]] = {}
             for i, w in enumerate(group):
                 if w.sample is not None:
@@ -251,18 +242,8 @@ class ModelExecutor:
             self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
         return readouts
 
-    def _check_retained(self, works: list[DeepWork]) -> None:
-        """Every deep work must cover exactly the rows this executor retains for its request."""
-        for d in works:
-            assert d.first_loop == works[0].first_loop, "one deep call runs one loop range"
-            kept = self.retained.get(d.request_id)
-            if kept is None or kept.start_position != d.start_position or kept.count != d.num_rows:
-                have = None if kept is None else (kept.start_position, kept.count)
-                raise RuntimeError(f"req {d.request_id}: deep work wants rows ({d.start_position}, "
-                                   f"{d.num_rows}) but the engine retains {have}")
-
     def _deep(self, works: list[DeepWork]) -> list[_Readout]:
-        self._check_retained(works)
+        self.kept_rows.check(works)
         first_loop = works[0].first_loop
         R = works[0].num_rows
         rows = [self.tables.row_of[d.request_id] for d in works]
@@ -302,7 +283,7 @@ class ModelExecutor:
 
     def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
         """Deep loops over every retained row, then the acceptance test of each request's drafts."""
-        self._check_retained(works)
+        self.kept_rows.check(works)
         meta, h_s, h_T = self._run_deep_varlen(works)
         items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
                             d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
@@ -377,8 +358,7 @@ class ModelExecutor:
         self.sleeping_state = None
         self.pool = None  # type: ignore[assignment]
         self.tables = None  # type: ignore[assignment]
-        self.retained_rows = None  # type: ignore[assignment]
-        self.retained.clear()
+        self.kept_rows.release()
         self.fault_hook = None
         # torch builds modules on the meta device with reference cycles (nn.Embedding's init frames), so
         # the model is only freed by the cycle collector: run it now rather than some time later.

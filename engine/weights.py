@@ -115,8 +115,7 @@ def sleep(ex: "ModelExecutor", level: int) -> None:
     if ex.graphs is not None:
         ex.graphs.close()
     ex.pool.release()
-    ex.retained_rows = None  # type: ignore[assignment]
-    ex.retained.clear()
+    ex.kept_rows.release()
     del model
     gc.collect()
     if ex.device.type == "cuda":
@@ -144,7 +143,7 @@ def wake_up(ex: "ModelExecutor") -> None:
     ex.sleeping_state = None
     ex.sleep_level = 0
     ex.pool.reallocate()
-    ex.retained_rows = torch.zeros(ex.retained_shape, dtype=dtype, device=device)
+    ex.kept_rows.reallocate()
     if ex.graphs is not None:
         from .cuda_graphs import GraphCache
 
