@@ -66,17 +66,10 @@ def admit(sched: "Scheduler", planner: ChunkPlanner, started_only: bool = False)
 
 
 def blocks_needed(sched: "Scheduler") -> int:
-    """New blocks the coming step's shallow writes need (the cohort rule of Scheduler.schedule()), plus one
-    block for the next chunk of each prefill under way (prefill.py)."""
-    need = 0
-    for cohort in sched.cohorts.values():
-        members = [sched.requests[rid] for rid in cohort.member_ids]
-        decoding = any(r.status == RequestStatus.DECODING for r in members)
-        starts = not decoding or cohort.phase == 0  # aligning members start decoding this step
-        for r in members:
-            if r.status == RequestStatus.DECODING or (starts and r.status == RequestStatus.ALIGNING):
-                if r.can_feed:
-                    need += sched.kv.blocks_to_write(r, r.feed_position)
+    """New blocks the coming step's shallow writes need (who is fed: cohort.members_fed, schedule()'s rule),
+    plus one block for the next chunk of each prefill under way (prefill.py)."""
+    need = sum(sched.kv.blocks_to_write(r, r.feed_position) for r in sched.cohorts.feeding(sched.requests)
+               if r.can_feed)
     return need + next_chunk_blocks(sched)
 
 
@@ -96,7 +89,7 @@ def make_room(sched: "Scheduler") -> bool:
 def preempt(sched: "Scheduler", r: Request) -> None:
     """Free `r`'s KV and queue it again with its outputs; readmission prefills prompt + outputs."""
     set_status(r, RequestStatus.WAITING)
-    sched.leave_cohort(r)
+    sched.cohorts.leave(r)
     sched.kv.free(r)
     r.block_ids = ()
     r.draft_token_ids = []  # verify mode: only verified tokens survive

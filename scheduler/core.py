@@ -23,38 +23,17 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable
 
 from . import admission, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
-from .cohort import Cohort
+from .cohort import Cohorts
+from .config import MODES, SchedulerConfig
 from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
 from .plan import DeepWork, Phase, SampleSpec, ShallowWork, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
-
-Mode = Literal["deferred", "eager", "verify"]
-MODES: tuple[str, ...] = ("deferred", "eager", "verify")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_kv_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int  # per step: decode rows + prefill tokens (prefill.py); >= block_size
-    total_ut_steps: int  # T
-    shallow_loops: int  # s
-    deep_interval: int  # B
-    mode: str
-    vocab_size: int
-    eos_token_ids: frozenset[int] = frozenset()
-    kv_allocation: str = "lazy"  # "lazy": blocks as positions are written, preempt when dry; "reserve": all at admission
-    enable_prefix_caching: bool = True  # keep computed prompt blocks for later requests with the same prefix
-    kv_watermark: float = 0.01  # lazy: share of the pool kept free at admission, so decode rarely runs dry
-
 
 @dataclass(frozen=True)
 class RequestUpdate:
@@ -83,8 +62,7 @@ class Scheduler:
                             math.ceil(config.kv_watermark * config.num_kv_blocks))
         self.requests: dict[str, Request] = {}  # every live (not finished) request
         self.waiting: deque[Request] = deque()
-        self.cohorts: dict[int, Cohort] = {}  # open and closing cohorts with members
-        self._open_cohort: Cohort | None = None
+        self.cohorts = Cohorts(config.deep_interval)
         self._released: list[str] = []
         self.partial_prefills: dict[str, prefill.PartialPrefill] = {}  # prefills under way, by request id
         # step id -> the request incarnations its plan ran. update() matches results to these objects,
@@ -97,7 +75,6 @@ class Scheduler:
         self._force_boundary = False  # pause(mode="keep"): the next step is every cohort's boundary
         self._next_arrival = 0
         self._next_step = 0
-        self._next_cohort = 0
         self._seed_rng = random.Random()
         self.counters = SchedulerCounters()
 
@@ -158,18 +135,7 @@ class Scheduler:
         deep: list[DeepWork] = []
         num_boundaries = 0
         preempted = admission.make_room(self)
-        for cohort in list(self.cohorts.values()):
-            members = [self.requests[rid] for rid in cohort.member_ids]
-            decoding = [r for r in members if r.status == RequestStatus.DECODING]
-            if not decoding:
-                cohort.phase = 0  # nobody mid-block: the clock is free
-            if cohort.phase == 0:
-                for r in members:
-                    if r.status == RequestStatus.ALIGNING:
-                        set_status(r, RequestStatus.DECODING)
-                        decoding.append(r)
-            if not decoding:
-                continue
+        for cohort, decoding in self.cohorts.begin_step(self.requests):
             boundary = cohort.is_boundary_step() or self._force_boundary
             for r in decoding:
                 if r.can_feed:  # make_room left room for it
@@ -193,10 +159,8 @@ class Scheduler:
                 else:
                     shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
                                                True, SampleSpec(s, nxt, r.params)))
-            if boundary:
-                num_boundaries += 1
-                cohort.phase = cohort.interval - 1  # a forced boundary ends the block too
-            cohort.advance()
+            num_boundaries += boundary
+            cohort.end_step(boundary)
 
         self._force_boundary = False
         planner = prefill.ChunkPlanner(self, num_decode_rows=len(shallow))  # continues prefills under way
@@ -213,14 +177,6 @@ class Scheduler:
         self._next_step += 1
         self.counters.count_plan(plan, num_boundaries)
         return plan
-
-    def _cohort_for_new_request(self) -> Cohort:
-        if self._open_cohort is None or self._open_cohort.is_closed:
-            cohort = Cohort(self._next_cohort, self.config.deep_interval)
-            self._next_cohort += 1
-            self.cohorts[cohort.cohort_id] = cohort
-            self._open_cohort = cohort
-        return self._open_cohort
 
     # ------------------------------------------------------------------ results
 
@@ -244,7 +200,7 @@ class Scheduler:
                     if d.request_id in ids:
                         # members of a closing cohort are the live requests that joined it (ids are unique
                         # among live requests, and a reused id cannot have joined before this update)
-                        for member in self._close_cohort(d.cohort_id):
+                        for member in self.cohorts.close(d.cohort_id):
                             ids.setdefault(member, self.requests.get(member))
             for rid, request in ids.items():
                 failed.add(rid)
@@ -310,9 +266,7 @@ class Scheduler:
                 # Join the open cohort only once prefilled, so a deep call failing in this same step
                 # (which closes its cohort) never takes a request that was not part of it.
                 set_status(r, RequestStatus.ALIGNING)
-                cohort = self._cohort_for_new_request()
-                cohort.member_ids[rid] = None
-                r.cohort_id = cohort.cohort_id
+                self.cohorts.join(r)
             updates[rid] = RequestUpdate(r, 1, finished)
         return list(updates.values())
 
@@ -327,13 +281,6 @@ class Scheduler:
             self._finish(r, status)
         return status is not None
 
-    def _close_cohort(self, cohort_id: int) -> list[str]:
-        cohort = self.cohorts.get(cohort_id)
-        if cohort is None:
-            return []
-        cohort.is_closed = True
-        return list(cohort.member_ids)
-
     def _finish(self, r: Request, status: RequestStatus) -> None:
         was_waiting = r.status == RequestStatus.WAITING
         set_status(r, status)
@@ -343,19 +290,12 @@ class Scheduler:
             self.waiting.remove(r)
             return
         self.kv.free(r)
-        self.leave_cohort(r)
+        self.cohorts.leave(r)
         self._released.append(r.request_id)
 
     def release(self, request_id: str) -> None:
         """List `request_id` in the next plan's released ids: the engine drops its rows and table row."""
         self._released.append(request_id)
-
-    def leave_cohort(self, r: Request) -> None:
-        cohort = self.cohorts.get(r.cohort_id) if r.cohort_id is not None else None
-        if cohort is not None:
-            cohort.member_ids.pop(r.request_id, None)
-            if not cohort.member_ids and (cohort.is_closed or cohort is not self._open_cohort):
-                del self.cohorts[cohort.cohort_id]
 
     # ------------------------------------------------------------------ RL control (pause, weights)
 

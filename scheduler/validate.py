@@ -11,7 +11,7 @@ from .params import SamplingParams
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
-    from .core import SchedulerConfig
+    from .config import SchedulerConfig
 
 
 def check_prompt(prompt_token_ids: Iterable[int], vocab: int) -> tuple[int, ...]:
