@@ -141,7 +141,7 @@ class Scheduler:
                 if r.can_feed:  # make_room left room for it
                     self.kv.grow(r, self.kv.blocks_to_write(r, r.feed_position))
                 if cfg.mode == "verify":
-                    verify_plan.plan_verify(self, r, cohort.cohort_id, boundary, shallow, deep)
+                    verify_plan.plan_verify(cfg, r, cohort.cohort_id, boundary, shallow, deep)
                     continue
                 pos = r.feed_position  # feed generated token k = num_output_tokens here
                 nxt = r.num_output_tokens + 1
@@ -240,7 +240,9 @@ class Scheduler:
                 r.error = "the executor returned no verification for this request"
                 self._finish(r, RequestStatus.FINISHED_ERROR)
             else:
-                verify_plan.apply_verify(self, r, d, v)
+                status = verify_plan.apply_verify(r, d, v, self.weight_version, self.counters)
+                if status is not None:
+                    self._finish(r, status)
             updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
 
         sampled = {t.request_id: t for t in result.sampled}
@@ -260,7 +262,8 @@ class Scheduler:
                 r.draft_token_ids.append(tok.token_id)  # unverified: not an output until its boundary
                 self.counters.drafted_tokens += 1
                 continue
-            self._append(r, tok.token_id, tok.logprob, tok.loop, tok.top_logprobs)
+            r.append_output(tok.token_id, tok.logprob, tok.loop, self.weight_version, tok.top_logprobs)
+            self.counters.tokens_generated += 1
             finished = self._check_stop(r)
             if not finished and r.status == RequestStatus.PREFILLING:
                 # Join the open cohort only once prefilled, so a deep call failing in this same step
@@ -269,11 +272,6 @@ class Scheduler:
                 self.cohorts.join(r)
             updates[rid] = RequestUpdate(r, 1, finished)
         return list(updates.values())
-
-    def _append(self, r: Request, token_id: int, logprob: float, loop: int,
-                top: tuple[tuple[int, float], ...] | None) -> None:
-        r.append_output(token_id, logprob, loop, self.weight_version, top)
-        self.counters.tokens_generated += 1
 
     def _check_stop(self, r: Request) -> bool:
         status = r.stop_status()
