@@ -17,87 +17,93 @@ prefill takes them chunk by chunk; the budget sizes its first chunk (prefill.py)
 that does not fit yet is bypassed by later ones that do (no head-of-line blocking), but at most
 MAX_BYPASS times; then admission stops at it until it fits (no starvation: running requests only ever
 finish or get preempted, so its room comes).
+
+Inputs are narrow: ``admit`` takes the waiting queue and the step's ChunkPlanner (which holds the KV
+manager), ``preempt`` the request, the KV manager and the queue; ``make_room`` sees the scheduler only
+through the ``Room`` protocol (the running requests, the blocks the step needs, preempting one).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
-from .prefill import ChunkPlanner, next_chunk_blocks
+from .block_manager import BlockManager
+from .kv_manager import KVManager
+from .prefill import ChunkPlanner
 from .request import Request, RequestStatus, set_status
-
-if TYPE_CHECKING:
-    from .core import Scheduler
 
 MAX_BYPASS = 32  # times a waiting request that does not fit may be passed by later ones
 # statuses that hold KV and may be preempted (PREFILLING: a prefill under way between two of its chunks)
 RUNNING = (RequestStatus.PREFILLING, RequestStatus.ALIGNING, RequestStatus.DECODING)
 
 
-def admit(sched: "Scheduler", planner: ChunkPlanner, started_only: bool = False) -> None:
-    """Admit waiting requests in order; `planner` gives each its first prefill chunk (prompt + outputs from
-    the first unshared block, as much as the step's token budget allows). `started_only`: only requests
-    admitted before (preempted), as pause("wait") lets them finish."""
-    cfg = sched.config
-    num_running = sched.num_running
+class Room(Protocol):
+    """What make_room reads of the scheduler, and the one change it asks of it."""
+
+    @property
+    def num_running(self) -> int: ...  # requests holding KV (statuses in RUNNING)
+
+    def running(self) -> list[Request]: ...  # those requests
+
+    def blocks_needed(self) -> int: ...  # new blocks the coming step's writes need
+
+    def preempt(self, r: Request) -> None: ...  # free r's KV and queue it again (preempt() below and more)
+
+
+def admit(waiting: deque[Request], planner: ChunkPlanner, num_running: int, max_num_seqs: int,
+          started_only: bool = False) -> None:
+    """Admit `waiting` requests in order while `num_running` is below `max_num_seqs`; `planner` gives each
+    its first prefill chunk (prompt + outputs from the first unshared block, as much as the step's token
+    budget allows). `started_only`: only requests admitted before (preempted), as pause("wait") lets them
+    finish."""
+    kv = planner.kv
     blocked: list[Request] = []
-    for r in list(sched.waiting):
-        if num_running >= cfg.max_num_seqs:
+    for r in list(waiting):
+        if num_running >= max_num_seqs:
             break
         if started_only and r.num_preemptions == 0:
             continue
-        adm = sched.kv.plan_admission(r, planner.pending)
-        if not sched.kv.can_admit(adm, alone=num_running == 0):
+        adm = kv.plan_admission(r, planner.pending)
+        if not kv.can_admit(adm, alone=num_running == 0):
             blocked.append(r)
             if r.num_bypassed >= MAX_BYPASS:
                 break  # it has waited long enough: nobody else goes first
             continue
-        start = len(adm.shared) * cfg.block_size
+        start = len(adm.shared) * planner.block_size
         num_tokens = planner.chunk_size(len(adm.tokens) - start)
         if num_tokens == 0 and start < len(adm.tokens):
             break  # the step's token budget is spent
         for b in blocked:
             b.num_bypassed += 1
-        sched.waiting.remove(r)
-        if r.admission_version is None:  # CompletionOutput.weight_version: the weights it started with
-            r.admission_version = sched.weight_version
+        waiting.remove(r)
         planner.begin(r, adm, num_tokens)
         num_running += 1
 
 
-def blocks_needed(sched: "Scheduler") -> int:
-    """New blocks the coming step's shallow writes need (who is fed: cohort.members_fed, schedule()'s rule),
-    plus one block for the next chunk of each prefill under way (prefill.py)."""
-    need = sum(sched.kv.blocks_to_write(r, r.feed_position) for r in sched.cohorts.feeding(sched.requests)
-               if r.can_feed)
-    return need + next_chunk_blocks(sched)
-
-
-def make_room(sched: "Scheduler") -> bool:
+def make_room(blocks: BlockManager, room: Room) -> bool:
     """Preempt the newest running requests until the coming step's writes fit; True if any was."""
-    if sched.blocks.num_free >= sched.num_running:
+    if blocks.num_free >= room.num_running:
         return False  # fast path: each running request needs one block at most (a position, or a chunk's block)
     preempted = False
-    while blocks_needed(sched) > sched.blocks.num_free:
-        running = [r for r in sched.requests.values() if r.status in RUNNING]
+    while room.blocks_needed() > blocks.num_free:
+        running = room.running()
         assert len(running) > 1, "a request alone always fits (add() rejects larger ones)"
-        preempt(sched, max(running, key=lambda r: r.arrival_index))
+        room.preempt(max(running, key=lambda r: r.arrival_index))
         preempted = True
     return preempted
 
 
-def preempt(sched: "Scheduler", r: Request) -> None:
-    """Free `r`'s KV and queue it again with its outputs; readmission prefills prompt + outputs."""
+def preempt(r: Request, kv: KVManager, waiting: deque[Request]) -> None:
+    """Free `r`'s KV and queue it again with its outputs, ahead of every request that arrived after it;
+    readmission prefills prompt + outputs. (The scheduler also takes it out of its cohort and releases its
+    engine-side rows.)"""
     set_status(r, RequestStatus.WAITING)
-    sched.cohorts.leave(r)
-    sched.kv.free(r)
+    kv.free(r)
     r.block_ids = ()
     r.draft_token_ids = []  # verify mode: only verified tokens survive
     r.num_deep_positions = 0
     r.num_preemptions += 1
     r.num_bypassed = 0
-    sched.counters.preemptions += 1
-    sched.release(r.request_id)  # the engine drops its retained rows and table row
-    index = next((i for i, w in enumerate(sched.waiting) if w.arrival_index > r.arrival_index),
-                 len(sched.waiting))
-    sched.waiting.insert(index, r)  # ahead of every request that arrived after it
+    index = next((i for i, w in enumerate(waiting) if w.arrival_index > r.arrival_index), len(waiting))
+    waiting.insert(index, r)

@@ -64,7 +64,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.cohorts = Cohorts(config.deep_interval)
         self._released: list[str] = []
-        self.partial_prefills: dict[str, prefill.PartialPrefill] = {}  # prefills under way, by request id
+        self.counters = SchedulerCounters()
+        self.prefills = prefill.Prefills(config, self.kv, self.counters)  # the prefills under way
         # step id -> the request incarnations its plan ran. update() matches results to these objects,
         # never to whatever request holds the id now: an id aborted mid-step may already be reused.
         self._planned: dict[int, dict[str, Request]] = {}
@@ -76,7 +77,6 @@ class Scheduler:
         self._next_arrival = 0
         self._next_step = 0
         self._seed_rng = random.Random()
-        self.counters = SchedulerCounters()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -134,7 +134,7 @@ class Scheduler:
         shallow: list[ShallowWork] = []
         deep: list[DeepWork] = []
         num_boundaries = 0
-        preempted = admission.make_room(self)
+        preempted = admission.make_room(self.blocks, self)
         for cohort, decoding in self.cohorts.begin_step(self.requests):
             boundary = cohort.is_boundary_step() or self._force_boundary
             for r in decoding:
@@ -163,9 +163,10 @@ class Scheduler:
             cohort.end_step(boundary)
 
         self._force_boundary = False
-        planner = prefill.ChunkPlanner(self, num_decode_rows=len(shallow))  # continues prefills under way
+        planner = self.prefills.plan_step(self.weight_version, num_decode_rows=len(shallow))  # continues them
         if not preempted and self.admission != "none":  # no admission in a step that had to preempt
-            admission.admit(self, planner, started_only=self.admission == "started")
+            admission.admit(self.waiting, planner, self.num_running, cfg.max_num_seqs,
+                            started_only=self.admission == "started")
         prefills = planner.works
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
@@ -316,12 +317,29 @@ class Scheduler:
         position's deep loops run later than its shallow ones (pause(mode="keep") before a weight update)."""
         self._force_boundary = True
 
+    def running(self) -> list[Request]:
+        """The requests holding KV: admitted, not finished (admission.RUNNING)."""
+        return [r for r in self.requests.values() if r.status in admission.RUNNING]
+
+    def blocks_needed(self) -> int:
+        """New blocks the coming step writes: a position per request it feeds (cohort.members_fed), and a
+        block for the next chunk of each prefill under way (make_room keeps them free)."""
+        fed = self.cohorts.feeding(self.requests)
+        need = sum(self.kv.blocks_to_write(r, r.feed_position) for r in fed if r.can_feed)
+        return need + self.prefills.next_chunk_blocks()
+
+    def preempt(self, r: Request) -> None:
+        """Free `r`'s KV and queue it again with its outputs (admission.preempt); the engine drops its rows."""
+        admission.preempt(r, self.kv, self.waiting)
+        self.cohorts.leave(r)
+        self.counters.preemptions += 1
+        self.release(r.request_id)
+
     def preempt_all(self) -> int:
         """Preempt every running request (their KV is recomputed on readmission); returns how many."""
-        running = sorted((r for r in self.requests.values() if r.status in admission.RUNNING),
-                         key=lambda r: r.arrival_index, reverse=True)
+        running = sorted(self.running(), key=lambda r: r.arrival_index, reverse=True)
         for r in running:
-            admission.preempt(self, r)
+            self.preempt(r)
         return len(running)
 
     def reset_prefix_cache(self) -> int:

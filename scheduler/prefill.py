@@ -33,15 +33,13 @@ part of their prefix was computed by the old weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .block_manager import BlockKey
-from .kv_manager import Admission, PendingPrefills
+from .config import SchedulerConfig
+from .counters import SchedulerCounters
+from .kv_manager import Admission, KVManager, PendingPrefills
 from .plan import PrefillWork, PromptLogprobs, PromptLogprobSpec, SampleSpec
 from .request import Request, RequestStatus, set_status
-
-if TYPE_CHECKING:
-    from .core import Scheduler
 
 
 @dataclass(eq=False)
@@ -61,24 +59,36 @@ def check_budget(max_num_batched_tokens: int, block_size: int) -> None:
                          f"one block, got {max_num_batched_tokens}")
 
 
-def prefills_under_way(sched: "Scheduler") -> list[PartialPrefill]:
-    """The live prefills under way, oldest first; forgets those that ended or were preempted since."""
-    under_way = sched.partial_prefills
-    for rid, p in list(under_way.items()):
-        if sched.requests.get(rid) is not p.request or p.request.status != RequestStatus.PREFILLING:
-            del under_way[rid]
-    return sorted(under_way.values(), key=lambda p: p.request.arrival_index)
+class Prefills:
+    """The prefills under way, by request id (their one owner), and the planner of each step's chunks."""
 
+    def __init__(self, config: SchedulerConfig, kv: KVManager, counters: SchedulerCounters) -> None:
+        self.config = config
+        self.kv = kv
+        self.counters = counters  # admissions are counted here (the chunks from the plan, counters.py)
+        self.under_way: dict[str, PartialPrefill] = {}
 
-def next_chunk_blocks(sched: "Scheduler") -> int:
-    """Blocks the prefills under way need for a next chunk of one block (make_room keeps them free)."""
-    bs = sched.config.block_size
-    need = 0
-    for p in prefills_under_way(sched):
-        r = p.request
-        end = min(r.num_deep_positions + bs, r.num_tokens)
-        need += max(0, sched.blocks.blocks_for(end) - len(r.block_ids))
-    return need
+    def live(self) -> list[PartialPrefill]:
+        """The prefills under way, oldest first; forgets those that ended or were preempted since (a request
+        that is still PREFILLING is live, so it is the one that holds its id)."""
+        for rid, p in list(self.under_way.items()):
+            if p.request.status != RequestStatus.PREFILLING:
+                del self.under_way[rid]
+        return sorted(self.under_way.values(), key=lambda p: p.request.arrival_index)
+
+    def next_chunk_blocks(self) -> int:
+        """Blocks the prefills under way need for a next chunk of one block (make_room keeps them free)."""
+        bs, blocks = self.config.block_size, self.kv.blocks
+        need = 0
+        for p in self.live():
+            r = p.request
+            end = min(r.num_deep_positions + bs, r.num_tokens)
+            need += max(0, blocks.blocks_for(end) - len(r.block_ids))
+        return need
+
+    def plan_step(self, weight_version: int, num_decode_rows: int) -> "ChunkPlanner":
+        """The planner of this step's prefills (under `weight_version`); it continues those under way."""
+        return ChunkPlanner(self, weight_version, num_decode_rows)
 
 
 def prompt_logprob_spec(r: Request, start: int, end: int) -> PromptLogprobSpec | None:
@@ -116,18 +126,20 @@ class ChunkPlanner:
     Made after the step's decode rows are planned; it continues the prefills under way at once, then
     admission.admit() asks it to size (``chunk_size``) and plan (``begin``) each new admission."""
 
-    def __init__(self, sched: "Scheduler", num_decode_rows: int) -> None:
-        self.sched = sched
-        self.block_size = sched.config.block_size
-        self.left = max(0, sched.config.max_num_batched_tokens - num_decode_rows)  # budget left for prefills
+    def __init__(self, prefills: Prefills, weight_version: int, num_decode_rows: int) -> None:
+        self.prefills = prefills
+        self.kv = prefills.kv
+        self.block_size = prefills.config.block_size
+        self.left = max(0, prefills.config.max_num_batched_tokens - num_decode_rows)  # budget left for prefills
         self.num_tokens = 0  # prompt tokens planned in this step
+        self.weight_version = weight_version
         # what this step's chunks compute (shared by its other prefills), under this step's weights
-        self.pending = PendingPrefills(sched.weight_version)
+        self.pending = PendingPrefills(weight_version)
         self.works: list[PrefillWork] = []
-        for p in prefills_under_way(sched):
+        for p in prefills.live():
             r = p.request
             start = r.num_deep_positions
-            n = sched.kv.fit_chunk(r, start, self.chunk_size(r.num_tokens - start))
+            n = self.kv.fit_chunk(r, start, self.chunk_size(r.num_tokens - start))
             if n:
                 self._plan(p, start, n, None)
 
@@ -142,29 +154,31 @@ class ChunkPlanner:
 
     def begin(self, r: Request, a: Admission, num_tokens: int) -> None:
         """Admit `r` (already off the waiting queue) with a first chunk of `num_tokens` tokens."""
-        sched = self.sched
-        start = sched.kv.admit(r, a, num_tokens)
+        if r.admission_version is None:  # CompletionOutput.weight_version: the weights it started with
+            r.admission_version = self.weight_version
+        start = self.kv.admit(r, a, num_tokens)
         set_status(r, RequestStatus.PREFILLING)
         r.num_outputs_at_prefill = r.num_output_tokens  # > 0 after a preemption: prompt + outputs again
         r.num_deep_positions = start  # shared blocks hold every plane
-        sched.counters.count_admission(len(a.tokens), start, is_recompute=r.num_output_tokens > 0)
-        p = PartialPrefill(r, a.keys, sched.kv.epoch, self.pending.weight_version)
+        self.prefills.counters.count_admission(len(a.tokens), start, is_recompute=r.num_output_tokens > 0)
+        p = PartialPrefill(r, a.keys, self.kv.epoch, self.pending.weight_version)
         self._plan(p, start, num_tokens, a.sample_from)
 
     def _plan(self, p: PartialPrefill, start: int, n: int, sample_from: str | None) -> None:
         """One PrefillWork over positions [start, start + n); the last chunk samples from loop T."""
-        sched, r = self.sched, p.request
+        r = p.request
         end, total = start + n, r.num_tokens
-        fresh = p.epoch == sched.kv.epoch and p.weight_version == self.pending.weight_version  # whole prefix
-        sched.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=fresh)
+        fresh = p.epoch == self.kv.epoch and p.weight_version == self.pending.weight_version  # whole prefix
+        self.kv.take_chunk(r, p.keys, start, end, self.pending, shareable=fresh)
         last = end == total
-        spec = SampleSpec(sched.config.total_ut_steps, r.num_outputs_at_prefill + 1, r.params) if last else None
+        loop_t = self.prefills.config.total_ut_steps
+        spec = SampleSpec(loop_t, r.num_outputs_at_prefill + 1, r.params) if last else None
         tokens = r.all_token_ids[start:end]
         self.works.append(PrefillWork(r.request_id, tokens, start, r.block_ids, spec, sample_from,
                                       prompt_logprob_spec(r, start, end)))
         self.left = max(0, self.left - n)
         self.num_tokens += n
         if last:
-            sched.partial_prefills.pop(r.request_id, None)
+            self.prefills.under_way.pop(r.request_id, None)
         else:
-            sched.partial_prefills[r.request_id] = p
+            self.prefills.under_way[r.request_id] = p

@@ -158,8 +158,8 @@ def test_abort_between_or_during_chunks_frees_every_block(in_flight):
     else:
         sched.update(plan, ex.execute(plan))
         sched.abort("x")
-    assert sched.blocks.num_used == 0 and sched.partial_prefills.keys() <= {"x"}
-    assert sched.schedule().released_request_ids == ("x",) and not sched.partial_prefills
+    assert sched.blocks.num_used == 0 and sched.prefills.under_way.keys() <= {"x"}
+    assert sched.schedule().released_request_ids == ("x",) and not sched.prefills.under_way
     sched.reset_prefix_cache()
     assert sched.blocks.num_free == sched.blocks.num_blocks == 64
 
@@ -312,7 +312,7 @@ def test_randomized_chunking_keeps_every_invariant():
                 ended[rid] = "abort"
             update_checked(sched, plan, result, ended, B, mode)
         abort_all_and_release(sched, ex)
-        assert ex.retained == {} and not sched.partial_prefills
+        assert ex.retained == {} and not sched.prefills.under_way
         assert stalls == 0, "the oldest prefill under way got no chunk in a step"
         sched.reset_prefix_cache()
         assert sched.blocks.num_free == sched.blocks.num_blocks
