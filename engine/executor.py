@@ -87,16 +87,20 @@ class ModelExecutor:
         self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
+        self.max_num_seqs = max_num_seqs
         self.graphs = None
         if cuda_graphs:
-            from .cuda_graphs import GraphCache
-
-            self.graphs = GraphCache(self, max_num_seqs)
+            self.graphs = self._new_graph_cache()
         self.timing: list[float] | None = None  # set to a list to record GPU ms per step (CUDA events)
-        # what sleep/wake_up need to rebuild the model and the buffers (engine/weights.py)
+        # what wake_up needs to rebuild the model
         self.model_config, self.dtype = cfg, dtype
         self.sleeping_state: dict[str, torch.Tensor] | None = None
         self.sleep_level = 0  # 0 awake; 1 weights in CPU memory; 2 weights dropped
+
+    def _new_graph_cache(self):
+        from .cuda_graphs import GraphCache
+
+        return GraphCache(self, self.max_num_seqs)
 
     @property
     def retained(self) -> dict[str, RetainedSpan]:
@@ -337,12 +341,35 @@ class ModelExecutor:
         return weights.copy_named_tensors(self.model, named_tensors)
 
     def sleep(self, level: int) -> None:
-        if not self.sleep_level:
-            weights.sleep(self, level)
+        """Free the device: weights to pinned CPU memory (level 1) or dropped (level 2); the KV pool, the
+        retained rows and the CUDA graphs freed (pool and buffers keep the geometry they wake up with)."""
+        if self.sleep_level:
+            return
+        self.sleeping_state = weights.cpu_copy(self.model, pin=self.device.type == "cuda") if level == 1 else None
+        self.sleep_level = level
+        self.model = None  # type: ignore[assignment]
+        if self.graphs is not None:
+            self.graphs.close()
+        self.pool.release()
+        self.kept_rows.release()
+        self._free_device_memory()
 
     def wake_up(self) -> None:
-        if self.sleep_level:
-            weights.wake_up(self)
+        """Rebuild the weights (from the pinned copy, or zeroed after level 2), the KV pool and the buffers;
+        graphs are captured again lazily."""
+        if not self.sleep_level:
+            return
+        model = weights.rebuild_model(self.model_config, self.sleeping_state, self.dtype, self.device)
+        model.set_attention_backend(self.attention)
+        self.model = model
+        self.sleeping_state = None
+        self.sleep_level = 0
+        self.pool.reallocate()
+        self.kept_rows.reallocate()
+        if self.graphs is not None:
+            self.graphs = self._new_graph_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ teardown
 
@@ -350,7 +377,6 @@ class ModelExecutor:
         """Drop the weights, the KV pool, CUDA graphs (and their memory pool) and every buffer, so an
         engine that closes gives its device memory back (RL loops open and close engines in one process).
         The executor is unusable afterwards."""
-        on_cuda = self.device.type == "cuda"
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = None
@@ -360,12 +386,15 @@ class ModelExecutor:
         self.tables = None  # type: ignore[assignment]
         self.kept_rows.release()
         self.fault_hook = None
+        self._free_device_memory(clear_cublas=True)
+
+    def _free_device_memory(self, clear_cublas: bool = False) -> None:
         # torch builds modules on the meta device with reference cycles (nn.Embedding's init frames), so
         # the model is only freed by the cycle collector: run it now rather than some time later.
         gc.collect()
-        if on_cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None) if clear_cublas else None
             if clear is not None:  # cuBLAS keeps a workspace per stream it saw (graph capture streams too)
                 clear()
             torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info

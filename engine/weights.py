@@ -8,16 +8,15 @@ stay valid. Every tensor is checked before it is copied (name, shape, floating d
 at most once per call); a bad one raises WeightUpdateError naming it and listing what was already
 copied, so the caller knows whether the model is now half-updated.
 
-``sleep`` gives the device memory back: level 1 keeps the weights in pinned CPU memory, level 2 drops
-them (wake_up then needs a full update_weights / load_weights); both free the KV pool, the retained-row
-buffer and the CUDA graphs with their memory pool. ``wake_up`` rebuilds them (graphs recapture lazily).
+The executor's sleep (level 1) keeps its weights as a ``cpu_copy``; its wake_up builds the model again
+with ``rebuild_model`` (from that copy, or zeroed after level 2, when a full update_weights /
+load_weights must follow). The executor frees and reallocates its own pool and buffers.
 """
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -27,9 +26,6 @@ from ourobatch.scheduler.errors import WeightUpdateError
 from .config import OuroConfig
 from .loader import checkpoint_files, expected_shapes
 from .model import OuroForCausalLM
-
-if TYPE_CHECKING:
-    from .executor import ModelExecutor
 
 
 def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -97,40 +93,25 @@ def checkpoint_tensors(path: str | Path, config: OuroConfig) -> Iterator[tuple[s
             yield "lm_head.weight", f.get_tensor("model.embed_tokens.weight")
 
 
-# ---------------------------------------------------------------------- sleep / wake
+# ---------------------------------------------------------------------- the weights' side of sleep / wake
 
 
-def sleep(ex: "ModelExecutor", level: int) -> None:
-    """Free the device: weights to pinned CPU memory (level 1) or dropped (level 2), KV pool, retained
-    rows and CUDA graphs freed. The executor keeps the shapes it needs to wake up."""
-    model = ex.model
-    pin = ex.device.type == "cuda"
-    if level == 1:
-        ex.sleeping_state = {name: (t.detach().to("cpu").pin_memory() if pin else t.detach().to("cpu", copy=True))
-                             for name, t in model.state_dict().items()}
-    else:
-        ex.sleeping_state = None
-    ex.sleep_level = level
-    ex.model = None  # type: ignore[assignment]
-    if ex.graphs is not None:
-        ex.graphs.close()
-    ex.pool.release()
-    ex.kept_rows.release()
-    del model
-    gc.collect()
-    if ex.device.type == "cuda":
-        torch.cuda.synchronize(ex.device)
-        torch.cuda.empty_cache()
+def cpu_copy(model: OuroForCausalLM, pin: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of `model`'s state dict copied to CPU memory (pinned when `pin`: a fast way back)."""
+    return {name: (t.detach().to("cpu").pin_memory() if pin else t.detach().to("cpu", copy=True))
+            for name, t in model.state_dict().items()}
 
 
-def wake_up(ex: "ModelExecutor") -> None:
-    """Rebuild weights (from the pinned copy, or empty after level 2), the KV pool and the buffers."""
-    config, dtype, device = ex.model_config, ex.dtype, ex.device
+def rebuild_model(config: OuroConfig, state: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                  device: torch.device) -> OuroForCausalLM:
+    """A fused eval-mode model on `device` holding `state` (a cpu_copy), or, for None (sleep level 2),
+    zeros in every tensor: the caller must then load every tensor before serving (the engine refuses
+    until then)."""
     with torch.device("meta"):
         model = OuroForCausalLM(config)
-    if ex.sleeping_state is not None:
-        state = {name: t.to(device=device, non_blocking=True) for name, t in ex.sleeping_state.items()}
-    else:  # level 2: the caller must load every tensor before serving (the engine refuses until then)
+    if state is not None:
+        state = {name: t.to(device=device, non_blocking=True) for name, t in state.items()}
+    else:
         state = {name: torch.zeros(shape, dtype=dtype, device=device)
                  for name, shape in expected_shapes(config).items()}
         if config.tie_word_embeddings:
@@ -138,15 +119,4 @@ def wake_up(ex: "ModelExecutor") -> None:
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
     model.fuse_projections()
-    model.set_attention_backend(ex.attention)
-    ex.model = model
-    ex.sleeping_state = None
-    ex.sleep_level = 0
-    ex.pool.reallocate()
-    ex.kept_rows.reallocate()
-    if ex.graphs is not None:
-        from .cuda_graphs import GraphCache
-
-        ex.graphs = GraphCache(ex, ex.graphs.max_num_seqs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return model
