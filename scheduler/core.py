@@ -3,7 +3,7 @@
 Theory of operation. Every engine step, each open cohort advances its decoding members by exactly one
 shallow step (one token fed per request, loops 1..s). When that step completes a block of
 ``deep_interval`` steps (the cohort's boundary), the same plan also carries one DeepWork per member over
-its retained rows, so one deep call holds every member's rows. KV blocks are taken lazily, as positions
+its retained rows, so one deep call holds every member's rows (decode_plan.py, cohort.py). KV blocks are taken lazily, as positions
 are written (kv_manager.py); when the coming step's writes do not fit, the newest requests are
 preempted and later recomputed, and waiting requests are admitted in order while blocks and
 ``max_num_seqs`` allow (admission.py). Prefills fill what the decode rows leave of the step's token
@@ -22,18 +22,21 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
-from . import admission, prefill, validate, verify_plan
+from . import admission, decode_plan, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohorts
 from .config import MODES, SchedulerConfig
 from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
-from .plan import DeepWork, Phase, SampleSpec, ShallowWork, StepPlan, StepResult
+from .plan import Phase, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
+
+__all__ = ["MODES", "RequestUpdate", "Scheduler", "SchedulerConfig"]  # the config's two names are re-exported
+
 
 @dataclass(frozen=True)
 class RequestUpdate:
@@ -42,6 +45,25 @@ class RequestUpdate:
     request: Request
     num_new_tokens: int
     finished: bool
+
+
+@dataclass
+class _Applied:
+    """One update()'s bookkeeping: the incarnations its plan ran, who failed, the updates so far (in order)."""
+
+    planned: dict[str, tuple[Request, int]]  # request id -> (the request, its num_preemptions) as planned
+    failed: set[str] = field(default_factory=set)
+    updates: dict[str, RequestUpdate] = field(default_factory=dict)
+
+    def live(self, rid: str) -> Request | None:
+        """The incarnation this plan ran, if it still runs as planned (aborted or preempted ones ignore
+        their results; preemption itself is only ever done between steps, this is the last guard)."""
+        r, epoch = self.planned.get(rid, (None, -1))
+        return r if r is not None and not r.is_finished and r.num_preemptions == epoch else None
+
+    def usable(self, rid: str) -> Request | None:
+        """live, and not failed in this step."""
+        return None if rid in self.failed else self.live(rid)
 
 
 class Scheduler:
@@ -68,7 +90,7 @@ class Scheduler:
         self.prefills = prefill.Prefills(config, self.kv, self.counters)  # the prefills under way
         # step id -> the request incarnations its plan ran. update() matches results to these objects,
         # never to whatever request holds the id now: an id aborted mid-step may already be reused.
-        self._planned: dict[int, dict[str, Request]] = {}
+        self._planned: dict[int, dict[str, tuple[Request, int]]] = {}
         self.weight_version = 0  # recorded on every token (the front end bumps it on a weight update)
         # Who may be admitted (set by control.py): "all"; "started" (pause "wait": only requests preempted
         # for room, which must finish under these weights); "none" (pause "keep").
@@ -128,74 +150,44 @@ class Scheduler:
         return bool(self._released)
 
     def schedule(self) -> StepPlan:
-        """Plan one step: every decoding request's shallow step, boundary deep calls, new prefills."""
-        cfg = self.config
-        T, s = cfg.total_ut_steps, cfg.shallow_loops
-        shallow: list[ShallowWork] = []
-        deep: list[DeepWork] = []
-        num_boundaries = 0
+        """Plan one step: make room, every fed request's decode rows and boundary deep calls, then prefills
+        (those under way, then admissions) in what the decode rows leave of the step's token budget."""
         preempted = admission.make_room(self.blocks, self)
-        for cohort, decoding in self.cohorts.begin_step(self.requests):
-            boundary = cohort.is_boundary_step() or self._force_boundary
-            for r in decoding:
-                if r.can_feed:  # make_room left room for it
-                    self.kv.grow(r, self.kv.blocks_to_write(r, r.feed_position))
-                if cfg.mode == "verify":
-                    verify_plan.plan_verify(cfg, r, cohort.cohort_id, boundary, shallow, deep)
-                    continue
-                pos = r.feed_position  # feed generated token k = num_output_tokens here
-                nxt = r.num_output_tokens + 1
-                if cfg.mode == "eager" or cfg.deep_interval == 1:  # B=1: full depth in one call, no retained rows
-                    loop = T if boundary else s
-                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, T,
-                                               False, SampleSpec(loop, nxt, r.params)))
-                    continue
-                if boundary:
-                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
-                                               True, None))
-                    start = r.num_deep_positions
-                    deep.append(DeepWork(r.request_id, cohort.cohort_id, start, pos + 1 - start,
-                                         r.block_ids, s + 1, SampleSpec(T, nxt, r.params)))
-                else:
-                    shallow.append(ShallowWork(r.request_id, r.output_token_ids[-1], pos, r.block_ids, s,
-                                               True, SampleSpec(s, nxt, r.params)))
-            num_boundaries += boundary
-            cohort.end_step(boundary)
-
+        rows = decode_plan.plan_decodes(self.config, self.cohorts, self.requests, self.kv, self._force_boundary)
         self._force_boundary = False
-        planner = self.prefills.plan_step(self.weight_version, num_decode_rows=len(shallow))  # continues them
+        planner = self.prefills.plan_step(self.weight_version, num_decode_rows=len(rows.shallow))
         if not preempted and self.admission != "none":  # no admission in a step that had to preempt
-            admission.admit(self.waiting, planner, self.num_running, cfg.max_num_seqs,
+            admission.admit(self.waiting, planner, self.num_running, self.config.max_num_seqs,
                             started_only=self.admission == "started")
-        prefills = planner.works
         released, self._released = tuple(self._released), []
-        plan = StepPlan(self._next_step, tuple(prefills), tuple(shallow), tuple(deep), released)
+        plan = StepPlan(self._next_step, tuple(planner.works), tuple(rows.shallow), tuple(rows.deep), released)
         # each request with its incarnation *and* its preemption count: a result applies only to the
         # state it was planned in (a request preempted while the step ran ignores it, as an aborted one)
         self._planned[plan.step_id] = {w.request_id: (self.requests[w.request_id],
                                                       self.requests[w.request_id].num_preemptions)
-                                       for w in (*prefills, *shallow, *deep)}
+                                       for w in (*plan.prefills, *plan.shallow, *plan.deep)}
         self._next_step += 1
-        self.counters.count_plan(plan, num_boundaries)
+        self.counters.count_plan(plan, rows.num_boundaries)
         return plan
 
     # ------------------------------------------------------------------ results
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Apply a step's result: append tokens, advance deep positions, stop, fail, free."""
+        """Apply a step's result, in passes: failures, prefills and deep positions, verdicts, sampled tokens
+        (append, stop, join a cohort). Ended requests are freed at once."""
         assert result.step_id == plan.step_id, f"result of step {result.step_id} for plan {plan.step_id}"
-        planned = self._planned.pop(plan.step_id, {})
+        step = _Applied(self._planned.pop(plan.step_id, {}))
+        self._apply_failures(plan, result, step)
+        self._apply_prefills(plan, result, step)
+        self._advance_deep_positions(plan, step)
+        self._apply_verified(plan, result, step)
+        self._apply_sampled(plan, result, step)
+        return list(step.updates.values())
 
-        def live(rid: str) -> Request | None:
-            # The incarnation this plan ran, if it still runs as planned (aborted or preempted ones ignore
-            # their results; preemption itself is only ever done between steps, this is the last guard).
-            r, epoch = planned.get(rid, (None, -1))
-            return r if r is not None and not r.is_finished and r.num_preemptions == epoch else None
-
-        updates: dict[str, RequestUpdate] = {}
-        failed: set[str] = set()
+    def _apply_failures(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+        """End every request a failing phase ran with 'error'; a failed deep call closes its cohorts."""
         for failure in result.failures:
-            ids = {rid: live(rid) for rid in failure.request_ids}
+            ids = {rid: step.live(rid) for rid in failure.request_ids}
             if failure.phase == Phase.DEEP:
                 for d in plan.deep:
                     if d.request_id in ids:
@@ -204,37 +196,41 @@ class Scheduler:
                         for member in self.cohorts.close(d.cohort_id):
                             ids.setdefault(member, self.requests.get(member))
             for rid, request in ids.items():
-                failed.add(rid)
+                step.failed.add(rid)
                 if request is not None and not request.is_finished:
-                    request.error = f"{failure.phase.value} failed: {failure.message}"
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-                    updates[rid] = RequestUpdate(request, 0, True)
+                    self._fail(step, request, f"{failure.phase.value} failed: {failure.message}")
 
-        T = self.config.total_ut_steps
+    def _apply_prefills(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+        """Successful chunks: their positions hold every plane, their blocks enter the prefix cache, their
+        prompt log-probs are recorded (a mismatched result ends the request)."""
         prompt_lps = {x.request_id: x for x in result.prompt_logprobs}
         for p in plan.prefills:
-            r = live(p.request_id)
-            if r is not None and p.request_id not in failed:
+            r = step.usable(p.request_id)
+            if r is not None:
                 r.num_deep_positions = p.start_position + len(p.token_ids)
                 self.kv.on_prefilled(r)
-                r.error = prefill.record_prompt_logprobs(r, p, prompt_lps.get(p.request_id))
-                if r.error is not None:
-                    failed.add(p.request_id)
-                    self._finish(r, RequestStatus.FINISHED_ERROR)
-                    updates[p.request_id] = RequestUpdate(r, 0, True)
+                error = prefill.record_prompt_logprobs(r, p, prompt_lps.get(p.request_id))
+                if error is not None:
+                    step.failed.add(p.request_id)
+                    self._fail(step, r, error)
+
+    def _advance_deep_positions(self, plan: StepPlan, step: _Applied) -> None:
+        """Rows that ran through loop T: eager shallow rows and deferred deep calls (verify: _apply_verified)."""
         for w in plan.shallow:
-            r = live(w.request_id)
-            if r is not None and w.request_id not in failed and w.last_loop == T:
+            r = step.usable(w.request_id)
+            if r is not None and w.last_loop == self.config.total_ut_steps:
                 r.num_deep_positions = w.position + 1
         for d in plan.deep:
-            r = live(d.request_id)
-            if r is not None and d.request_id not in failed and not d.verify:
+            r = step.usable(d.request_id)
+            if r is not None and not d.verify:
                 r.num_deep_positions = d.start_position + d.num_rows
 
+    def _apply_verified(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+        """Verify mode's verdicts: accepted drafts and the next token become outputs (verify_plan.py)."""
         verified = {v.request_id: v for v in result.verified}
         for d in plan.deep:
-            r = live(d.request_id)
-            if not d.verify or r is None or d.request_id in failed:
+            r = step.usable(d.request_id)
+            if not d.verify or r is None:
                 continue
             v = verified.get(d.request_id)
             if v is None:
@@ -244,20 +240,20 @@ class Scheduler:
                 status = verify_plan.apply_verify(r, d, v, self.weight_version, self.counters)
                 if status is not None:
                     self._finish(r, status)
-            updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
+            step.updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
 
+    def _apply_sampled(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+        """Sampled tokens: verify drafts are kept aside; others are outputs (stop, or a prefill's last chunk
+        joins the open cohort). A planned sample the executor did not return ends the request."""
         sampled = {t.request_id: t for t in result.sampled}
         sampling = (*plan.prefills, *plan.shallow, *(d for d in plan.deep if not d.verify))
-        expected = [w.request_id for w in sampling if w.sample is not None]
-        for rid in expected:
-            r = live(rid)
-            if r is None or rid in failed:
+        for rid in [w.request_id for w in sampling if w.sample is not None]:
+            r = step.usable(rid)
+            if r is None:
                 continue  # aborted while the step ran, or already failed
             tok = sampled.get(rid)
             if tok is None:  # an executor bug must not hang the request
-                r.error = "the executor returned no token for this request"
-                self._finish(r, RequestStatus.FINISHED_ERROR)
-                updates[rid] = RequestUpdate(r, 0, True)
+                self._fail(step, r, "the executor returned no token for this request")
                 continue
             if self.config.mode == "verify" and r.status == RequestStatus.DECODING:
                 r.draft_token_ids.append(tok.token_id)  # unverified: not an output until its boundary
@@ -271,8 +267,12 @@ class Scheduler:
                 # (which closes its cohort) never takes a request that was not part of it.
                 set_status(r, RequestStatus.ALIGNING)
                 self.cohorts.join(r)
-            updates[rid] = RequestUpdate(r, 1, finished)
-        return list(updates.values())
+            step.updates[rid] = RequestUpdate(r, 1, finished)
+
+    def _fail(self, step: _Applied, r: Request, message: str) -> None:
+        r.error = message
+        self._finish(r, RequestStatus.FINISHED_ERROR)
+        step.updates[r.request_id] = RequestUpdate(r, 0, True)
 
     def _check_stop(self, r: Request) -> bool:
         status = r.stop_status()
