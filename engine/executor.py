@@ -18,42 +18,22 @@ bucket (cuda_graphs.py); elsewhere the same functions run eagerly.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ourobatch.scheduler.plan import (
-    DeepWork,
-    Phase,
-    PrefillWork,
-    PromptLogprobs,
-    SampledToken,
-    SampleSpec,
-    ShallowWork,
-    StepFailure,
-    StepPlan,
-    StepResult,
-    VerifyResult,
-)
+from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, PromptLogprobs, SampledToken, ShallowWork,
+                                      StepFailure, StepPlan, StepResult, VerifyResult)
 
 from .attention import SeqSpan
 from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .prompt_logprobs import prompt_logprobs
+from .readout import Readout, require_finite, sample_readouts
 from .retained import RetainedRows, RetainedSpan
-from .sampler import sample
 from . import weights
 from .verify import VerifyItem, verify_batch
-
-
-@dataclass
-class _Readout:
-    """Rows of one readout tensor to sample from, with their specs."""
-
-    hidden: torch.Tensor  # [n, hidden]
-    items: list[tuple[str, SampleSpec]]
 
 
 class ModelExecutor:
@@ -130,7 +110,7 @@ class ModelExecutor:
                 failures.append(_failure(Phase.SHALLOW, tuple(decoding.values()), exc))
             return StepResult(plan.step_id, (), tuple(failures), ())
         failures: list[StepFailure] = []
-        readouts: list[_Readout] = []
+        readouts: list[Readout] = []
         prompt_lps: list[PromptLogprobs] = []
         failed: set[str] = set()
         events = self._start_timing()
@@ -191,7 +171,7 @@ class ModelExecutor:
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _prefill(self, works: tuple[PrefillWork, ...], prompt_out: list[PromptLogprobs]) -> list[_Readout]:
+    def _prefill(self, works: tuple[PrefillWork, ...], prompt_out: list[PromptLogprobs]) -> list[Readout]:
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
         rows = [self.tables.row_of[w.request_id] for w in run]
         starts = [w.start_position for w in run]
@@ -205,13 +185,13 @@ class ModelExecutor:
         last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
         if any(w.prompt_logprobs is not None for w in run):  # engine/prompt_logprobs.py
             prompt_out += prompt_logprobs(self.model, h_T, run, [span.row_start for span in meta.spans],
-                                          self.logprobs_mode, self.head_dtype, _require_finite)
+                                          self.logprobs_mode, self.head_dtype, require_finite)
         items = [(w.request_id, w.sample) for w in works if w.sample is not None]
         keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
-        return [_Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
+        return [Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
 
-    def _shallow(self, works: tuple[ShallowWork, ...]) -> list[_Readout]:
-        out: list[_Readout] = []
+    def _shallow(self, works: tuple[ShallowWork, ...]) -> list[Readout]:
+        out: list[Readout] = []
         groups: dict[tuple[int, bool], list[ShallowWork]] = {}
         for w in works:
             groups.setdefault((w.last_loop, w.retain), []).append(w)
@@ -230,7 +210,7 @@ class ModelExecutor:
                 h = readouts[loop - 1]
                 if len(idx) != len(group):
                     h = h.index_select(0, self._index(idx))
-                out.append(_Readout(h, [(group[i].request_id, group[i].sample) for i in idx]))
+                out.append(Readout(h, [(group[i].request_id, group[i].sample) for i in idx]))
         return out
 
     def _run_shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
@@ -246,7 +226,7 @@ class ModelExecutor:
             self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
         return readouts
 
-    def _deep(self, works: list[DeepWork]) -> list[_Readout]:
+    def _deep(self, works: list[DeepWork]) -> list[Readout]:
         self.kept_rows.check(works)
         first_loop = works[0].first_loop
         R = works[0].num_rows
@@ -261,7 +241,7 @@ class ModelExecutor:
         keep = [i for i, d in enumerate(works) if d.sample is not None]
         if len(keep) != len(works):
             h_last = h_last.index_select(0, self._index(keep))
-        return [_Readout(h_last, items)] if items else []
+        return [Readout(h_last, items)] if items else []
 
     def _run_deep(self, rows: list[int], starts: list[int], R: int, first_loop: int, works) -> torch.Tensor:
         """Loops first_loop..T over R retained rows per request; returns each request's last-row readout."""
@@ -297,22 +277,10 @@ class ModelExecutor:
         try:
             return verify_batch(items, logits_s, logits_T, self.logprobs_mode)
         finally:  # checked after verify_batch's own syncs (no extra stall); wins over what NaNs broke there
-            _require_finite(finite, row_ids)
+            require_finite(finite, row_ids)
 
-    def _sample(self, readouts: list[_Readout]) -> list[SampledToken]:
-        h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
-        items = [it for r in readouts for it in r.items]
-        logits = self.model.logits(h, self.head_dtype)
-        finite = torch.isfinite(logits).all(-1)  # [rows]
-        try:
-            result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items],
-                            self.logprobs_mode)
-        finally:  # checked after the sampler's own sync (no extra stall); wins over what NaNs broke there
-            _require_finite(finite, [rid for rid, _ in items])
-        return [
-            SampledToken(rid, tok, lp, spec.loop, top)
-            for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
-        ]
+    def _sample(self, readouts: list[Readout]) -> list[SampledToken]:
+        return sample_readouts(self.model, readouts, self.head_dtype, self.logprobs_mode)
 
     # ------------------------------------------------------------------ startup
 
@@ -415,16 +383,6 @@ class ModelExecutor:
         end.record()
         end.synchronize()
         self.timing.append(start.elapsed_time(end))
-
-
-def _require_finite(finite: torch.Tensor, row_ids: list[str]) -> None:
-    """A NaN/inf logit would be sampled as a NaN log-prob: raise instead, so the phase fails its requests
-    (finish_reason "error") and no such token or log-prob is ever emitted. finite: [rows] bool."""
-    flags = finite.tolist()
-    if not all(flags):
-        bad = list(dict.fromkeys(rid for rid, ok in zip(row_ids, flags) if not ok))
-        raise FloatingPointError(f"non-finite logits (NaN or inf) for request(s) {bad[:8]}"
-                                 f"{' ...' if len(bad) > 8 else ''}: the weights or activations overflowed")
 
 
 def _failure(phase: Phase, works, exc: Exception) -> StepFailure:
