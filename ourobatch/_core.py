@@ -13,7 +13,7 @@ from ourobatch.engine.executor import ModelExecutor
 from ourobatch.engine.kv_cache import KVPool
 from ourobatch.engine.loader import expected_shapes, load_model
 from ourobatch.engine.model import OuroForCausalLM
-from ourobatch.scheduler.core import SchedulerConfig
+from ourobatch.scheduler.config import SchedulerConfig
 from ourobatch.scheduler.errors import EngineClosedError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.log import get_logger

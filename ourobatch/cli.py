@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence, TextIO
 
 from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
 from ourobatch.config import DTYPES, EngineConfig
-from ourobatch.scheduler.core import MODES
+from ourobatch.scheduler.config import MODES
 from ourobatch.scheduler.errors import CheckpointError, OurobatchError, RequestRejectedError
 from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams

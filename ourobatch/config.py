@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ourobatch.scheduler.core import MODES
+from ourobatch.scheduler.config import MODES
 from ourobatch.scheduler.kv_manager import KV_ALLOCATIONS
 from ourobatch.scheduler.params import MAX_SEED, SamplingParams
 

@@ -1,8 +1,9 @@
-"""ourobatch.scheduler: torch-free requests, KV-block accounting, cohorts and the sans-IO core."""
+"""ourobatch.scheduler: torch-free requests, KV-block accounting, cohorts and the sans-IO Scheduler."""
 
 from .block_manager import BlockManager
 from .cohort import Cohort
-from .core import MODES, RequestUpdate, Scheduler, SchedulerConfig
+from .config import MODES, SchedulerConfig
+from .scheduler import RequestUpdate, Scheduler
 from .frontend import EngineCore, ParentRequest, child_seed
 from .errors import (
     CheckpointError,

@@ -40,7 +40,7 @@ from .errors import (
 from .log import get_logger
 
 if TYPE_CHECKING:
-    from .core import Scheduler
+    from .scheduler import Scheduler
 
 log = get_logger()
 

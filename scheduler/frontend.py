@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .control import EngineControl
-from .core import RequestUpdate, Scheduler, SchedulerConfig
+from .config import SchedulerConfig
+from .scheduler import RequestUpdate, Scheduler
 from .errors import RequestRejectedError
 from .validate import check_ids_free
 from .log import get_logger

@@ -3,7 +3,7 @@
 Policies (SchedulerConfig.kv_allocation):
 - ``"lazy"`` (default, vLLM's): a request holds blocks for the positions it has written plus what its
   next step writes. Admission needs the (re)prefill's blocks plus a watermark of free blocks, so a
-  decode step rarely runs dry; when it does, the scheduler preempts (core.py).
+  decode step rarely runs dry; when it does, the scheduler preempts (admission.py).
 - ``"reserve"``: admission reserves the whole P + max_tokens - 1 positions at once (the control the
   rollout benchmark compares with); a running request never needs another block.
 

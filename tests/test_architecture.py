@@ -53,3 +53,20 @@ def test_the_rollout_collector_is_torch_free_and_drives_the_engine_through_its_p
     assert bad == []
     code = "import sys, ourobatch.rollout; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# The scheduler's helpers get narrow inputs (the request, the KV manager, the config, a protocol), never
+# the Scheduler: it is the one owner of the scheduling state (issue 23), and they form no cycle with it.
+SCHEDULER_HELPERS = ("admission", "block_manager", "cohort", "config", "counters", "decode_plan", "kv_manager",
+                     "plan", "params", "prefill", "request", "validate", "verify_plan")
+
+
+def test_no_scheduler_helper_imports_the_scheduler_not_even_for_type_checking():
+    names = {"scheduler", "ourobatch.scheduler.scheduler", "frontend", "ourobatch.scheduler.frontend"}
+    bad = [(p.name, m) for p, m, _ in imports("scheduler")
+           if p.stem in SCHEDULER_HELPERS and (m.lstrip(".") in names or m in names)]
+    relative = [(p.name, alias.name) for p, m, node in imports("scheduler")
+                if p.stem in SCHEDULER_HELPERS and isinstance(node, ast.ImportFrom) and node.level and not m
+                for alias in node.names if alias.name in {"scheduler", "frontend"}]
+    assert bad + relative == []
+    assert {p.stem for p in (ROOT / "scheduler").glob("*.py")} >= set(SCHEDULER_HELPERS)

@@ -1,4 +1,4 @@
-"""The sans-IO scheduler core: add / abort / schedule() -> StepPlan / update(plan, result) -> updates.
+"""The sans-IO Scheduler: add / abort / schedule() -> StepPlan / update(plan, result) -> updates.
 
 Theory of operation. Every engine step, each open cohort advances its decoding members by exactly one
 shallow step (one token fed per request, loops 1..s). When that step completes a block of
@@ -34,9 +34,6 @@ from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
 from .plan import Phase, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
-
-__all__ = ["MODES", "RequestUpdate", "Scheduler", "SchedulerConfig"]  # the config's two names are re-exported
-
 
 @dataclass(frozen=True)
 class RequestUpdate:
