@@ -27,6 +27,8 @@ from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, PromptLogpro
 
 from .attention import SeqSpan
 from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
+from .cuda_graphs import GraphCache
+from .graph_calls import GraphCall, mode_calls
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .prompt_logprobs import prompt_logprobs
@@ -77,10 +79,8 @@ class ModelExecutor:
         self.sleeping_state: dict[str, torch.Tensor] | None = None
         self.sleep_level = 0  # 0 awake; 1 weights in CPU memory; 2 weights dropped
 
-    def _new_graph_cache(self):
-        from .cuda_graphs import GraphCache
-
-        return GraphCache(self, self.max_num_seqs)
+    def _new_graph_cache(self) -> GraphCache:
+        return GraphCache(self.model, self.pool, self.tables, self.kept_rows.rows, self.max_num_seqs, self.device)
 
     @property
     def retained(self) -> dict[str, RetainedSpan]:
@@ -284,17 +284,12 @@ class ModelExecutor:
 
     # ------------------------------------------------------------------ startup
 
-    def graph_calls(self, mode: str, deep_interval: int, shallow_loops: int) -> list[tuple]:
-        """The graphed calls a scheduler of this mode plans (core.py schedule(), verify_plan.py)."""
-        T, s, B = self.total_ut_steps, shallow_loops, deep_interval
-        if mode == "verify":
-            return [("shallow", s, True)]  # drafts; the verify deep call is varlen (eager)
-        if mode == "eager" or B == 1:  # every step one call of loops 1..T, nothing retained
-            return [("shallow", T, False)]
-        return [("shallow", s, True), ("deep", s + 1, B)]
+    def graph_calls(self, mode: str, deep_interval: int, shallow_loops: int) -> list[GraphCall]:
+        """The graphed calls a scheduler of this mode plans (engine/graph_calls.py)."""
+        return mode_calls(mode, self.total_ut_steps, deep_interval, shallow_loops)
 
     @torch.inference_mode()
-    def capture_graphs(self, calls: list[tuple], should_stop: Callable[[], bool] | None = None) -> int:
+    def capture_graphs(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None) -> int:
         """Capture every batch-size bucket of `calls` now (startup), not during the first requests."""
         if self.graphs is None:
             return 0

@@ -182,7 +182,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
             executor.close()
             raise EngineClosedError("the engine was closed while it captured CUDA graphs")
         log.info("cuda_graphs_captured", graphs=captured, buckets=len(executor.graphs.buckets),
-                 calls=[":".join(map(str, c)) for c in calls], seconds=round(time.perf_counter() - started, 2))
+                 calls=[str(c) for c in calls], seconds=round(time.perf_counter() - started, 2))
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,
