@@ -8,6 +8,8 @@ loops s+1..T over retained loop-s rows at their original positions.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,21 +92,37 @@ class OuroAttention(nn.Module):
         self.v_proj.weight = nn.Parameter(fused[q_dim + kv_dim:], requires_grad=False)
         self.qkv_weight = fused
 
-    def forward(self, x: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool, loop: int,
-                layer: int) -> torch.Tensor:
-        # x: [rows, hidden] -> [rows, hidden]
-        rows = x.shape[0]
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (after RoPE) and v of every row. x: [..., hidden] (rows = its leading dims flattened),
+        positions: [rows] -> q: [rows, heads, d], k, v: [rows, kv_heads, d]. `fused`: one [q; k; v] GEMM
+        when fuse() ran (the dense path passes False: it keeps the separate projections)."""
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_weight is not None:
+        if fused and self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split([q_dim, kv_dim, kv_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = rope(q.reshape(rows, self.num_heads, self.head_dim), meta.positions)
-        k = rope(k.reshape(rows, self.num_kv_heads, self.head_dim), meta.positions)
-        v = v.reshape(rows, self.num_kv_heads, self.head_dim)
+        q = rope(q.reshape(-1, self.num_heads, self.head_dim), positions)
+        k = rope(k.reshape(-1, self.num_kv_heads, self.head_dim), positions)
+        return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool, loop: int,
+                layer: int) -> torch.Tensor:
+        """The paged backend: keys and values to the pool, attention over it. x: [rows, hidden] -> same."""
+        q, k, v = self.project(x, meta.positions, rope)
         pool.write(loop, layer, meta.slots, k, v)  # keys are stored after RoPE
         a = attend(q, k, v, pool, loop, layer, meta, self.scale, self.backend)
-        return self.o_proj(a.reshape(rows, q_dim))
+        return self.o_proj(a.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def dense(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """The dense backend: causal attention over whole sequences, no pool (differentiable).
+        x: [b, L, hidden], positions: [b * L] -> [b, L, hidden]."""
+        b, L = x.shape[:2]
+        q, k, v = self.project(x, positions, rope, fused=False)
+        q, k, v = (t.reshape(b, L, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, L, d]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(a.transpose(1, 2).reshape(b, L, -1))
 
 
 class OuroMLP(nn.Module):
@@ -144,8 +162,13 @@ class OuroDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool,
                 loop: int) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), meta, rope, pool, loop, self.layer)
-        h = h + self.input_layernorm_2(a)
+        # h: [rows, hidden] -> [rows, hidden], over the paged pool
+        return self.run(h, lambda x: self.self_attn(x, meta, rope, pool, loop, self.layer))
+
+    def run(self, h: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer's math, once: `attention` maps the normed input to the attention output (the paged
+        backend in forward(), the dense one in dense_loops). h: [..., hidden] -> same shape."""
+        h = h + self.input_layernorm_2(attention(self.input_layernorm(h)))
         m = self.mlp(self.post_attention_layernorm(h))
         return h + self.post_attention_layernorm_2(m)
 
@@ -206,7 +229,11 @@ class OuroForCausalLM(nn.Module):
 
     def _run_loops_fused(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
                          last_loop: int) -> list[torch.Tensor]:
-        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm."""
+        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm.
+
+        The math of OuroDecoderLayer.run, written out because each residual add is fused with the norm
+        after it, which for the MLP's add is the next layer's input norm (or model.norm): the fusion
+        crosses the layer boundary. CUDA only; tests/gpu checks it against the reference path."""
         from . import triton_fused as fused
 
         cfg, layers = self.config, self.model.layers
@@ -256,16 +283,7 @@ class OuroForCausalLM(nn.Module):
         readouts = []
         for _ in range(self.config.total_ut_steps):
             for layer in self.model.layers:
-                attn = layer.self_attn
-                x = layer.input_layernorm(h)
-                q = self.rope(attn.q_proj(x).reshape(b * L, attn.num_heads, attn.head_dim), pos)
-                k = self.rope(attn.k_proj(x).reshape(b * L, attn.num_kv_heads, attn.head_dim), pos)
-                v = attn.v_proj(x)
-                q, k, v = (t.reshape(b, L, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, L, d]
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale,
-                                                   enable_gqa=attn.num_heads != attn.num_kv_heads)
-                h = h + layer.input_layernorm_2(attn.o_proj(a.transpose(1, 2).reshape(b, L, -1)))
-                h = h + layer.post_attention_layernorm_2(layer.mlp(layer.post_attention_layernorm(h)))
+                h = layer.run(h, lambda x, attn=layer.self_attn: attn.dense(x, pos, self.rope))
             h = self.model.norm(h)  # this loop's readout and the next loop's input
             readouts.append(h)
         return readouts
