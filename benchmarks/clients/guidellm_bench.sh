@@ -5,7 +5,7 @@
 #
 #   benchmarks/clients/guidellm_bench.sh [OUT_DIR]      # default OUT_DIR: /tmp/guidellm_bench
 #
-# Needs guidellm in its own venv (too heavy for CI: ~4 min, it pulls torch and transformers):
+# Needs guidellm in its own venv (too heavy for CI: ~4 min here, it pulls a 4 GB CUDA torch and transformers):
 # python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install guidellm (0.8.1 here).
 # Environment: GUIDELLM (default /tmp/guidellm-venv/bin/guidellm), PYTHON (the one with ourobatch[server];
 # default python), PORT (18201), NUM_PROMPTS (64), OUTPUT_LEN (32), STREAMS (16).
