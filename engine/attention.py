@@ -11,30 +11,20 @@ CUDA, inside CUDA graphs). Prefill from position 0 needs no history: dense causa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from .batch import BatchMeta, SeqSpan  # SeqSpan re-exported: the kernel tests import it from here
+
 if TYPE_CHECKING:
-    from .batch import BatchMeta
     from .kv_cache import KVPool
 
 
 # Prompt chunks after shared or cached blocks with at most this many rows run in the paged Triton kernel
 # (one batched call; its tile grows with the rows); longer ones gather their history and run SDPA.
 MAX_KERNEL_HISTORY_ROWS = 64
-
-
-@dataclass
-class SeqSpan:
-    """One request's rows inside a batch of concatenated rows (host view)."""
-
-    row_start: int  # first row of this request in the batch
-    num_rows: int  # new rows, at positions context_len - num_rows .. context_len - 1
-    context_len: int  # positions visible to the last row (its position + 1)
-    block_ids: tuple[int, ...]
 
 
 def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, spans: list[SeqSpan],

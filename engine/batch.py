@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import SeqSpan
+
+@dataclass
+class SeqSpan:
+    """One request's rows inside a batch of concatenated rows (host view)."""
+
+    row_start: int  # first row of this request in the batch
+    num_rows: int  # new rows, at positions context_len - num_rows .. context_len - 1
+    context_len: int  # positions visible to the last row (its position + 1)
+    block_ids: tuple[int, ...]
 
 
 class BlockTables:

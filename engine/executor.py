@@ -25,8 +25,7 @@ import torch
 from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, PromptLogprobs, SampledToken, ShallowWork,
                                       StepFailure, StepPlan, StepResult, VerifyResult)
 
-from .attention import SeqSpan
-from .batch import BatchMeta, BlockTables, uniform_meta, varlen_meta
+from .batch import BatchMeta, BlockTables, SeqSpan, uniform_meta, varlen_meta
 from .cuda_graphs import GraphCache
 from .graph_calls import GraphCall, mode_calls
 from .kv_cache import KVPool

@@ -70,3 +70,38 @@ def test_no_scheduler_helper_imports_the_scheduler_not_even_for_type_checking():
                 for alias in node.names if alias.name in {"scheduler", "frontend"}]
     assert bad + relative == []
     assert {p.stem for p in (ROOT / "scheduler").glob("*.py")} >= set(SCHEDULER_HELPERS)
+
+
+def engine_import_graph() -> dict[str, set[str]]:
+    """engine module -> the engine modules it imports: at the top, inside functions and under TYPE_CHECKING."""
+    modules = {p.stem for p in (ROOT / "engine").glob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for path, module, node in imports("engine"):
+        if isinstance(node, ast.Import):
+            targets = [a.name.removeprefix("ourobatch.engine.") for a in node.names
+                       if a.name.startswith("ourobatch.engine.")]
+        elif isinstance(node, ast.ImportFrom) and (node.level == 1 or module.startswith("ourobatch.engine")):
+            rest = module.removeprefix("ourobatch.engine").lstrip(".") if not node.level else module
+            targets = [rest] if rest else [a.name for a in node.names]  # `from . import weights`
+        else:
+            continue
+        for target in targets:
+            name = target.split(".")[0]
+            graph[path.stem].add(name if name in modules else "__init__")  # a name the package exports
+    return graph
+
+
+def test_engine_modules_import_no_cycle_not_even_for_type_checking():
+    graph = engine_import_graph()
+    assert {"cuda_graphs", "retained", "weights"} <= graph["executor"]  # the parse sees relative imports
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, "import cycle in engine/: " + " -> ".join(path[path.index(module):] + (module,))
+        if module not in done:
+            for target in sorted(graph[module]):
+                visit(target, path + (module,))
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
