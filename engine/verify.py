@@ -76,20 +76,9 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
     nxt: list[tuple[int, float] | None] = [None] * len(items)
     rejected = [n for n, it in enumerate(items) if accepted[n] < len(it.drafts)]
     if rejected:  # residual draws at the first rejection
-        rows_t = torch.tensor([items[n].row_start + accepted[n] for n in rejected], dtype=torch.int64, device=dev)
-        p_T, p_s = lp_T[rows_t].exp(), lp_s[rows_t].exp()
-        residual = (p_T - p_s).clamp_min(0)
-        empty = residual.sum(-1, keepdim=True) <= 0  # p_T == p_s: nothing to correct
-        residual = torch.where(empty, p_T, residual)
-        seeds = torch.tensor([items[n].params.seed or 0 for n in rejected], dtype=torch.int64, device=dev)
-        counters = torch.tensor([items[n].first_index + accepted[n] for n in rejected], dtype=torch.int64,
-                                device=dev)
-        u = counter_uniforms(seeds, counters, residual.shape[1], stream=STREAM_RESIDUAL)
-        greedy = torch.tensor([items[n].params.is_greedy for n in rejected], device=dev)
-        tok = torch.where(greedy, lp_T[rows_t].argmax(-1), (residual.log() - torch.log(-torch.log(u))).argmax(-1))
-        tok_lp = rep_T[rows_t].gather(1, tok[:, None]).squeeze(1)
-        for n, t, lp in zip(rejected, tok.tolist(), tok_lp.tolist()):
-            nxt[n] = (t, lp)
+        for n, drawn in zip(rejected, _residual_draws([items[n] for n in rejected], [accepted[n] for n in rejected],
+                                                      lp_T, lp_s, rep_T)):
+            nxt[n] = drawn
     bonus = [n for n, it in enumerate(items) if nxt[n] is None and it.num_rows > len(it.drafts)]
     if bonus:  # every draft accepted: the next token from the last row's loop T
         rows_t = torch.tensor([items[n].row_start + len(items[n].drafts) for n in bonus], dtype=torch.int64,
@@ -105,6 +94,26 @@ def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torc
         token, lp = nxt[n] if nxt[n] is not None else (None, None)
         results.append(VerifyResult(it.request_id, accepted[n], tuple(draft_lps[n][:accepted[n]]), token, lp, tops[n]))
     return results
+
+
+def _residual_draws(items: list[VerifyItem], accepted: list[int], lp_T: torch.Tensor, lp_s: torch.Tensor,
+                    rep_T: torch.Tensor) -> list[tuple[int, float]]:
+    """The token each rejecting request draws at its first rejected row (row_start + accepted) from the
+    residual max(p_T - p_s, 0) (p_T where that is empty; argmax of p_T when greedy), with its reported
+    loop-T log-prob. lp_T, lp_s, rep_T: [rows, vocab] float64."""
+    dev = lp_T.device
+    rows_t = torch.tensor([it.row_start + a for it, a in zip(items, accepted)], dtype=torch.int64, device=dev)
+    p_T, p_s = lp_T[rows_t].exp(), lp_s[rows_t].exp()
+    residual = (p_T - p_s).clamp_min(0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # p_T == p_s: nothing to correct
+    residual = torch.where(empty, p_T, residual)
+    seeds = torch.tensor([it.params.seed or 0 for it in items], dtype=torch.int64, device=dev)
+    counters = torch.tensor([it.first_index + a for it, a in zip(items, accepted)], dtype=torch.int64, device=dev)
+    u = counter_uniforms(seeds, counters, residual.shape[1], stream=STREAM_RESIDUAL)
+    greedy = torch.tensor([it.params.is_greedy for it in items], device=dev)
+    tok = torch.where(greedy, lp_T[rows_t].argmax(-1), (residual.log() - torch.log(-torch.log(u))).argmax(-1))
+    tok_lp = rep_T[rows_t].gather(1, tok[:, None]).squeeze(1)
+    return list(zip(tok.tolist(), tok_lp.tolist()))
 
 
 def _verified_top_logprobs(items: list[VerifyItem], accepted: list[int], draft_lps: list[list[float]],
