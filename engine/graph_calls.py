@@ -32,7 +32,7 @@ GraphCall = ShallowCall | DeepCall
 
 
 def mode_calls(mode: str, total_ut_steps: int, deep_interval: int, shallow_loops: int) -> list[GraphCall]:
-    """The graphed calls a scheduler of this mode plans (scheduler/core.py schedule(), verify_plan.py)."""
+    """The graphed calls a scheduler of this mode plans (scheduler/decode_plan.py, verify_plan.py)."""
     T, s, B = total_ut_steps, shallow_loops, deep_interval
     if mode == "verify":
         return [ShallowCall(s, True)]  # drafts; the verify deep call is varlen (eager)
