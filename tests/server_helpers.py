@@ -3,12 +3,13 @@ loop, on a socket bound before it starts, so there is no port race) or as a subp
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -90,3 +91,36 @@ def metric_values(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
+
+
+def serve(app: Any) -> Iterator[ThreadServer]:
+    """A module fixture's body: ``yield from serve(create_app(...))``."""
+    with ThreadServer(app) as srv:
+        yield srv
+
+
+def http_client(server: ThreadServer, api_key: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+    return httpx.Client(base_url=server.url, headers=headers, timeout=120)
+
+
+def openai_client(server: ThreadServer, api_key: str = API_KEY) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)
+
+
+@contextlib.contextmanager
+def gated_engine(server: ThreadServer) -> Iterator[Any]:
+    """Hold the served engine's steps on its worker thread (tests/helpers.GatedExecutor) while the block
+    runs, so a request is provably mid-flight; the steps flow again after it."""
+    from tests.helpers import GatedExecutor
+
+    core = server.server.config.app.state.engine.core
+    gated = GatedExecutor(core.executor)
+    core.executor = gated
+    try:
+        yield gated
+    finally:
+        gated.open()
+        core.executor = gated.inner

@@ -16,7 +16,7 @@ from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.server.app import create_app
 from ourobatch.text import Tokenizer
 from tests.pointer_chase import id_to_word
-from tests.server_helpers import API_KEY, MODEL, ThreadServer, auth, start_subprocess
+from tests.server_helpers import API_KEY, MODEL, ThreadServer, http_client, openai_client, serve, start_subprocess
 
 NAME = "pointer-chase"
 CONFIG = EngineConfig(model=str(MODEL), max_model_len=64, max_num_seqs=64)
@@ -36,19 +36,17 @@ def answer_text(task: dict) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=Tokenizer.from_path(MODEL))
-    with ThreadServer(app) as srv:
-        yield srv
+    yield from serve(create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=Tokenizer.from_path(MODEL)))
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as c:
+    with http_client(server, API_KEY) as c:
         yield c
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from ourobatch import EngineConfig
 from ourobatch.server.app import create_app
 from ourobatch.text import Tokenizer
 from tests.oracle import load_oracle, processed_logprobs
-from tests.server_helpers import API_KEY, MODEL, ThreadServer, auth
+from tests.server_helpers import API_KEY, MODEL, http_client, openai_client, serve
 
 NAME = "pointer-chase"
 CONFIG = EngineConfig(model=str(MODEL), dtype="float64", max_model_len=64, max_num_seqs=16, block_size=4,
@@ -30,20 +28,18 @@ TOK = Tokenizer.from_path(MODEL)
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=TOK)
-    with ThreadServer(app) as srv:
-        yield srv
+    yield from serve(create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=TOK))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as c:
+    with http_client(server, API_KEY) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

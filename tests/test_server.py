@@ -16,8 +16,7 @@ from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.async_engine import Engine
 from ourobatch.server.app import create_app
 from ourobatch.text import Tokenizer
-from tests.helpers import GatedExecutor
-from tests.server_helpers import API_KEY, MODEL, ThreadServer, auth, metric_values
+from tests.server_helpers import API_KEY, MODEL, auth, gated_engine, http_client, metric_values, openai_client, serve
 
 NAME = "pointer-chase"
 CONFIG = EngineConfig(model=str(MODEL), max_model_len=64, max_num_seqs=128)
@@ -27,20 +26,18 @@ TOL = 1e-4  # float32, different batch compositions
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=Tokenizer.from_path(MODEL))
-    with ThreadServer(app) as srv:
-        yield srv
+    yield from serve(create_app(CONFIG, served_model_name=NAME, api_key=API_KEY, tokenizer=Tokenizer.from_path(MODEL)))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as c:
+    with http_client(server, API_KEY) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +190,8 @@ def test_abort_request_and_the_control_routes(client):
 @pytest.fixture
 def gate(server):
     """Holds engine steps on the worker thread (tests/helpers.py), so a request is provably mid-flight."""
-    core = server.server.config.app.state.engine.core
-    gated = GatedExecutor(core.executor)
-    core.executor = gated
-    yield gated
-    gated.open()
-    core.executor = gated.inner
+    with gated_engine(server) as gated:
+        yield gated
 
 
 def _abort_count_and_kv(client) -> tuple[float, float]:

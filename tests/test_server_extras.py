@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 import torch
@@ -21,7 +20,7 @@ from ourobatch.server.cli import build_config, build_parser, load_tokenizer
 from ourobatch.testing import make_tiny_checkpoint
 from tests.oracle import load_oracle, processed_logprobs, readout_position
 from tests.pointer_chase import id_to_word
-from tests.server_helpers import MODEL, ThreadServer
+from tests.server_helpers import MODEL, http_client, serve
 
 NAME = "pc"
 ARGS = build_parser().parse_args(["--model", str(MODEL), "--max-model-len", "64", "--served-model-name", NAME])
@@ -37,14 +36,12 @@ def _text(ids: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(build_config(ARGS), served_model_name=NAME, tokenizer=load_tokenizer(ARGS))
-    with ThreadServer(app) as srv:
-        yield srv
+    yield from serve(create_app(build_config(ARGS), served_model_name=NAME, tokenizer=load_tokenizer(ARGS)))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with http_client(server) as c:
         yield c
 
 

@@ -21,8 +21,7 @@ from safetensors.torch import load_file, save_file
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.server.app import create_app
 from ourobatch.text import Tokenizer
-from tests.helpers import GatedExecutor
-from tests.server_helpers import MODEL, ROOT, ThreadServer
+from tests.server_helpers import MODEL, ROOT, gated_engine, http_client, serve
 
 CONFIG = EngineConfig(model=str(MODEL), max_model_len=64, max_num_seqs=64)
 TASKS = [json.loads(line) for line in (MODEL / "heldout_tasks.jsonl").read_text().splitlines()[:8]]
@@ -33,14 +32,12 @@ TOL = 1e-4  # float32, different batch compositions
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(CONFIG, tokenizer=Tokenizer.from_path(MODEL), health_check_timeout=HEALTH_TIMEOUT)
-    with ThreadServer(app) as srv:
-        yield srv
+    yield from serve(create_app(CONFIG, tokenizer=Tokenizer.from_path(MODEL), health_check_timeout=HEALTH_TIMEOUT))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with http_client(server) as c:
         yield c
 
 
@@ -65,12 +62,8 @@ def reference():
 
 @pytest.fixture
 def gate(server):
-    core = server.server.config.app.state.engine.core
-    gated = GatedExecutor(core.executor)
-    core.executor = gated
-    yield gated
-    gated.open()
-    core.executor = gated.inner
+    with gated_engine(server) as gated:
+        yield gated
 
 
 def _stats(server) -> dict:

@@ -32,15 +32,7 @@ for name, field in (("completions", "prompt"), ("chat", "task")):
     (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 EOF
 
-"$PYTHON" -m ourobatch serve --model "$MODEL" --served-model-name pointer-chase --port "$PORT" \
-  --max-num-seqs 64 --log-level warning > "$OUT/server.log" 2>&1 &
-server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
-for _ in $(seq 300); do  # the server is up when /health answers (a process we poll, not a test)
-  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-  kill -0 "$server" 2>/dev/null || { cat "$OUT/server.log"; exit 1; }
-  sleep 1
-done
+source benchmarks/clients/serve.sh  # the server, stopped on exit
 
 for name in completions chat; do
   route=/v1/completions; [ "$name" = chat ] && route=/v1/chat/completions

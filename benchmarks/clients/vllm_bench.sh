@@ -25,15 +25,7 @@ PORT=${PORT:-18200}
 MODEL=models/pointer-chase
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-"$PYTHON" -m ourobatch serve --model "$MODEL" --served-model-name pointer-chase --port "$PORT" \
-  --max-num-seqs 64 --log-level warning > "$OUT/server.log" 2>&1 &
-server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
-for _ in $(seq 300); do  # the server is up when /health answers (a process we poll, not a test)
-  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-  kill -0 "$server" 2>/dev/null || { cat "$OUT/server.log"; exit 1; }
-  sleep 1
-done
+source benchmarks/clients/serve.sh  # the server, stopped on exit
 
 bench='import sys
 from vllm.benchmarks.serve import add_cli_args, main
