@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep|profile] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep|profile|gemm] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,6 +37,11 @@ if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (be
 fi
 if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (benchmarks/step_profile.py)
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
+fi
+if [ "$what" = gemm ]; then  # fused skinny GEMMs vs cuBLAS per rows, then the decode step with them on and off
+  python3 benchmarks/gemm_sweep.py --out "$OUT/gemm" --inductor 2>&1 | tee "$OUT/gemm.log" | tail -40
+  python3 benchmarks/step_profile.py --out "$OUT/profile" --gemm both "$@" 2>&1 | tee "$OUT/profile.log" \
+    | grep -v "^    " | tail -20
 fi
 if [ "$what" = rl_pipeline ]; then  # sync loop vs Collector under a simulated learner (benchmarks/rl_pipeline.py)
   # The issue's workload; the whole matrix takes ~65 min, so one call runs deferred8's sync loop and

@@ -27,12 +27,14 @@ import torch.nn.functional as F
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch._core import build_engine_core
+from ourobatch.engine import gemm_dispatch
+from ourobatch.engine.gemm_dispatch import GemmConfig
 from ourobatch.engine.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
-GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvjet")),
+GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvjet", "linear_partials", "gate_up_silu")),
           ("attention", ("paged_attn", "_attn", "attention", "combine")),
           ("fused", ("rms_norm", "rope", "silu", "add_rms")),
           ("sampling", ("sample", "softmax", "gumbel", "argmax", "log_softmax", "topk", "sort")))
@@ -143,6 +145,22 @@ def gemm_table(model, ns: list[int]) -> list[dict]:
     return rows
 
 
+def profile_one(model_dir, model, args, config: str, suffix: str, N: int) -> dict:
+    core = decoding_core(model_dir, model, args, config, N, graphs=False)
+    kt = kernel_table(core, 6)
+    core.close()
+    core = decoding_core(model_dir, model, args, config, N, graphs=True)
+    gt = graph_time(core, 30)
+    core.close()
+    name = config + suffix
+    groups = " ".join(f"{g}={v['us'] / 1e3:.2f}ms/{v['calls']:.0f}" for g, v in kt["groups"].items())
+    print(f"N={N} {name}: graph {gt['gpu_ms']:.2f} ms (wall {gt['wall_ms']:.2f}), eager kernels "
+          f"{kt['kernels_per_step']:.0f}/step sum {kt['kernel_us_per_step'] / 1e3:.2f} ms: {groups}", flush=True)
+    for k in kt["top"][:12]:
+        print(f"    {k['calls']:6.0f} x {k['us'] / max(k['calls'], 1):7.1f} us = {k['us'] / 1e3:6.2f} ms  {k['name'][:90]}")
+    return dict(N=N, config=name, **kt, **gt)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -150,6 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both"),
+                    help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
+                         "side ('both': the table if it has rows, else GemmConfig() up to 64 rows)")
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -162,25 +183,14 @@ def main(argv=None) -> int:
     for r in result["gemm"]:
         print(f"gemm M={r['M']:4d} {r['gemm']:8s} {r['us']:7.1f} us  {r['gb_per_s']:6.0f} GB/s  "
               f"floor {r['floor_us']:.1f} us", flush=True)
-    for N in ns:
-        for name in args.configs.split(","):
-            core = decoding_core(model_dir, model, args, name, N, graphs=False)
-            kt = kernel_table(core, 6)
-            core.close()
-            core = decoding_core(model_dir, model, args, name, N, graphs=True)
-            gt = graph_time(core, 30)
-            core.close()
-            row = dict(N=N, config=name, **kt, **gt)
-            result["steps"].append(row)
-            groups = " ".join(f"{g}={v['us'] / 1e3:.2f}ms/{v['calls']:.0f}" for g, v in kt["groups"].items())
-            print(f"N={N} {name}: graph {gt['gpu_ms']:.2f} ms (wall {gt['wall_ms']:.2f}), eager kernels "
-                  f"{kt['kernels_per_step']:.0f}/step sum {kt['kernel_us_per_step'] / 1e3:.2f} ms: {groups}",
-                  flush=True)
-            for k in kt["top"][:12]:
-                print(f"    {k['calls']:6.0f} x {k['us'] / max(k['calls'], 1):7.1f} us = {k['us'] / 1e3:6.2f} ms  "
-                      f"{k['name'][:90]}")
-            (out / "step_profile.json").write_text(json.dumps(result, indent=1))
-            torch.cuda.empty_cache()
+    table = gemm_dispatch.GEMM_TABLE
+    variants = {"table": [("", table)], "off": [("", ())],
+                "both": [("", ()), ("+tg", table or ((64, GemmConfig()),))]}[args.gemm]
+    for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
+        gemm_dispatch.GEMM_TABLE = tab
+        result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))
+        (out / "step_profile.json").write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from .attention import attend
 from .batch import BatchMeta
 from .config import OuroConfig
+from .gemm_dispatch import GemmConfig, gemm_config
 from .kv_cache import KVPool
 
 
@@ -35,6 +36,31 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None
     if dtype is None or dtype == weight.dtype:
         return F.linear(h.to(weight.dtype), weight)
     return F.linear(h.to(dtype), weight.to(dtype))
+
+
+def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: GemmConfig | None, which: str,
+                     w_branch: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the fused path's o_proj / down_proj half)."""
+    from . import triton_fused as fused
+
+    if gemm is None:
+        return fused.add_rms_norm2(h, F.linear(y_in, w), w_branch, w_next, eps)
+    from . import triton_gemm
+
+    splits = gemm.splits_o if which == "o" else gemm.splits_down
+    partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
+    return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
+
+
+def _gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so."""
+    if gemm is None:
+        from . import triton_fused as fused
+
+        return fused.silu_mul(F.linear(x, w_gate_up))
+    from . import triton_gemm
+
+    return triton_gemm.gate_up_silu(x, w_gate_up, gemm)
 
 
 class RMSNorm(nn.Module):
@@ -229,7 +255,9 @@ class OuroForCausalLM(nn.Module):
 
     def _run_loops_fused(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
                          last_loop: int) -> list[torch.Tensor]:
-        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm.
+        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm
+        (at the rows gemm_dispatch lists: o_proj and down_proj as split-K partials reduced by the add+norm
+        kernel, gate_up with SiLU x up in its epilogue; engine/triton_gemm.py).
 
         The math of OuroDecoderLayer.run, written out because each residual add is fused with the norm
         after it, which for the MLP's add is the next layer's input norm (or model.norm): the fusion
@@ -242,6 +270,8 @@ class OuroForCausalLM(nn.Module):
             self._inv_freq = cfg.rope_theta ** (
                 -torch.arange(0, d, 2, device=h.device, dtype=torch.float32) / d)
         rows = h.shape[0]
+        # the skinny-batch GEMMs of triton_gemm.py for half-precision calls of the rows gemm_dispatch lists
+        gemm = gemm_config(rows) if h.dtype in (torch.bfloat16, torch.float16) else None
         readouts = []
         x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         for loop in range(first_loop, last_loop + 1):
@@ -251,12 +281,12 @@ class OuroForCausalLM(nn.Module):
                 q = fused.rope_store_kv(F.linear(x, attn.qkv_weight), meta.positions, meta.slots, self._inv_freq,
                                         k_plane, v_plane, Hq, Hkv, d)
                 a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
-                o = F.linear(a.reshape(rows, Hq * d), attn.o_proj.weight)
-                h, x = fused.add_rms_norm2(h, o, layer.input_layernorm_2.weight,
-                                           layer.post_attention_layernorm.weight, eps)
-                m = F.linear(fused.silu_mul(F.linear(x, layer.mlp.gate_up_weight)), layer.mlp.down_proj.weight)
+                h, x = _linear_add_norm(h, a.reshape(rows, Hq * d), attn.o_proj.weight, gemm, "o",
+                                        layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+                m = _gate_up_silu(x, layer.mlp.gate_up_weight, gemm)
                 w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-                h, x = fused.add_rms_norm2(h, m, layer.post_attention_layernorm_2.weight, w_next, eps)
+                h, x = _linear_add_norm(h, m, layer.mlp.down_proj.weight, gemm, "down",
+                                        layer.post_attention_layernorm_2.weight, w_next, eps)
             readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
             if loop < last_loop:
                 h = x

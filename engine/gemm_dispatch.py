@@ -1,0 +1,35 @@
+"""Which decode batches use the fused skinny GEMMs of triton_gemm.py, and with which tiles (Triton-free).
+
+Picked from host ints only (the rows of a call, fixed per CUDA graph bucket), so a graph replays the
+kernels it captured. The table is benchmarks/gemm_sweep.py's pick on the H200 per rows bucket; rows past
+its last entry (or a shape the kernels were not tuned for) keep the cuBLAS path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of the fused GEMMs at one rows bucket."""
+
+    block_n: int = 64  # output columns per program (o_proj, down_proj)
+    block_k: int = 128
+    splits_o: int = 4  # K splits of o_proj (K = heads x head_dim)
+    splits_down: int = 4  # K splits of down_proj (K = intermediate)
+    block_n_gate: int = 32  # intermediate columns per program of gate_up_silu
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (largest rows, config), ascending; filled from benchmarks/gemm_sweep.py on the H200
+GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = ()
+
+
+def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
+    """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call."""
+    for max_rows, cfg in GEMM_TABLE if table is None else table:
+        if rows <= max_rows:
+            return cfg
+    return None

@@ -1,0 +1,139 @@
+"""Skinny-batch GEMMs for the decode path (Triton, CUDA), with the elementwise work around them fused in.
+
+At a few dozen rows a layer's GEMMs stream their weights and little else, and cuBLAS launches too few
+programs for the small ones (o_proj: 2048 x 2048 in 32 tiles on 132 SMs). Two kernels replace three
+GEMMs and two elementwise kernels of a layer (engine/model.py `_run_loops_fused`):
+- `linear_partials` (o_proj, down_proj): x @ w.T split over K into fp32 partial sums [splits, rows, n],
+  reduced by the add + norm kernel that reads the GEMM's output anyway (`add_rms_norm2_partials`): no
+  separate split-K reduce kernel and no bf16 round trip of the GEMM output through memory.
+- `gate_up_silu` (gate_up_proj + SiLU x up): both halves accumulated in one program, the product written
+  once (half the output of the fused gate_up GEMM, and no silu_mul kernel).
+Rounding follows the reference path: each GEMM output is rounded to the model dtype before the norm or
+the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
+
+Which rows counts use these kernels, and with which tiles, is `GemmConfig` from engine/gemm_dispatch.py's `gemm_config(rows)`
+(tuned on the H200 by benchmarks/gemm_sweep.py); above its range the cuBLAS path stays.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm_dispatch import GemmConfig
+
+
+@triton.jit
+def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split  # k_per_split is a multiple of BLOCK_K: no block crosses two splits
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        rk = k_start + k + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & kmask[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+        wmask = (rn[:, None] < N) & kmask[None, :]
+        g = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=wmask, other=0.0)
+        u = tl.load(w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn + rk[None, :], mask=wmask, other=0.0)
+        acc_g += tl.dot(a, tl.trans(g))
+        acc_u += tl.dot(a, tl.trans(u))
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
+    up = acc_u.to(dtype).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
+                                   SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
+    h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    y = y.to(h.dtype).to(tl.float32)  # the GEMM output in the model dtype, as the reference path has it
+    ynorm = y * tl.rsqrt(tl.sum(y * y, 0) / n_cols + eps)
+    wa = tl.load(wa_ptr + cols, mask=mask, other=0.0)
+    branch = (ynorm.to(wa.dtype) * wa).to(tl.float32)
+    h_new = (h.to(tl.float32) + branch).to(h.dtype)
+    tl.store(h_out_ptr + row * n_cols + cols, h_new, mask=mask)
+    hf = h_new.to(tl.float32)
+    hnorm = hf * tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    wb = tl.load(wb_ptr + cols, mask=mask, other=0.0)
+    tl.store(x_out_ptr + row * n_cols + cols, hnorm.to(wb.dtype) * wb, mask=mask)
+
+
+def _block_m(rows: int) -> int:
+    # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig) -> torch.Tensor:
+    """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
+    if rows:
+        k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
+        bm = _block_m(rows)
+        grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
+        _linear_partials_kernel[grid](x, w, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
+                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
+    """x: [rows, K], w_gate_up: [2 I, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T): [rows, I]."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, K = x.shape
+    n = w_gate_up.shape[0] // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        bm = _block_m(rows)
+        grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
+        _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
+                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
+                           w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_fused.add_rms_norm2 with y = the sum of `partials` [splits, rows, hidden] (fp32)."""
+    rows, n = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    if rows:
+        _add_rms_norm2_partials_kernel[(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps,
+                                                SPLITS=partials.shape[0], BLOCK=triton.next_power_of_2(n),
+                                                num_warps=8)
+    return h_out, x_out
