@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ourobatch.scheduler.config import MODES
-from ourobatch.scheduler.kv_manager import KV_ALLOCATIONS
+from ourobatch.scheduler import config as rules  # the rules EngineConfig shares with SchedulerConfig
 from ourobatch.scheduler.params import MAX_SEED, SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -16,13 +15,14 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 LOGPROBS_MODES = ("processed", "raw")
 HEAD_DTYPES = ("auto", "float32")
 DEVICE_RE = re.compile(r"cpu|cuda(?::\d+)?")  # whether the machine has that device is checked at build
+#: The allowed values of EngineConfig's str fields, checked on construction (and the CLIs' choices).
+CHOICES: dict[str, tuple[str, ...]] = {**rules.CHOICES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+                                       "logprobs_mode": LOGPROBS_MODES, "head_dtype": HEAD_DTYPES}
+OWNER = "EngineConfig"  # the name in front of every message
 
 
 def _positive_int(name: str, value: object, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"EngineConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"EngineConfig.{name} must be >= {low}, got {value}")
+    rules.check_int(OWNER, name, value, low)
 
 
 @dataclass(frozen=True)
@@ -67,54 +67,36 @@ class EngineConfig:
     #                           fp32 copy of the weight, as RL trainers run their head)
 
     def __post_init__(self) -> None:
-        if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ValueError(f"EngineConfig.kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"EngineConfig.enable_prefix_caching must be True or False, got "
-                            f"{self.enable_prefix_caching!r}")
-        if (isinstance(self.kv_watermark, bool) or not isinstance(self.kv_watermark, (int, float))
-                or not 0 <= self.kv_watermark < 1):
-            raise ValueError(f"EngineConfig.kv_watermark must be a number in [0, 1), got {self.kv_watermark!r}")
+        for name, allowed in CHOICES.items():  # mode, kv_allocation, dtype, attention_backend, logprobs_mode, ...
+            rules.check_choice(OWNER, name, getattr(self, name), allowed)
+        rules.check_enable_prefix_caching(OWNER, self.enable_prefix_caching)
+        rules.check_kv_watermark(OWNER, self.kv_watermark)
         if not isinstance(self.model, (str, Path)):
             raise TypeError(f"EngineConfig.model must be a path to a checkpoint folder, got {self.model!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str):
             raise TypeError(f"EngineConfig.device must be a str like 'cpu' or 'cuda', got {self.device!r}")
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda' or 'cuda:N' (N = 0, 1, ...), got "
                              f"{self.device!r}")
-        _positive_int("deep_interval", self.deep_interval)
-        _positive_int("shallow_loops", self.shallow_loops)
+        rules.check_deep_interval(OWNER, self.deep_interval)
+        rules.check_shallow_loops(OWNER, self.shallow_loops)  # <= total_ut_steps - 1: checked at build
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, 2)
         if self.deep_interval > self.max_model_len:
             raise ValueError(f"EngineConfig.deep_interval must satisfy 1 <= deep_interval <= max_model_len "
                              f"({self.max_model_len}), got {self.deep_interval}")
-        _positive_int("block_size", self.block_size)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"EngineConfig.max_num_batched_tokens must be >= block_size ({self.block_size}): a "
-                             f"step prefills at least one whole block, got {self.max_num_batched_tokens}")
+        rules.check_block_size(OWNER, self.block_size)
+        rules.check_max_num_batched_tokens(OWNER, self.max_num_batched_tokens, self.block_size)
         if self.num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", self.num_kv_blocks)
+            rules.check_num_kv_blocks(OWNER, self.num_kv_blocks)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"EngineConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got "
-                             f"{self.attention_backend!r}")
         if self.cuda_graphs not in (None, True, False):
             raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         _positive_int("seed", self.seed, 0)
         if self.seed > MAX_SEED:
             raise ValueError(f"EngineConfig.seed must satisfy 0 <= seed <= {MAX_SEED}, got {self.seed}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"EngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.head_dtype not in HEAD_DTYPES:
-            raise ValueError(f"EngineConfig.head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

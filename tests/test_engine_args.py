@@ -1,0 +1,51 @@
+"""One configuration surface (issue 23 item 4): each rule one check with one message, whichever way a bad
+value comes in (EngineConfig, SchedulerConfig, the CLIs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ourobatch import EngineConfig
+from ourobatch.scheduler import SchedulerConfig
+
+SCHEDULER = dict(num_kv_blocks=64, block_size=16, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
+                 total_ut_steps=4, shallow_loops=2, deep_interval=4, mode="deferred", vocab_size=32)
+
+# field, bad value, other fields it needs, the exception, the message after "<Owner>." (written out here, so
+# a reworded or a second message fails)
+RULES = [
+    ("mode", "lazy", {}, ValueError, "mode must be one of ('deferred', 'eager', 'verify'), got 'lazy'"),
+    ("shallow_loops", 0, {}, ValueError, "shallow_loops must satisfy 1 <= shallow_loops <= total_ut_steps - 1, got 0"),
+    ("shallow_loops", 2.0, {}, TypeError, "shallow_loops must be an int, got float 2.0"),
+    ("deep_interval", 0, {}, ValueError, "deep_interval must be >= 1, got 0"),
+    ("deep_interval", "4", {}, TypeError, "deep_interval must be an int, got str '4'"),
+    ("block_size", 0, {"max_num_batched_tokens": 512}, ValueError, "block_size must be >= 1, got 0"),
+    ("num_kv_blocks", 0, {}, ValueError, "num_kv_blocks must be >= 1, got 0"),
+    ("max_num_batched_tokens", 8, {"block_size": 16}, ValueError,
+     "max_num_batched_tokens must be >= block_size (16): a step prefills at least one whole block, got 8"),
+    ("max_num_batched_tokens", True, {}, TypeError, "max_num_batched_tokens must be an int, got bool True"),
+    ("kv_allocation", "eager", {}, ValueError, "kv_allocation must be one of ('lazy', 'reserve'), got 'eager'"),
+    ("kv_watermark", 1.0, {}, ValueError, "kv_watermark must be a number in [0, 1), got 1.0"),
+    ("enable_prefix_caching", "yes", {}, TypeError, "enable_prefix_caching must be True or False, got 'yes'"),
+]
+
+
+def _error(build, exc_type):
+    with pytest.raises(exc_type) as info:
+        build()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("field, value, extra, exc_type, text", RULES)
+def test_each_shared_rule_has_one_message_through_engine_and_scheduler_config(field, value, extra, exc_type, text):
+    engine = _error(lambda: EngineConfig(model="m", **{**extra, field: value}), exc_type)
+    scheduler = _error(lambda: SchedulerConfig(**{**SCHEDULER, **extra, field: value}), exc_type)
+    assert engine == f"EngineConfig.{text}"
+    assert scheduler == f"SchedulerConfig.{text}"
+
+
+def test_shallow_loops_names_the_checkpoints_bound_where_it_is_known():
+    text = "shallow_loops must satisfy 1 <= shallow_loops <= 3 (total_ut_steps - 1; this checkpoint's total_ut_steps " \
+           "is 4), got 4"
+    assert _error(lambda: SchedulerConfig(**{**SCHEDULER, "shallow_loops": 4}), ValueError) == f"SchedulerConfig.{text}"
+    assert EngineConfig(model="m", shallow_loops=4).shallow_loops == 4  # T is the checkpoint's: checked at build
