@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ourobatch.scheduler import config as rules  # the rules EngineConfig shares with SchedulerConfig
-from ourobatch.scheduler.params import MAX_SEED, SamplingParams
+from ourobatch.scheduler.params import LOGPROBS_MODES, MAX_SEED, SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-LOGPROBS_MODES = ("processed", "raw")
 HEAD_DTYPES = ("auto", "float32")
 DEVICE_RE = re.compile(r"cpu|cuda(?::\d+)?")  # whether the machine has that device is checked at build
 #: The allowed values of EngineConfig's str fields, checked on construction (and the CLIs' choices).

@@ -18,6 +18,9 @@ MAX_SEED = 2**63 - 1
 ALL_TOP_LOGPROBS = 2**31 - 1
 # Completions per request at most. An engine also refuses n above its max_num_seqs (EngineCore.add).
 MAX_N = 4096
+# Which log-probs an engine reports (EngineConfig.logprobs_mode, whose default is the facade's): "processed",
+# under the distribution each token was drawn from, or "raw", log_softmax of the logits (vLLM's default).
+LOGPROBS_MODES: tuple[str, ...] = ("processed", "raw")
 
 
 class RequestOutputKind(enum.IntEnum):

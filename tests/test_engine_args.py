@@ -49,3 +49,12 @@ def test_shallow_loops_names_the_checkpoints_bound_where_it_is_known():
            "is 4), got 4"
     assert _error(lambda: SchedulerConfig(**{**SCHEDULER, "shallow_loops": 4}), ValueError) == f"SchedulerConfig.{text}"
     assert EngineConfig(model="m", shallow_loops=4).shallow_loops == 4  # T is the checkpoint's: checked at build
+
+
+def test_the_logprobs_modes_are_one_constant_of_the_torch_free_boundary():
+    from ourobatch import config
+    from ourobatch.scheduler import params
+
+    assert config.CHOICES["logprobs_mode"] is config.LOGPROBS_MODES is params.LOGPROBS_MODES == ("processed", "raw")
+    with pytest.raises(ValueError, match=r"^EngineConfig\.logprobs_mode must be one of \('processed', 'raw'\), got 'x'$"):
+        EngineConfig(model="m", logprobs_mode="x")
