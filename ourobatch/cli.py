@@ -177,6 +177,7 @@ class _LazyTokenizer:
     """tokenizer.json beside the checkpoint, loaded on first use (ourobatch.text.Tokenizer)."""
 
     def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
         self.path = model_dir / "tokenizer.json"
         self._tok: Any = None
         self._error: str | None = None
@@ -187,18 +188,15 @@ class _LazyTokenizer:
 
     def get(self) -> Any:
         """The loaded tokenizer; raises RuntimeError saying why when there is none."""
-        if self._tok is not None:
-            return self._tok
-        if self._error is None:
-            if not self.exists:
-                self._error = f"there is no tokenizer.json beside the checkpoint ({self.path})"
-            else:
-                from ourobatch.text import Tokenizer
+        if self._tok is None and self._error is None:
+            from ourobatch.text import load_tokenizer
 
-                try:
-                    self._tok = Tokenizer.from_path(self.path)
-                except (ImportError, ValueError) as exc:  # `tokenizers` missing (its extra named), a bad file
-                    self._error = str(exc)
+            try:
+                self._tok = load_tokenizer(self.model_dir)
+            except (ImportError, ValueError) as exc:  # `tokenizers` missing (its extra named), a bad file
+                self._error = str(exc)
+            if self._tok is None and self._error is None:
+                self._error = f"there is no tokenizer.json beside the checkpoint ({self.path})"
         if self._tok is None:
             raise RuntimeError(self._error)
         return self._tok

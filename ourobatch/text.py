@@ -84,6 +84,17 @@ class Tokenizer:
         return self.tok.decode([token_id], skip_special_tokens=False)
 
 
+def load_tokenizer(model: str | Path, tokenizer: str | Path | None = None) -> Tokenizer | None:
+    """The front ends' one tokenizer loader: `tokenizer` (a tokenizer.json or its folder) when given, else
+    the tokenizer.json beside the checkpoint folder `model` if it has one, else None (token ids only).
+    A file that is there must load: ValueError saying why not, MissingExtraError without `tokenizers`."""
+    if tokenizer is not None:
+        return Tokenizer.from_path(tokenizer)
+    if (Path(model) / "tokenizer.json").is_file():
+        return Tokenizer.from_path(model)
+    return None
+
+
 def check_text_params(params: SamplingParams, tokenizer: Tokenizer | None, where: str = "SamplingParams") -> None:
     """Stop strings need a tokenizer and detokenize=True (as in vLLM)."""
     if params.stop and tokenizer is None:

@@ -3,10 +3,14 @@ value comes in (EngineConfig, SchedulerConfig, the CLIs)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ourobatch import EngineConfig
 from ourobatch.scheduler import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCHEDULER = dict(num_kv_blocks=64, block_size=16, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
                  total_ut_steps=4, shallow_loops=2, deep_interval=4, mode="deferred", vocab_size=32)
@@ -58,3 +62,19 @@ def test_the_logprobs_modes_are_one_constant_of_the_torch_free_boundary():
     assert config.CHOICES["logprobs_mode"] is config.LOGPROBS_MODES is params.LOGPROBS_MODES == ("processed", "raw")
     with pytest.raises(ValueError, match=r"^EngineConfig\.logprobs_mode must be one of \('processed', 'raw'\), got 'x'$"):
         EngineConfig(model="m", logprobs_mode="x")
+
+
+def test_one_tokenizer_loader_for_the_front_ends(tmp_path):
+    from ourobatch.text import load_tokenizer
+
+    pytest.importorskip("tokenizers")
+    shipped = ROOT / "models" / "pointer-chase"
+    assert load_tokenizer(tmp_path) is None  # no tokenizer.json beside the checkpoint: token ids only
+    for tok in (load_tokenizer(shipped), load_tokenizer(tmp_path, shipped), load_tokenizer(tmp_path,
+                                                                                           shipped / "tokenizer.json")):
+        assert tok.path == shipped / "tokenizer.json" and tok.encode("n1>n2") == tok.tok.encode("n1>n2").ids
+    with pytest.raises(ValueError, match=r"no tokenizer\.json at"):
+        load_tokenizer(shipped, tmp_path)  # one that was asked for must be there
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot load .*tokenizer\.json"):
+        load_tokenizer(tmp_path)  # one that is there must load

@@ -13,7 +13,6 @@ import dataclasses
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any, Iterator
 
 from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
@@ -113,13 +112,9 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any:
-    from ourobatch.text import Tokenizer
+    from ourobatch.text import load_tokenizer as load
 
-    tokenizer = None
-    if args.tokenizer is not None:
-        tokenizer = Tokenizer.from_path(args.tokenizer)
-    elif (Path(args.model) / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_path(args.model)
+    tokenizer = load(args.model, args.tokenizer)
     if args.chat_template is not None:  # replaces the checkpoint's, checked (compiled) before the model loads
         from ourobatch.chat_template import template_override
 
