@@ -229,7 +229,9 @@ async def open_client(model_dir: str, args: Any, mode: str, B: int, s: int, max_
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
                        shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                       num_kv_blocks=args.num_kv_blocks)
+                       num_kv_blocks=args.num_kv_blocks,
+                       **({} if args.max_num_batched_tokens is None else
+                          dict(max_num_batched_tokens=args.max_num_batched_tokens)))
     async with Engine(cfg) as engine:
         yield EngineClient(engine)
 
@@ -312,6 +314,7 @@ OPTIONS = [  # flag, type, default, help
     ("--ttft-slo", float, 1000.0, "ms: the summary's bound on interval1's p99 TTFT"),
     ("--plot-rate", str, None, "rate of the running / gaps plots (default: the summary's, else the highest finite)"),
     ("--max-num-seqs", int, 256, None), ("--num-kv-blocks", int, None, "KV pool size (default: sized from memory)"),
+    ("--max-num-batched-tokens", int, None, "tokens per step (default: EngineConfig's)"),
     ("--block-size", int, 16, None), ("--device", str, "cuda", None), ("--dtype", str, "bfloat16", None),
     ("--shallow-loops", int, 2, None), ("--gpu-memory-utilization", float, 0.9, None),
     ("--sample-interval", float, 0.05, "seconds between engine stats samples")]

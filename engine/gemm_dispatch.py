@@ -23,8 +23,13 @@ class GemmConfig:
     num_stages: int = 4
 
 
-# (largest rows, config), ascending; filled from benchmarks/gemm_sweep.py on the H200
-GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = ()
+# (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
+# Each op ran 1.08-1.15x faster than its cuBLAS path (GEMM + the elementwise kernel after it) up to 64 rows
+# and 0.88-1.0x at 128, so calls past 64 rows keep cuBLAS.
+GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
+    (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
+    (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
+)
 
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
