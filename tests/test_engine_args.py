@@ -3,6 +3,7 @@ value comes in (EngineConfig, SchedulerConfig, the CLIs)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,48 @@ def test_one_tokenizer_loader_for_the_front_ends(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"cannot load .*tokenizer\.json"):
         load_tokenizer(tmp_path)  # one that is there must load
+
+
+# ------------------------------------------------------------------ the flags
+
+
+def _serve_parser():
+    pytest.importorskip("fastapi")
+    from ourobatch.server.cli import build_parser
+
+    return build_parser()
+
+
+def _engine_flags(parser) -> dict[str, list[str]]:
+    """EngineConfig field -> its option strings, for the flags add_engine_arguments made."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {a.dest: a.option_strings for a in parser._actions if a.dest in fields and a.option_strings}
+
+
+def test_every_engine_config_field_is_a_serve_flag_with_help_from_config_py():
+    parser = _serve_parser()
+    flags = _engine_flags(parser)
+    assert sorted(flags) == sorted(f.name for f in dataclasses.fields(EngineConfig))
+    helps = {a.dest: a.help for a in parser._actions if a.dest in flags}
+    for name, text in helps.items():
+        assert text and not text.startswith(f"EngineConfig.{name}"), f"{name} has no help: comment it in config.py"
+    assert "positions per KV block" in helps["block_size"]  # the comment beside the field in config.py
+    assert flags["seed"] == ["--engine-seed", "--seed"] and flags["deep_interval"] == ["--deep-interval"]
+
+
+def test_serve_flags_to_engine_config():
+    from ourobatch.server.cli import build_config
+
+    parser = _serve_parser()
+    config = build_config(parser.parse_args(["--model", "m"]))
+    expected = dataclasses.replace(EngineConfig(model="m"), logprobs_mode="raw")  # vLLM's, serve's default
+    assert config == expected
+    args = ["--model", "m", "--mode", "verify", "--deep-interval", "4", "--num-kv-blocks", "12", "--cuda-graphs",
+            "false", "--enable-prefix-caching", "off", "--kv-watermark", "0.5", "--engine-seed", "9", "--logprobs-mode",
+            "processed", "--kv-allocation", "reserve"]
+    assert build_config(parser.parse_args(args)) == EngineConfig(
+        model="m", mode="verify", deep_interval=4, num_kv_blocks=12, cuda_graphs=False, enable_prefix_caching=False,
+        kv_watermark=0.5, seed=9, logprobs_mode="processed", kv_allocation="reserve")
+    assert build_config(parser.parse_args(["--model", "m", "--seed", "7"])).seed == 7  # serve's --seed: the engine's
+    assert build_config(parser.parse_args(["--model", "m", "--num-kv-blocks", "none", "--cuda-graphs",
+                                           "auto"])).num_kv_blocks is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
 from ourobatch.compat import VLLM_LOGPROBS_MODE
 from ourobatch.config import EngineConfig
+from ourobatch.engine_args import add_engine_arguments, engine_config_from_args
 from ourobatch.scheduler.log import get_logger
 
 from .limits import DEFAULT_MAX_REQUEST_BYTES
@@ -25,47 +25,10 @@ from .limits import DEFAULT_MAX_REQUEST_BYTES
 EXIT_OK, EXIT_USAGE = 0, 2
 log = get_logger("ourobatch.server")
 
-ENGINE_HELP = {
-    "mode": "deferred | eager | verify; matters only with --deep-interval > 1 (default: %(default)s)",
-    "deep_interval": "B: 1 (the default) = full-depth decoding, the checkpoint's own policy. B > 1 is an opt-in: "
-                     "deferred/eager read the tokens between deep calls from loop s (faster, lossy: see "
-                     "docs/quality.md); verify stays exact",
-    "shallow_loops": "s: loops run for every decoded token when B > 1 (default: %(default)s)",
-    "seed": "engine seed: unseeded request i gets a seed derived from (seed, i) (default: %(default)s)",
-    "logprobs_mode": "reported log-probs: raw (log_softmax of the logits, vLLM's default) or processed (the "
-                     "distribution each token was drawn from, the native Engine's default) (default: %(default)s)",
-}
-# Where the server's default differs from EngineConfig's: the OpenAI routes report vLLM's raw log-probs.
+# Where the server's flags differ from EngineConfig's: the OpenAI routes report vLLM's raw log-probs, and
+# --seed is the engine seed (vLLM's meaning; the same flag as --engine-seed).
 SERVER_DEFAULTS = {"logprobs_mode": VLLM_LOGPROBS_MODE}
-
-
-def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (EngineConfig fields)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = SERVER_DEFAULTS.get(f.name, f.default)
-        help_text = ENGINE_HELP.get(f.name, "(default: %(default)s)")
-        if isinstance(default, bool) or f.name == "cuda_graphs":
-            group.add_argument(flag, type=_bool, default=default, metavar="BOOL", help=help_text)
-        elif isinstance(default, int) or f.name == "num_kv_blocks":
-            group.add_argument(flag, type=int, default=default, metavar="N", help=help_text)
-        elif isinstance(default, float):
-            group.add_argument(flag, type=float, default=default, metavar="X", help=help_text)
-        else:
-            group.add_argument(flag, default=default, help=help_text)
-
-
-def _bool(text: str) -> bool | None:
-    lowered = text.lower()
-    if lowered in ("none", "auto"):
-        return None
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+SERVER_ALIASES = {"seed": ("--seed",)}
 
 
 def _positive_int(text: str) -> int:
@@ -81,8 +44,6 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ourobatch serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + "
-                        "model.safetensors [+ tokenizer.json])")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; use 0.0.0.0 "
                         "to serve other machines, with --api-key)")
     parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -102,13 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
                         help="what stderr shows, ourobatch's events and uvicorn's: info = the startup line, "
                         "warnings and uvicorn's access log; debug adds per-request events (default: %(default)s)")
-    _engine_arguments(parser)
+    add_engine_arguments(parser, defaults=SERVER_DEFAULTS, aliases=SERVER_ALIASES)
     return parser
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    return EngineConfig(model=args.model, **values)
+    return engine_config_from_args(args)
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any:
