@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -141,6 +141,10 @@ def _chat_logprobs(gen: Generation, d: Delta, k: int, as_ids: bool) -> dict[str,
     return {"content": content}
 
 
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     gen: Generation = request.app.state.gen
     if (missing := gen.unknown_model(body.model)) is not None:
@@ -197,10 +201,3 @@ def _stream(gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], 
         await send.send(b"data: [DONE]\n\n")
 
     return stream_produce
-
-
-def mount_chat(app: FastAPI) -> None:
-    """Add /v1/chat/completions to `app` (create_app's; it reads app.state.gen)."""
-    router = APIRouter()
-    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.include_router(router)

@@ -1,14 +1,14 @@
-"""The generation routes: OpenAI's /v1/completions (plain or SSE stream) and SGLang's /generate.
+"""OpenAI's /v1/completions (plain or SSE stream) and /v1/models, and the machinery every generation route
+runs on (``Generation``: /v1/chat/completions in chat.py and SGLang's /generate in generate.py use it too).
 
-Both queue every prompt first (a rejected prompt is a 400 and nothing runs), then run each prompt's
-engine stream (runner.run_prompt) concurrently inside one producer, which a client disconnect cancels.
-Text is tokenized on a worker thread (the event loop keeps serving /health and the streams), after a
-length bound (limits.check_text_length) has refused any text too long to fit max_model_len.
+Every route queues every prompt first (a rejected prompt is a 400 and nothing runs), then runs each
+prompt's engine stream (runner.run_prompt) concurrently inside one producer, which a client disconnect
+cancels. Text is tokenized on a worker thread (the event loop keeps serving /health and the streams),
+after a length bound (limits.check_text_length) has refused any text too long to fit max_model_len.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -17,19 +17,19 @@ from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ourobatch.compat import from_sglang
 from ourobatch.scheduler.params import SamplingParams
 from ourobatch.text import Tokenizer, check_text_params
 
 from . import prompt_logprobs as plp, sglang_shapes
 from .errors import BadRequest
 from .limits import check_text_length
-from .protocol import CompletionRequest, GenerateRequest
+from .protocol import CompletionRequest
 from .runner import Delta, open_streams, run_prompt
-from .streaming import EventStream, collect
+from .streaming import EventStream, Producer, collect
 
 CLIENT_CLOSED = 499
 _finite = sglang_shapes.finite  # -inf (a token the filters exclude) as -9999.0, vLLM's JSON choice
@@ -37,6 +37,23 @@ _finite = sglang_shapes.finite  # -inf (a token the filters exclude) as -9999.0,
 
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    return await request.app.state.gen.completions(request, body)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    served = request.app.state.served
+    max_len = request.app.state.engine.stats().get("max_model_len", served.config.max_model_len)
+    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                        "owned_by": "ourobatch", "root": str(served.config.model),
+                                        "max_model_len": max_len}]}
 
 
 class Generation:
@@ -111,51 +128,18 @@ class Generation:
             raise BadRequest("request_id names one request: send one prompt with it", "request_id")
         produce = await self.run(prompts, [params] * len(prompts),
                                  [body.request_id] if body.request_id is not None else None)
+        echo_texts = None
         if body.echo:  # the prompt (and its log-probs) before each choice's first text (prompt_logprobs.py)
             echo_texts = plp.prompt_texts(body.prompt, prompts, self.tokenizer)
             if body.max_tokens == 0:
                 produce = plp.without_generation(produce)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        n = params.n
+        choice = _Choices(self, body, params, prompts, echo_texts)
         num_prompt = sum(len(p) for p in prompts)
-
-        def choice(d: Delta, offset: int, with_prompt: bool = True) -> dict[str, Any]:
-            out = {"index": d.prompt_index * n + d.index, "text": d.text, "logprobs": None,
-                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-            if params.logprobs is not None:
-                out["logprobs"] = self._openai_logprobs(d, params.logprobs, body.return_tokens_as_token_ids, offset)
-            if body.return_token_ids:  # vLLM's: the prompt's ids (a stream: in a choice's first chunk only), and
-                out["prompt_token_ids"] = list(prompts[d.prompt_index]) if with_prompt else None  # the new ids
-                out["token_ids"] = list(d.token_ids)
-            if body.echo and with_prompt:
-                plp.echo_into(out, prompts[d.prompt_index], echo_texts[d.prompt_index], d.prompt_logprobs,
-                              params.logprobs, lambda t: self.token_str(t, body.return_tokens_as_token_ids))
-            if params.prompt_logprobs is not None and not body.stream:  # vLLM's choices[i].prompt_logprobs
-                out["prompt_logprobs"] = plp.vllm_prompt_logprobs(
-                    d.prompt_logprobs, self.tokenizer.token_text if self.tokenizer is not None else None)
-            return out
-
         if body.stream:
-            async def stream_produce(send: MemoryObjectSendStream) -> None:
-                inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
-                offsets: dict[tuple[int, int], int] = {}
-                total = 0
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(_close_after, produce, inner_send)
-                    async with inner_receive:
-                        async for d in inner_receive:
-                            key = (d.prompt_index, d.index)
-                            first = key not in offsets
-                            await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0), first)]}))
-                            offsets[key] = offsets.get(key, 0) + len(d.text)
-                            total += len(d.token_ids)
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total)}))
-                await send.send(b"data: [DONE]\n\n")
-
-            return EventStream(stream_produce)
-
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(_completion_stream(produce, head, choice, num_prompt, include_usage))
         deltas = await collect(request, produce)
         if deltas is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -190,113 +174,53 @@ class Generation:
         return {"tokens": tokens, "token_logprobs": [_finite(x) for x in d.logprobs], "top_logprobs": tops,
                 "text_offset": offsets}
 
-    # ------------------------------------------------------------------ /generate
 
-    async def generate(self, request: Request, body: GenerateRequest) -> Response:
-        started = time.perf_counter()  # meta_info.e2e_latency: seconds from here to the completion's end
-        refused = body.refused_field()
-        if refused is not None:
-            raise BadRequest(refused[1], refused[0])
-        start = -1 if body.logprob_start_len is None else body.logprob_start_len  # SGLang's: -1, none
-        if start < -1:
-            raise BadRequest(f"logprob_start_len must be -1 (no prompt log-probs) or a prompt position >= 0, got "
-                             f"{start}", "logprob_start_len")
-        with_input = body.return_logprob and start >= 0  # meta_info.input_token_logprobs from position `start`
-        if (body.input_ids is None) == (body.text is None):
-            raise BadRequest("give exactly one of input_ids (token ids) or text", "input_ids")
-        if body.input_ids is not None:
-            ids = body.input_ids
-            if not ids:
-                raise BadRequest("input_ids must not be empty", "input_ids")
-            single = all(isinstance(t, int) for t in ids)
-            prompts = [list(ids)] if single else [list(p) for p in ids]
-        else:
-            single = isinstance(body.text, str)
-            texts = [body.text] if single else list(body.text or [])
-            prompts = await self.encode(texts, ["text" if single else f"text[{i}]" for i in range(len(texts))])
-        raw = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * len(prompts)
-        if len(raw) != len(prompts):
-            raise BadRequest(f"got {len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
-        try:
-            params = [from_sglang(p) for p in raw]
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(str(exc), "sampling_params") from None
-        if body.top_logprobs_num:
-            params = [dataclasses.replace(p, logprobs=body.top_logprobs_num) for p in params]
-        if with_input:
-            for i, ids in enumerate(prompts):
-                if start >= len(ids):
-                    raise BadRequest(f"logprob_start_len={start} must be less than the prompt's length ({len(ids)}"
-                                     f"{'' if len(prompts) == 1 else f', prompt {i}'})", "logprob_start_len")
-            params = [dataclasses.replace(p, prompt_logprobs=body.top_logprobs_num) for p in params]
-        rids = [body.rid] if isinstance(body.rid, str) else body.rid
-        if rids is not None and len(rids) != len(prompts):
-            raise BadRequest(f"got {len(rids)} rid for {len(prompts)} prompts", "rid")
-        rids = rids or [uuid.uuid4().hex for _ in prompts]  # SGLang's: a fresh id each (for /abort_request)
-        text_of = None
-        if body.return_logprob and body.return_text_in_logprobs:
-            if self.tokenizer is None:
-                raise BadRequest("return_text_in_logprobs needs a tokenizer, and the server has none (no "
-                                 "tokenizer.json beside the model)", "return_text_in_logprobs")
-            text_of = self.tokenizer.token_text
-        produce = await self.run(prompts, params, rids)
-        flat = not (single and params[0].n == 1)
+class _Choices:
+    """The choice objects of one /v1/completions request: a response's, or a stream chunk's."""
 
-        def record(d: Delta, state: dict[str, Any]) -> dict[str, Any]:
-            state["output_ids"] += d.token_ids
-            state["text"] += d.text
-            state["lps"] += sglang_shapes.triples(zip(d.token_ids, d.logprobs), text_of)
-            state["loops"] += d.readout_loops
-            k = body.top_logprobs_num
-            if k and d.top_logprobs is not None:
-                state["tops"] += [sglang_shapes.triples(list(top.items())[:k if k > 0 else None], text_of)  # -1: all
-                                  for top in d.top_logprobs]
-            finish = sglang_shapes.finish_reason(d.finish_reason, d.stop_reason, state["output_ids"])
-            meta = {"id": state["id"], "finish_reason": finish, "prompt_tokens": len(prompts[d.prompt_index]),
-                    "completion_tokens": len(state["output_ids"]), "cached_tokens": 0,
-                    "readout_loops": state["loops"], "weight_version": d.weight_version, "seed": d.seed}
-            if finish is not None:
-                meta["e2e_latency"] = time.perf_counter() - started
-            out = {"text": state["text"], "output_ids": state["output_ids"], "meta_info": meta}
-            if with_input:
-                if "input" not in state:  # a completion's first delta carries the prompt log-probs
-                    state["input"] = plp.sglang_input_logprobs(prompts[d.prompt_index], d.prompt_logprobs, start,
-                                                               body.top_logprobs_num, text_of)
-                meta.update(state["input"])
-            if body.return_logprob:
-                meta["output_token_logprobs"] = out["output_token_logprobs"] = state["lps"]
-                if body.top_logprobs_num:
-                    meta["output_top_logprobs"] = state["tops"]  # per token: the k best [logprob, id, text]
-            return out
+    def __init__(self, gen: Generation, body: CompletionRequest, params: SamplingParams,
+                 prompts: list[list[int]], echo_texts: list[str] | None) -> None:
+        self.gen, self.body, self.params, self.prompts, self.echo_texts = gen, body, params, prompts, echo_texts
 
-        states: dict[tuple[int, int], dict[str, Any]] = {}
+    def __call__(self, d: Delta, offset: int, with_prompt: bool = True) -> dict[str, Any]:
+        gen, body, params = self.gen, self.body, self.params
+        out = {"index": d.prompt_index * params.n + d.index, "text": d.text, "logprobs": None,
+               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if params.logprobs is not None:
+            out["logprobs"] = gen._openai_logprobs(d, params.logprobs, body.return_tokens_as_token_ids, offset)
+        if body.return_token_ids:  # vLLM's: the prompt's ids (a stream: in a choice's first chunk only), and
+            out["prompt_token_ids"] = list(self.prompts[d.prompt_index]) if with_prompt else None  # the new ids
+            out["token_ids"] = list(d.token_ids)
+        if body.echo and with_prompt:
+            plp.echo_into(out, self.prompts[d.prompt_index], self.echo_texts[d.prompt_index], d.prompt_logprobs,
+                          params.logprobs, lambda t: gen.token_str(t, body.return_tokens_as_token_ids))
+        if params.prompt_logprobs is not None and not body.stream:  # vLLM's choices[i].prompt_logprobs
+            out["prompt_logprobs"] = plp.vllm_prompt_logprobs(
+                d.prompt_logprobs, gen.tokenizer.token_text if gen.tokenizer is not None else None)
+        return out
 
-        def state_of(d: Delta) -> dict[str, Any]:
-            rid = rids[d.prompt_index] if params[d.prompt_index].n == 1 else f"{rids[d.prompt_index]}:{d.index}"
-            return states.setdefault((d.prompt_index, d.index), {"id": rid, "output_ids": [], "text": "",
-                                                                  "lps": [], "loops": [], "tops": []})
 
-        if body.stream:
-            async def stream_produce(send: MemoryObjectSendStream) -> None:
-                inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(_close_after, produce, inner_send)
-                    async with inner_receive:
-                        async for d in inner_receive:
-                            out = record(d, state_of(d))
-                            out["index"] = d.prompt_index * params[d.prompt_index].n + d.index
-                            await send.send(_sse(out))
-                await send.send(b"data: [DONE]\n\n")
+def _completion_stream(produce: Producer, head: dict[str, Any], choice: _Choices, num_prompt: int,
+                       include_usage: bool) -> Producer:
+    """The SSE producer: one chunk per delta, then (include_usage) the usage chunk, then [DONE]."""
+    async def stream_produce(send: MemoryObjectSendStream) -> None:
+        inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
+        offsets: dict[tuple[int, int], int] = {}
+        total = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_close_after, produce, inner_send)
+            async with inner_receive:
+                async for d in inner_receive:
+                    key = (d.prompt_index, d.index)
+                    first = key not in offsets
+                    await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0), first)]}))
+                    offsets[key] = offsets.get(key, 0) + len(d.text)
+                    total += len(d.token_ids)
+        if include_usage:
+            await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total)}))
+        await send.send(b"data: [DONE]\n\n")
 
-            return EventStream(stream_produce)
-        deltas = await collect(request, produce)
-        if deltas is None:
-            return Response(status_code=CLIENT_CLOSED)
-        results = {}
-        for d in deltas:
-            results[(d.prompt_index, d.index)] = record(d, state_of(d))
-        ordered = [results[k] for k in sorted(results)]
-        return JSONResponse(ordered if flat else ordered[0])
+    return stream_produce
 
 
 async def _close_after(produce: Any, send: MemoryObjectSendStream) -> None:

@@ -10,10 +10,10 @@ docs/server.md.
   freed: SGLang with its weights CPU backup) and needs both the "weights" and "kv_cache" tags, since the
   engine frees them together; /resume_memory_occupation is ``wake_up()``, which brings every region back
   at once (the answer's ``resumed`` lists them);
-- /health_generate: one greedy token from prompt [0], answered 200 when it finishes or when any engine
-  step completes meanwhile (a busy engine is healthy, as SGLang counts any output), 503 at once when the
-  engine cannot step (paused, asleep, weights missing, closed, dead, draining), and 503 after
-  ``health_check_timeout`` seconds otherwise: never a hang.
+- /get_model_info, /get_server_info (and their newer names /model_info, /server_info): the served model
+  (state.ServedModel) and the engine's stats.
+
+SGLang's /health_generate is health.py's.
 
 A route whose engine method this version lacks answers 501 naming it (``call``); every refusal is a named
 error from the one table (errors.py).
@@ -24,18 +24,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 
-from ourobatch.scheduler.errors import EngineClosedError, OurobatchError
-from ourobatch.scheduler.params import SamplingParams
-
-from .errors import BadRequest, NotImplementedRoute, error, first_error
+from .errors import BadRequest, NotImplementedRoute
 from .protocol import (
     AbortRequest,
     ContinueRequest,
@@ -52,12 +47,8 @@ PAUSE_MODES: dict[str, tuple[str, bool]] = {
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU memory regions
 RELEASED_TOGETHER = ("weights", "kv_cache")  # sleep(level=1) frees both (and the CUDA graphs)
-DEFAULT_HEALTH_CHECK_TIMEOUT = 20.0  # seconds; SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
-PROGRESS_POLL_S = 0.1  # how often /health_generate looks for a finished engine step
-UNTIL = {"paused": "nothing is generated until /continue_generation",
-         "pausing": "nothing new is generated until /continue_generation",
-         "asleep": "nothing is generated until /resume_memory_occupation (or /wake_up)",
-         "weights_missing": "nothing is generated until /update_weights_from_disk loads every tensor"}
+
+router = APIRouter()
 
 
 async def call(request: Request, name: str, route: str, *args: Any, **kwargs: Any) -> Any:
@@ -77,205 +68,144 @@ def _memory_tags(body: MemoryOccupationRequest | None) -> list[str]:
     return tags
 
 
-def _model_card(path: Path) -> dict[str, Any]:
-    """model_type and architectures from the checkpoint's config.json (None where it has none)."""
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        hf = {}
-    return {"model_type": hf.get("model_type"), "architectures": hf.get("architectures")}
+@router.post("/abort_request")
+async def abort_request(request: Request, body: AbortRequest) -> dict[str, Any]:
+    engine = request.app.state.engine
+    rid = body.rid or None  # SGLang's AbortReq defaults rid to "" (no request)
+    if body.abort_all == (rid is not None):
+        raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
+    if body.abort_all:
+        if hasattr(engine, "abort_all"):
+            aborted = await call(request, "abort_all", "/abort_request")  # the aborted requests' outputs
+            return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
+        ids = list(engine.core.parents)
+        return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
+    return {"success": await engine.abort(rid), "aborted": None}
 
 
-def control_router(config: Any, model_name: str, tokenizer_path: str | None,
-                   health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT) -> APIRouter:
-    """The control routes for the app of one engine built from `config` (the engine is request.app.state.engine)."""
-    router = APIRouter()
-    card = _model_card(Path(config.model))
-
-    @router.post("/abort_request")
-    async def abort_request(request: Request, body: AbortRequest) -> dict[str, Any]:
-        engine = request.app.state.engine
-        rid = body.rid or None  # SGLang's AbortReq defaults rid to "" (no request)
-        if body.abort_all == (rid is not None):
-            raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
-        if body.abort_all:
-            if hasattr(engine, "abort_all"):
-                aborted = await call(request, "abort_all", "/abort_request")  # the aborted requests' outputs
-                return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
-            ids = list(engine.core.parents)
-            return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
-        return {"success": await engine.abort(rid), "aborted": None}
-
-    @router.post("/pause_generation")
-    async def pause_generation(request: Request, body: PauseRequest | None = None) -> dict[str, Any]:
-        requested = (body or PauseRequest()).mode
-        mode, recompute = PAUSE_MODES[requested]
-        await call(request, "pause", "/pause_generation", mode=mode)
-        state = request.app.state
-        state.recompute_on_continue = state.recompute_on_continue or recompute  # a retracted request stays so
-        return {"success": True, "status": "ok", "mode": requested, "engine_mode": mode,
-                "message": "Generation paused successfully."}
-
-    @router.post("/continue_generation")
-    async def continue_generation(request: Request, body: ContinueRequest | None = None) -> dict[str, Any]:
-        state = request.app.state
-        recompute = state.recompute_on_continue
-        if recompute:  # after "retract": the kept requests are re-prefilled under the current weights
-            await call(request, "resume", "/continue_generation", recompute_kv=True)
-        else:
-            await call(request, "resume", "/continue_generation")
-        state.recompute_on_continue = False
-        return {"success": True, "status": "ok", "recompute_kv": recompute,
-                "message": "Generation continued successfully."}
-
-    @router.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        if body.load_format not in (None, "auto"):
-            raise BadRequest(f"load_format={body.load_format!r}: only an HF safetensors folder ('auto') loads",
-                             "load_format")
-        if body.flush_cache is False:
-            raise BadRequest("flush_cache=false is not supported: a weight change always drops the prefix cache "
-                             "(its KV came from the old weights); send true or leave it out", "flush_cache")
-        if body.is_async:
-            raise BadRequest("is_async=true is not supported: the update returns once the weights are in; send "
-                             "false or leave it out", "is_async")
-        if body.abort_all_requests:  # the body is checked whole first: a bad one aborts nothing
-            from ourobatch.engine.loader import checkpoint_files
-
-            await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
-            await abort_request(request, AbortRequest(abort_all=True))
-        version = await call(request, "load_weights", "/update_weights_from_disk", body.model_path,
-                             version=body.weight_version)
-        stats = request.app.state.engine.stats()
-        version = version if version is not None else stats["weight_version"]
-        return {"success": True, "message": f"loaded {body.model_path}; weight version {version}",
-                "weight_version": version, "num_paused_requests": stats["num_running"] if stats["is_paused"] else 0}
-
-    @router.get("/get_weight_version")
-    async def get_weight_version(request: Request) -> dict[str, Any]:
-        return {"weight_version": request.app.state.engine.stats()["weight_version"]}
-
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request) -> dict[str, Any]:
-        # running requests keep the blocks they hold, so this never waits for them (SGLang's 400 when busy)
-        dropped = await call(request, "reset_prefix_cache", "/flush_cache")
-        return {"success": True, "num_flushed_blocks": dropped, "message": "Cache flushed."}
-
-    @router.post("/sleep")
-    async def sleep(request: Request, body: SleepRequest | None = None) -> dict[str, Any]:
-        await call(request, "sleep", "/sleep", level=(body or SleepRequest()).level)
-        return {"success": True}
-
-    @router.post("/wake_up")
-    async def wake_up(request: Request) -> dict[str, Any]:
-        await call(request, "wake_up", "/wake_up")
-        return {"success": True}
-
-    @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
-        tags = _memory_tags(body)
-        if not set(RELEASED_TOGETHER) <= set(tags):
-            raise BadRequest(f"tags={tags!r}: the engine releases the weights and the KV cache together (sleep "
-                             f"level 1: weights to CPU memory, KV pool and CUDA graphs freed); send null or include "
-                             f"both {list(RELEASED_TOGETHER)}", "tags")
-        await call(request, "sleep", "/release_memory_occupation", level=1)
-        return {"success": True, "released": list(MEMORY_TAGS), "message": "sleep(level=1)"}
-
-    @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
-        tags = _memory_tags(body)
-        was_asleep = request.app.state.engine.stats()["is_sleeping"]
-        await call(request, "wake_up", "/resume_memory_occupation")
-        resumed = list(MEMORY_TAGS) if was_asleep else []
-        note = "" if not was_asleep or set(tags) == set(MEMORY_TAGS) else \
-            f" (asked for {tags}: the engine wakes every region at once)"
-        return {"success": True, "resumed": resumed,
-                "message": ("wake_up()" + note) if was_asleep else "not released: nothing to resume"}
-
-    @router.get("/health_generate")
-    async def health_generate(request: Request) -> Response:
-        why = await _unhealthy(request.app.state, health_check_timeout)
-        if why is not None:
-            return error(503, why, kind="ServiceUnavailableError")
-        return JSONResponse({"status": "ok"})
-
-    async def model_info(request: Request) -> dict[str, Any]:
-        return {"model_path": str(config.model), "tokenizer_path": tokenizer_path, "is_generation": True,
-                "preferred_sampling_params": None, **card, "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "weight_version": request.app.state.engine.stats()["weight_version"]}
-
-    async def server_info(request: Request) -> dict[str, Any]:
-        from ourobatch import __version__
-
-        stats = request.app.state.engine.stats()
-        return {
-            "model_path": str(config.model), "tokenizer_path": tokenizer_path, "served_model_name": model_name,
-            "skip_tokenizer_init": tokenizer_path is None, "is_embedding": False, "dtype": config.dtype,
-            "device": config.device, "context_length": stats["max_model_len"],
-            "max_running_requests": config.max_num_seqs, "max_total_num_tokens": stats["kv_capacity_tokens"],
-            "page_size": config.block_size, "chunked_prefill_size": config.max_num_batched_tokens,
-            "random_seed": config.seed, "disable_radix_cache": not config.enable_prefix_caching,
-            "tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1, "disaggregation_mode": "null",
-            "weight_version": stats["weight_version"], "version": __version__, "engine": "ourobatch",
-            "engine_config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
-            "internal_states": [stats]}
-
-    for path in ("/get_model_info", "/model_info"):  # SGLang's old and new names
-        router.add_api_route(path, model_info, methods=["GET"])
-    for path in ("/get_server_info", "/server_info"):
-        router.add_api_route(path, server_info, methods=["GET"])
-    return router
+@router.post("/pause_generation")
+async def pause_generation(request: Request, body: PauseRequest | None = None) -> dict[str, Any]:
+    requested = (body or PauseRequest()).mode
+    mode, recompute = PAUSE_MODES[requested]
+    await call(request, "pause", "/pause_generation", mode=mode)
+    state = request.app.state
+    state.recompute_on_continue = state.recompute_on_continue or recompute  # a retracted request stays so
+    return {"success": True, "status": "ok", "mode": requested, "engine_mode": mode,
+            "message": "Generation paused successfully."}
 
 
-async def _unhealthy(state: Any, timeout: float) -> str | None:
-    """Why the engine cannot generate now (None: it can): at once where no step can run, else after a probe."""
-    if state.draining:
-        return "the server is shutting down"
-    engine = getattr(state, "engine", None)
-    try:
-        if engine is None:
-            raise EngineClosedError("the engine is not started")
-        control = engine.stats()["control_state"]
-    except OurobatchError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if control != "running":  # a probe would only queue
-        return f"the engine is {control}: {UNTIL.get(control, 'it serves nothing')}"
-    return await _probe(engine, timeout)
+@router.post("/continue_generation")
+async def continue_generation(request: Request, body: ContinueRequest | None = None) -> dict[str, Any]:
+    state = request.app.state
+    recompute = state.recompute_on_continue
+    if recompute:  # after "retract": the kept requests are re-prefilled under the current weights
+        await call(request, "resume", "/continue_generation", recompute_kv=True)
+    else:
+        await call(request, "resume", "/continue_generation")
+    state.recompute_on_continue = False
+    return {"success": True, "status": "ok", "recompute_kv": recompute,
+            "message": "Generation continued successfully."}
 
 
-async def _probe(engine: Any, timeout: float) -> str | None:
-    """One greedy token from [0]; healthy as soon as it finishes or any engine step completes meanwhile."""
-    steps = engine.stats()["engine_steps"]  # steps completed (the async driver's count, after each update)
-    outcome: dict[str, Any] = {}
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+    if body.load_format not in (None, "auto"):
+        raise BadRequest(f"load_format={body.load_format!r}: only an HF safetensors folder ('auto') loads",
+                         "load_format")
+    if body.flush_cache is False:
+        raise BadRequest("flush_cache=false is not supported: a weight change always drops the prefix cache "
+                         "(its KV came from the old weights); send true or leave it out", "flush_cache")
+    if body.is_async:
+        raise BadRequest("is_async=true is not supported: the update returns once the weights are in; send "
+                         "false or leave it out", "is_async")
+    if body.abort_all_requests:  # the body is checked whole first: a bad one aborts nothing
+        from ourobatch.engine.loader import checkpoint_files
 
-    async def generate(scope: anyio.CancelScope) -> None:
-        try:
-            out = await engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0),
-                                        request_id=f"HEALTH_CHECK_{uuid.uuid4().hex}")
-            outcome["finish"] = out.outputs[0].finish_reason
-        except OurobatchError as exc:
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-        scope.cancel()
+        await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
+        await abort_request(request, AbortRequest(abort_all=True))
+    version = await call(request, "load_weights", "/update_weights_from_disk", body.model_path,
+                         version=body.weight_version)
+    stats = request.app.state.engine.stats()
+    version = version if version is not None else stats["weight_version"]
+    return {"success": True, "message": f"loaded {body.model_path}; weight version {version}",
+            "weight_version": version, "num_paused_requests": stats["num_running"] if stats["is_paused"] else 0}
 
-    async def watch(scope: anyio.CancelScope) -> None:
-        while engine.stats()["engine_steps"] == steps:
-            await anyio.sleep(PROGRESS_POLL_S)
-        outcome["progress"] = True
-        scope.cancel()
 
-    with anyio.move_on_after(timeout):
-        try:
-            async with anyio.create_task_group() as tg:  # leaving it cancels the probe: the request is aborted
-                tg.start_soon(generate, tg.cancel_scope)
-                tg.start_soon(watch, tg.cancel_scope)
-        except Exception as exc:  # noqa: BLE001 - stats() of an engine that died meanwhile
-            cause = first_error(exc) or exc
-            return f"{type(cause).__name__}: {cause}"
-    if outcome.get("progress") or outcome.get("finish") in ("stop", "length"):
-        return None
-    if "error" in outcome:
-        return outcome["error"]
-    if "finish" in outcome:
-        return f"the health probe ended with finish_reason {outcome['finish']!r} before any step completed"
-    return f"no engine step completed within {timeout:g} s (health_check_timeout)"
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    return {"weight_version": request.app.state.engine.stats()["weight_version"]}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> dict[str, Any]:
+    # running requests keep the blocks they hold, so this never waits for them (SGLang's 400 when busy)
+    dropped = await call(request, "reset_prefix_cache", "/flush_cache")
+    return {"success": True, "num_flushed_blocks": dropped, "message": "Cache flushed."}
+
+
+@router.post("/sleep")
+async def sleep(request: Request, body: SleepRequest | None = None) -> dict[str, Any]:
+    await call(request, "sleep", "/sleep", level=(body or SleepRequest()).level)
+    return {"success": True}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict[str, Any]:
+    await call(request, "wake_up", "/wake_up")
+    return {"success": True}
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+    tags = _memory_tags(body)
+    if not set(RELEASED_TOGETHER) <= set(tags):
+        raise BadRequest(f"tags={tags!r}: the engine releases the weights and the KV cache together (sleep "
+                         f"level 1: weights to CPU memory, KV pool and CUDA graphs freed); send null or include "
+                         f"both {list(RELEASED_TOGETHER)}", "tags")
+    await call(request, "sleep", "/release_memory_occupation", level=1)
+    return {"success": True, "released": list(MEMORY_TAGS), "message": "sleep(level=1)"}
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+    tags = _memory_tags(body)
+    was_asleep = request.app.state.engine.stats()["is_sleeping"]
+    await call(request, "wake_up", "/resume_memory_occupation")
+    resumed = list(MEMORY_TAGS) if was_asleep else []
+    note = "" if not was_asleep or set(tags) == set(MEMORY_TAGS) else \
+        f" (asked for {tags}: the engine wakes every region at once)"
+    return {"success": True, "resumed": resumed,
+            "message": ("wake_up()" + note) if was_asleep else "not released: nothing to resume"}
+
+async def model_info(request: Request) -> dict[str, Any]:
+    served = request.app.state.served
+    return {"model_path": str(served.config.model), "tokenizer_path": served.tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, **served.card, "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "weight_version": request.app.state.engine.stats()["weight_version"]}
+
+
+async def server_info(request: Request) -> dict[str, Any]:
+    from ourobatch import __version__
+
+    served = request.app.state.served
+    config, tokenizer_path = served.config, served.tokenizer_path
+    stats = request.app.state.engine.stats()
+    return {
+        "model_path": str(config.model), "tokenizer_path": tokenizer_path, "served_model_name": served.name,
+        "skip_tokenizer_init": tokenizer_path is None, "is_embedding": False, "dtype": config.dtype,
+        "device": config.device, "context_length": stats["max_model_len"],
+        "max_running_requests": config.max_num_seqs, "max_total_num_tokens": stats["kv_capacity_tokens"],
+        "page_size": config.block_size, "chunked_prefill_size": config.max_num_batched_tokens,
+        "random_seed": config.seed, "disable_radix_cache": not config.enable_prefix_caching,
+        "tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1, "disaggregation_mode": "null",
+        "weight_version": stats["weight_version"], "version": __version__, "engine": "ourobatch",
+        "engine_config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "internal_states": [stats]}
+
+
+for path in ("/get_model_info", "/model_info"):  # SGLang's old and new names
+    router.add_api_route(path, model_info, methods=["GET"])
+for path in ("/get_server_info", "/server_info"):
+    router.add_api_route(path, server_info, methods=["GET"])
+

@@ -2,9 +2,10 @@
 
 ``STATUS`` maps an exception class to (status, OpenAI error type); ``status_of`` resolves an exception
 by its class's MRO, so a subclass (ReplicaDiedError, EngineAsleepError) gets its own row when it has
-one and its parent's otherwise. Every route goes through ``error_response``: the app registers it as the
-handler of each class here, and the SSE producers (streaming.py) turn an error raised after the headers
-into ``sse_error``, one ``data: {"error": ...}`` event, before ending the stream cleanly.
+one and its parent's otherwise. Every route goes through ``error_response``: the app registers
+``table_error`` as the handler of each class here (and ``validation_error`` for a body FastAPI cannot
+parse), and the SSE producers (streaming.py) turn an error raised after the headers into ``sse_error``,
+one ``data: {"error": ...}`` event, before ending the stream cleanly.
 
     400 BadRequestError          bad input: ValueError / TypeError, RequestRejectedError,
                                  WeightUpdateError, CheckpointError (BadRequest names the field)
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ourobatch.scheduler.errors import (
@@ -127,3 +130,23 @@ def error_response(exc: BaseException) -> JSONResponse:
 def sse_error(exc: BaseException) -> bytes:
     """`exc` as one server-sent event, for a stream whose 200 headers are already out."""
     return f"data: {json.dumps(_describe(exc)[1])}\n\n".encode()
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else "body"
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Bad JSON, a field of the wrong type, an unknown field: a 400 naming the (first) field."""
+    problems = exc.errors()
+    first = problems[0] if problems else {"loc": ("body",), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body")
+    message = "; ".join(f"{_loc(p['loc'])}: {p['msg']}" for p in problems[:5])
+    return error(400, message, _loc(first["loc"]))
+
+
+async def table_error(request: Request, exc: Exception) -> JSONResponse:
+    """The handler of every class in STATUS."""
+    return error_response(exc)

@@ -1,6 +1,6 @@
-"""/metrics: Prometheus metrics of one engine, read from ``engine.stats()`` at scrape time, plus a
+"""``GET /metrics``: Prometheus metrics of one engine, read from ``engine.stats()`` at scrape time, plus a
 histogram of engine step times (a thin wrapper around the engine's executor times each step on the
-worker thread; the driver is untouched).
+worker thread; the driver is untouched) and the HTTP requests by route and status (counted by app.Gate).
 
 Every app gets its own CollectorRegistry, so several servers (or tests) in one process never collide.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -111,3 +113,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
