@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
 from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
-from ourobatch.config import DTYPES, EngineConfig
-from ourobatch.scheduler.config import MODES
+from ourobatch.engine_args import add_engine_arguments, engine_config_from_args
 from ourobatch.scheduler.errors import CheckpointError, OurobatchError, RequestRejectedError
 from ourobatch.scheduler.log import get_logger
 from ourobatch.scheduler.params import SamplingParams
@@ -71,10 +70,11 @@ example:
     | python -m ourobatch generate --model ./ouro-1.4b --mode deferred --deep-interval 4 \\
         --max-tokens 32 --temperature 0.8 --seed 0 > out.jsonl
 
---seed is the seed of every prompt (a line's sampling_params.seed overrides it), so identical prompts with
-the same seed give identical completions; use --n for several samples of a prompt (each gets its own
-seed). Without a seed each request gets one derived from the engine seed (0) and the number of unseeded
-lines before it, reported in the output's "seed": the same input gives the same output every run.
+--seed (or --sampling-seed) is the seed of every prompt (a line's sampling_params.seed overrides it), so
+identical prompts with the same seed give identical completions; use --n for several samples of a prompt
+(each gets its own seed). Without a seed each request gets one derived from the engine seed (--engine-seed,
+default 0) and the number of unseeded lines before it, reported in the output's "seed": the same input
+gives the same output every run. (serve's --seed is its engine seed, as in vLLM.)
 """
 
 
@@ -105,8 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
     io = gen.add_argument_group("input and output")
-    io.add_argument("--model", required=True, metavar="DIR",
-                    help="checkpoint folder (config.json + model.safetensors [+ tokenizer.json])")
     io.add_argument("--input", default="-", metavar="FILE", help="JSONL prompts (default: - = stdin)")
     io.add_argument("--output", default="-", metavar="FILE", help="JSONL outputs (default: - = stdout)")
     io.add_argument("--no-progress", action="store_true",
@@ -115,30 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what stderr shows: info = the startup line and warnings (a capped max_model_len, ...), "
                          "debug adds per-request events (default: %(default)s)")
 
-    eng = gen.add_argument_group("engine (EngineConfig)")
-    d = EngineConfig.__dataclass_fields__
-    eng.add_argument("--device", default=d["device"].default, help="cpu, cuda, cuda:1, ... (default: %(default)s)")
-    eng.add_argument("--dtype", default=d["dtype"].default, choices=DTYPES,
-                     help="auto = bfloat16 on CUDA, float32 on CPU (default: %(default)s)")
-    eng.add_argument("--mode", default=d["mode"].default, choices=MODES, help="see above (default: %(default)s)")
-    eng.add_argument("--deep-interval", type=int, default=d["deep_interval"].default, metavar="B",
-                     help="deep loops run every B decoded tokens; 1 = full-depth decoding (default: %(default)s)")
-    eng.add_argument("--shallow-loops", type=int, default=d["shallow_loops"].default, metavar="S",
-                     help="loops run for every decoded token, 1..T-1 (default: %(default)s)")
-    eng.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default, metavar="N",
-                     help="requests decoding at once (default: %(default)s)")
-    eng.add_argument("--max-model-len", type=int, default=d["max_model_len"].default, metavar="L",
-                     help="prompt + max_tokens of one request, at most (default: %(default)s)")
-    eng.add_argument("--block-size", type=int, default=d["block_size"].default, metavar="N",
-                     help="positions per KV block (default: %(default)s)")
-    eng.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"].default, metavar="N",
-                     help="KV pool size in blocks (default: room for max-num-seqs x max-model-len, "
-                          "capped by --kv-cache-memory-gb)")
-    eng.add_argument("--kv-cache-memory-gb", type=float, default=d["kv_cache_memory_gb"].default, metavar="GB",
-                     help="cap on the automatic KV pool size (default: %(default)s)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
-                     metavar="N", help="tokens per step: decode rows + prompt tokens prefilled, a longer "
-                          "prompt in chunks; >= --block-size (default: %(default)s)")
+    add_engine_arguments(gen)  # --model and every other EngineConfig field (ourobatch.engine_args)
 
     smp = gen.add_argument_group("sampling defaults for every prompt (SamplingParams)")
     s = SamplingParams.__dataclass_fields__
@@ -150,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-k", type=int, default=s["top_k"].default, metavar="K",
                      help="0 or -1 disables (default: %(default)s)")
     smp.add_argument("--min-p", type=float, default=s["min_p"].default, metavar="P", help="(default: %(default)s)")
-    smp.add_argument("--seed", type=int, default=s["seed"].default, metavar="SEED",
-                     help="seed of every prompt (default: one drawn per request and reported)")
+    smp.add_argument("--sampling-seed", "--seed", dest="sampling_seed", type=int, default=s["seed"].default,
+                     metavar="SEED", help="SamplingParams.seed of every prompt; --seed is the same flag here "
+                     "(default: each request gets one derived from --engine-seed, reported in the output)")
     smp.add_argument("--n", type=int, default=s["n"].default, metavar="N", help="completions per prompt "
                      "(default: %(default)s)")
     smp.add_argument("--logprobs", type=int, default=s["logprobs"].default, metavar="K",
@@ -165,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "n": args.n, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "min_p": args.min_p, "seed": args.seed, "stop_token_ids": tuple(args.stop_token_ids),
+        "min_p": args.min_p, "seed": args.sampling_seed, "stop_token_ids": tuple(args.stop_token_ids),
         "ignore_eos": args.ignore_eos, "max_tokens": args.max_tokens, "logprobs": args.logprobs,
     }
 
@@ -387,11 +363,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise CheckpointError(f"--model {args.model}: no such checkpoint folder")
     # Engine options first: a bad option fails before the input is read or the weights are loaded.
-    config = EngineConfig(
-        model=str(model_dir), device=args.device, dtype=args.dtype, mode=args.mode,
-        deep_interval=args.deep_interval, shallow_loops=args.shallow_loops, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = engine_config_from_args(args, model=str(model_dir))
     defaults = _default_sampling(args)
     try:
         SamplingParams(**defaults)

@@ -3,12 +3,17 @@ value comes in (EngineConfig, SchedulerConfig, the CLIs)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ourobatch import EngineConfig
+from ourobatch.engine_args import engine_config_from_args
 from ourobatch.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,3 +129,91 @@ def test_serve_flags_to_engine_config():
     assert build_config(parser.parse_args(["--model", "m", "--seed", "7"])).seed == 7  # serve's --seed: the engine's
     assert build_config(parser.parse_args(["--model", "m", "--num-kv-blocks", "none", "--cuda-graphs",
                                            "auto"])).num_kv_blocks is None
+
+
+def _generate_parser():
+    from ourobatch.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["generate"]
+
+
+def test_every_engine_config_field_is_a_generate_flag_too():
+    serve_flags = _engine_flags(_serve_parser())
+    flags = _engine_flags(_generate_parser())
+    assert sorted(flags) == sorted(f.name for f in dataclasses.fields(EngineConfig))
+    assert all(flags[name] == serve_flags[name] for name in flags if name != "seed")  # one spelling
+    assert flags["seed"] == ["--engine-seed"]  # generate's --seed is the prompts' seed (below)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_lists_every_engine_flag(command):
+    if command == "serve":
+        pytest.importorskip("fastapi")
+    proc = subprocess.run([sys.executable, "-m", "ourobatch", command, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
+        assert f"  {flag} " in proc.stdout, flag  # the flag's own line in the options list
+    assert "--mode {deferred,eager,verify}" in proc.stdout and "(default: 1)" in proc.stdout
+
+
+CLI_RULES = [(f, str(v), {k: str(x) for k, x in extra.items()}, text) for f, v, extra, exc, text in RULES
+             if exc is ValueError]
+
+
+@pytest.mark.parametrize("field, value, extra, text", CLI_RULES)
+def test_a_bad_flag_gets_the_rules_one_message_from_both_clis(tmp_path, capsys, field, value, extra, text):
+    from ourobatch.cli import main
+
+    flags = [x for k, v in {**extra, field: value}.items() for x in ("--" + k.replace("_", "-"), v)]
+    assert main(["generate", "--model", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"ourobatch: error: EngineConfig.{text}"
+    pytest.importorskip("fastapi")
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"ourobatch serve: error: EngineConfig.{text}"
+
+
+def test_the_two_seeds_of_generate_and_serves_seed():
+    gen = _generate_parser()
+    args = gen.parse_args(["--model", "m", "--seed", "5"])  # generate's documented --seed: every prompt's
+    assert args.sampling_seed == 5 and engine_config_from_args(args).seed == 0
+    args = gen.parse_args(["--model", "m", "--sampling-seed", "6", "--engine-seed", "7"])
+    assert args.sampling_seed == 6 and engine_config_from_args(args).seed == 7
+    assert gen.parse_args(["--model", "m"]).sampling_seed is None
+    serve = _serve_parser()  # serve's documented --seed: the engine's (vLLM's meaning)
+    assert engine_config_from_args(serve.parse_args(["--model", "m", "--seed", "5"])).seed == 5
+    assert engine_config_from_args(serve.parse_args(["--model", "m", "--engine-seed", "5"])).seed == 5
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model", "m", "--sampling-seed", "5"])  # serve's prompts carry their own seeds
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    from ourobatch.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("engine-args") / "model", seed=4)
+
+
+def test_generate_seeds_end_to_end(tmp_path, ckpt):
+    from ourobatch import SamplingParams, SyncEngine
+    from ourobatch.cli import main
+
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    common = ["generate", "--model", str(ckpt), "--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "32",
+              "--max-model-len", "32", "--max-tokens", "4", "--ignore-eos", "--no-progress", "--input", str(src)]
+
+    def seeds(*flags: str) -> list[int]:
+        dst = tmp_path / "out.jsonl"
+        assert main([*common, "--output", str(dst), *flags]) == 0
+        return [json.loads(line)["outputs"][0]["seed"] for line in dst.read_text().splitlines()]
+
+    assert seeds("--seed", "5") == seeds("--sampling-seed", "5") == [5, 5, 5]
+    config = EngineConfig(model=str(ckpt), dtype="float64", block_size=4, num_kv_blocks=32, max_model_len=32, seed=9)
+    with SyncEngine(config) as llm:  # an unseeded request's seed derives from the engine seed (and its order)
+        direct = [o.outputs[0].seed for o in llm.generate_batch(prompts, SamplingParams(max_tokens=4, ignore_eos=True))]
+    assert seeds("--engine-seed", "9") == direct
+    assert seeds() != direct  # the default engine seed, 0, derives others
