@@ -1,0 +1,30 @@
+"""engine/gemm_dispatch.py: which rows the fused skinny GEMMs serve (the kernels themselves: tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ourobatch.engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gemm_config
+
+
+def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
+    limits = [rows for rows, _ in GEMM_TABLE]
+    assert limits == sorted(set(limits)), "ascending, no duplicate bucket"
+    for _, cfg in GEMM_TABLE:
+        for tile in (cfg.block_n, cfg.block_k, cfg.block_n_gate):
+            assert tile >= 16 and tile & (tile - 1) == 0, "tl.dot tiles are powers of two >= 16"
+        assert cfg.splits_o >= 1 and cfg.splits_down >= 1
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 31, 32, 33, 63, 64, 65, 512])
+def test_a_call_gets_the_first_bucket_that_holds_its_rows(rows):
+    table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64)))
+    got = gemm_config(rows, table)
+    if rows <= 16:
+        assert got == table[0][1]
+    elif rows <= 64:
+        assert got == table[1][1]
+    else:
+        assert got is None  # past the table: cuBLAS
+    assert gemm_config(rows, ()) is None
+    assert gemm_config(10_000) is None  # the shipped table ends well below a prefill chunk
