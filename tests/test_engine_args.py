@@ -66,7 +66,8 @@ def test_the_logprobs_modes_are_one_constant_of_the_torch_free_boundary():
     from ourobatch.scheduler import params
 
     assert config.CHOICES["logprobs_mode"] is config.LOGPROBS_MODES is params.LOGPROBS_MODES == ("processed", "raw")
-    with pytest.raises(ValueError, match=r"^EngineConfig\.logprobs_mode must be one of \('processed', 'raw'\), got 'x'$"):
+    text = r"^EngineConfig\.logprobs_mode must be one of \('processed', 'raw'\), got 'x'$"
+    with pytest.raises(ValueError, match=text):
         EngineConfig(model="m", logprobs_mode="x")
 
 

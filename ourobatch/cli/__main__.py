@@ -1,0 +1,7 @@
+"""``python -m ourobatch.cli``, the same as ``python -m ourobatch``."""
+
+import sys
+
+from ourobatch.cli import main
+
+sys.exit(main())
