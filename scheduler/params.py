@@ -88,7 +88,18 @@ class SamplingParams:
     # checkpoint's eos unless ignore_eos, the tokens masked while fewer than min_tokens exist.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # each check names the field and what it allows; normalises in place
+        self._check_sampling()
+        self._check_stop_tokens()
+        self._check_logprobs()
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   allowed=f"0 <= min_tokens <= max_tokens ({self.max_tokens})")
+        self._check_penalties()
+        self._check_text()
+        object.__setattr__(self, "_all_stop_token_ids", frozenset(self._all_stop_token_ids))
+        self._check_output_kind()
+
+    def _check_sampling(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
         temperature = _check_float("temperature", self.temperature)
         if temperature < 0:
@@ -105,6 +116,8 @@ class SamplingParams:
         object.__setattr__(self, "min_p", min_p)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
+
+    def _check_stop_tokens(self) -> None:
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -117,6 +130,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("max_tokens", self.max_tokens, 1)
+
+    def _check_logprobs(self) -> None:
         if isinstance(self.logprobs, bool):
             object.__setattr__(self, "logprobs", int(self.logprobs))
         if self.logprobs is not None:
@@ -128,13 +143,15 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, -1,
                        allowed="prompt_logprobs >= 0 (the prompt token's own log-prob plus the top k), -1 (the "
                                "whole vocabulary) or None (off)")
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
-                   allowed=f"0 <= min_tokens <= max_tokens ({self.max_tokens})")
+
+    def _check_penalties(self) -> None:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if _check_float(name, getattr(self, name)) != neutral:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported: ourobatch "
                                  f"samples without penalties, so only {name}={neutral} (no penalty) is allowed")
             object.__setattr__(self, name, neutral)
+
+    def _check_text(self) -> None:
         stops = self.stop
         if stops is None:
             stops = ()
@@ -151,7 +168,8 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
-        object.__setattr__(self, "_all_stop_token_ids", frozenset(self._all_stop_token_ids))
+
+    def _check_output_kind(self) -> None:
         kind = self.output_kind
         if not isinstance(kind, RequestOutputKind):
             try:
