@@ -22,6 +22,7 @@ import textwrap
 import tokenize
 import types
 import typing
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ourobatch.config import CHOICES, EngineConfig
@@ -106,8 +107,8 @@ def _converter(name: str, hint: Any) -> tuple[Callable[[str], Any], str]:
         convert, metavar = _optional(int) if optional else int, "N"
     elif members <= {int, float} and members:
         convert, metavar = _optional(float) if optional else float, "X"
-    else:
-        convert, metavar = _optional(str) if optional else str, "TEXT"
+    else:  # str, a path (str | Path: metavar PATH), or a type this table lacks (EngineConfig checks the text)
+        convert, metavar = _optional(str) if optional else str, "PATH" if Path in members else "TEXT"
     if name in CHOICES:
         metavar = "{" + ",".join(CHOICES[name]) + "}"
     return convert, METAVARS.get(name, metavar)

@@ -56,8 +56,9 @@ and the tokenizer) before the model loads; a bad line exits with code 2.
 
 Output: one JSON object per input line, in input order: request_id, prompt_token_ids and outputs, a
 list of {index, token_ids, logprobs, readout_loops, cumulative_logprob, finish_reason, seed[, text]
-[, top_logprobs][, error]}. logprobs are the processed log-probs of the sampled tokens; top_logprobs
-(with --logprobs k) maps token ids (as strings) to log-probs; -inf (an excluded token) is written null.
+[, top_logprobs][, error]}. logprobs are the sampled tokens' log-probs, processed (under the distribution
+each was drawn from) unless --logprobs-mode raw; top_logprobs (with --logprobs k) maps token ids (as
+strings) to log-probs; -inf (an excluded token) is written null.
 """
 
 EPILOG = """\
@@ -125,7 +126,7 @@ def _add_sampling_arguments(gen: argparse.ArgumentParser) -> None:
     smp.add_argument("--n", type=int, default=s["n"].default, metavar="N", help="completions per prompt "
                      "(default: %(default)s)")
     smp.add_argument("--logprobs", type=int, default=s["logprobs"].default, metavar="K",
-                     help="also report the top-K processed log-probs of every position")
+                     help="also report the top-K log-probs of every position (per --logprobs-mode)")
     smp.add_argument("--ignore-eos", action="store_true", help="the checkpoint's eos does not end a request")
     smp.add_argument("--stop-token-ids", type=_token_id_list, default=(), metavar="IDS",
                      help="comma-separated extra stop tokens, e.g. 1,2")
