@@ -92,6 +92,18 @@ def test_ray_facade_is_pinned_and_imports_ray_lazily():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_every_broadcast_method_is_an_async_method_of_the_engine_and_the_pool():
+    """EngineActor.call awaits Engine.<method> by name and EnginePool offers the same call: neither looks
+    the method up first, so both classes must have every one, as a coroutine function."""
+    import inspect
+
+    from ourobatch.ray.actor import BROADCAST_METHODS
+
+    for name in BROADCAST_METHODS:
+        assert inspect.iscoroutinefunction(getattr(Engine, name, None)), f"Engine.{name}"
+        assert inspect.iscoroutinefunction(getattr(EnginePool, name, None)), f"EnginePool.{name}"
+
+
 def test_router_least_outstanding_work_then_lowest_index():
     r = Router(3, block_size=4, affinity_tokens=0)
     assert r.choose([1, 2, 3, 4, 5], [10, 3, 3]) == 1

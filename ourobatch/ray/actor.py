@@ -25,7 +25,8 @@ from ourobatch.scheduler.outputs import RequestOutput
 
 log = get_logger()
 
-# Engine methods the pool broadcasts by name (EngineActor.call); the RL ones exist once the Engine has them.
+# Engine methods the pool broadcasts by name (EngineActor.call). Each is an async method of Engine and of
+# EnginePool (tests/test_ray_pool.py checks it), so they are called as they are, never looked up first.
 BROADCAST_METHODS = ("update_weights", "load_weights", "pause", "resume", "abort_all", "sleep", "wake_up",
                      "reset_prefix_cache")
 
@@ -117,16 +118,10 @@ class _EngineActor:
         return self._engine
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call Engine.<method>(*args, **kwargs) (one of BROADCAST_METHODS) and return its result."""
+        """Await Engine.<method>(*args, **kwargs) (one of BROADCAST_METHODS) and return its result."""
         if method not in BROADCAST_METHODS:
             raise ValueError(f"method must be one of {BROADCAST_METHODS}, got {method!r}")
-        engine = self._serving_or_loaded()
-        fn = getattr(engine, method, None)
-        if fn is None:
-            raise NotImplementedError(f"Engine.{method} does not exist in this ourobatch version")
-        result = fn(*args, **kwargs)
-        if asyncio.iscoroutine(result):
-            result = await result
+        result = await getattr(self._serving_or_loaded(), method)(*args, **kwargs)
         log.info("replica_call", replica=self.replica_index, method=method)
         return result
 

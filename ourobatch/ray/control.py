@@ -16,9 +16,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ourobatch.async_engine import Engine
 from ourobatch.scheduler.log import get_logger
 
+from .actor import BROADCAST_METHODS
 from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failure
 
 log = get_logger()
@@ -92,9 +92,7 @@ class Control:
 
         A replica that dies meanwhile is left out (it catches up when it is back); any other error is
         raised once every call has ended."""
-        if not callable(getattr(Engine, method, None)):
-            raise NotImplementedError(f"Engine.{method} does not exist in this ourobatch version, so the pool "
-                                      f"cannot broadcast it")
+        assert method in BROADCAST_METHODS, method  # the pool's own call sites name them
         async with self.lock:
             return await self._broadcast_locked(list(replicas), method, args, kwargs)
 
@@ -127,8 +125,7 @@ class Control:
     async def update(self, replicas: Iterable[Replica], method: str, payload: Any,
                      names: frozenset[str] | None, version: int | None) -> int:
         """update_weights / load_weights on every ready replica with one version; returns it."""
-        if not callable(getattr(Engine, method, None)):
-            raise NotImplementedError(f"Engine.{method} does not exist in this ourobatch version")
+        assert method in VERSIONED, method
         async with self.lock:
             new_version = self.weight_version + 1 if version is None else version
             results = await self._broadcast_locked(list(replicas), method, (payload,), {"version": new_version})

@@ -59,6 +59,7 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
         raise ValueError(f"health_check_timeout must be a number of seconds > 0, got {health_check_timeout!r}")
     app = FastAPI(title="ourobatch", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.served = ServedModel.of(config, served_model_name, tokenizer, health_check_timeout)
+    app.state.engine = None  # the lifespan's Engine while the app runs
     app.state.metrics = ServerMetrics()
     app.state.draining = False
     app.state.recompute_on_continue = False  # set by /pause_generation mode "retract"

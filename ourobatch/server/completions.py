@@ -50,7 +50,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     served = request.app.state.served
-    max_len = request.app.state.engine.stats().get("max_model_len", served.config.max_model_len)
+    max_len = request.app.state.engine.stats()["max_model_len"]  # the engine's (capped at the checkpoint's)
     return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
                                         "owned_by": "ourobatch", "root": str(served.config.model),
                                         "max_model_len": max_len}]}

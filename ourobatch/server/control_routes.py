@@ -15,14 +15,13 @@ docs/server.md.
 
 SGLang's /health_generate is health.py's.
 
-A route whose engine method this version lacks answers 501 naming it (``call``); every refusal is a named
-error from the one table (errors.py).
+Each route calls its Engine method directly: the app always serves an ``ourobatch.Engine``, which has every
+one of them. Every refusal is a named error from the one table (errors.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 
-from .errors import BadRequest, NotImplementedRoute
+from .errors import BadRequest
 from .protocol import (
     AbortRequest,
     ContinueRequest,
@@ -51,15 +50,6 @@ RELEASED_TOGETHER = ("weights", "kv_cache")  # sleep(level=1) frees both (and th
 router = APIRouter()
 
 
-async def call(request: Request, name: str, route: str, *args: Any, **kwargs: Any) -> Any:
-    """Engine.<name>(*args, **kwargs), awaited; 501 naming the method if this engine has none."""
-    method = getattr(request.app.state.engine, name, None)
-    if method is None:
-        raise NotImplementedRoute(f"{route} needs Engine.{name}(), which this version of ourobatch does not have yet")
-    result = method(*args, **kwargs)
-    return await result if inspect.isawaitable(result) else result
-
-
 def _memory_tags(body: MemoryOccupationRequest | None) -> list[str]:
     tags = list(MEMORY_TAGS) if body is None or body.tags is None else list(body.tags)
     unknown = [t for t in tags if t not in MEMORY_TAGS]
@@ -75,11 +65,8 @@ async def abort_request(request: Request, body: AbortRequest) -> dict[str, Any]:
     if body.abort_all == (rid is not None):
         raise BadRequest("give exactly one of rid (a request id) or abort_all=true", "rid")
     if body.abort_all:
-        if hasattr(engine, "abort_all"):
-            aborted = await call(request, "abort_all", "/abort_request")  # the aborted requests' outputs
-            return {"success": True, "aborted": len(aborted) if isinstance(aborted, list) else aborted}
-        ids = list(engine.core.parents)
-        return {"success": True, "aborted": sum([await engine.abort(rid) for rid in ids])}
+        aborted = await engine.abort_all()  # the aborted requests' partial outputs
+        return {"success": True, "aborted": len(aborted)}
     return {"success": await engine.abort(rid), "aborted": None}
 
 
@@ -87,8 +74,8 @@ async def abort_request(request: Request, body: AbortRequest) -> dict[str, Any]:
 async def pause_generation(request: Request, body: PauseRequest | None = None) -> dict[str, Any]:
     requested = (body or PauseRequest()).mode
     mode, recompute = PAUSE_MODES[requested]
-    await call(request, "pause", "/pause_generation", mode=mode)
     state = request.app.state
+    await state.engine.pause(mode=mode)
     state.recompute_on_continue = state.recompute_on_continue or recompute  # a retracted request stays so
     return {"success": True, "status": "ok", "mode": requested, "engine_mode": mode,
             "message": "Generation paused successfully."}
@@ -98,10 +85,8 @@ async def pause_generation(request: Request, body: PauseRequest | None = None) -
 async def continue_generation(request: Request, body: ContinueRequest | None = None) -> dict[str, Any]:
     state = request.app.state
     recompute = state.recompute_on_continue
-    if recompute:  # after "retract": the kept requests are re-prefilled under the current weights
-        await call(request, "resume", "/continue_generation", recompute_kv=True)
-    else:
-        await call(request, "resume", "/continue_generation")
+    # after "retract": the kept requests are re-prefilled under the current weights
+    await state.engine.resume(recompute_kv=recompute)
     state.recompute_on_continue = False
     return {"success": True, "status": "ok", "recompute_kv": recompute,
             "message": "Generation continued successfully."}
@@ -123,10 +108,9 @@ async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDisk
 
         await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
         await abort_request(request, AbortRequest(abort_all=True))
-    version = await call(request, "load_weights", "/update_weights_from_disk", body.model_path,
-                         version=body.weight_version)
-    stats = request.app.state.engine.stats()
-    version = version if version is not None else stats["weight_version"]
+    engine = request.app.state.engine
+    version = await engine.load_weights(body.model_path, version=body.weight_version)
+    stats = engine.stats()
     return {"success": True, "message": f"loaded {body.model_path}; weight version {version}",
             "weight_version": version, "num_paused_requests": stats["num_running"] if stats["is_paused"] else 0}
 
@@ -139,19 +123,19 @@ async def get_weight_version(request: Request) -> dict[str, Any]:
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> dict[str, Any]:
     # running requests keep the blocks they hold, so this never waits for them (SGLang's 400 when busy)
-    dropped = await call(request, "reset_prefix_cache", "/flush_cache")
+    dropped = await request.app.state.engine.reset_prefix_cache()
     return {"success": True, "num_flushed_blocks": dropped, "message": "Cache flushed."}
 
 
 @router.post("/sleep")
 async def sleep(request: Request, body: SleepRequest | None = None) -> dict[str, Any]:
-    await call(request, "sleep", "/sleep", level=(body or SleepRequest()).level)
+    await request.app.state.engine.sleep(level=(body or SleepRequest()).level)
     return {"success": True}
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request) -> dict[str, Any]:
-    await call(request, "wake_up", "/wake_up")
+    await request.app.state.engine.wake_up()
     return {"success": True}
 
 
@@ -162,15 +146,16 @@ async def release_memory_occupation(request: Request, body: MemoryOccupationRequ
         raise BadRequest(f"tags={tags!r}: the engine releases the weights and the KV cache together (sleep "
                          f"level 1: weights to CPU memory, KV pool and CUDA graphs freed); send null or include "
                          f"both {list(RELEASED_TOGETHER)}", "tags")
-    await call(request, "sleep", "/release_memory_occupation", level=1)
+    await request.app.state.engine.sleep(level=1)
     return {"success": True, "released": list(MEMORY_TAGS), "message": "sleep(level=1)"}
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
     tags = _memory_tags(body)
-    was_asleep = request.app.state.engine.stats()["is_sleeping"]
-    await call(request, "wake_up", "/resume_memory_occupation")
+    engine = request.app.state.engine
+    was_asleep = engine.stats()["is_sleeping"]
+    await engine.wake_up()
     resumed = list(MEMORY_TAGS) if was_asleep else []
     note = "" if not was_asleep or set(tags) == set(MEMORY_TAGS) else \
         f" (asked for {tags}: the engine wakes every region at once)"

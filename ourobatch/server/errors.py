@@ -11,7 +11,6 @@ one ``data: {"error": ...}`` event, before ending the stream cleanly.
                                  WeightUpdateError, CheckpointError (BadRequest names the field)
     409 ConflictError            EngineBusyError: the engine's state forbids the call now (an update while
                                  requests run unpaused)
-    501 NotImplementedError      NotImplementedRoute: the engine lacks the route's method
     503 ServiceUnavailableError  EngineClosedError, EngineDeadError (ReplicaDiedError), EngineAsleepError,
                                  InconsistentWeightsError: not ready, closed, dead, asleep, weights missing
     500 InternalServerError      InvalidTransition or any other OurobatchError: a bug, still with the body
@@ -55,10 +54,6 @@ class BadRequest(ValueError):
         self.param = param
 
 
-class NotImplementedRoute(Exception):
-    """A control route whose Engine method does not exist yet (501)."""
-
-
 STATUS: dict[type[BaseException], tuple[int, str]] = {
     ValueError: BAD_REQUEST,
     TypeError: BAD_REQUEST,
@@ -72,7 +67,6 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     InconsistentWeightsError: UNAVAILABLE,
     InvalidTransition: INTERNAL,
     OurobatchError: INTERNAL,
-    NotImplementedRoute: (501, "NotImplementedError"),
 }
 
 

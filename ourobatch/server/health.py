@@ -35,7 +35,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     state = request.app.state
-    engine = getattr(state, "engine", None)
+    engine = state.engine  # None until the lifespan started it
     if state.draining:
         return error(503, "the server is shutting down", kind="ServiceUnavailableError")
     try:
@@ -60,7 +60,7 @@ async def _unhealthy(state: Any, timeout: float) -> str | None:
     """Why the engine cannot generate now (None: it can): at once where no step can run, else after a probe."""
     if state.draining:
         return "the server is shutting down"
-    engine = getattr(state, "engine", None)
+    engine = state.engine
     try:
         if engine is None:
             raise EngineClosedError("the engine is not started")

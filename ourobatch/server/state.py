@@ -2,7 +2,7 @@
 in the module of its concern, only read it):
 
     served                  ServedModel: the model, its name and tokenizer, fixed when the app is built
-    engine                  the running Engine (the app's lifespan starts and closes it)
+    engine                  the Engine (None until the app's lifespan starts it; it closes with the app)
     gen                     completions.Generation over that engine (the generation routes' machinery)
     metrics                 metrics.ServerMetrics, the app's own Prometheus registry
     draining                True once SIGTERM (or the lifespan's end) starts the drain

@@ -70,10 +70,6 @@ def _tokenizer(gen: Any, field: str) -> Any:
     return gen.tokenizer
 
 
-def _max_model_len(request: Request, gen: Any) -> int:
-    return request.app.state.engine.stats().get("max_model_len", gen.max_model_len)
-
-
 @router.post("/tokenize")
 async def tokenize(request: Request, body: TokenizeRequest) -> Response:
     gen = _generation(request)
@@ -98,13 +94,13 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
     else:
         (ids,) = await gen.encode([text], [field], add_special_tokens=False)
     strs = [tokenizer.tok.id_to_token(i) for i in ids] if body.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": _max_model_len(request, gen), "tokens": ids,
-                         "token_strs": strs})
+    max_model_len = request.app.state.engine.stats()["max_model_len"]  # the engine's (capped at the checkpoint's)
+    return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
 
 
 async def _render_chat(tokenizer: Any, body: TokenizeRequest) -> str:
     """The chat's prompt text, from the server's chat template (ourobatch.chat_template)."""
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template
     if template is None:
         raise BadRequest("the model has no chat template (no chat_template in tokenizer_config.json and no "
                          "chat_template.jinja; python -m ourobatch serve --chat-template FILE gives one)", "messages")
@@ -156,7 +152,7 @@ def tokenizer_config(tokenizer: Any) -> dict[str, Any]:
         config["added_tokens_decoder"] = {k: v.get("content", v) if isinstance(v, dict) else v
                                           for k, v in added.items()}
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what transformers loads tokenizer.json as
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template
     if template is not None:
         named = dict(template.templates)
         config["chat_template"] = named["default"] if list(named) == ["default"] else [
