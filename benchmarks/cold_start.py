@@ -1,0 +1,190 @@
+"""Cold start: a fresh process's time to ready and its first rounds, with an empty and a warm compile cache.
+
+For each config (interval1, deferred8 by default), two fresh subprocesses share one compile_cache_dir
+(Triton's on-disk cache; TRITON_CACHE_DIR is unset for them, so the engine's folder is the one used):
+
+- process 1, the folder empty: time to ready through the async ``Engine`` (split into weights, KV pool,
+  kernel warm-up, graph captures and the request warm-up: the ``engine_ready`` event's fields), kernels
+  compiled / loaded from the cache, then a first round of N prompts of P tokens x M tokens (temperature
+  1, ignore_eos, prefill included) and a second identical round; the Triton compiles and graph captures
+  that happened during the first round;
+- process 2, the same folder: the same, now loading every kernel from the cache.
+
+Output: cold_start.json (every process's numbers, the capture time of each graph) and cold_start.md.
+
+    python benchmarks/cold_start.py --out results/cold                                  # H200
+    python benchmarks/cold_start.py --device cpu --tiny -N 4 -P 8 -M 12 --out /tmp/c    # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()  # before the heavy imports: the child reports its import time
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PHASES = ("weights", "kv_pool", "kernels", "graphs", "requests")
+
+
+def child(args) -> dict:
+    """One process: build the engine, run two rounds, return the numbers (runs in the subprocess)."""
+    import anyio
+    from structlog.testing import capture_logs
+    import torch
+
+    from ourobatch import Engine, compile_cache
+    from ourobatch.engine import kernel_warmup
+
+    sys.path.insert(0, str(HERE))
+    from public_path import engine_config, timed_round, workload  # noqa: E402
+    from throughput import ensure_checkpoint  # noqa: E402
+
+    if args.threads:
+        kernel_warmup.NUM_THREADS = args.threads
+    imported = time.perf_counter() - _STARTED
+    model_dir = ensure_checkpoint(args)
+    cfg = engine_config(args, model_dir, args.config)
+    cfg = dataclasses.replace(cfg, compile_cache_dir=args.cache_dir, warmup=not args.no_warmup)
+
+    async def run() -> dict:
+        engine = Engine(cfg)
+        t = time.perf_counter()
+        with capture_logs() as logs:
+            await engine.__aenter__()
+        ready = time.perf_counter() - t
+        try:
+            events = {e["event"]: e for e in logs}
+            prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
+            graphs = engine.core.executor.graphs
+            counts0, captures0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0
+            first, tokens = await timed_round(engine, prompts, params)
+            counts1, captures1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0
+            second, _ = await timed_round(engine, prompts, params)
+        finally:
+            await engine.__aexit__(None, None, None)
+        ev = events.get("engine_ready", {})
+        compiled = events.get("kernels_compiled", {})
+        return dict(config=args.config, import_s=imported, ready_s=ready,
+                    phases={p: ev.get(f"{p}_s") for p in PHASES}, startup_s=ev.get("startup_s"),
+                    kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
+                    compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
+                    warmup_requests=_strip(events.get("warmup_requests")),
+                    graph_seconds=events.get("cuda_graph_timings", {}).get("seconds"),
+                    first_round_s=first, second_round_s=second, tokens=tokens,
+                    compiles_in_first_round=(None if counts0 is None else
+                                             (counts1 - counts0).compiled + (counts1 - counts0).loaded),
+                    captures_in_first_round=captures1 - captures0,
+                    device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
+
+    return anyio.run(run)
+
+
+def _strip(event: dict | None) -> dict | None:
+    return None if event is None else {k: v for k, v in event.items() if k not in ("event", "log_level")}
+
+
+def spawn(args, config: str, cache_dir: str, process: int) -> dict:
+    """Run one child process; its JSON line is the last line of its stdout."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--cache-dir", cache_dir,
+           "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
+           "--dtype", args.dtype, "--workdir", args.workdir, "--shallow-loops", str(args.shallow_loops),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--threads", str(args.threads or 0)]
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--no-warmup"] if args.no_warmup else []
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    t = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"{config} process {process} failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    row.update(process=process, process_wall_s=time.perf_counter() - t)
+    return row
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = [f"Measured {meta['date']} on {meta['device_name']}: N = {meta['N']} prompts of {meta['P']} tokens, "
+             f"{meta['M']} tokens each (temperature 1, prefill included), through the async Engine; process 1 "
+             f"starts with an empty compile cache, process 2 with the folder process 1 filled.", "",
+             "| config | process | import s | ready s | weights | KV pool | kernels | graphs | requests | "
+             "compiled / loaded | first round s | second round s | first / second | compiles, captures in "
+             "round 1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ph = r["phases"]
+        ratio = r["first_round_s"] / r["second_round_s"] if r["second_round_s"] else None
+        lines.append(f"| {r['config']} | {r['process']} | {f(r['import_s'])} | {f(r['ready_s'])} | "
+                     + " | ".join(f(ph.get(p)) for p in PHASES)
+                     + f" | {f(r['kernels_compiled'], '{}')} / {f(r['kernels_loaded'], '{}')} | {f(r['first_round_s'])} | "
+                     f"{f(r['second_round_s'])} | {f(ratio)} | {f(r['compiles_in_first_round'], '{}')}, "
+                     f"{r['captures_in_first_round']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(HERE))
+    from throughput import add_checkpoint_args, check_configs  # noqa: E402
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_args(ap)
+    ap.add_argument("--out", required=True, help="folder for cold_start.json and cold_start.md")
+    ap.add_argument("--configs", default="interval1,deferred8")
+    ap.add_argument("-N", type=int, default=64, help="concurrent requests")
+    ap.add_argument("-P", type=int, default=512, help="prompt tokens")
+    ap.add_argument("-M", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shallow-loops", type=int, default=2)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--threads", type=int, default=0, help="compile threads of the kernel warm-up (0: its default)")
+    ap.add_argument("--no-warmup", action="store_true", help="EngineConfig(warmup=False): the baseline")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    names = check_configs(ap, args.configs, args.shallow_loops)
+    for field in ("N", "P", "M"):
+        if getattr(args, field) < 1:
+            ap.error(f"-{field} must be >= 1, got {getattr(args, field)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from throughput import ensure_checkpoint  # noqa: E402
+
+    ensure_checkpoint(args)  # written once, before any timed process
+    rows = []
+    for name in names:
+        cache_dir = tempfile.mkdtemp(prefix=f"ourobatch-cold-{name}-")
+        try:
+            for process in (1, 2):
+                rows.append(spawn(args, name, cache_dir, process))
+                print(json.dumps(rows[-1]), flush=True)
+                meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N,
+                            P=args.P, M=args.M, device_name=rows[-1].get("device_name"), warmup=not args.no_warmup)
+                (out / "cold_start.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    md = markdown(rows, meta)
+    (out / "cold_start.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The startup warm-up on the GPU: after ready, a first round of mixed requests compiles no Triton kernel
+(counted by the compilation listener ourobatch/compile_cache.py installs) and captures no CUDA graph
+(GraphCache.num_captures), in every mode; its tokens equal an engine's without the warm-up; and a second
+process with the same compile_cache_dir loads every kernel from the disk cache instead of compiling it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ourobatch import EngineConfig, SamplingParams, SyncEngine, compile_cache
+from ourobatch.testing import make_tiny_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("warmup"), vocab_size=257, hidden_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                intermediate_size=256, dtype=torch.bfloat16)
+
+
+def first_round():
+    """Odd and even batch sizes, prompts from 1 token to past the step budget (chunked), shared prefixes
+    (a chunk after cached blocks), and every sampling option."""
+    base = [(11 * i + 5) % 250 + 1 for i in range(120)]
+    prompts = [base[:1], base[:7], base[:33], base[:40] + [9, 9], base[:100], base[:16] + [3], base[:64],
+               base[:5] + [2] * 20, base[:48], base[:90] + [4]]
+    options = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(top_p=0.9),
+               dict(min_p=0.05), dict(logprobs=3), dict(temperature=0.0, prompt_logprobs=2),
+               dict(temperature=0.9, n=2), dict(min_tokens=4, temperature=0.8), dict(temperature=0.0, logprobs=1)]
+    params = [SamplingParams(max_tokens=14 + i % 5, seed=i, ignore_eos=True, **kw) for i, kw in enumerate(options)]
+    return prompts, params
+
+
+CONFIG = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=160, num_kv_blocks=256, block_size=8,
+              max_num_batched_tokens=96)
+
+
+@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("eager", 4), ("verify", 4)])
+def test_after_startup_a_first_round_compiles_and_captures_nothing(ckpt, mode, B):
+    counter = compile_cache.install_compile_counter()
+    assert counter is not None, "Triton without knobs.compilation.listener (Triton >= 3.4 has it)"
+    prompts, params = first_round()
+    cfg = EngineConfig(model=str(ckpt), mode=mode, deep_interval=B, **CONFIG)
+    with SyncEngine(cfg) as engine:
+        graphs = engine.core.executor.graphs
+        names, captures = dict(counter.names), graphs.num_captures
+        before = counter.snapshot()
+        outs = engine.generate_batch(prompts, params)
+        after = counter.snapshot()
+        new = {k: v - names.get(k, 0) for k, v in counter.names.items() if v != names.get(k, 0)}
+        assert (after.compiled - before.compiled, after.loaded - before.loaded) == (0, 0), f"compiled in round 1: {new}"
+        assert graphs.num_captures == captures
+        warmed = [c.token_ids for o in outs for c in o.outputs]
+    with SyncEngine(EngineConfig(model=str(ckpt), mode=mode, deep_interval=B, warmup=False, **CONFIG)) as engine:
+        cold = [c.token_ids for o in engine.generate_batch(prompts, params) for c in o.outputs]
+    assert warmed == cold
+
+
+CHILD = """
+import json, sys
+from ourobatch import EngineConfig, SyncEngine, compile_cache
+cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verify", deep_interval=3, **json.loads(sys.argv[3]))
+with SyncEngine(cfg) as engine:
+    counts = compile_cache.compile_counts()
+print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded)))
+"""
+
+
+def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    runs = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tmp_path / "cache"), json.dumps(CONFIG)],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["compiled"] > 0
+    assert second["compiled"] == 0 and second["loaded"] >= first["compiled"] > 0
+    assert (tmp_path / "cache" / "triton").is_dir()
