@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep|profile|gemm] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,6 +34,9 @@ if [ "$what" = serving ]; then  # latency under Poisson arrivals (benchmarks/ser
 fi
 if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
   python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
+fi
+if [ "$what" = cold ]; then  # fresh processes: ready and first rounds, empty then warm compile cache (cold_start.py)
+  python3 benchmarks/cold_start.py --out "$OUT/cold" "$@" 2>&1 | tee "$OUT/cold.log" | grep -v '^{' | tail -20
 fi
 if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (benchmarks/step_profile.py)
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
