@@ -18,8 +18,9 @@ import ourobatch.scheduler.errors as named
 from ourobatch import EngineConfig
 from ourobatch.server.app import create_app
 from ourobatch.server.cli import build_parser
-from ourobatch.server.errors import STATUS, status_of
+from ourobatch.server.errors import STATUS, BadRequest, error_response, field_of, status_of
 from ourobatch.server.limits import DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
+from ourobatch.server.runner import in_prompt
 from ourobatch.text import Tokenizer
 from tests.helpers import GatedExecutor
 from tests.server_helpers import MODEL, ThreadServer, metric_values
@@ -143,6 +144,36 @@ def test_every_named_error_has_its_status():
     assert {n: status_of(c("x"))[0] for n, c in classes.items()} == expected
     assert status_of(ValueError("x")) == status_of(TypeError("x")) == (400, "BadRequestError")
     assert status_of(KeyError("x"))[0] == 500 and STATUS[named.EngineBusyError] == (409, "ConflictError")
+
+
+def _with_field(exc: BaseException, field: str) -> BaseException:
+    exc.field = field
+    return exc
+
+
+def test_a_bad_input_error_names_its_field_as_data():
+    """The body's param is the error's `field` attribute when it has one, whatever its message says; an
+    error without one still gets the field its "SamplingParams.<field>" message names (today's validators)."""
+    def param(exc: BaseException) -> str | None:
+        return json.loads(error_response(exc).body)["error"]["param"]
+
+    assert param(_with_field(ValueError("must be in (0, 1], got 3"), "top_p")) == "top_p"
+    assert param(_with_field(TypeError("SamplingParams.top_k must be an int"), "n")) == "n"  # the attribute wins
+    assert param(_with_field(named.RequestRejectedError("too long"), "prompt")) == "prompt"
+    assert param(BadRequest("give exactly one of input_ids or text", "input_ids")) == "input_ids"
+    assert field_of(ValueError("SamplingParams.top_p=3.0 must be in (0, 1]")) == "top_p"  # the fallback
+    assert field_of(TypeError("SamplingParams.ignore_eos must be a bool, got 1")) == "ignore_eos"
+    assert field_of(ValueError("prompt_token_ids[0] = 99 is outside the vocabulary")) is None
+    assert param(BadRequest("no field")) is None
+
+
+def test_an_error_named_for_its_prompt_keeps_its_class_and_field():
+    again = in_prompt(_with_field(ValueError("SamplingParams.n=9 exceeds max_num_seqs"), "n"), 1, 3)
+    assert type(again) is ValueError and str(again) == "prompt 1: SamplingParams.n=9 exceeds max_num_seqs"
+    assert field_of(again) == "n"
+    alone = in_prompt(TypeError("request_id must be a non-empty str"), 0, 1)
+    assert type(alone) is TypeError and str(alone) == "request_id must be a non-empty str"
+    assert field_of(alone) is None and not hasattr(alone, "field")
 
 
 def test_weights_missing_after_sleep_2_is_a_503_on_a_connection_that_stays_open(server, client):

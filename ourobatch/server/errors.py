@@ -8,7 +8,7 @@ parse), and the SSE producers (streaming.py) turn an error raised after the head
 one ``data: {"error": ...}`` event, before ending the stream cleanly.
 
     400 BadRequestError          bad input: ValueError / TypeError, RequestRejectedError,
-                                 WeightUpdateError, CheckpointError (BadRequest names the field)
+                                 WeightUpdateError, CheckpointError (the body's param: field_of)
     409 ConflictError            EngineBusyError: the engine's state forbids the call now (an update while
                                  requests run unpaused)
     503 ServiceUnavailableError  EngineClosedError, EngineDeadError (ReplicaDiedError), EngineAsleepError,
@@ -47,11 +47,11 @@ INTERNAL = (500, "InternalServerError")
 
 
 class BadRequest(ValueError):
-    """A 400 with the field that caused it."""
+    """A 400 with the request field that caused it (``field``: the error body's ``param``)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.field = field
 
 
 STATUS: dict[type[BaseException], tuple[int, str]] = {
@@ -95,12 +95,21 @@ def error(status: int, message: str, param: str | None = None, kind: str = "BadR
     return JSONResponse(error_body(status, message, param, kind), status_code=status)
 
 
-def _param_of(exc: BaseException) -> str | None:
-    param = getattr(exc, "param", None)
-    if param is not None:
-        return param
-    message = str(exc)
-    if "SamplingParams." in message:  # "SamplingParams.top_p=3 must be ..." names the field
+def field_of(exc: BaseException) -> str | None:
+    """The request field a bad-input error names (the error body's ``param``), read as data: the error's
+    ``field`` attribute, which BadRequest sets and any validator may set on the ValueError / TypeError it
+    raises. An error without one falls back to the field its message names after "SamplingParams."
+    (``"SamplingParams.top_p=3 must be ..."``: the SamplingParams checks, which do not set ``field`` yet;
+    once they do, _field_in_message goes); else None."""
+    field = getattr(exc, "field", None)  # optional: only errors that know their field carry it
+    if isinstance(field, str):
+        return field
+    return _field_in_message(str(exc))
+
+
+def _field_in_message(message: str) -> str | None:
+    """Today's fallback: the field in "SamplingParams.<field>=..." / "SamplingParams.<field> must ..."."""
+    if "SamplingParams." in message:
         return message.split("SamplingParams.", 1)[1].split("=", 1)[0].split(" ", 1)[0]
     return None
 
@@ -112,7 +121,7 @@ def _describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
     message = f"{type(exc).__name__}: {exc}" if isinstance(exc, OurobatchError) else str(exc)
     if status >= 500:
         log.warning("http_error", status=status, error=f"{type(exc).__name__}: {exc}")
-    return status, error_body(status, message, _param_of(exc), kind)
+    return status, error_body(status, message, field_of(exc), kind)
 
 
 def error_response(exc: BaseException) -> JSONResponse:

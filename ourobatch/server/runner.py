@@ -79,6 +79,16 @@ class _Completion:
                      keep)
 
 
+def in_prompt(exc: TypeError | ValueError, index: int, num_prompts: int) -> TypeError | ValueError:
+    """`exc` again, of its own class, its message naming the prompt when there are several; the field it
+    names as data (its ``field`` attribute, errors.field_of) stays on it."""
+    again = type(exc)(f"prompt {index}: {exc}" if num_prompts > 1 else str(exc))
+    field = getattr(exc, "field", None)  # optional, as errors.field_of reads it
+    if field is not None:
+        again.field = field
+    return again
+
+
 async def open_streams(engine: Any, prompts: list[list[int]], params: list[SamplingParams],
                  request_ids: list[str | None] | None = None) -> list[Any]:
     """Queue every prompt now (all or nothing: a rejected prompt raises and nothing stays queued)."""
@@ -90,7 +100,7 @@ async def open_streams(engine: Any, prompts: list[list[int]], params: list[Sampl
             try:
                 streams.append(engine.stream(ids_i, engine_params, request_id=rid))
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+                raise in_prompt(exc, i, len(prompts)) from None
     except BaseException:
         for s in streams:
             await s.aclose()  # aborts the request
