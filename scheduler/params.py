@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 # vLLM treats temperatures below this as greedy.
 GREEDY_EPS = 1e-5
@@ -23,6 +23,17 @@ MAX_N = 4096
 LOGPROBS_MODES: tuple[str, ...] = ("processed", "raw")
 
 
+_E = TypeVar("_E", ValueError, TypeError)
+
+
+def field_error(kind: type[_E], field: str, message: str) -> _E:
+    """``kind(message)``, still a plain ValueError / TypeError (what callers catch), carrying the request
+    field it is about as data: ``.field``, the HTTP error body's ``param`` (ourobatch.server.errors.field_of)."""
+    exc = kind(message)
+    exc.field = field  # type: ignore[attr-defined]  # an optional attribute, read with getattr
+    return exc
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each streamed output holds (vLLM's RequestOutputKind)."""
 
@@ -33,18 +44,20 @@ class RequestOutputKind(enum.IntEnum):
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, allowed: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} {value!r}")
+        raise field_error(TypeError, name, f"SamplingParams.{name} must be an int, got {type(value).__name__} "
+                          f"{value!r}")
     if value < low or (high is not None and value > high):
         rng = allowed or (f"{low} <= {name} <= {high}" if high is not None else f"{name} >= {low}")
-        raise ValueError(f"SamplingParams.{name} must satisfy {rng}, got {value}")
+        raise field_error(ValueError, name, f"SamplingParams.{name} must satisfy {rng}, got {value}")
 
 
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}")
+        raise field_error(TypeError, name, f"SamplingParams.{name} must be a number, got {type(value).__name__} "
+                          f"{value!r}")
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
+        raise field_error(ValueError, name, f"SamplingParams.{name} must be finite, got {value}")
     return value
 
 
@@ -103,16 +116,17 @@ class SamplingParams:
         _check_int("n", self.n, 1, MAX_N)
         temperature = _check_float("temperature", self.temperature)
         if temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {temperature}")
+            raise field_error(ValueError, "temperature",
+                              f"SamplingParams.temperature must be >= 0 (0 = greedy), got {temperature}")
         object.__setattr__(self, "temperature", temperature)
         top_p = _check_float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {top_p}")
+            raise field_error(ValueError, "top_p", f"SamplingParams.top_p must be in (0, 1], got {top_p}")
         object.__setattr__(self, "top_p", top_p)
         _check_int("top_k", self.top_k, -1, allowed="top_k == -1, top_k == 0 (disabled) or top_k >= 1")
         min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {min_p}")
+            raise field_error(ValueError, "min_p", f"SamplingParams.min_p must be in [0, 1], got {min_p}")
         object.__setattr__(self, "min_p", min_p)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
@@ -122,13 +136,15 @@ class SamplingParams:
         if stop is None:
             stop = ()
         if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
+            raise field_error(TypeError, "stop_token_ids",
+                              f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
         stop = tuple(stop)
         for tok in stop:
             _check_int("stop_token_ids[i]", tok, 0)
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise field_error(TypeError, "ignore_eos", f"SamplingParams.ignore_eos must be a bool, got "
+                              f"{self.ignore_eos!r}")
         _check_int("max_tokens", self.max_tokens, 1)
 
     def _check_logprobs(self) -> None:
@@ -147,8 +163,9 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if _check_float(name, getattr(self, name)) != neutral:
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported: ourobatch "
-                                 f"samples without penalties, so only {name}={neutral} (no penalty) is allowed")
+                raise field_error(ValueError, name, f"SamplingParams.{name}={getattr(self, name)!r} is not "
+                                  f"supported: ourobatch samples without penalties, so only {name}={neutral} "
+                                  f"(no penalty) is allowed")
             object.__setattr__(self, name, neutral)
 
     def _check_text(self) -> None:
@@ -158,16 +175,19 @@ class SamplingParams:
         if isinstance(stops, str):
             stops = (stops,)
         if isinstance(stops, bytes) or not hasattr(stops, "__iter__"):
-            raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {stops!r}")
+            raise field_error(TypeError, "stop",
+                              f"SamplingParams.stop must be a string or a list of strings, got {stops!r}")
         stops = tuple(stops)
         for text in stops:
             if not isinstance(text, str) or not text:
-                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {text!r}")
+                raise field_error(ValueError, "stop", f"SamplingParams.stop must hold non-empty strings, got "
+                                  f"{text!r}")
         object.__setattr__(self, "stop", stops)
         for name in ("include_stop_str_in_output", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+                raise field_error(TypeError, name, f"SamplingParams.{name} must be a bool, got "
+                                  f"{getattr(self, name)!r}")
 
     def _check_output_kind(self) -> None:
         kind = self.output_kind
@@ -176,7 +196,8 @@ class SamplingParams:
                 kind = RequestOutputKind[kind.upper()] if isinstance(kind, str) else RequestOutputKind(kind)
             except (KeyError, ValueError, TypeError):
                 names = ", ".join(k.name for k in RequestOutputKind)
-                raise ValueError(f"SamplingParams.output_kind must be one of {names}, got {kind!r}") from None
+                raise field_error(ValueError, "output_kind",
+                                  f"SamplingParams.output_kind must be one of {names}, got {kind!r}") from None
             object.__setattr__(self, "output_kind", kind)
 
     @property

@@ -241,6 +241,10 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_kv(server, client, 
     ({"model": NAME, "prompt": [], "max_tokens": 2}, "prompt"),
     ({"model": NAME, "prompt": [1, 2], "max_tokens": 0}, "max_tokens"),  # without echo (tests/test_prompt_logprobs_server.py)
     ({"model": NAME, "prompt": [1, 2], "logprobs": -2}, "logprobs"),  # -1 is the whole vocabulary (vLLM)
+    ({"model": NAME, "prompt": [1, 2], "suffix": "x"}, "suffix"),
+    ({"model": NAME, "prompt": [1, 2], "logit_bias": {"3": 5.0}}, "logit_bias"),
+    ({"model": NAME, "prompt": [1, 2], "n": 2, "best_of": 3}, "best_of"),
+    ({"model": NAME, "prompt": [1, 2], "n": 129, "max_tokens": 1}, "n"),  # above max_num_seqs=128 (the engine's check)
 ])
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client, body, param):
     r = client.post("/v1/completions", json=body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 
 import httpx
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 import ourobatch.scheduler.errors as named
-from ourobatch import EngineConfig
+from ourobatch import EngineConfig, SamplingParams
 from ourobatch.server.app import create_app
 from ourobatch.server.cli import build_parser
 from ourobatch.server.errors import STATUS, BadRequest, error_response, field_of, status_of
@@ -153,7 +154,8 @@ def _with_field(exc: BaseException, field: str) -> BaseException:
 
 def test_a_bad_input_error_names_its_field_as_data():
     """The body's param is the error's `field` attribute when it has one, whatever its message says; an
-    error without one still gets the field its "SamplingParams.<field>" message names (today's validators)."""
+    error without one still gets the field its "SamplingParams.<field>" message names (kept only for
+    scheduler/frontend.py's two checks, which do not set `field` yet: stop strings, n > max_num_seqs)."""
     def param(exc: BaseException) -> str | None:
         return json.loads(error_response(exc).body)["error"]["param"]
 
@@ -161,10 +163,39 @@ def test_a_bad_input_error_names_its_field_as_data():
     assert param(_with_field(TypeError("SamplingParams.top_k must be an int"), "n")) == "n"  # the attribute wins
     assert param(_with_field(named.RequestRejectedError("too long"), "prompt")) == "prompt"
     assert param(BadRequest("give exactly one of input_ids or text", "input_ids")) == "input_ids"
-    assert field_of(ValueError("SamplingParams.top_p=3.0 must be in (0, 1]")) == "top_p"  # the fallback
-    assert field_of(TypeError("SamplingParams.ignore_eos must be a bool, got 1")) == "ignore_eos"
+    assert field_of(ValueError("SamplingParams.stop=['x']: stop strings need a tokenizer")) == "stop"  # the fallback
+    assert field_of(named.RequestRejectedError("SamplingParams.n=9 exceeds max_num_seqs=4")) == "n"
     assert field_of(ValueError("prompt_token_ids[0] = 99 is outside the vocabulary")) is None
     assert param(BadRequest("no field")) is None
+
+
+# Every SamplingParams check: a bad value and the field its error must carry, written out here (not read
+# from the code under test). The message still names the same field after "SamplingParams.", where the
+# server's param was parsed from before the checks set it: every 400's param is unchanged.
+BAD_SAMPLING = [
+    ({"n": 0}, "n"), ({"n": 1.5}, "n"), ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": float("nan")}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
+    ({"min_p": float("inf")}, "min_p"), ({"seed": -1}, "seed"), ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"stop_token_ids": [1, -1]}, "stop_token_ids[i]"), ({"stop_token_ids": ["a"]}, "stop_token_ids[i]"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"max_tokens": 0}, "max_tokens"), ({"logprobs": -2}, "logprobs"),
+    ({"prompt_logprobs": "x"}, "prompt_logprobs"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty"), ({"stop": 3}, "stop"), ({"stop": ["a", ""]}, "stop"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"), ({"detokenize": None}, "detokenize"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"), ({"output_kind": "bogus"}, "output_kind"),
+]
+
+
+@pytest.mark.parametrize("bad, field", BAD_SAMPLING)
+def test_every_sampling_params_check_carries_its_field_as_data(bad, field):
+    with pytest.raises((ValueError, TypeError)) as info:
+        SamplingParams(**bad)
+    exc = info.value
+    assert type(exc) in (ValueError, TypeError)  # the plain classes callers catch
+    assert exc.field == field and field_of(exc) == field
+    assert re.search(rf"SamplingParams\.{re.escape(field)}[= ]", str(exc)), str(exc)
+    assert json.loads(error_response(exc).body)["error"]["param"] == field
 
 
 def test_an_error_named_for_its_prompt_keeps_its_class_and_field():

@@ -97,10 +97,9 @@ def error(status: int, message: str, param: str | None = None, kind: str = "BadR
 
 def field_of(exc: BaseException) -> str | None:
     """The request field a bad-input error names (the error body's ``param``), read as data: the error's
-    ``field`` attribute, which BadRequest sets and any validator may set on the ValueError / TypeError it
-    raises. An error without one falls back to the field its message names after "SamplingParams."
-    (``"SamplingParams.top_p=3 must be ..."``: the SamplingParams checks, which do not set ``field`` yet;
-    once they do, _field_in_message goes); else None."""
+    ``field`` attribute, which BadRequest and every SamplingParams check set (scheduler.params.field_error
+    puts one on a plain ValueError / TypeError). An error without one falls back to _field_in_message;
+    else None."""
     field = getattr(exc, "field", None)  # optional: only errors that know their field carry it
     if isinstance(field, str):
         return field
@@ -108,7 +107,10 @@ def field_of(exc: BaseException) -> str | None:
 
 
 def _field_in_message(message: str) -> str | None:
-    """Today's fallback: the field in "SamplingParams.<field>=..." / "SamplingParams.<field> must ..."."""
+    """The field in "SamplingParams.<field>=..." / "SamplingParams.<field> must ...". Kept only for the two
+    checks of scheduler/frontend.py check_new_request that do not set ``field`` yet (stop strings without a
+    tokenizer: "stop"; n above max_num_seqs, a RequestRejectedError: "n"); that file is being rewritten by
+    another worker. Once those raise with field_error, this parse goes."""
     if "SamplingParams." in message:
         return message.split("SamplingParams.", 1)[1].split("=", 1)[0].split(" ", 1)[0]
     return None

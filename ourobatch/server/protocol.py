@@ -117,11 +117,12 @@ class CompletionRequest(SamplingExtras):
                              "logprobs, which streams the prompt's log-probs in each choice's first chunk",
                              "prompt_logprobs")
         if self.suffix:
-            raise ValueError("suffix is not supported (no fill-in-the-middle); leave it out")
+            raise BadRequest("suffix is not supported (no fill-in-the-middle); leave it out", "suffix")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it out or empty")
+            raise BadRequest("logit_bias is not supported; leave it out or empty", "logit_bias")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n, or leave it out)")
+            raise BadRequest(f"best_of={self.best_of} is not supported (only best_of == n, or leave it out)",
+                             "best_of")
         values: dict[str, Any] = dict(
             n=self.n, max_tokens=self.max_tokens if self.max_tokens is not None else 16, seed=self.seed,
             logprobs=self.logprobs, min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
