@@ -25,7 +25,7 @@ from .chat_template import ChatTemplate, conversations, no_template_error, read_
 from .compat import (VLLM_LOGPROBS_MODE, LLMRequestOutput, to_sampling_params, to_vllm_completion,
                      to_vllm_prompt_logprobs)
 from .config import EngineConfig
-from .text import StopChecker, Tokenizer, check_text_params
+from .text import StopChecker, Tokenizer, check_text_params, load_tokenizer
 
 log = get_logger("ourobatch.llm")
 
@@ -105,12 +105,13 @@ class LLM:
                                    gpu_memory_utilization=gpu_memory_utilization, **options)
         self.tokenizer: Tokenizer | None = None
         self._tokenizer_missing: MissingExtraError | None = None  # a tokenizer.json, but no `tokenizers`
-        if tokenizer is not None and not skip_tokenizer_init:
-            self.tokenizer = Tokenizer.from_path(tokenizer)  # one that was asked for must load
-        elif not skip_tokenizer_init and (Path(model) / "tokenizer.json").is_file():
+        if not skip_tokenizer_init:
             try:
-                self.tokenizer = Tokenizer.from_path(model)
-            except MissingExtraError as exc:  # token-id prompts run on; whatever needs text says why not
+                self.tokenizer = load_tokenizer(model, tokenizer)
+            except MissingExtraError as exc:
+                if tokenizer is not None:
+                    raise  # one that was asked for must load
+                # the checkpoint's own tokenizer.json: token-id prompts run on; whatever needs text says why not
                 self._tokenizer_missing = exc
                 log.warning("no_tokenizer", reason=str(exc),
                             effect="text prompts, stop strings and chat are refused; completions have text ''")
