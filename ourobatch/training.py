@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ourobatch.engine.model import OuroForCausalLM, head_logits
-from ourobatch.engine.sampler import LOGPROBS_MODES, processed_logprobs, raw_logprobs
-from ourobatch.scheduler.params import SamplingParams
+from ourobatch.engine.sampler import processed_logprobs, raw_logprobs
+from ourobatch.scheduler.params import LOGPROBS_MODES, SamplingParams
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -232,11 +232,12 @@ def _as_batch(input_ids: Any, device: torch.device, single: bool) -> torch.Tenso
 @torch.inference_mode()
 def score(model: OuroForCausalLM, prompt: Sequence[int], completion: Sequence[int],
           readout_loops: Sequence[int] | None = None, *, params: ParamsLike = None,
-          logprobs_mode: str = "processed", head_dtype: torch.dtype | None = None) -> list[float]:
+          logprobs_mode: str, head_dtype: torch.dtype | None = None) -> list[float]:
     """No-grad log-probs of `completion` after `prompt` through an engine's model (Engine.score): one per
     completion token, from loop readout_loops[j-1] (default: every token from loop T, full depth). With
     the rollout's params, processed log-probs are the engine's: min_tokens masks the model's eos (unless
-    ignore_eos) and stop_token_ids, as the sampler did."""
+    ignore_eos) and stop_token_ids, as the sampler did. `logprobs_mode` has no default here: the engine's
+    (EngineConfig.logprobs_mode, the facade's default) is the one score_on_executor passes."""
     prompt, completion = list(prompt), list(completion)
     config = model.config
     T, V = config.total_ut_steps, config.vocab_size
