@@ -12,6 +12,7 @@ write they make (KV slots, retained rows) is idempotent, so capturing mid-genera
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,18 +93,23 @@ class GraphCache:
     def capture_all(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None) -> int:
         """Capture every bucket of each call in `calls`. The dummy inputs all point at the scratch table
         row, so the runs write only the scratch block and the scratch row's retained rows. Returns the
-        graphs captured."""
+        graphs captured. The largest bucket goes first, so the smaller ones reuse its memory in the shared
+        pool (vLLM's order); `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks)."""
         before = self.num_captures
+        self.capture_seconds: dict[tuple[GraphCall, int], float] = {}
         for call in calls:
-            for bucket in self.buckets:
+            for bucket in reversed(self.buckets):
                 if should_stop is not None and should_stop():
                     return self.num_captures - before
+                started = time.perf_counter()
                 rows = [self.tables.scratch_row] * bucket
                 if isinstance(call, ShallowCall):
                     self.shallow([0] * bucket, rows, [0] * bucket, [0] * bucket if call.retain else None,
                                  call.last_loop)
                 else:
                     self.deep(rows, [0] * bucket, call.rows_per_request, call.first_loop)
+                torch.cuda.synchronize(self.device)
+                self.capture_seconds[call, bucket] = time.perf_counter() - started
         return self.num_captures - before
 
     def shallow(self, token_ids: list[int], rows: list[int], positions: list[int],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
@@ -14,11 +13,12 @@ from ourobatch.engine.kv_cache import KVPool
 from ourobatch.engine.loader import expected_shapes, load_model
 from ourobatch.engine.model import OuroForCausalLM
 from ourobatch.scheduler.config import SchedulerConfig
-from ourobatch.scheduler.errors import EngineClosedError
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.log import get_logger
 
+from .compile_cache import StartupCompiles
 from .config import EngineConfig
+from .warmup import StartupClock, WarmupPlan, warm_up
 
 log = get_logger()
 
@@ -163,26 +163,23 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,
                     max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
-    if model is None:
-        model = load_model(config.model, dtype, config.device, should_stop)
-        model.fuse_projections()
-    num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
-    pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
+    clock, compiles = StartupClock(), StartupCompiles(config.compile_cache_dir, config.device)
+    with clock.phase("weights"):
+        if model is None:
+            model = load_model(config.model, dtype, config.device, should_stop)
+            model.fuse_projections()
+    with clock.phase("kv_pool"):
+        num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
+        pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
     executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
                              max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
                              deep_interval=config.deep_interval, attention=config.attention_backend,
                              cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
                              head_dtype=resolve_head_dtype(config))
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
-    if executor.graphs is not None:  # every bucket of the mode's calls now, so no request pays a capture
-        started = time.perf_counter()
-        calls = executor.graph_calls(config.mode, config.deep_interval, config.shallow_loops)
-        captured = executor.capture_graphs(calls, should_stop)
-        if should_stop is not None and should_stop():
-            executor.close()
-            raise EngineClosedError("the engine was closed while it captured CUDA graphs")
-        log.info("cuda_graphs_captured", graphs=captured, buckets=len(executor.graphs.buckets),
-                 calls=[str(c) for c in calls], seconds=round(time.perf_counter() - started, 2))
+    # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
+    warm_up(executor, scheduler_config, WarmupPlan.for_engine(config.warmup, config.device), clock,
+            seed=config.seed, should_stop=should_stop)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,
@@ -196,5 +193,6 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                       tensor_names=lambda: tensor_names(mc))
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
              shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
-             dtype=str(dtype), device=config.device)
+             dtype=str(dtype), device=config.device, **clock.fields())
+    compiles.log()
     return core

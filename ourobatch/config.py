@@ -24,6 +24,20 @@ def _positive_int(name: str, value: object, low: int = 1) -> None:
     rules.check_int(OWNER, name, value, low)
 
 
+def _check_startup_fields(warmup: object, compile_cache_dir: object) -> None:
+    if not isinstance(warmup, bool):
+        raise TypeError(f"EngineConfig.warmup must be True or False, got {warmup!r}")
+    if compile_cache_dir is None:
+        return
+    if not isinstance(compile_cache_dir, (str, Path)):
+        raise TypeError(f"EngineConfig.compile_cache_dir must be a folder path (str) or None, got "
+                        f"{compile_cache_dir!r}")
+    if not str(compile_cache_dir).strip():
+        raise ValueError("EngineConfig.compile_cache_dir must be a folder path or None, got an empty string")
+    if Path(compile_cache_dir).expanduser().is_file():
+        raise ValueError(f"EngineConfig.compile_cache_dir must be a folder, but {str(compile_cache_dir)!r} is a file")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build an engine. See docs/recipe.md for choosing mode, deep_interval and shallow_loops.
@@ -64,6 +78,11 @@ class EngineConfig:
     #                                   filters: what a trainer's forward computes). Draws never change
     head_dtype: str = "auto"  # lm_head matmul: "auto" (the model dtype) or "float32" (fp32 logits from an
     #                           fp32 copy of the weight, as RL trainers run their head)
+    warmup: bool = True  # CUDA: compile every kernel specialization, capture graphs and run dummy requests
+    #                      before ready, so the first requests compile nothing (ourobatch/warmup.py); CPU: nothing
+    compile_cache_dir: str | Path | None = None  # the folder for Triton's (and Inductor's) on-disk compile
+    #                                              caches, so a second process starts warm; None: their defaults.
+    #                                              An exported TRITON_CACHE_DIR wins (ourobatch/compile_cache.py)
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():  # mode, kv_allocation, dtype, attention_backend, logprobs_mode, ...
@@ -98,6 +117,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed must satisfy 0 <= seed <= {MAX_SEED}, got {self.seed}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        _check_startup_fields(self.warmup, self.compile_cache_dir)
 
 
 def resolve_config(config: "EngineConfig | None", kwargs: dict[str, Any]) -> "EngineConfig":

@@ -83,18 +83,20 @@ class StartupClock:
 
 
 def warm_up(executor, scheduler_config: SchedulerConfig, plan: WarmupPlan, clock: StartupClock, *,
-            mode: str, seed: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
+            seed: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
     """The startup phases after the KV pool: kernels, graph captures, requests (see the module docstring).
     Raises EngineClosedError when `should_stop()` turns true (the executor is closed)."""
-    if plan.kernels:
-        with clock.phase("kernels"):
-            _warm_kernels(executor, scheduler_config, mode, should_stop)
-    if executor.graphs is not None:
-        with clock.phase("graphs"):
-            _capture_graphs(executor, scheduler_config, mode, should_stop)
-    if plan.requests and not _stopped(should_stop, executor):
-        with clock.phase("requests"):
-            warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny, should_stop=should_stop)
+    phases = [("kernels", plan.kernels, lambda: _warm_kernels(executor, scheduler_config, should_stop)),
+              ("graphs", executor.graphs is not None,
+               lambda: _capture_graphs(executor, scheduler_config, should_stop)),
+              ("requests", plan.requests,
+               lambda: warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny, should_stop=should_stop))]
+    for name, wanted, run in phases:
+        if _stopped(should_stop, executor):
+            raise EngineClosedError("the engine was closed while it warmed up")
+        if wanted:
+            with clock.phase(name):
+                run()
     if _stopped(should_stop, executor):
         raise EngineClosedError("the engine was closed while it warmed up")
 
@@ -107,10 +109,10 @@ def _stopped(should_stop: Callable[[], bool] | None, executor) -> bool:
     return False
 
 
-def _warm_kernels(executor, sc: SchedulerConfig, mode: str, should_stop: Callable[[], bool] | None) -> None:
+def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
     from ourobatch.engine import kernel_warmup
 
-    shapes = kernel_warmup.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, mode, sc.deep_interval)
+    shapes = kernel_warmup.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
     report = kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop)
     for failure in report.failures:
         log.warning("warmup_kernel_failed", error=failure)
@@ -119,16 +121,15 @@ def _warm_kernels(executor, sc: SchedulerConfig, mode: str, should_stop: Callabl
              failures=len(report.failures))
 
 
-def _capture_graphs(executor, sc: SchedulerConfig, mode: str, should_stop: Callable[[], bool] | None) -> None:
+def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
     """Every bucket of the mode's calls now, so no request pays a capture."""
     started = time.perf_counter()
-    calls = executor.graph_calls(mode, sc.deep_interval, sc.shallow_loops)
+    calls = executor.graph_calls(sc.mode, sc.deep_interval, sc.shallow_loops)
     captured = executor.capture_graphs(calls, should_stop)
     log.info("cuda_graphs_captured", graphs=captured, buckets=len(executor.graphs.buckets),
              calls=[str(c) for c in calls], seconds=round(time.perf_counter() - started, 2))
-    timings = getattr(executor.graphs, "capture_seconds", None)
-    if timings:  # (call, bucket) -> seconds, from capture_all
-        log.debug("cuda_graph_timings", seconds={f"{c}@{b}": round(t, 3) for (c, b), t in timings.items()})
+    timings = executor.graphs.capture_seconds  # (call, bucket) -> seconds, recorded by capture_all
+    log.debug("cuda_graph_timings", seconds={f"{c}@{b}": round(t, 3) for (c, b), t in timings.items()})
 
 
 # ------------------------------------------------------------------------------------------ the request pass

@@ -1,0 +1,317 @@
+"""The startup warm-up on CPU (ourobatch/warmup.py, engine/kernel_warmup.py, ourobatch/compile_cache.py).
+
+The request pass runs here for real (a scratch EngineCore over the engine's executor, float64 tiny models):
+an engine that ran it gives exactly the tokens and log-probs of one that did not, in every mode, and its
+scheduler and executor are as new. The kernel enumeration is Triton-free and checked against a brute
+force over every call the engine's limits allow. The compile-cache folders follow their precedence.
+Launching the kernels and counting compiles needs the GPU: tests/gpu/test_gpu_warmup.py."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ourobatch import EngineConfig, SamplingParams
+from ourobatch import compile_cache
+from ourobatch._core import build_engine_core
+from ourobatch.engine import kernel_warmup
+from ourobatch.engine.cuda_graphs import BUCKETS
+from ourobatch.engine.gemm_dispatch import GemmConfig
+from ourobatch.scheduler.frontend import request_seed
+from ourobatch.testing import make_tiny_checkpoint
+from ourobatch.warmup import WarmupPlan, warm_up_requests
+
+SHAPES = {
+    "gqa": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, total_ut_steps=4),
+    "mha-T3": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, total_ut_steps=3,
+                   vocab_size=37),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warmup")
+    return {name: make_tiny_checkpoint(root / name, seed=i + 3, **shape) for i, (name, shape) in enumerate(SHAPES.items())}
+
+
+def config(ckpt, mode="deferred", B=1, s=2, **kw) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), dtype="float64", mode=mode, deep_interval=B, shallow_loops=s, block_size=4,
+                        num_kv_blocks=160, max_model_len=96, max_num_batched_tokens=24, max_num_seqs=8, **kw)
+
+
+def workload(vocab: int):
+    """Prompts with shared prefixes (prefix cache) and longer than the step budget (chunked), and every
+    sampling option; one request without a seed (it takes the engine's first unseeded seed)."""
+    base = [(7 * i + 3) % vocab for i in range(40)]
+    prompts = [base[:9], base[:30], base[:13] + [1, 2], [5], base[:8] + [4] * 3, base[:17], base[:36]]
+    params = [SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=1.0, seed=4, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=10, temperature=0.8, top_k=5, top_p=0.9, seed=5, ignore_eos=True, n=2),
+              SamplingParams(max_tokens=7, temperature=0.9, min_p=0.1, seed=6, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True),  # unseeded
+              SamplingParams(max_tokens=12, temperature=0.7, seed=8, min_tokens=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)]
+    return prompts, params
+
+
+def run(core, prompts, params) -> list:
+    """Requests arriving over the first steps; every completion's outputs, in order."""
+    parents = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        parents.append(core.add(p, sp, request_id=f"r{i}"))
+        core.step()
+    steps = 0
+    while core.has_unfinished:
+        core.step()
+        steps += 1
+        assert steps < 5000
+    outs = []
+    for parent in parents:
+        out = parent.output()
+        for c in out.outputs:
+            outs.append((c.token_ids, c.logprobs, c.readout_loops, c.top_logprobs, c.seed, c.finish_reason))
+        outs.append(out.prompt_logprobs)
+    return outs
+
+
+# (shape, mode, B, s, tiny: the request pass at its small sizes, else at the engine's token budget)
+CASES = [("gqa", "deferred", 1, 2, False), ("gqa", "deferred", 4, 2, True), ("gqa", "eager", 3, 1, True),
+         ("gqa", "verify", 3, 2, False), ("mha-T3", "deferred", 2, 1, False), ("mha-T3", "verify", 2, 2, True)]
+
+
+@pytest.mark.parametrize("shape,mode,B,s,tiny", CASES)
+def test_a_warmed_engine_gives_exactly_the_outputs_of_a_cold_one(ckpts, shape, mode, B, s, tiny):
+    cfg = config(ckpts[shape], mode, B, s)
+    prompts, params = workload(37 if shape == "mha-T3" else 31)
+    cold = build_engine_core(cfg)
+    expected = run(cold, prompts, params)
+    cold.close()
+    warm = build_engine_core(cfg)
+    ran = warm_up_requests(warm.executor, warm.scheduler.config, cfg.seed, tiny=tiny)
+    assert ran.requests >= 9 and not ran.errors
+    assert run(warm, prompts, params) == expected  # float64, same kernels: bitwise equal
+    warm.close()
+
+
+@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("verify", 3)])
+def test_the_engine_after_the_warm_up_is_as_new(ckpts, mode, B):
+    cfg = config(ckpts["gqa"], mode, B, seed=12)
+    core = build_engine_core(cfg)
+    fresh = core.stats()
+    ran = warm_up_requests(core.executor, core.scheduler.config, cfg.seed)
+    assert ran.steps > 2 * B
+    stats = core.stats()
+    assert stats == fresh
+    assert stats["kv_blocks_used"] == 0 and stats["prefix_cache_blocks"] == 0
+    assert stats["num_running"] == stats["num_waiting"] == stats["requests_added"] == stats["steps"] == 0
+    assert all(v == 0 for v in core.scheduler.counters.as_dict().values())
+    ex = core.executor
+    assert ex.tables.row_of == {} and ex.retained == {}
+    assert sorted(ex.tables._free) == list(range(ex.tables.capacity))  # every table row free
+    out = core.add([1, 2, 3], SamplingParams(max_tokens=2)).children[0]
+    assert out.params.seed == request_seed(12, 0)  # the unseeded-request sequence starts where a new one does
+    core.close()
+
+
+def test_the_warm_up_without_graphs_on_cpu_is_small(ckpts):
+    core = build_engine_core(config(ckpts["gqa"], "deferred", 4, cuda_graphs=False))
+    ran = warm_up_requests(core.executor, core.scheduler.config, tiny=True)
+    assert ran.requests <= 12 and ran.steps <= 40  # a few rounds of short requests
+    core.close()
+
+
+def test_warmup_true_on_cpu_does_nothing_and_ready_reports_the_startup_phases(ckpts, caplog):
+    assert WarmupPlan.for_engine(True, "cpu") == WarmupPlan() == WarmupPlan.for_engine(False, "cuda")
+    assert WarmupPlan.for_engine(True, "cuda:1") == WarmupPlan(kernels=True, requests=True)
+    caplog.set_level(logging.INFO, logger="ourobatch")
+    core = build_engine_core(config(ckpts["gqa"]))
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine_ready")]
+    assert len(ready) == 1 and "startup_s=" in ready[0] and "weights_s=" in ready[0] and "kv_pool_s=" in ready[0]
+    assert not any(r.getMessage().startswith("warmup_") for r in caplog.records)
+    assert core.stats()["requests_added"] == 0
+    core.close()
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(warmup="yes"), TypeError, "EngineConfig.warmup must be True or False"),
+    (dict(warmup=1), TypeError, "EngineConfig.warmup"),
+    (dict(compile_cache_dir=5), TypeError, "EngineConfig.compile_cache_dir must be a folder path"),
+    (dict(compile_cache_dir=" "), ValueError, "EngineConfig.compile_cache_dir must be a folder path or None"),
+])
+def test_bad_startup_fields_are_refused_naming_the_field(kw, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(model="m", **kw)
+
+
+def test_a_compile_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="EngineConfig.compile_cache_dir must be a folder, but .* is a file"):
+        EngineConfig(model="m", compile_cache_dir=str(tmp_path / "f"))
+    assert EngineConfig(model="m", compile_cache_dir=tmp_path / "new").compile_cache_dir == tmp_path / "new"
+
+
+# ------------------------------------------------------------------------------------------ compile caches
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in (compile_cache.TRITON_VAR, compile_cache.INDUCTOR_VAR, "TRITON_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(compile_cache, "_SET_HERE", {})  # what earlier tests' engines set
+    return monkeypatch
+
+
+def test_compile_cache_dir_points_triton_and_inductor_there_and_a_later_engine_moves_it(clean_env, tmp_path):
+    import os
+
+    first = compile_cache.configure(tmp_path / "a")
+    assert (first.triton_dir, first.source) == (str(tmp_path / "a" / "triton"), "compile_cache_dir")
+    assert os.environ["TRITON_CACHE_DIR"] == first.triton_dir
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == first.inductor_dir == str(tmp_path / "a" / "inductor")
+    second = compile_cache.configure(tmp_path / "b")  # ours, not the user's: it may move
+    assert os.environ["TRITON_CACHE_DIR"] == second.triton_dir == str(tmp_path / "b" / "triton")
+    assert compile_cache.configure(None).triton_dir == second.triton_dir  # None keeps what is there
+
+
+def test_an_exported_triton_cache_dir_wins_over_compile_cache_dir(clean_env, tmp_path, caplog):
+    import os
+
+    clean_env.setenv("TRITON_CACHE_DIR", "/users/own/triton")
+    caplog.set_level(logging.WARNING, logger="ourobatch")
+    setting = compile_cache.configure(tmp_path / "c")
+    assert (setting.triton_dir, setting.source) == ("/users/own/triton", "TRITON_CACHE_DIR")
+    assert os.environ["TRITON_CACHE_DIR"] == "/users/own/triton"
+    assert any("compile_cache_dir_ignored" in r.getMessage() for r in caplog.records)
+
+
+def test_without_either_triton_keeps_its_default_folder(clean_env, tmp_path):
+    import os
+
+    assert compile_cache.configure(None) == compile_cache.CacheSetting(
+        os.path.join(os.path.expanduser("~"), ".triton", "cache"), None, "default")
+    assert "TRITON_CACHE_DIR" not in os.environ
+    clean_env.setenv("TRITON_HOME", str(tmp_path))
+    assert compile_cache.configure(None).triton_dir == str(tmp_path / ".triton" / "cache")
+
+
+def test_the_compile_counter_counts_compiles_and_cache_loads_and_chains_the_listener_before_it():
+    seen = []
+    counter = compile_cache.CompileCounter(previous=lambda **kw: seen.append(kw["cache_hit"]))
+
+    class Times:
+        total = 250_000  # microseconds
+
+    class Src:
+        name = "_paged_attention_kernel"
+
+    for hit in (False, True, False):
+        counter(src=Src(), metadata={}, metadata_group={}, times=Times(), cache_hit=hit)
+    assert counter.snapshot() == compile_cache.CompileCounts(2, 1, 0.75)
+    assert seen == [False, True, False] and counter.names == {"_paged_attention_kernel": 3}
+
+
+def test_a_cpu_engine_imports_no_triton_and_sets_no_cache_folder(ckpts, tmp_path):
+    code = ("import os, sys\nfrom ourobatch import EngineConfig\nfrom ourobatch._core import build_engine_core\n"
+            f"core = build_engine_core(EngineConfig(model={str(ckpts['gqa'])!r}, compile_cache_dir={str(tmp_path)!r}))\n"
+            "assert 'triton' not in sys.modules, 'triton was imported'\n"
+            "assert 'TRITON_CACHE_DIR' not in os.environ\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_CACHE_DIR"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+# ------------------------------------------------------------------------------------------ kernel enumeration
+
+def shapes(kv_heads=16, mode="deferred", B=1, N=64, budget=8192, L=4096, graphs=True, dtype=torch.bfloat16):
+    buckets = tuple([b for b in BUCKETS if b < N] + [N]) if graphs else None
+    return kernel_warmup.KernelShapes(16, kv_heads, 128, 2048, 5632, 49152, 1e-6, dtype, dtype, 16, L // 16, N,
+                                      budget, L, mode, B, 132, buckets, True)
+
+
+def reachable(s: kernel_warmup.KernelShapes):
+    """(requests, longest rows, total rows) of every paged-kernel call the engine can make, written out
+    from the call sites: graphed decode calls at each bucket (1 row; deferred deep: up to B rows), prefill
+    chunks after a history (<= 64 rows each, <= the token budget in all), verify's deep call (<= B + 1)."""
+    B = s.deep_interval
+    decode = [1] + (list(range(1, B + 1)) if s.mode == "deferred" and B > 1 else [])
+    for R in decode:
+        for n in s.buckets if s.buckets is not None else range(1, s.max_num_seqs + 1):
+            yield n, R, n * R
+    longest = min(64, s.max_num_batched_tokens, s.max_model_len - s.block_size)
+    deep = B + 1 if s.mode == "verify" else B if s.mode == "deferred" and B > 1 else 0
+    for n_max, r_max, cap in ((min(s.max_num_seqs, s.max_num_batched_tokens), longest, s.max_num_batched_tokens),
+                              (s.max_num_seqs, deep, 10**9)):
+        for n in range(1, n_max + 1):
+            for r in range(1, r_max + 1):
+                for total in range(r + n - 1, min(n * r, cap, r + n + 40) + 1):
+                    yield n, r, total
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(mode="deferred", B=8), dict(mode="verify", B=4),
+                                dict(kv_heads=2, mode="verify", B=3, N=40), dict(kv_heads=4, N=24, graphs=False),
+                                dict(N=32, budget=48, L=256, dtype=torch.float32)])
+def test_one_launch_per_specialization_covers_every_reachable_call(kw):
+    s = shapes(**kw)
+    keys = {kernel_warmup.attention_key(s, *call) for call in reachable(s)}
+    cases = kernel_warmup.attention_cases(s)
+    assert {kernel_warmup.attention_key(s, c.seqs, c.max_rows, c.rows) for c in cases} == keys
+    assert len(cases) == len(keys)  # one launch each
+    for c in cases:  # a launchable split of the rows: the first request has max_rows, none has more
+        counts = kernel_warmup._row_counts(c)
+        assert len(counts) == c.seqs and sum(counts) == c.rows and max(counts) == c.max_rows and min(counts) >= 1
+
+
+def test_no_paged_kernel_without_the_triton_backend():
+    s = shapes()
+    assert kernel_warmup.attention_cases(kernel_warmup.KernelShapes(**{**s.__dict__, "triton_attention": False})) == []
+
+
+def test_one_gemm_launch_per_tile_and_row_class():
+    table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
+    rows = kernel_warmup.gemm_rows(shapes(), table)
+    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_warmup.int_class(r)) for r in range(1, 49)}
+    assert len(rows) == len(keys) and 1 in rows and 16 in rows and 48 in rows
+    assert kernel_warmup.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
+
+
+INTERPRETED = """
+import torch
+from ourobatch.engine import kernel_warmup as kw
+for dtype in (torch.float32, torch.bfloat16):
+    s = kw.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
+                        (1, 2, 4), True)
+    report = kw.warm_kernels(s, torch.device("cpu"), threads=1)  # the interpreter is not thread-safe
+    assert not report.failures, report.failures
+    assert report.cases["attention"] == len(kw.attention_cases(s)) and report.cases["fused"] == 1
+    assert report.cases.get("gemm", 0) == len(kw.gemm_rows(s))
+print("ok")
+"""
+
+
+def test_every_launch_runs_in_tritons_interpreter():
+    """The launches' shapes and arguments, on CPU tensors (TRITON_INTERPRET=1), where Triton is installed."""
+    pytest.importorskip("triton")
+    import os
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--tiny", "-N", "2",
+                          "-P", "6", "-M", "4", "--configs", "interval1", "--out", str(tmp_path / "out"),
+                          "--workdir", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "cold_start.json").read_text())["rows"]
+    assert [r["process"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["tokens"] == 8 and r["ready_s"] > 0 and r["phases"]["weights"] is not None
+        assert r["first_round_s"] > 0 and r["second_round_s"] > 0 and r["captures_in_first_round"] == 0
+    assert "| interval1 | 2 |" in (tmp_path / "out" / "cold_start.md").read_text()
