@@ -128,7 +128,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ratio = r["first_round_s"] / r["second_round_s"] if r["second_round_s"] else None
         lines.append(f"| {r['config']} | {r['process']} | {f(r['import_s'])} | {f(r['ready_s'])} | "
                      + " | ".join(f(ph.get(p)) for p in PHASES)
-                     + f" | {f(r['kernels_compiled'], '{}')} / {f(r['kernels_loaded'], '{}')} | {f(r['first_round_s'])} | "
+                     + f" | {f(r['kernels_compiled'], '{}')} / {f(r['kernels_loaded'], '{}')} | "
+                     f"{f(r['first_round_s'])} | "
                      f"{f(r['second_round_s'])} | {f(ratio)} | {f(r['compiles_in_first_round'], '{}')}, "
                      f"{r['captures_in_first_round']} |")
     return "\n".join(lines) + "\n"

@@ -67,7 +67,8 @@ def test_after_startup_a_first_round_compiles_and_captures_nothing(ckpt, mode, B
 CHILD = """
 import json, sys
 from ourobatch import EngineConfig, SyncEngine, compile_cache
-cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verify", deep_interval=3, **json.loads(sys.argv[3]))
+cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verify", deep_interval=3,
+                   **json.loads(sys.argv[3]))
 with SyncEngine(cfg) as engine:
     counts = compile_cache.compile_counts()
 print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded)))
