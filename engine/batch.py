@@ -4,7 +4,9 @@ Block tables live on the device in one buffer, one row per live request, written
 first appears and extended when its block list grows (lazy allocation: a block every block_size
 positions; all growths of a step are written in one copy). A step then sends only small index vectors (table row, first position, token id per request); slots and positions are
 computed on the device, which keeps the hot path free of per-request host work and lets the same
-function run eagerly or inside a CUDA graph.
+function run eagerly or inside a CUDA graph. Nothing here waits for the device: host-to-device copies
+go through pinned memory without blocking, and host-built metadata reads the plan's block ids, never
+the device tables (async scheduling launches a step while the one before it still runs).
 """
 
 from __future__ import annotations
@@ -12,6 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (pinned memory, queued copy)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def fed_ids(token_ids: list[int | None], rows: list[int], next_tokens: torch.Tensor, vocab_size: int
+            ) -> tuple[list[int], torch.Tensor | None]:
+    """A shallow call's fed ids: on the host (0 where not known there) and, when some are not (None: sampled
+    by a step not read back yet, async scheduling), all of them on the device, those taken from
+    next_tokens[table row] (clamped into the vocabulary: the row of a failed step may hold anything)."""
+    if all(t is not None for t in token_ids):
+        return token_ids, None  # type: ignore[return-value]
+    device = next_tokens.device
+    host = [0 if t is None else t for t in token_ids]
+    from_device = to_device([t is None for t in token_ids], torch.bool, device)
+    drawn = next_tokens.index_select(0, to_device(rows, torch.int64, device)).clamp_(0, vocab_size - 1)
+    return host, torch.where(from_device, drawn, to_device(host, torch.int64, device))
 
 
 @dataclass
@@ -55,7 +77,7 @@ class BlockTables:
             raise RuntimeError(f"req {request_id}: {len(block_ids)} blocks, block tables hold {self.width}")
         row = self._free.pop()
         padded = list(block_ids) + [self.scratch_block] * (self.width - len(block_ids))
-        self.table[row].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=False)
+        self.table[row].copy_(to_device(padded, torch.int32, self.table.device), non_blocking=True)
         self.row_of[request_id] = row
         self.block_ids_of[request_id] = block_ids
         return row
@@ -67,7 +89,7 @@ class BlockTables:
         """Write every growth since the last flush in one copy (call before the step's first forward)."""
         if not self._pending:
             return
-        idx = torch.tensor(self._pending, dtype=torch.int64).to(self.table.device, non_blocking=True)
+        idx = to_device(self._pending, torch.int64, self.table.device)
         self._pending.clear()
         self.table[idx[:, 0], idx[:, 1]] = idx[:, 2].to(torch.int32)
 
@@ -124,10 +146,10 @@ def uniform_meta(tables: BlockTables, row_ids: torch.Tensor, starts: torch.Tenso
     return BatchMeta(positions, slots, block_tables, context_lens, query_start, R, False, spans)
 
 
-def varlen_meta(tables: BlockTables, row_ids: list[int], starts: list[int], num_rows: list[int],
-                block_ids: list[tuple[int, ...]], block_size: int, prefill: bool,
-                device: torch.device) -> BatchMeta:
-    """Metadata for sequences with different row counts (prefills, and the general case), built on the host."""
+def varlen_meta(tables: BlockTables, starts: list[int], num_rows: list[int], block_ids: list[tuple[int, ...]],
+                block_size: int, prefill: bool, device: torch.device) -> BatchMeta:
+    """Metadata for sequences with different row counts (prefills, and the general case), built on the host
+    from each sequence's block ids (its table row holds the same ids)."""
     positions, spans, row = [], [], 0
     for block_table, start, n in zip(block_ids, starts, num_rows):
         positions.extend(range(start, start + n))
@@ -135,20 +157,27 @@ def varlen_meta(tables: BlockTables, row_ids: list[int], starts: list[int], num_
         row += n
     pos = torch.tensor(positions, dtype=torch.int64)
     seq_of_row = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(num_rows))
-    rows_t = torch.tensor(row_ids, dtype=torch.int64)
-    host_tables = tables.table.index_select(0, rows_t.to(tables.table.device)).cpu()
+    # the rows' device tables, as the plan's block ids (padded with the scratch block): no device read
+    pad = tables.scratch_block
+    host_tables = torch.tensor([list(b) + [pad] * (tables.width - len(b)) for b in block_ids], dtype=torch.int32)
     slots = host_tables[seq_of_row, pos // block_size].to(torch.int64) * block_size + pos % block_size
     query_start = torch.zeros(len(starts) + 1, dtype=torch.int32)
     query_start[1:] = torch.tensor(num_rows).cumsum(0)
     context_lens = torch.tensor([s + n for s, n in zip(starts, num_rows)], dtype=torch.int32)
-    to = dict(device=device, non_blocking=True)
     history = None
     hist = [i for i, (start, n) in enumerate(zip(starts, num_rows)) if prefill and start > 0]
     if hist:
         rows_idx = torch.cat([torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_rows) for i in hist])
         hq = torch.zeros(len(hist) + 1, dtype=torch.int32)
         hq[1:] = torch.tensor([num_rows[i] for i in hist]).cumsum(0)
-        history = HistoryMeta(rows_idx.to(**to), host_tables[hist].to(**to), context_lens[hist].to(**to), hq.to(**to),
-                              max(num_rows[i] for i in hist))
-    return BatchMeta(pos.to(**to), slots.to(**to), host_tables.to(**to), context_lens.to(**to),
-                     query_start.to(**to), max(num_rows), prefill, spans, history)
+        history = HistoryMeta(_put(rows_idx, device), _put(host_tables[hist], device), _put(context_lens[hist], device),
+                              _put(hq, device), max(num_rows[i] for i in hist))
+    return BatchMeta(_put(pos, device), _put(slots, device), _put(host_tables, device), _put(context_lens, device),
+                     _put(query_start, device), max(num_rows), prefill, spans, history)
+
+
+def _put(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, queued (pinned first on CUDA, so the copy never waits for the device)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

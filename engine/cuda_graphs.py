@@ -6,7 +6,8 @@ captured lazily the first time it is needed. A capture warms up twice on a side 
 compiles, cuBLAS picks kernels), then captures. Replays copy the
 step's small index vectors (token ids, table rows, positions, retained-row slots) into the graph's
 static inputs; padding entries point at the scratch table row, whose blocks are the scratch block, so
-they write nowhere that matters. Warm-up runs are real runs of the step with the same inputs, and every
+they write nowhere that matters. Fed token ids that a step not yet read back sampled (async scheduling)
+are copied device-to-device into the ids input before the replay, so the graph itself never changes. Warm-up runs are real runs of the step with the same inputs, and every
 write they make (KV slots, retained rows) is idempotent, so capturing mid-generation is safe.
 """
 
@@ -60,24 +61,29 @@ class GraphCache:
                 return b
         raise RuntimeError(f"{n} requests in one call, more than max_num_seqs={self.buckets[-1]}")
 
-    def _fill(self, g: _Graph, values: dict[str, list[int]], n: int) -> None:
+    def _fill(self, g: _Graph, values: dict[str, list[int]], n: int, on_device: dict[str, torch.Tensor]) -> None:
+        """Copy the step's index vectors into the graph's inputs (padded); `on_device`: inputs whose first n
+        entries come from a device tensor instead (fed token ids the step before sampled), copied after."""
         scratch = {"rows": self.tables.scratch_row}
         for name, buf in g.inputs.items():
             vals = values[name]
             pad = buf.shape[0] - n
             host = torch.tensor(vals + [scratch.get(name, 0)] * pad, dtype=torch.int64, pin_memory=True)
             buf.copy_(host, non_blocking=True)
+        for name, t in on_device.items():
+            g.inputs[name][:n].copy_(t)
 
     def _get(self, call: GraphCall, n: int, names: list[str], build: Callable[[dict[str, torch.Tensor]], list],
-             values: dict[str, list[int]]) -> _Graph:
+             values: dict[str, list[int]], on_device: dict[str, torch.Tensor] | None = None) -> _Graph:
         bucket = self._bucket(n)
         g = self.graphs.get((call, bucket))
+        on_device = on_device or {}
         if g is not None:
-            self._fill(g, values, n)
+            self._fill(g, values, n, on_device)
             return g
         inputs = {name: torch.zeros(bucket, dtype=torch.int64, device=self.device) for name in names}
         g = _Graph(torch.cuda.CUDAGraph(), inputs)
-        self._fill(g, values, n)
+        self._fill(g, values, n, on_device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -113,7 +119,10 @@ class GraphCache:
         return self.num_captures - before
 
     def shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
-                retain_slots: list[int] | None, last_loop: int) -> list[torch.Tensor]:
+                retain_slots: list[int] | None, last_loop: int,
+                device_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One shallow step; `device_ids` ([n] int64 on the device), when given, are the fed ids instead of
+        `token_ids` (async scheduling: some were sampled by a step not read yet)."""
         n = len(rows)
         retain = retain_slots is not None
         model, pool, tables, retained_rows = self.model, self.pool, self.tables, self.retained_rows
@@ -127,7 +136,8 @@ class GraphCache:
 
         values = {"ids": token_ids, "rows": rows, "positions": positions, "slots": retain_slots or [0] * n}
         names = ["ids", "rows", "positions"] + (["slots"] if retain else [])
-        g = self._get(ShallowCall(last_loop, retain), n, names, build, values)
+        on_device = {"ids": device_ids} if device_ids is not None else None
+        g = self._get(ShallowCall(last_loop, retain), n, names, build, values, on_device)
         g.graph.replay()
         return [h[:n] for h in g.outputs]
 

@@ -11,6 +11,13 @@ written by the shallow call and read by the deep call, so neither needs per-requ
 released request's rows are simply forgotten. A failing phase is reported as a StepFailure, never raised: the scheduler decides
 who ends with it.
 
+``execute(plan)`` is ``launch(plan).result()``. ``launch`` only queues work on the device (host-to-device
+copies through pinned memory, metadata from the plan's block ids, no read of a device value), so with
+async scheduling the next plan is launched before this one is read (engine/pending.py: the readback,
+the non-finite check, prompt log-probs). The sampling pass also writes each request's token to
+``next_tokens[table row]``; a ShallowWork whose token_id is None feeds the token from there, gathered
+on the device before the shallow call (outside the CUDA graph, which reads its input-id buffer as always).
+
 On CUDA with the Triton backend, shallow and deep calls replay CUDA graphs captured per batch-size
 bucket (cuda_graphs.py); elsewhere the same functions run eagerly.
 """
@@ -22,16 +29,18 @@ from typing import Callable
 
 import torch
 
-from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, PromptLogprobs, SampledToken, ShallowWork,
-                                      StepFailure, StepPlan, StepResult, VerifyResult)
+from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, SampledToken, ShallowWork, StepFailure,
+                                      StepPlan, StepResult, VerifyResult)
 
-from .batch import BatchMeta, BlockTables, SeqSpan, uniform_meta, varlen_meta
+from .batch import BatchMeta, BlockTables, SeqSpan, fed_ids, to_device, uniform_meta, varlen_meta
 from .cuda_graphs import GraphCache
 from .graph_calls import GraphCall, mode_calls
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
+from .pending import PendingStep, start_timing, without_requests
+from .pending import failure as _failure
 from .prompt_logprobs import prompt_logprobs
-from .readout import Readout, require_finite, sample_readouts
+from .readout import PendingSample, Readout, launch_sample, require_finite, sample_readouts
 from .retained import RetainedRows, RetainedSpan
 from . import weights
 from .verify import VerifyItem, verify_batch
@@ -64,6 +73,10 @@ class ModelExecutor:
         # A request holds at most deep_interval retained rows, and never more than it has positions.
         max_retained = max(1, min(deep_interval, max_blocks_per_seq * self.block_size))
         self.kept_rows = RetainedRows(max_num_seqs + 1, max_retained, cfg.hidden_size, dtype, self.device)
+        # next_tokens[table row]: the token each request's last sampled step drew, written on the device by
+        # that step's sampling pass; a step launched before it is read feeds it from here (async scheduling)
+        self.next_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self._failed: set[str] = set()  # requests a phase of the step last launched failed
         # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.
         self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
         if cuda_graphs is None:
@@ -93,11 +106,20 @@ class ModelExecutor:
 
     # ------------------------------------------------------------------ the seam
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Queue the plan's work on the device and return at once (nothing here waits for the device); the
+        result is read by PendingStep.result(). The next plan may be launched first: its rows with
+        token_id None feed the tokens this step samples (a device buffer indexed by table row)."""
+        failed_before, self._failed = self._failed - set(plan.released_request_ids), set()
         for rid in plan.released_request_ids:
             self.kept_rows.forget(rid)
             self.tables.release(rid)
+        if failed_before:  # rows planned ahead for requests a phase of the step before failed: never run
+            plan = without_requests(plan, failed_before)
         try:  # new rows and grown block lists, once per step; the phases below read tables.row_of
             for w in (*plan.prefills, *plan.shallow, *plan.deep):
                 self.tables.row(w.request_id, w.block_ids)
@@ -107,50 +129,63 @@ class ModelExecutor:
             decoding = {w.request_id: w for w in (*plan.shallow, *plan.deep)}
             if decoding:
                 failures.append(_failure(Phase.SHALLOW, tuple(decoding.values()), exc))
-            return StepResult(plan.step_id, (), tuple(failures), ())
-        failures: list[StepFailure] = []
+            return self._launched(PendingStep(plan, failures))
+        step = PendingStep(plan, [], timing=start_timing(self.device, self.timing is not None))
         readouts: list[Readout] = []
-        prompt_lps: list[PromptLogprobs] = []
-        failed: set[str] = set()
-        events = self._start_timing()
-
         if plan.prefills:
             try:
                 self._enter(Phase.PREFILL, plan.prefills)
-                readouts += self._prefill(plan.prefills, prompt_lps)
+                readouts += self._prefill(plan.prefills, step)
             except Exception as exc:  # noqa: BLE001 - reported to the scheduler as data
-                failures.append(_failure(Phase.PREFILL, plan.prefills, exc))
-                prompt_lps.clear()
+                step.failures.append(_failure(Phase.PREFILL, plan.prefills, exc))
+                step.prompt_job = None
+        failed: set[str] = set()
         if plan.shallow:
             try:
                 self._enter(Phase.SHALLOW, plan.shallow)
                 readouts += self._shallow(plan.shallow)
             except Exception as exc:  # noqa: BLE001
-                failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
+                step.failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
                 failed.update(w.request_id for w in plan.shallow)
         deep = [d for d in plan.deep if d.request_id not in failed]
-        verified: list[VerifyResult] = []
         if deep:
-            try:
-                self._enter(Phase.DEEP, deep)
-                if deep[0].verify:
-                    verified = self._deep_verify(deep)
-                else:
-                    readouts += self._deep(deep)
-            except Exception as exc:  # noqa: BLE001
-                failures.append(_failure(Phase.DEEP, deep, exc))
-            finally:
-                for d in deep:  # consumed, or discarded with a failed (closing) cohort
-                    self.kept_rows.forget(d.request_id)
-        sampled: list[SampledToken] = []
+            readouts += self._run_deep_phase(deep, step)
         if readouts:
             try:
-                sampled = self._sample(readouts)
+                step.sample = self._launch_sample(readouts)
             except Exception as exc:  # noqa: BLE001
                 ids = tuple(rid for r in readouts for rid, _ in r.items)
-                failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
-        self._stop_timing(events)
-        return StepResult(plan.step_id, tuple(sampled), tuple(failures), tuple(verified), tuple(prompt_lps))
+                step.failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
+        if step.timing is not None:
+            step.timing[1].record()
+        return self._launched(step)
+
+    def _launched(self, step: PendingStep) -> PendingStep:
+        self._failed = {rid for f in step.failures for rid in f.request_ids}
+        step.timings = self.timing
+        return step
+
+    def _run_deep_phase(self, deep: list[DeepWork], step: PendingStep) -> list[Readout]:
+        try:
+            self._enter(Phase.DEEP, deep)
+            if deep[0].verify:  # verify mode reads its verdicts back here (it never runs a step ahead)
+                step.verified = self._deep_verify(deep)
+                return []
+            return self._deep(deep)
+        except Exception as exc:  # noqa: BLE001
+            step.failures.append(_failure(Phase.DEEP, deep, exc))
+            return []
+        finally:
+            for d in deep:  # consumed, or discarded with a failed (closing) cohort
+                self.kept_rows.forget(d.request_id)
+
+    def _launch_sample(self, readouts: list[Readout]) -> PendingSample:
+        """The batched sampling pass, queued; its tokens are also written to next_tokens[table row], where
+        a step launched before this one is read feeds them from (ShallowWork.token_id None)."""
+        pending = launch_sample(self.model, readouts, self.head_dtype, self.logprobs_mode)
+        rows = self._index([self.tables.row_of[rid] for rid, _ in pending.items])
+        self.next_tokens.index_copy_(0, rows, pending.token_ids)
+        return pending
 
     def _enter(self, phase: Phase, works) -> None:
         if self.fault_hook is not None:
@@ -168,23 +203,23 @@ class ModelExecutor:
         return spans
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return to_device(values, torch.int64, self.device)
 
-    def _prefill(self, works: tuple[PrefillWork, ...], prompt_out: list[PromptLogprobs]) -> list[Readout]:
+    def _prefill(self, works: tuple[PrefillWork, ...], step: PendingStep) -> list[Readout]:
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
-        rows = [self.tables.row_of[w.request_id] for w in run]
         starts = [w.start_position for w in run]
         lens = [len(w.token_ids) for w in run]
         # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
         # (start > 0) reads that history from the pool
-        meta = varlen_meta(self.tables, rows, starts, lens, [w.block_ids for w in run], self.block_size,
+        meta = varlen_meta(self.tables, starts, lens, [w.block_ids for w in run], self.block_size,
                            prefill=True, device=self.device)
         ids = self._index([t for w in run for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
         last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
-        if any(w.prompt_logprobs is not None for w in run):  # engine/prompt_logprobs.py
-            prompt_out += prompt_logprobs(self.model, h_T, run, [span.row_start for span in meta.spans],
-                                          self.logprobs_mode, self.head_dtype, require_finite)
+        if any(w.prompt_logprobs is not None for w in run):  # engine/prompt_logprobs.py, read with the result
+            row_starts = [span.row_start for span in meta.spans]
+            step.prompt_job = lambda: prompt_logprobs(self.model, h_T, run, row_starts, self.logprobs_mode,
+                                                      self.head_dtype, require_finite)
         items = [(w.request_id, w.sample) for w in works if w.sample is not None]
         keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
         return [Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
@@ -212,15 +247,18 @@ class ModelExecutor:
                 out.append(Readout(h, [(group[i].request_id, group[i].sample) for i in idx]))
         return out
 
-    def _run_shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
+    def _run_shallow(self, token_ids: list[int | None], rows: list[int], positions: list[int],
                      retain_slots: list[int] | None, last_loop: int, works) -> list[torch.Tensor]:
-        """Loops 1..last_loop over one fed token per request; returns readouts [n, hidden] of each loop."""
+        """Loops 1..last_loop over one fed token per request (None: the token this request's last sampled
+        step drew, read from next_tokens); returns readouts [n, hidden] of each loop."""
+        host_ids, device_ids = fed_ids(token_ids, rows, self.next_tokens, self.model_config.vocab_size)
         if self.graphs is not None:
-            return self.graphs.shallow(token_ids, rows, positions, retain_slots, last_loop)
+            return self.graphs.shallow(host_ids, rows, positions, retain_slots, last_loop, device_ids)
         row_t, pos_t = self._index(rows), self._index(positions)
         meta = uniform_meta(self.tables, row_t, pos_t, 1, self.block_size,
                             self._spans(works, positions, [1] * len(rows)))
-        readouts = self.model.run_loops(self.model.embed(self._index(token_ids)), meta, self.pool, 1, last_loop)
+        ids = device_ids if device_ids is not None else self._index(host_ids)
+        readouts = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, last_loop)
         if retain_slots is not None:
             self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
         return readouts
@@ -258,8 +296,8 @@ class ModelExecutor:
         no graph). Returns the metadata, the retained loop-s rows and their loop-T readouts."""
         rows = [self.tables.row_of[d.request_id] for d in works]
         num_rows = [d.num_rows for d in works]
-        meta = varlen_meta(self.tables, rows, [d.start_position for d in works], num_rows,
-                           [d.block_ids for d in works], self.block_size, prefill=False, device=self.device)
+        meta = varlen_meta(self.tables, [d.start_position for d in works], num_rows, [d.block_ids for d in works],
+                           self.block_size, prefill=False, device=self.device)
         h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
         h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
         return meta, h_s, h_T
@@ -279,6 +317,7 @@ class ModelExecutor:
             require_finite(finite, row_ids)
 
     def _sample(self, readouts: list[Readout]) -> list[SampledToken]:
+        """The sampling pass read at once (benchmarks/public_path.py times it as a phase)."""
         return sample_readouts(self.model, readouts, self.head_dtype, self.logprobs_mode)
 
     # ------------------------------------------------------------------ startup
@@ -360,24 +399,3 @@ class ModelExecutor:
             if clear is not None:  # cuBLAS keeps a workspace per stream it saw (graph capture streams too)
                 clear()
             torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info
-
-    # ------------------------------------------------------------------ timing
-
-    def _start_timing(self):
-        if self.timing is None or self.device.type != "cuda":
-            return None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start, end
-
-    def _stop_timing(self, events) -> None:
-        if events is None:
-            return
-        start, end = events
-        end.record()
-        end.synchronize()
-        self.timing.append(start.elapsed_time(end))
-
-
-def _failure(phase: Phase, works, exc: Exception) -> StepFailure:
-    return StepFailure(phase, tuple(w.request_id for w in works), f"{type(exc).__name__}: {exc}")

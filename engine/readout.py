@@ -1,5 +1,9 @@
 """From a step's readouts to tokens: one batched lm_head + sampling pass over every readout row that
-carries a SampleSpec, and the check that no non-finite logit is ever sampled or reported."""
+carries a SampleSpec, and the check that no non-finite logit is ever sampled or reported.
+
+The pass is split for async scheduling: ``launch_sample`` queues the logits, the draws and the
+finiteness flags on the device (and their copy to the host); ``PendingSample.read()`` is the one wait,
+when the step's result is read."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 from ourobatch.scheduler.plan import SampledToken, SampleSpec
 
 from .model import OuroForCausalLM
-from .sampler import sample
+from .sampler import DeviceSample, sample_on_device, to_host
 
 
 @dataclass
@@ -21,22 +25,61 @@ class Readout:
     items: list[tuple[str, SampleSpec]]
 
 
-def sample_readouts(model: OuroForCausalLM, readouts: list[Readout], head_dtype: torch.dtype | None,
-                    logprobs_mode: str) -> list[SampledToken]:
-    """One token per readout row, in the order of `readouts`; FloatingPointError on a non-finite logit."""
+@dataclass
+class PendingSample:
+    """A sampling pass queued on the device; read() waits for it."""
+
+    items: list[tuple[str, SampleSpec]]
+    drawn: DeviceSample
+    finite: torch.Tensor  # [rows] bool: the row's logits are all finite (on the host once copied)
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """[rows] int64, on the device until read (the executor feeds them to the next step from there)."""
+        return self.drawn.token_ids
+
+    def read(self) -> tuple[list[SampledToken], list[str]]:
+        """Every row's token, and the requests whose logits were not finite (their tokens are meaningless:
+        the caller fails the step, unless those requests had already ended)."""
+        result = self.drawn.read()  # waits for the copies (finite was copied before them)
+        flags = self.finite.tolist()
+        bad = list(dict.fromkeys(rid for (rid, _), ok in zip(self.items, flags) if not ok))
+        tokens = [SampledToken(rid, tok, lp, spec.loop, top) for (rid, spec), tok, lp, top
+                  in zip(self.items, result.token_ids, result.logprobs, result.top_logprobs)]
+        return tokens, bad
+
+
+def launch_sample(model: OuroForCausalLM, readouts: list[Readout], head_dtype: torch.dtype | None,
+                  logprobs_mode: str) -> PendingSample:
+    """One token per readout row, in the order of `readouts`, queued on the device (no host sync)."""
     h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
     items = [it for r in readouts for it in r.items]
     logits = model.logits(h, head_dtype)
     finite = torch.isfinite(logits).all(-1)  # [rows]
     try:
-        result = sample(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items],
-                        logprobs_mode)
-    finally:  # checked after the sampler's own sync (no extra stall); wins over what NaNs broke there
+        drawn = sample_on_device(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items],
+                                 logprobs_mode)
+    except Exception:  # what NaNs broke in the sampler: the non-finite logits are the error to report
         require_finite(finite, [rid for rid, _ in items])
-    return [
-        SampledToken(rid, tok, lp, spec.loop, top)
-        for (rid, spec), tok, lp, top in zip(items, result.token_ids, result.logprobs, result.top_logprobs)
-    ]
+        raise
+    if finite.is_cuda:
+        finite = to_host(finite)  # queued before the draws' copies, read after them
+    drawn.start_copy()
+    return PendingSample(items, drawn, finite)
+
+
+def sample_readouts(model: OuroForCausalLM, readouts: list[Readout], head_dtype: torch.dtype | None,
+                    logprobs_mode: str) -> list[SampledToken]:
+    """launch_sample and read; FloatingPointError on a non-finite logit."""
+    tokens, bad = launch_sample(model, readouts, head_dtype, logprobs_mode).read()
+    if bad:
+        raise FloatingPointError(non_finite_message(bad))
+    return tokens
+
+
+def non_finite_message(request_ids: list[str]) -> str:
+    more = " ..." if len(request_ids) > 8 else ""
+    return f"non-finite logits (NaN or inf) for request(s) {request_ids[:8]}{more}: the weights or activations overflowed"
 
 
 def require_finite(finite: torch.Tensor, row_ids: list[str]) -> None:
@@ -45,5 +88,4 @@ def require_finite(finite: torch.Tensor, row_ids: list[str]) -> None:
     flags = finite.tolist()
     if not all(flags):
         bad = list(dict.fromkeys(rid for rid, ok in zip(row_ids, flags) if not ok))
-        raise FloatingPointError(f"non-finite logits (NaN or inf) for request(s) {bad[:8]}"
-                                 f"{' ...' if len(bad) > 8 else ''}: the weights or activations overflowed")
+        raise FloatingPointError(non_finite_message(bad))

@@ -129,8 +129,53 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
            logprobs_mode: str = "processed") -> SamplerOutput:
     """Draw one token per row. logits: [rows, vocab]; token_indices: j of each row's generated token.
     logprobs_mode: which log-probs are reported ("processed" or "raw"); the draws do not depend on it."""
+    return sample_on_device(logits, params, token_indices, logprobs_mode).read()
+
+
+@dataclass
+class DeviceSample:
+    """A sampling pass whose results are still on the device: ``start_copy()`` queues their copy to the host
+    (pinned memory, no wait), ``read()`` waits for it and returns the SamplerOutput."""
+
+    token_ids: torch.Tensor  # [rows] int64 (stays on the device: the executor feeds the next step from it)
+    logprobs: torch.Tensor  # [rows]: each token's reported log-prob
+    num_top: list[int]  # per row: params.logprobs (top log-probs to report)
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # values, ids [rows with num_top > 0, k_max]
+    _host: tuple | None = None  # (token_ids, logprobs, top) copies on the host, once queued
+    _copied: object = None  # the CUDA event after those copies
+
+    def start_copy(self) -> None:
+        if self._host is not None:
+            return
+        if not self.token_ids.is_cuda:
+            self._host = (self.token_ids, self.logprobs, self.top)
+            return
+        top = None if self.top is None else (to_host(self.top[0]), to_host(self.top[1]))
+        self._host = (to_host(self.token_ids), to_host(self.logprobs), top)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self) -> SamplerOutput:
+        self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids, logprobs, top = self._host
+        tokens, chosen = token_ids.tolist(), logprobs.tolist()
+        return SamplerOutput(tokens, chosen, _top_entries(top, tokens, chosen, self.num_top))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor `t` in pinned host memory, queued (valid once the stream reaches it)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+                     logprobs_mode: str = "processed") -> DeviceSample:
+    """sample() without reading anything back: the draws and log-probs stay on the device."""
     vocab = logits.shape[1]
     raw = logprobs_mode == "raw"
+    num_top = [p.num_top_logprobs for p in params]
     if logits.is_cuda and all(_is_plain(p, vocab, j) for p, j in zip(params, token_indices)):
         from .triton_sampler import sample_plain
 
@@ -143,7 +188,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
         if raw and any(p.temperature != 1.0 and not p.is_greedy for p in params):  # else raw == processed
             z = logits.float()  # [rows, vocab]
             lps = z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(dim=-1)
-        return SamplerOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
+        return DeviceSample(tokens, lps, num_top)
     logprobs = processed_logprobs(logits, params, token_indices)  # [rows, vocab]
     dev = logprobs.device
     greedy = torch.tensor([p.is_greedy for p in params], device=dev)
@@ -154,10 +199,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
     drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))  # argmax: the first (lowest id) max
     reported = raw_logprobs(logits) if raw else logprobs  # [rows, vocab]
     chosen = reported.gather(1, drawn[:, None]).squeeze(1)
-
-    token_list, chosen_list = drawn.tolist(), chosen.tolist()
-    tops = top_logprobs(reported, token_list, chosen_list, [p.num_top_logprobs for p in params])
-    return SamplerOutput(token_list, chosen_list, tops)
+    return DeviceSample(drawn, chosen, num_top, _top_rows(reported, num_top))
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], chosen: list[float],
@@ -165,15 +207,28 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], chosen: list[floa
     """Per row with num_top[i] = k > 0: the k best reported log-probs, then the sampled token (as vLLM
     reports it) with its log-prob `chosen[i]`; None for rows with k = 0. logprobs: [rows, vocab].
     Ties rank the lower token id first (a stable sort; topk leaves the order of ties unspecified)."""
-    tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(num_top)
+    return _top_entries(_top_rows(logprobs, num_top), token_ids, chosen, num_top)
+
+
+def _top_rows(logprobs: torch.Tensor, num_top: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The best k_max = max(num_top) log-probs and their ids of each row with num_top > 0, on the device."""
     wanted = [i for i, k in enumerate(num_top) if k > 0]
     if not wanted:
-        return tops
+        return None
     k_max = min(max(num_top), logprobs.shape[1])
     rows = logprobs if len(wanted) == len(num_top) else logprobs[torch.tensor(wanted, device=logprobs.device)]
     vals, ids = rows.sort(dim=-1, descending=True, stable=True)
-    vals, ids = vals[:, :k_max].tolist(), ids[:, :k_max].tolist()
-    for n, i in enumerate(wanted):
+    return vals[:, :k_max], ids[:, :k_max]
+
+
+def _top_entries(top: tuple[torch.Tensor, torch.Tensor] | None, token_ids: list[int], chosen: list[float],
+                 num_top: list[int]) -> list[tuple[tuple[int, float], ...] | None]:
+    """top_logprobs' entries from _top_rows' values and ids (read back here)."""
+    tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(num_top)
+    if top is None:
+        return tops
+    vals, ids = top[0].tolist(), top[1].tolist()
+    for n, i in enumerate(i for i, k in enumerate(num_top) if k > 0):
         entries = dict(zip(ids[n][:num_top[i]], vals[n][:num_top[i]]))
         entries[token_ids[i]] = chosen[i]
         tops[i] = tuple(entries.items())

@@ -62,6 +62,13 @@ def resolve_head_dtype(config: EngineConfig) -> torch.dtype | None:
     return None if config.head_dtype == "auto" else getattr(torch, config.head_dtype)
 
 
+def resolve_async_scheduling(config: EngineConfig) -> bool:
+    """async_scheduling=None: on for CUDA except in verify mode (EngineConfig refuses verify + True)."""
+    if config.async_scheduling is None:
+        return config.device.startswith("cuda") and config.mode != "verify"
+    return config.async_scheduling
+
+
 # CUDA memory kept out of the KV pool for activations, graphs and the sampler's [rows, vocab] buffers.
 ACTIVATION_RESERVE_BYTES = 3 * 2**30
 
@@ -190,7 +197,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
         return stats
 
     core = EngineCore(scheduler_config, executor, extra_stats=extra_stats, seed=config.seed,
-                      tensor_names=lambda: tensor_names(mc))
+                      tensor_names=lambda: tensor_names(mc), async_scheduling=resolve_async_scheduling(config))
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
              shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
              dtype=str(dtype), device=config.device, **clock.fields())

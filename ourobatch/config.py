@@ -78,6 +78,8 @@ class EngineConfig:
     #                                   filters: what a trainer's forward computes). Draws never change
     head_dtype: str = "auto"  # lm_head matmul: "auto" (the model dtype) or "float32" (fp32 logits from an
     #                           fp32 copy of the weight, as RL trainers run their head)
+    async_scheduling: bool | None = None  # plan step k+1 while step k runs (vLLM's async scheduling); None: on
+    #                                       for CUDA in deferred and eager mode, off on CPU and in verify mode
     warmup: bool = True  # CUDA: compile every kernel specialization, capture graphs and run dummy requests
     #                      before ready, so the first requests compile nothing (ourobatch/warmup.py); CPU: nothing
     compile_cache_dir: str | Path | None = None  # the folder for Triton's (and Inductor's) on-disk compile
@@ -112,6 +114,13 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization!r}")
         if self.cuda_graphs not in (None, True, False):
             raise TypeError(f"EngineConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise TypeError(f"EngineConfig.async_scheduling must be None, True or False, got "
+                            f"{self.async_scheduling!r}")
+        if self.async_scheduling and self.mode == "verify":
+            raise ValueError("EngineConfig.async_scheduling=True cannot be used with mode='verify': its next step "
+                             "depends on how many drafts the step before accepts; use async_scheduling=None or "
+                             "False, or mode 'deferred' or 'eager'")
         _positive_int("seed", self.seed, 0)
         if self.seed > MAX_SEED:
             raise ValueError(f"EngineConfig.seed must satisfy 0 <= seed <= {MAX_SEED}, got {self.seed}")

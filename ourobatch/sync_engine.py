@@ -3,7 +3,9 @@
 Thread safety. One lock guards the core. A caller adds its requests under the lock, then loops: take
 the lock, stop if all of its own requests have finished, else run one step. A step advances every
 caller's requests, whichever thread runs it, so several threads share one batch (and each returns as
-soon as its own requests are done) instead of corrupting each other's state.
+soon as its own requests are done) instead of corrupting each other's state. With async scheduling a
+step may still be in flight between two calls (EngineCore's pipeline): every control call, and poll(),
+drains it first under the lock.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class SyncEngine:
                     finished = sum(p.finished for p in parents)
                     if finished == len(parents):
                         break
-                    if not self.core.control.poll():
+                    if not self.core.poll():
                         self._changed.wait()  # another thread paused it (or sleeps it): wait for resume()
                         continue
                     self.core.step()  # may finish other threads' requests too: they read their own
@@ -129,6 +131,7 @@ class SyncEngine:
     def _controlled(self, fn: Any, *args: Any) -> Any:
         with self._lock:
             try:
+                self.core.drain()  # control calls run with no step in flight
                 return fn(self.core, *args)
             finally:
                 self._changed.notify_all()
@@ -144,8 +147,9 @@ class SyncEngine:
         core.control.pause(mode)  # validates the mode
         if mode == "abort":
             self.abort_all()
-        while core.control.poll() and core.control.run is Run.PAUSING:  # "wait": run to the end; "keep": flush
+        while core.poll() and core.control.run is Run.PAUSING:  # "wait": run to the end; "keep": flush
             core.step()
+        core.drain()
 
     def resume(self, *, recompute_kv: bool = False) -> None:
         """As Engine.resume (the recompute of kept requests runs before the next step)."""
@@ -188,6 +192,7 @@ class SyncEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (e.g. after changing weights); returns how many were dropped."""
         with self._lock:
+            self.core.drain()
             return self.core.reset_prefix_cache()
 
     def score(self, prompt_token_ids: Sequence[int], completion_token_ids: Sequence[int],

@@ -98,6 +98,7 @@ def preempt(r: Request, kv: KVManager, waiting: deque[Request]) -> None:
     """Free `r`'s KV and queue it again with its outputs, ahead of every request that arrived after it;
     readmission prefills prompt + outputs. (The scheduler also takes it out of its cohort and releases its
     engine-side rows.)"""
+    assert not r.num_pending, f"req {r.request_id}: preempted with a step in flight"
     set_status(r, RequestStatus.WAITING)
     kv.free(r)
     r.block_ids = ()

@@ -5,6 +5,10 @@ A cohort's ``phase`` counts the shallow steps its decoding members took in the c
 until phase 0, the next block start, so it waits at most interval-1 steps; when no member is decoding
 the clock is free and resets to 0. A deep call that fails closes the cohort; later requests form a new one.
 ``Cohorts`` is the one owner of membership: requests join the open cohort, leave, and closing happens there.
+
+Async scheduling (lookahead.py) plans a step while the previous one runs: a request whose last prefill
+chunk runs then joins before its first token is known and counts as aligning while still PREFILLING;
+a member whose pending token ends it by length (``Request.is_ending``) no longer counts as decoding.
 """
 
 from __future__ import annotations
@@ -37,13 +41,21 @@ class Cohort:
         self.advance()
 
 
+_ALIGNING = (RequestStatus.ALIGNING, RequestStatus.PREFILLING)  # PREFILLING: joined, first token pending
+
+
+def is_decoding(r: Request) -> bool:
+    """A decoding member the coming step feeds (not one whose pending token ends it)."""
+    return r.status == RequestStatus.DECODING and not r.is_ending
+
+
 def members_fed(cohort: Cohort, members: list[Request]) -> list[Request]:
     """The members a cohort's coming step feeds: the decoding ones, and the aligning ones when a block
     starts (phase 0, or no member mid-block), in member order, decoding ones first."""
-    decoding = [r for r in members if r.status == RequestStatus.DECODING]
+    decoding = [r for r in members if r.status == RequestStatus.DECODING and not r.is_ending]  # is_decoding
     if decoding and cohort.phase != 0:
         return decoding
-    return decoding + [r for r in members if r.status == RequestStatus.ALIGNING]
+    return decoding + [r for r in members if r.status in _ALIGNING and not r.is_ending]
 
 
 class Cohorts:
@@ -60,6 +72,10 @@ class Cohorts:
 
     def values(self) -> list[Cohort]:
         return list(self._by_id.values())
+
+    def is_member(self, r: Request) -> bool:
+        cohort = self._by_id.get(r.cohort_id) if r.cohort_id is not None else None
+        return cohort is not None and r.request_id in cohort.member_ids
 
     def join(self, r: Request) -> None:
         """`r` (just prefilled) joins the open cohort; a new one opens when there is none or it closed."""
@@ -89,11 +105,12 @@ class Cohorts:
         """Each cohort the coming step feeds, with the members it feeds (``members_fed``); a clock with
         nobody mid-block resets, and aligning members that start a block start decoding."""
         for cohort in list(self._by_id.values()):
-            members = [requests[rid] for rid in cohort.member_ids]
-            if not any(r.status == RequestStatus.DECODING for r in members):
+            fed = members_fed(cohort, [requests[rid] for rid in cohort.member_ids])
+            if not fed or fed[0].status != RequestStatus.DECODING:  # decoding members come first
                 cohort.phase = 0  # nobody mid-block: the clock is free
-            fed = members_fed(cohort, members)
             for r in fed:
+                if r.status == RequestStatus.PREFILLING:  # joined ahead: its first token is pending
+                    set_status(r, RequestStatus.ALIGNING)
                 if r.status == RequestStatus.ALIGNING:
                     set_status(r, RequestStatus.DECODING)
             if fed:

@@ -39,6 +39,8 @@ class SchedulerCounters:
     finished_length: int = 0
     finished_abort: int = 0
     finished_error: int = 0
+    lookahead_steps: int = 0  # async scheduling: steps planned while the step before them ran
+    lookahead_drains: int = 0  # async scheduling: steps that had to wait for the update before them
 
     def count_plan(self, plan: StepPlan, num_boundaries: int) -> None:
         """A planned step: its prefill chunks, shallow rows, deep rows, and the cohort boundaries in it."""

@@ -6,7 +6,8 @@ Deferred mode feeds generated token k at P + k - 1 through loops 1..s, keeps the
 s between boundaries and, at a boundary, runs loops s+1..T over every retained row and samples from
 loop T. Eager mode (and B = 1) feeds through all T loops at once and keeps no row. Verify mode's rows
 are planned in verify_plan.py. A row's blocks are taken here, as its position is written (make_room
-left room for them).
+left room for them). With async scheduling a row may feed a token the step in flight samples
+(``ShallowWork.token_id`` None: the engine reads it on the device).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def plan_decodes(config: SchedulerConfig, cohorts: Cohorts, requests: Mapping[st
     """Every fed request's rows; each cohort's clock moves on (aligning members starting a block start
     decoding). `force_boundary`: this step is every cohort's boundary."""
     rows = DecodeRows()
-    plan_row = plan_verify if config.mode == "verify" else plan_deferred
+    verify = config.mode == "verify"
+    plan_row = plan_verify if verify else plan_deferred
     for cohort, fed in cohorts.begin_step(requests):
         boundary = cohort.is_boundary_step() or force_boundary
         for r in fed:
-            if r.can_feed:  # make_room left room for it
-                kv.grow(r, kv.blocks_to_write(r, r.feed_position))
+            if not verify or r.can_feed:  # every fed request feeds, but verify's with drafts to the end
+                kv.grow(r, kv.blocks_to_write(r, r.feed_position))  # make_room left room for it
             plan_row(config, r, cohort.cohort_id, boundary, rows.shallow, rows.deep)
         rows.num_boundaries += boundary
         cohort.end_step(boundary)
@@ -52,10 +54,12 @@ def plan_deferred(config: SchedulerConfig, r: Request, cohort_id: int, boundary:
                   shallow: list[ShallowWork], deep: list[DeepWork]) -> None:
     """Deferred and eager mode: feed the newest output; at a boundary sample from loop T."""
     T, s = config.total_ut_steps, config.shallow_loops
-    pos = r.feed_position  # generated token k = num_output_tokens is fed here
-    nxt = r.num_output_tokens + 1
-    token = r.output_token_ids[-1]
-    if config.mode == "eager" or config.deep_interval == 1:  # B=1: full depth in one call, no retained rows
+    pending = r.num_pending
+    outputs = r.output_token_ids
+    pos = len(r.prompt_token_ids) + len(outputs) + pending - 1  # feed_position: token k = num_generated goes here
+    nxt = len(outputs) + pending + 1
+    token = None if pending else outputs[-1]  # None: sampled by the step in flight
+    if config.deep_interval == 1 or config.mode == "eager":  # B=1: full depth in one call, no retained rows
         loop = T if boundary else s
         shallow.append(ShallowWork(r.request_id, token, pos, r.block_ids, T, False, SampleSpec(loop, nxt, r.params)))
     elif boundary:

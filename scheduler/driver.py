@@ -2,13 +2,14 @@
 aborts and delivers outputs to per-request collectors. Torch-free.
 
 Theory of operation. Steps run on one worker thread (``anyio.to_thread.run_sync`` behind a
-CapacityLimiter of 1), which loops ``schedule -> execute -> update`` without going back to the event loop
-between steps, as ``SyncEngine`` does: a step never waits for the event loop to be scheduled, so the
-async path pays no thread hop per step. One lock guards the EngineCore: the stepping thread holds it
-for ``schedule`` and ``update`` (never during ``execute``, the accelerator's part), the event loop for
-``add``, ``abort``, building outputs, statistics and the RL controls. An abort during a step frees the
-request's blocks at once; nothing can reuse them before ``update`` for that step has run, because the
-next plan is only made after it.
+CapacityLimiter of 1), which drives the EngineCore's StepPipeline (``schedule -> execute -> update``,
+with async scheduling one step planned and launched ahead of the one being updated: pipeline.py)
+without going back to the event loop between steps, as ``SyncEngine`` does: a step never waits for the
+event loop to be scheduled, so the async path pays no thread hop per step. One lock guards the
+EngineCore: the stepping thread holds it to plan and to update (never while a step runs or is read),
+the event loop for ``add``, ``abort``, building outputs, statistics and the RL controls. An abort during
+a step frees the request's blocks at once; the step's results for it are ignored, and a step planned
+later writes those blocks only after every step launched before it (one device stream, in order).
 
 After each ``update`` the stepping thread queues the requests it touched and writes a byte to a socket
 pair; the event loop's delivery task wakes on it and sets the collectors' events (anyio objects are
@@ -18,7 +19,8 @@ maintenance hold for a weight copy, sleep, wake or score) needs the loop's decis
 stream must be released; the loop then decides whether and when to step again. Control calls never
 change the scheduler with a step in flight: state changes take effect at once, what they imply for the
 scheduler is applied by ``EngineControl.poll()`` at the top of the loop, and executor calls run in
-``between_steps``, on the worker thread behind the same limiter as the stepping thread.
+``between_steps``, on the worker thread behind the same limiter as the stepping thread. The stepping
+thread drains its pipeline before it hands back, so neither ever sees a step in flight.
 
 Delivery never blocks the engine: each request has one collector holding an Event; a step only sets
 it. Consumers build their output from the request's state when they wake, so however slow a consumer
@@ -160,26 +162,37 @@ class AsyncDriver:
         return self._closing or bool(self._orphans) or self.control.needs_loop or self._idle()
 
     def _step_until_needed(self) -> None:
-        """On the worker thread: run steps back to back until the event loop must look."""
-        core = self.core
-        while True:
-            with self.lock:
-                if self._closing or not self.control.may_step:  # a hold or a pause landed meanwhile
+        """On the worker thread: run steps back to back until the event loop must look; hand back with
+        nothing in flight."""
+        pipeline = self.core.pipeline
+        try:
+            while True:
+                touched = pipeline.advance(self.lock, self._may_step, self._may_plan_ahead)
+                if touched is None:  # a hold or a pause landed meanwhile
                     return
-                plan = core.schedule()
-            result = core.executor.execute(plan)
-            with self.lock:
-                touched = core.update(plan, result)
-                self.num_steps += 1
-                self._touched.extend(touched)
-                done = self._loop_must_look()
-            if touched:
-                try:
-                    self._bell_tx.send(b"\0")
-                except OSError:  # the buffer is full of rings the loop has not read yet: it will wake
-                    pass
-            if done:
-                return
+                self._updated(touched)
+                with self.lock:
+                    if self._loop_must_look():
+                        return
+        finally:
+            if pipeline.in_flight:
+                self._updated(pipeline.drain(self.lock))
+
+    def _may_step(self) -> bool:
+        return not self._closing and self.control.may_step
+
+    def _may_plan_ahead(self) -> bool:
+        return not self._loop_must_look()
+
+    def _updated(self, touched: list[ParentRequest]) -> None:
+        """A step was updated: queue what it touched and ring the event loop."""
+        self.num_steps += 1
+        self._touched.extend(touched)
+        if touched:
+            try:
+                self._bell_tx.send(b"\0")
+            except OSError:  # the buffer is full of rings the loop has not read yet: it will wake
+                pass
 
     async def _deliver_forever(self) -> None:
         while True:

@@ -3,8 +3,9 @@ Executor. Torch-free: the facade builds the executor and hands it in.
 
 A caller's request (a ParentRequest) fans out to n scheduler requests, one per completion, each with
 its own seed: the request's seed for completion 0, a splitmix64 step away for the others. One step is
-``schedule() -> executor.execute(plan) -> update(plan, result)``; the sync facade calls ``step()``, the
-async driver calls the three parts itself so that ``execute`` runs on its worker thread.
+``schedule() -> executor.execute(plan) -> update(plan, result)``, run by the StepPipeline (pipeline.py),
+which with async scheduling plans and launches the next step before reading this one; the sync facade
+calls ``step()``, the async driver drives the pipeline from its worker thread.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .validate import check_ids_free
 from .log import get_logger
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .params import MAX_SEED, SamplingParams
+from .pipeline import StepPipeline
 from .plan import Executor, StepPlan, StepResult
 from .request import Request
 
@@ -86,7 +88,10 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
+        children = self.children
+        if len(children) == 1:
+            return children[0].is_finished
+        return all(c.is_finished for c in children)
 
     def output(self, since: list[int] | None = None) -> RequestOutput:
         """The cumulative output, or with `since` (tokens already delivered per child) only what is new."""
@@ -124,7 +129,7 @@ class EngineCore:
 
     def __init__(self, scheduler_config: SchedulerConfig, executor: Executor,
                  extra_stats: Callable[[], Mapping[str, Any]] | None = None, seed: int = 0,
-                 tensor_names: Callable[[], Iterable[str]] = tuple) -> None:
+                 tensor_names: Callable[[], Iterable[str]] = tuple, async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
         # the engine's control state (pause, sleep, weights, life): its one owner (control.py)
         self.control = EngineControl(self.scheduler, tensor_names)
@@ -134,6 +139,10 @@ class EngineCore:
         self.parents: dict[str, ParentRequest] = {}
         self._parent_of: dict[str, str] = {}  # child request id -> parent request id
         self._extra_stats = extra_stats
+        if async_scheduling and scheduler_config.mode == "verify":
+            raise ValueError("async_scheduling needs mode 'deferred' or 'eager': verify mode's next step "
+                             "depends on how many drafts the step before accepts")
+        self.pipeline = StepPipeline(self, lookahead=async_scheduling)  # the stepping loop (pipeline.py)
 
     # ------------------------------------------------------------------ requests
 
@@ -198,8 +207,11 @@ class EngineCore:
         return dropped
 
     def close(self) -> None:
-        """Release the executor (weights, KV pool, graphs). Call once no step runs; live requests must
-        have ended. The scheduler's bookkeeping (plain Python) stays readable."""
+        """Release the executor (weights, KV pool, graphs). Call from the thread that steps, with live
+        requests ended; a step still in flight is read first. The scheduler's bookkeeping (plain Python)
+        stays readable."""
+        if self.executor is not None:
+            self.pipeline.drain()
         executor, self.executor = self.executor, None  # type: ignore[assignment]
         self._extra_stats = None
         close = getattr(executor, "close", None)
@@ -235,11 +247,23 @@ class EngineCore:
         return self._touched(self.scheduler.update(plan, result))
 
     def step(self) -> list[ParentRequest]:
-        """Run one whole step on the calling thread."""
-        plan = self.schedule()
-        if plan.is_empty and not plan.released_request_ids:
-            return []
-        return self.update(plan, self.executor.execute(plan))
+        """Run one step on the calling thread: one update (with async scheduling the next step is already
+        launched when it returns; drain() reads it)."""
+        return self.pipeline.advance(may_plan_ahead=self._may_plan_ahead) or []
+
+    def _may_plan_ahead(self) -> bool:
+        return not self.control.needs_loop  # control work comes next: it runs with nothing in flight
+
+    def drain(self) -> list[ParentRequest]:
+        """Read and update the step in flight, if any (async scheduling): afterwards no step runs."""
+        return self.pipeline.drain()
+
+    def poll(self) -> bool:
+        """EngineControl.poll() between steps: the pipeline is drained first when the control state has
+        something to apply. True if a step may run."""
+        if self.control.needs_loop:
+            self.drain()
+        return self.control.poll()
 
     def _touched(self, updates: list[RequestUpdate]) -> list[ParentRequest]:
         touched: dict[str, ParentRequest] = {}

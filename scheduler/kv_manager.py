@@ -124,9 +124,9 @@ class KVManager:
                    shareable: bool = True) -> None:
         """`r` computes positions [start, end) of its (re)prefill in this step: grow its blocks to hold them;
         offer the full blocks it computes to the step's other prefills, to be registered once the step
-        succeeded (unless not `shareable`)."""
+        succeeded (unless not `shareable`). The keys of an earlier chunk whose step is still in flight (async
+        scheduling) stay pending beside them until that step's update."""
         self.grow(r, max(0, self.blocks.blocks_for(end) - len(r.block_ids)))
-        r.pending_block_keys = []
         if not shareable:
             return
         bs = self.blocks.block_size
@@ -137,12 +137,15 @@ class KVManager:
         if end == total > start and total % bs == 0:  # the last chunk computes the last readout
             pending.last_block_owner.setdefault(keys[-1], r.request_id)
 
-    def on_prefilled(self, r: Request) -> None:
-        """The prefill succeeded: its full blocks hold every plane of their prefix."""
+    def on_prefilled(self, r: Request, end: int) -> None:
+        """The chunk of `r` ending at position `end` succeeded: its full blocks (and any before them) hold
+        every plane of their prefix."""
+        done = set(r.block_ids[:end // self.blocks.block_size])
         if self.enable_prefix_caching:
             for key, block in r.pending_block_keys:
-                self.blocks.register(key, block)
-        r.pending_block_keys = []
+                if block in done:
+                    self.blocks.register(key, block)
+        r.pending_block_keys = [(key, block) for key, block in r.pending_block_keys if block not in done]
 
     def blocks_to_write(self, r: Request, position: int) -> int:
         """New blocks `r` needs before it writes `position`."""

@@ -63,7 +63,9 @@ class ShallowWork:
     """Feed one generated token at its position through loops 1..last_loop."""
 
     request_id: str
-    token_id: int  # scheduler: generated token k, fed at position P + k - 1
+    # scheduler: generated token k, fed at position P + k - 1; None when the step in flight samples it
+    # (async scheduling: the engine feeds the token it sampled last for this request, on the device)
+    token_id: int | None
     position: int  # scheduler
     block_ids: tuple[int, ...]  # scheduler
     last_loop: int  # scheduler: shallow_loops in deferred mode; T in eager mode (deep loops at once)
@@ -158,6 +160,10 @@ class StepFailure:
     phase: Phase  # engine
     request_ids: tuple[str, ...]  # engine: the requests that phase was running
     message: str  # engine: the exception, for the log and the caller
+    # engine, non-finite logits: the requests whose rows were not finite. The scheduler ignores the failure
+    # when all of them had already ended (a row planned ahead for a request that stopped meanwhile); the
+    # step's sampled tokens are then in StepResult.sampled as usual. Empty: the phase failed as a whole.
+    culprit_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,4 +182,21 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; never raise for a failing phase, report it in StepResult.failures."""
+        ...
+
+
+class PendingStep(Protocol):
+    """A launched step (async scheduling): its result, read once."""
+
+    def result(self) -> StepResult:
+        """Wait for the step and read it back; failures are data, as execute()'s."""
+        ...
+
+
+class LaunchingExecutor(Executor, Protocol):
+    """An executor that can start a step without waiting for it (ModelExecutor): ``launch(plan).result()``
+    is ``execute(plan)``; the next plan may be launched before this result is read (its ShallowWork rows
+    with token_id None feed what this step samples)."""
+
+    def launch(self, plan: StepPlan) -> PendingStep:
         ...

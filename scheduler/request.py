@@ -11,6 +11,12 @@ prefill.py), and it holds the blocks of the chunks planned so far; the last chun
 ALIGNING: prefilled (its next token sampled from loop T), waiting for its cohort's next block start.
 DECODING: takes one shallow step every engine step, and a deep call at each cohort boundary.
 Terminal statuses sort last, so ``status >= FINISHED_STOPPED`` means finished.
+
+Async scheduling (scheduler/lookahead.py): while a step runs, the next one is planned as if every token
+that step samples were there: ``num_pending`` counts them (in ``num_generated`` and ``feed_position``;
+``append_output`` fills them in). A request prefilled by the step in flight may already be a cohort
+member while still PREFILLING (its first token pending); it becomes ALIGNING or DECODING through the
+usual transitions.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class Request:
     cohort_id: int | None = None
     num_deep_positions: int = 0  # positions [0, num_deep_positions) have every loop's plane filled; while
     #                              PREFILLING this is the prefill's progress (shared blocks + chunks run)
+    num_pending: int = 0  # async scheduling: tokens sampled by the step in flight, not yet appended (0 or 1)
     draft_token_ids: list[int] = field(default_factory=list)  # verify mode: drawn from loop s, unverified
     num_drafted: int = 0  # verify mode: drafts checked against loop T
     num_accepted: int = 0  # verify mode: drafts accepted
@@ -120,15 +127,29 @@ class Request:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
     @property
+    def num_generated(self) -> int:
+        """Outputs + tokens pending from the step in flight: j of the newest generated token."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def is_ending(self) -> bool:
+        """Its pending token ends it by length (max_tokens): a plan made ahead feeds it nothing more."""
+        return self.num_pending > 0 and len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+
+    @property
     def num_tokens_with_drafts(self) -> int:
-        """Prompt + outputs + unverified drafts (verify mode; elsewhere the drafts are always empty)."""
-        return self.num_tokens + len(self.draft_token_ids)
+        """Prompt + outputs + pending tokens + unverified drafts (verify mode; elsewhere the drafts are
+        always empty; tokens are pending only while a step runs that sampled them)."""
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+                + len(self.draft_token_ids))
 
     @property
     def feed_position(self) -> int:
-        """Where the newest token (output or draft) is fed: token k at P + k - 1, the position a decoding
-        request's next shallow step writes. Positions before it are fed (written at least to loop s)."""
-        return self.num_tokens_with_drafts - 1
+        """Where the newest token (output, pending or draft) is fed: token k at P + k - 1, the position a
+        decoding request's next shallow step writes. Positions before it are fed (written at least to loop s).
+        (Written out: it is read for every decoding request in every step.)"""
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+                + len(self.draft_token_ids) - 1)
 
     @property
     def can_feed(self) -> bool:
@@ -154,12 +175,14 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _S.FINISHED_STOPPED
 
     def append_output(self, token_id: int, logprob: float, loop: int, weight_version: int,
                       top_logprobs: tuple[tuple[int, float], ...] | None) -> None:
         """Record one generated token: its log-prob, readout loop, weight version and (when asked for) the
-        top log-probs. The only place outputs grow."""
+        top log-probs (a pending token is filled in). The only place outputs grow."""
+        if self.num_pending:
+            self.num_pending -= 1
         self.output_token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.readout_loops.append(loop)

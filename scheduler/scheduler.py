@@ -11,7 +11,8 @@ budget, a long prompt in chunks over several steps (prefill.py); a last chunk sa
 from loop T, and the request joins the open cohort and waits (ALIGNING) for its next block start.
 Verify mode's drafts and their acceptance are planned and applied in verify_plan.py. Termination frees
 the request's blocks at once and lists it in the next plan's released ids, which drops its unread
-retained rows in the engine: their deep loops never run.
+retained rows in the engine: their deep loops never run. With async scheduling, ``schedule_ahead`` plans
+the next step while one runs, or says it must wait for that step's update (lookahead.py).
 
 No awaits, clocks or threads here: a driver (SyncEngine, or the async Engine) calls these methods.
 ``abort`` may be called while a plan is being executed; ``update`` then ignores that request's results.
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
 from typing import Iterable
 
-from . import admission, decode_plan, prefill, validate, verify_plan
+from . import admission, decode_plan, lookahead, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohorts
@@ -34,33 +34,9 @@ from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
 from .plan import Phase, StepPlan, StepResult
 from .request import Request, RequestStatus, set_status
+from .updates import RequestUpdate, StepUpdate
 
-@dataclass(frozen=True)
-class RequestUpdate:
-    """A request that got new tokens or ended in a step; the front end reads the request's lists."""
-
-    request: Request
-    num_new_tokens: int
-    finished: bool
-
-
-@dataclass
-class _Applied:
-    """One update()'s bookkeeping: the incarnations its plan ran, who failed, the updates so far (in order)."""
-
-    planned: dict[str, tuple[Request, int]]  # request id -> (the request, its num_preemptions) as planned
-    failed: set[str] = field(default_factory=set)
-    updates: dict[str, RequestUpdate] = field(default_factory=dict)
-
-    def live(self, rid: str) -> Request | None:
-        """The incarnation this plan ran, if it still runs as planned (aborted or preempted ones ignore
-        their results; preemption itself is only ever done between steps, this is the last guard)."""
-        r, epoch = self.planned.get(rid, (None, -1))
-        return r if r is not None and not r.is_finished and r.num_preemptions == epoch else None
-
-    def usable(self, rid: str) -> Request | None:
-        """live, and not failed in this step."""
-        return None if rid in self.failed else self.live(rid)
+__all__ = ["RequestUpdate", "Scheduler"]
 
 
 class Scheduler:
@@ -93,6 +69,7 @@ class Scheduler:
         # for room, which must finish under these weights); "none" (pause "keep").
         self.admission = "all"
         self._force_boundary = False  # pause(mode="keep"): the next step is every cohort's boundary
+        self.drain_reasons: Counter[str] = Counter()  # async scheduling: why steps were not planned ahead
         self._next_arrival = 0
         self._next_step = 0
         self._seed_rng = random.Random()
@@ -149,6 +126,43 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan one step: make room, every fed request's decode rows and boundary deep calls, then prefills
         (those under way, then admissions) in what the decode rows leave of the step's token budget."""
+        plan, num_boundaries = self._plan()
+        self._commit(plan, num_boundaries)
+        return plan
+
+    def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
+        """Plan the next step while `in_flight` (planned, not yet updated) runs: as schedule() would after
+        update(in_flight), with the tokens it samples pending (lookahead.py). None when that plan could
+        differ or be empty: update(in_flight) first, then schedule()."""
+        assert set(self._planned) == {in_flight.step_id}, "schedule_ahead: exactly one step may be in flight"
+        if self.config.mode == "verify" or self._force_boundary:
+            return self._drained("verify" if self.config.mode == "verify" else "forced_boundary")
+        reason = lookahead.plan_reason(in_flight)
+        if reason is not None:
+            return self._drained(reason)
+        step = StepUpdate(self._planned[in_flight.step_id])
+        sampled = lookahead.apply_pending(in_flight, step.live, self.cohorts, self.config.total_ut_steps)
+        reason = lookahead.drain_reason(in_flight, sampled, self.waiting, self.admission, bool(self.prefills.live()),
+                                        self.kv.enable_prefix_caching, self.cohorts, self.requests,
+                                        self._must_preempt)
+        if reason is not None:
+            return self._drained(reason)
+        plan, num_boundaries = self._plan()
+        if plan.is_empty and not plan.released_request_ids:
+            return None  # nothing to run ahead (planning it changed nothing: no row, chunk or admission)
+        self._commit(plan, num_boundaries)
+        self.counters.lookahead_steps += 1
+        return plan
+
+    def _drained(self, reason: str) -> None:
+        self.counters.lookahead_drains += 1
+        self.drain_reasons[reason] += 1
+        return None
+
+    def _must_preempt(self) -> bool:
+        return self.blocks.num_free < self.num_running and self.blocks_needed() > self.blocks.num_free
+
+    def _plan(self) -> tuple[StepPlan, int]:
         preempted = admission.make_room(self.blocks, self)
         rows = decode_plan.plan_decodes(self.config, self.cohorts, self.requests, self.kv, self._force_boundary)
         self._force_boundary = False
@@ -158,14 +172,16 @@ class Scheduler:
                             started_only=self.admission == "started")
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._next_step, tuple(planner.works), tuple(rows.shallow), tuple(rows.deep), released)
+        return plan, rows.num_boundaries
+
+    def _commit(self, plan: StepPlan, num_boundaries: int) -> None:
         # each request with its incarnation *and* its preemption count: a result applies only to the
         # state it was planned in (a request preempted while the step ran ignores it, as an aborted one)
-        self._planned[plan.step_id] = {w.request_id: (self.requests[w.request_id],
-                                                      self.requests[w.request_id].num_preemptions)
+        requests = self.requests
+        self._planned[plan.step_id] = {w.request_id: (requests[w.request_id], requests[w.request_id].num_preemptions)
                                        for w in (*plan.prefills, *plan.shallow, *plan.deep)}
         self._next_step += 1
-        self.counters.count_plan(plan, rows.num_boundaries)
-        return plan
+        self.counters.count_plan(plan, num_boundaries)
 
     # ------------------------------------------------------------------ results
 
@@ -173,7 +189,7 @@ class Scheduler:
         """Apply a step's result, in passes: failures, prefills and deep positions, verdicts, sampled tokens
         (append, stop, join a cohort). Ended requests are freed at once."""
         assert result.step_id == plan.step_id, f"result of step {result.step_id} for plan {plan.step_id}"
-        step = _Applied(self._planned.pop(plan.step_id, {}))
+        step = StepUpdate(self._planned.pop(plan.step_id, {}))
         self._apply_failures(plan, result, step)
         self._apply_prefills(plan, result, step)
         self._advance_deep_positions(plan, step)
@@ -181,9 +197,11 @@ class Scheduler:
         self._apply_sampled(plan, result, step)
         return list(step.updates.values())
 
-    def _apply_failures(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+    def _apply_failures(self, plan: StepPlan, result: StepResult, step: StepUpdate) -> None:
         """End every request a failing phase ran with 'error'; a failed deep call closes its cohorts."""
         for failure in result.failures:
+            if failure.culprit_ids and all(step.live(rid) is None for rid in failure.culprit_ids):
+                continue  # only rows of requests that had already ended were not finite (rows planned ahead)
             ids = {rid: step.live(rid) for rid in failure.request_ids}
             if failure.phase == Phase.DEEP:
                 for d in plan.deep:
@@ -197,7 +215,7 @@ class Scheduler:
                 if request is not None and not request.is_finished:
                     self._fail(step, request, f"{failure.phase.value} failed: {failure.message}")
 
-    def _apply_prefills(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+    def _apply_prefills(self, plan: StepPlan, result: StepResult, step: StepUpdate) -> None:
         """Successful chunks: their positions hold every plane, their blocks enter the prefix cache, their
         prompt log-probs are recorded (a mismatched result ends the request)."""
         prompt_lps = {x.request_id: x for x in result.prompt_logprobs}
@@ -205,24 +223,25 @@ class Scheduler:
             r = step.usable(p.request_id)
             if r is not None:
                 r.num_deep_positions = p.start_position + len(p.token_ids)
-                self.kv.on_prefilled(r)
+                self.kv.on_prefilled(r, r.num_deep_positions)
                 error = prefill.record_prompt_logprobs(r, p, prompt_lps.get(p.request_id))
                 if error is not None:
                     step.failed.add(p.request_id)
                     self._fail(step, r, error)
 
-    def _advance_deep_positions(self, plan: StepPlan, step: _Applied) -> None:
+    def _advance_deep_positions(self, plan: StepPlan, step: StepUpdate) -> None:
         """Rows that ran through loop T: eager shallow rows and deferred deep calls (verify: _apply_verified)."""
+        T = self.config.total_ut_steps
         for w in plan.shallow:
-            r = step.usable(w.request_id)
-            if r is not None and w.last_loop == self.config.total_ut_steps:
+            r = step.usable(w.request_id) if w.last_loop == T else None
+            if r is not None:
                 r.num_deep_positions = w.position + 1
         for d in plan.deep:
             r = step.usable(d.request_id)
             if r is not None and not d.verify:
                 r.num_deep_positions = d.start_position + d.num_rows
 
-    def _apply_verified(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+    def _apply_verified(self, plan: StepPlan, result: StepResult, step: StepUpdate) -> None:
         """Verify mode's verdicts: accepted drafts and the next token become outputs (verify_plan.py)."""
         verified = {v.request_id: v for v in result.verified}
         for d in plan.deep:
@@ -239,11 +258,12 @@ class Scheduler:
                     self._finish(r, status)
             step.updates[d.request_id] = RequestUpdate(r, 1, r.is_finished)
 
-    def _apply_sampled(self, plan: StepPlan, result: StepResult, step: _Applied) -> None:
+    def _apply_sampled(self, plan: StepPlan, result: StepResult, step: StepUpdate) -> None:
         """Sampled tokens: verify drafts are kept aside; others are outputs (stop, or a prefill's last chunk
         joins the open cohort). A planned sample the executor did not return ends the request."""
         sampled = {t.request_id: t for t in result.sampled}
         sampling = (*plan.prefills, *plan.shallow, *(d for d in plan.deep if not d.verify))
+        verify, version, counters = self.config.mode == "verify", self.weight_version, self.counters
         for rid in [w.request_id for w in sampling if w.sample is not None]:
             r = step.usable(rid)
             if r is None:
@@ -252,21 +272,23 @@ class Scheduler:
             if tok is None:  # an executor bug must not hang the request
                 self._fail(step, r, "the executor returned no token for this request")
                 continue
-            if self.config.mode == "verify" and r.status == RequestStatus.DECODING:
+            if verify and r.status == RequestStatus.DECODING:
                 r.draft_token_ids.append(tok.token_id)  # unverified: not an output until its boundary
-                self.counters.drafted_tokens += 1
+                counters.drafted_tokens += 1
                 continue
-            r.append_output(tok.token_id, tok.logprob, tok.loop, self.weight_version, tok.top_logprobs)
-            self.counters.tokens_generated += 1
+            r.append_output(tok.token_id, tok.logprob, tok.loop, version, tok.top_logprobs)
+            counters.tokens_generated += 1
             finished = self._check_stop(r)
             if not finished and r.status == RequestStatus.PREFILLING:
                 # Join the open cohort only once prefilled, so a deep call failing in this same step
-                # (which closes its cohort) never takes a request that was not part of it.
+                # (which closes its cohort) never takes a request that was not part of it (a step planned
+                # ahead joined it already: lookahead.py never does so beside a deep call).
                 set_status(r, RequestStatus.ALIGNING)
-                self.cohorts.join(r)
+                if not self.cohorts.is_member(r):
+                    self.cohorts.join(r)
             step.updates[rid] = RequestUpdate(r, 1, finished)
 
-    def _fail(self, step: _Applied, r: Request, message: str) -> None:
+    def _fail(self, step: StepUpdate, r: Request, message: str) -> None:
         r.error = message
         self._finish(r, RequestStatus.FINISHED_ERROR)
         step.updates[r.request_id] = RequestUpdate(r, 0, True)

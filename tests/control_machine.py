@@ -2,7 +2,9 @@
 
 Hypothesis interleaves generate / abort / pause (every mode) / resume / sleep (1, 2) / wake_up /
 update_weights / load_weights / close with steps held in flight (a gate on the executor), every call
-submitted without waiting for it (a future), so calls really do overlap steps and each other. ``settle``
+submitted without waiting for it (a future), so calls really do overlap steps and each other. With async
+scheduling the gate also holds a step's result while the next step is already launched, and an abort or
+a control call lands then. ``settle``
 opens the gate, waits (bounded: a hang is a failure), restores what the machine itself stopped (weights,
 sleep, pause) and checks:
 
@@ -42,7 +44,9 @@ REFUSALS = (EngineBusyError, InconsistentWeightsError, EngineClosedError)  # nam
 
 
 class CheckingGate(GatedExecutor):
-    """The gate, plus the invariants that only the executor can see."""
+    """The gate, plus the invariants that only the executor can see. With async scheduling a step is in
+    flight from its launch until its result is read (the engine launches the next step first), and the gate
+    can also hold that read (``hold_results``): the next step is then launched and the one before unread."""
 
     def __init__(self, inner, control) -> None:
         super().__init__(inner)
@@ -50,14 +54,60 @@ class CheckingGate(GatedExecutor):
         self.in_flight = 0
         self.violations: list[str] = []
         self._mu = threading.Lock()
+        self._results_held = False
+        self.result_entered = threading.Event()  # set while a result is held
+
+    def _check(self, plan) -> None:
+        if not plan.is_empty and (self.control.missing or self.control.sleep_level):
+            self.violations.append(f"step {plan.step_id} ran with weights missing or asleep")
 
     def execute(self, plan):
         with self._mu:
             self.in_flight += 1
         try:
-            if not plan.is_empty and (self.control.missing or self.control.sleep_level):
-                self.violations.append(f"step {plan.step_id} ran with weights missing or asleep")
+            self._check(plan)
             return super().execute(plan)
+        finally:
+            with self._mu:
+                self.in_flight -= 1
+
+    def launch(self, plan):
+        """The gate of execute(), then the inner launch; the step stays in flight until its result is read."""
+        with self._mu:
+            self.in_flight += 1
+        try:
+            self._check(plan)
+            with self._cond:
+                self.calls += 1
+                while self._permits == 0:
+                    self.held_plan = plan
+                    self.entered.set()
+                    assert self._cond.wait(timeout=60), "gate never opened"
+                if self._permits is not None:
+                    self._permits -= 1
+            return _Tracked(self, self.inner.launch(plan))
+        except BaseException:
+            with self._mu:
+                self.in_flight -= 1
+            raise
+
+    def hold_results(self) -> None:
+        with self._cond:
+            self._results_held = True
+            self.result_entered.clear()
+
+    def open(self) -> None:
+        with self._cond:
+            self._results_held = False
+        super().open()
+
+    def _read(self, pending):
+        try:
+            with self._cond:
+                while self._results_held:
+                    self.result_entered.set()
+                    assert self._cond.wait(timeout=60), "gate never opened"
+            return pending.result()
         finally:
             with self._mu:
                 self.in_flight -= 1
@@ -77,11 +127,24 @@ class CheckingGate(GatedExecutor):
         return self._maintenance("wake_up")
 
 
+class _Tracked:
+    """A launched step whose result() goes through the gate once."""
+
+    def __init__(self, gate: CheckingGate, pending) -> None:
+        self.gate, self.pending, self._result = gate, pending, None
+
+    def result(self):
+        if self._result is None:
+            self._result = self.gate._read(self.pending)
+        return self._result
+
+
 class ControlMachine(RuleBasedStateMachine):
     """Subclasses provide: start_engine(), submit(fn_name, *args) -> Future, control (EngineControl),
     stats(), close_engine(), and `generate_call`."""
 
     checkpoints: tuple = ()  # (a, b) set by the test module
+    async_scheduling = False  # set by subclasses whose engine plans a step while the one before runs
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,6 +237,24 @@ class ControlMachine(RuleBasedStateMachine):
                 self._call("abort", self.requests[-1]["id"])
             else:
                 self.wake_up()
+
+    @precondition(lambda self: self.async_scheduling)
+    @rule(op=st.sampled_from(["abort", "pause abort", "pause keep", "sleep 1", "update a"]))
+    def abort_with_its_next_step_launched(self, op):
+        """A request whose step is in flight while its next step is already launched (the gate holds the
+        first one's result), then an abort or a control call lands."""
+        self.generate([4, 5, 6], 12, 1)
+        self.gate.hold_results()
+        self.gate.result_entered.wait(timeout=2)  # no step comes while paused, asleep or without weights
+        name, _, arg = op.partition(" ")
+        if name == "abort":
+            self._call("abort", self.requests[-1]["id"])
+        elif name == "pause":
+            self.pause(arg)
+        elif name == "sleep":
+            self.sleep(int(arg))
+        else:
+            self.update_weights(arg, from_disk=False)
 
     @rule()
     def settle(self):

@@ -1,5 +1,6 @@
-"""Issue 19's stateful test on SyncEngine and the async Engine (tests/control_machine.py says what it
-interleaves and checks). Tiny random checkpoints, float32 on the CPU, a KV pool small enough that
+"""Issue 19's stateful test on SyncEngine and the async Engine, each also with async scheduling (a step
+planned and launched while the one before it runs; tests/control_machine.py says what it interleaves
+and checks). Tiny random checkpoints, float32 on the CPU, a KV pool small enough that
 requests are preempted for room."""
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ def checkpoints(tmp_path_factory):
             make_tiny_checkpoint(root / "b", seed=12, eos_token_id=None))
 
 
-def engine_config(path, mode: str, B: int) -> EngineConfig:
+def engine_config(path, mode: str, B: int, async_scheduling: bool = False) -> EngineConfig:
     return EngineConfig(model=str(path), dtype="float32", mode=mode, deep_interval=B, block_size=4,
-                        num_kv_blocks=16, max_model_len=32, max_num_seqs=8)
+                        num_kv_blocks=16, max_model_len=32, max_num_seqs=8, async_scheduling=async_scheduling)
 
 
 class SyncMachine(ControlMachine):
     mode, B = "verify", 3
 
     def start_engine(self) -> None:
-        self.llm = SyncEngine(engine_config(self.a, self.mode, self.B))
+        self.llm = SyncEngine(engine_config(self.a, self.mode, self.B, self.async_scheduling))
         self.core = self.llm.core
         self.control = self.core.control
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=48)
@@ -64,7 +65,7 @@ class AsyncMachine(ControlMachine):
     def start_engine(self) -> None:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
-        self.engine = Engine(engine_config(self.a, self.mode, self.B))
+        self.engine = Engine(engine_config(self.a, self.mode, self.B, self.async_scheduling))
         self._serving = self.portal.start_task_soon(self.engine.serve)
         self.portal.call(self.engine.wait_ready)
         self.core = self.engine.core
@@ -93,10 +94,19 @@ class AsyncMachine(ControlMachine):
             self._portal_cm.__exit__(None, None, None)
 
 
+class AsyncSchedulingSyncMachine(SyncMachine):
+    mode, B, async_scheduling = "deferred", 3, True  # verify mode plans nothing ahead
+
+
+class AsyncSchedulingMachine(AsyncMachine):
+    mode, B, async_scheduling = "deferred", 4, True
+
+
 SETTINGS = settings(**stateful_settings(), suppress_health_check=list(HealthCheck))
 
 
-@pytest.mark.parametrize("machine", [SyncMachine, AsyncMachine], ids=["SyncEngine", "Engine"])
+@pytest.mark.parametrize("machine", [SyncMachine, AsyncMachine, AsyncSchedulingSyncMachine, AsyncSchedulingMachine],
+                         ids=["SyncEngine", "Engine", "SyncEngine-async-scheduling", "Engine-async-scheduling"])
 def test_control_calls_interleaved_with_steps_in_flight(checkpoints, machine):
     machine.checkpoints = checkpoints
     run_state_machine_as_test(machine, settings=SETTINGS)
