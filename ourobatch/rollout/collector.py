@@ -31,6 +31,7 @@ from ourobatch.scheduler.params import SamplingParams
 
 from . import options
 from .budget import Budget
+from .engine_view import EngineView
 from .ledger import Ledger
 from .partial import Pauser, Rounds, run_round
 from .types import Batch, Group, Sample, prompt_of
@@ -70,7 +71,7 @@ class Collector:
                  on_reward_error: str = "drop", max_tokens_per_round: int | None = None, seed: int = 0,
                  progress: bool = False, occupancy_interval_s: float = 0.25) -> None:
         self.engine = engine
-        self._is_pool = hasattr(engine, "num_replicas")  # an EnginePool: stats() gathers from actors (blocking)
+        self._view = EngineView(engine)  # what differs between an Engine and an EnginePool
         self.n, self.groups_per_batch = options.positive("n", n), options.positive("groups_per_batch", groups_per_batch)
         self.params = options.sample_params(params)
         self.on_update = options.choice("on_update", on_update, options.ON_UPDATE)
@@ -81,8 +82,7 @@ class Collector:
             raise ValueError("oversample must be an int >= 0 (extra groups in flight), got None")
         self.max_tokens_per_round = options.rounds(max_tokens_per_round, max_staleness)
         self.reward, self.keep_group, self.seed = reward, keep_group, seed
-        capacity = engine.config.max_num_seqs * getattr(engine, "num_replicas", 1)
-        slots = capacity + n if max_samples_in_flight is None else max_samples_in_flight
+        slots = self._view.max_num_seqs + n if max_samples_in_flight is None else max_samples_in_flight
         if slots < n:
             raise ValueError(f"max_samples_in_flight must be >= n ({n}), got {slots}")
         self.budget = Budget(n, groups_per_batch, max_staleness, oversample, slots)
@@ -116,7 +116,7 @@ class Collector:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> "Collector":
-        stats = await self._engine_stats()
+        stats = await self._view.stats()
         self.budget.start_at(stats["weight_version"])
         self._iter = self._tasks.__aiter__() if hasattr(self._tasks, "__aiter__") else iter(self._tasks)
         self._tg = anyio.create_task_group()
@@ -147,11 +147,6 @@ class Collector:
                 task_status.started()
         finally:
             self._stopped.set()
-
-    async def _engine_stats(self) -> dict[str, Any]:
-        if self._is_pool:
-            return await anyio.to_thread.run_sync(self.engine.stats)
-        return self.engine.stats()
 
     # ------------------------------------------------------------------ the feeder
 
@@ -413,7 +408,7 @@ class Collector:
     async def _monitor(self) -> None:
         start = time.perf_counter()
         while True:
-            running = None if self._is_pool else self.engine.stats()["num_running"]
+            running = self._view.num_running()
             self.occupancy.append((time.perf_counter() - start, self.budget.samples_in_flight, running))
             await anyio.sleep(self._occupancy_interval_s)
 

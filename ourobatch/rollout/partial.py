@@ -23,6 +23,7 @@ import anyio
 
 from ourobatch.scheduler.frontend import child_seed
 from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.scheduler.streams import OutputStream
 
 
 @dataclass
@@ -70,15 +71,11 @@ async def run_round(engine: Any, prompt: list[int], params: SamplingParams, requ
     """One round of a sample: stream it into `rounds`; returns the last CompletionOutput (its
     finish_reason says how the round ended: "abort" when it was paused, or cancelled)."""
     last = None
-    stream = engine.stream(prompt, params, request_id)
-    try:
+    stream: OutputStream = engine.stream(prompt, params, request_id)  # an Engine's or an EnginePool's
+    async with stream:  # closed whatever happens: a round left early aborts its request
         async for out in stream:
             last = out.outputs[0]
             rounds.add(last)
-    finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
     return last
 
 
