@@ -186,7 +186,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
     # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
     warm_up(executor, scheduler_config, WarmupPlan.for_engine(config.warmup, config.device), clock,
-            seed=config.seed, should_stop=should_stop)
+            seed=config.seed, async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,

@@ -83,14 +83,17 @@ class StartupClock:
 
 
 def warm_up(executor, scheduler_config: SchedulerConfig, plan: WarmupPlan, clock: StartupClock, *,
-            seed: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
-    """The startup phases after the KV pool: kernels, graph captures, requests (see the module docstring).
-    Raises EngineClosedError when `should_stop()` turns true (the executor is closed)."""
+            seed: int = 0, async_scheduling: bool = False,
+            should_stop: Callable[[], bool] | None = None) -> None:
+    """The startup phases after the KV pool: kernels, graph captures, requests (see the module docstring);
+    the request pass steps as the engine will (`async_scheduling`). Raises EngineClosedError when
+    `should_stop()` turns true (the executor is closed)."""
     phases = [("kernels", plan.kernels, lambda: _warm_kernels(executor, scheduler_config, should_stop)),
               ("graphs", executor.graphs is not None,
                lambda: _capture_graphs(executor, scheduler_config, should_stop)),
               ("requests", plan.requests,
-               lambda: warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny, should_stop=should_stop))]
+               lambda: warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny,
+                                        async_scheduling=async_scheduling, should_stop=should_stop))]
     for name, wanted, run in phases:
         if _stopped(should_stop, executor):
             raise EngineClosedError("the engine was closed while it warmed up")
@@ -144,11 +147,11 @@ class RequestPass:
 
 
 def warm_up_requests(executor, scheduler_config: SchedulerConfig, seed: int = 0, *, tiny: bool = False,
-                     should_stop: Callable[[], bool] | None = None) -> RequestPass:
+                     async_scheduling: bool = False, should_stop: Callable[[], bool] | None = None) -> RequestPass:
     """Rounds of dummy requests (explicit seeds) through a scratch EngineCore over `executor`; leaves the
     executor with no table row and no retained row. Requests that fail are logged, not raised."""
     started = time.perf_counter()
-    core = EngineCore(scheduler_config, executor, seed=seed)
+    core = EngineCore(scheduler_config, executor, seed=seed, async_scheduling=async_scheduling)
     result = RequestPass()
     for round_ in warmup_rounds(scheduler_config, tiny):
         if should_stop is not None and should_stop():
@@ -166,6 +169,7 @@ def warm_up_requests(executor, scheduler_config: SchedulerConfig, seed: int = 0,
             result.steps += 1
         result.errors += [c.error or "error" for p in parents for c in p.children if c.finish_reason == "error"]
     core.step()  # the last plan: the finished requests' ids, so the executor drops their rows
+    core.drain()  # (async scheduling: that step's result read)
     result.steps += 1
     left = sorted(executor.tables.row_of) + sorted(executor.retained)
     if left:

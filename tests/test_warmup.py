@@ -35,7 +35,8 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("warmup")
-    return {name: make_tiny_checkpoint(root / name, seed=i + 3, **shape) for i, (name, shape) in enumerate(SHAPES.items())}
+    return {name: make_tiny_checkpoint(root / name, seed=i + 3, **shape)
+            for i, (name, shape) in enumerate(SHAPES.items())}
 
 
 def config(ckpt, mode="deferred", B=1, s=2, **kw) -> EngineConfig:
@@ -78,20 +79,23 @@ def run(core, prompts, params) -> list:
     return outs
 
 
-# (shape, mode, B, s, tiny: the request pass at its small sizes, else at the engine's token budget)
-CASES = [("gqa", "deferred", 1, 2, False), ("gqa", "deferred", 4, 2, True), ("gqa", "eager", 3, 1, True),
-         ("gqa", "verify", 3, 2, False), ("mha-T3", "deferred", 2, 1, False), ("mha-T3", "verify", 2, 2, True)]
+# (shape, mode, B, s, tiny: the request pass at its small sizes, else at the engine's token budget, async
+# scheduling: the engine's and the pass's)
+CASES = [("gqa", "deferred", 1, 2, False, False), ("gqa", "deferred", 4, 2, True, False),
+         ("gqa", "eager", 3, 1, True, False), ("gqa", "verify", 3, 2, False, False),
+         ("mha-T3", "deferred", 2, 1, False, False), ("mha-T3", "verify", 2, 2, True, False),
+         ("gqa", "deferred", 4, 2, False, True), ("mha-T3", "eager", 2, 1, True, True)]
 
 
-@pytest.mark.parametrize("shape,mode,B,s,tiny", CASES)
-def test_a_warmed_engine_gives_exactly_the_outputs_of_a_cold_one(ckpts, shape, mode, B, s, tiny):
-    cfg = config(ckpts[shape], mode, B, s)
+@pytest.mark.parametrize("shape,mode,B,s,tiny,asyn", CASES)
+def test_a_warmed_engine_gives_exactly_the_outputs_of_a_cold_one(ckpts, shape, mode, B, s, tiny, asyn):
+    cfg = config(ckpts[shape], mode, B, s, async_scheduling=asyn)
     prompts, params = workload(37 if shape == "mha-T3" else 31)
     cold = build_engine_core(cfg)
     expected = run(cold, prompts, params)
     cold.close()
     warm = build_engine_core(cfg)
-    ran = warm_up_requests(warm.executor, warm.scheduler.config, cfg.seed, tiny=tiny)
+    ran = warm_up_requests(warm.executor, warm.scheduler.config, cfg.seed, tiny=tiny, async_scheduling=asyn)
     assert ran.requests >= 9 and not ran.errors
     assert run(warm, prompts, params) == expected  # float64, same kernels: bitwise equal
     warm.close()
@@ -215,7 +219,8 @@ def test_the_compile_counter_counts_compiles_and_cache_loads_and_chains_the_list
 
 def test_a_cpu_engine_imports_no_triton_and_sets_no_cache_folder(ckpts, tmp_path):
     code = ("import os, sys\nfrom ourobatch import EngineConfig\nfrom ourobatch._core import build_engine_core\n"
-            f"core = build_engine_core(EngineConfig(model={str(ckpts['gqa'])!r}, compile_cache_dir={str(tmp_path)!r}))\n"
+            f"cfg = EngineConfig(model={str(ckpts['gqa'])!r}, compile_cache_dir={str(tmp_path)!r})\n"
+            "core = build_engine_core(cfg)\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n"
             "assert 'TRITON_CACHE_DIR' not in os.environ\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_CACHE_DIR"}
