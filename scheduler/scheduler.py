@@ -134,13 +134,13 @@ class Scheduler:
         """Plan the next step while `in_flight` (planned, not yet updated) runs: as schedule() would after
         update(in_flight), with the tokens it samples pending (lookahead.py). None when that plan could
         differ or be empty: update(in_flight) first, then schedule()."""
-        assert set(self._planned) == {in_flight.step_id}, "schedule_ahead: exactly one step may be in flight"
+        assert set(self._planned) <= {in_flight.step_id}, "schedule_ahead: one step at most may be in flight"
         if self.config.mode == "verify" or self._force_boundary:
             return self._drained("verify" if self.config.mode == "verify" else "forced_boundary")
         reason = lookahead.plan_reason(in_flight)
         if reason is not None:
             return self._drained(reason)
-        step = StepUpdate(self._planned[in_flight.step_id])
+        step = StepUpdate(self._planned.get(in_flight.step_id, {}))
         sampled = lookahead.apply_pending(in_flight, step.live, self.cohorts, self.config.total_ut_steps)
         reason = lookahead.drain_reason(in_flight, sampled, self.waiting, self.admission, bool(self.prefills.live()),
                                         self.kv.enable_prefix_caching, self.cohorts, self.requests,
@@ -178,8 +178,12 @@ class Scheduler:
         # each request with its incarnation *and* its preemption count: a result applies only to the
         # state it was planned in (a request preempted while the step ran ignores it, as an aborted one)
         requests = self.requests
-        self._planned[plan.step_id] = {w.request_id: (requests[w.request_id], requests[w.request_id].num_preemptions)
-                                       for w in (*plan.prefills, *plan.shallow, *plan.deep)}
+        planned = {}
+        for w in (*plan.prefills, *plan.shallow, *plan.deep):
+            r = requests[w.request_id]
+            planned[w.request_id] = (r, r.num_preemptions)
+        if planned:  # (a plan with no rows may never be updated: nothing to match)
+            self._planned[plan.step_id] = planned
         self._next_step += 1
         self.counters.count_plan(plan, num_boundaries)
 

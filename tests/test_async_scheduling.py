@@ -348,3 +348,13 @@ def check_replay_output(oracle, prompt, c) -> None:
     for j, (tok, lp, loop) in enumerate(zip(toks, c.logprobs, c.readout_loops), start=1):
         ref = processed_logprobs(out.logits[loop - 1, len(prompt) + j - 2], 1.0)
         assert abs(lp - float(ref[tok])) < TOL, f"token {j}"
+
+
+def test_a_step_with_nothing_to_run_leaves_nothing_behind():
+    """An empty plan (nothing to run) is never updated: it must not count as a step in flight later."""
+    core = fake_core(True, {})
+    assert core.step() == [] and not core.pipeline.in_flight
+    core.add((1, 2, 3), SamplingParams(max_tokens=6, ignore_eos=True), request_id="q0")
+    while core.has_unfinished:
+        core.step()
+    assert core.stats()["lookahead_steps"] > 0 and core.stats()["kv_blocks_used"] == 0
