@@ -34,8 +34,9 @@ def workload(ignore_eos: bool, plain: bool = False):
     options = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8)]
     if not plain:
         options += [dict(temperature=0.9, top_k=20), dict(temperature=1.0, logprobs=2), dict(temperature=1.0, n=2)]
-    params = [SamplingParams(max_tokens=24 + i % 9, seed=i, ignore_eos=ignore_eos, **options[i % len(options)])
-              for i in range(len(prompts))]
+    stops = [] if ignore_eos else [5, 7, 11, 13, 17, 19]  # with eos 3: ~7 / 257 per token, so some stop early
+    params = [SamplingParams(max_tokens=24 + i % 9, seed=i, ignore_eos=ignore_eos, stop_token_ids=stops,
+                             **options[i % len(options)]) for i in range(len(prompts))]
     return prompts, params
 
 
