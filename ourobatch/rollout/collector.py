@@ -1,14 +1,16 @@
 """Collector: continuous RL collection on an Engine or an EnginePool (docs/rollout.md).
 
 Theory of operation. The collector owns one task group (started by ``async with``) holding a feeder
-and one task per sample in flight. The feeder starts a task's group (n engine requests of one sample
-each, seeds derived from the task) whenever the Budget (budget.py) allows: enough free *sample* slots
-and the staleness bound. Each sample task awaits its generate(), then its reward (a sync reward runs on
-a worker thread), and the group is complete when all n are; the keep_group filter then drops it or
-queues it as ready. The consumer's ``async for`` hands over the oldest ready groups, groups_per_batch at
-a time, after dropping (and regenerating) any group whose oldest token is more than max_staleness
-updates behind; so the engine keeps generating while the consumer trains. ``update_weights`` pauses
-the engine ("keep"), applies the on_update policy to the samples in flight, copies, and resumes.
+and one task per sample in flight. The feeder takes the next task (tasks.py: requeued ones first) and
+starts its group (runs.py: a GroupRun, n engine requests of one sample each, seeds derived from the
+task) whenever the Budget (budget.py) allows: enough free *sample* slots and the staleness bound. Each
+sample task awaits its generate(), then its reward (a sync reward runs on a worker thread), and the
+group is complete when all n are; the keep_group filter then drops it or queues it as ready (ready.py).
+The consumer's ``async for`` hands over the oldest ready groups, groups_per_batch at a time, after
+dropping (and regenerating) any group whose oldest token is more than max_staleness updates behind; so
+the engine keeps generating while the consumer trains. ``update_weights`` pauses the engine ("keep"),
+applies the on_update policy to the samples in flight, copies, and resumes (updates.py). What differs
+between an Engine and an EnginePool is read through engine_view.py only.
 
 Nothing is lost silently: every task ends yielded, filtered (counted), failed (``collector.failed``),
 or is requeued (stale, surplus aborted) and generated again. Closing or cancelling aborts what runs.
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable
 
 import anyio
@@ -34,29 +34,13 @@ from .budget import Budget
 from .engine_view import EngineView
 from .ledger import Ledger
 from .partial import Pauser, Rounds, run_round
+from .ready import ReadyGroups
+from .runs import GroupRun
+from .tasks import TaskSource
 from .types import Batch, Group, Sample, prompt_of
 from .updates import push_weights
 
 log = get_logger()
-
-
-@dataclass(eq=False)
-class _Run:
-    """A group being generated."""
-
-    seq: int  # start order
-    task: Any
-    task_index: int
-    prompt: list[int]
-    samples: list[Sample | None]
-    live: dict[int, str] = field(default_factory=dict)  # sample index -> engine request id in flight
-    attempts: list[int] = field(default_factory=list)
-    restart: set[int] = field(default_factory=set)  # aborted by on_update="abort": resubmit
-    rounds: dict[int, Rounds] = field(default_factory=dict)  # max_tokens_per_round: each sample's rounds
-    paused: set[int] = field(default_factory=set)  # aborted at a hand-over to continue after the update
-    wake: Any = None  # the event its paused samples wait on
-    aborted: bool = False  # surplus aborted: its task is requeued
-    error: BaseException | None = None
 
 
 class Collector:
@@ -86,14 +70,9 @@ class Collector:
         if slots < n:
             raise ValueError(f"max_samples_in_flight must be >= n ({n}), got {slots}")
         self.budget = Budget(n, groups_per_batch, max_staleness, oversample, slots)
-        self._tasks = tasks
-        self._total = len(tasks) if hasattr(tasks, "__len__") else None  # type: ignore[arg-type]
-        self._iter: Any = None
-        self._exhausted = False
-        self._requeued: deque[tuple[int, Any]] = deque()
-        self._next_index = 0
-        self._runs: dict[int, _Run] = {}
-        self._ready: deque[tuple[int, Group]] = deque()  # (start seq, group), oldest first
+        self._tasks = TaskSource(tasks)
+        self._runs: dict[int, GroupRun] = {}
+        self._ready = ReadyGroups()
         self._seq = 0
         self._batches = 0
         self._changed = anyio.Event()
@@ -110,7 +89,7 @@ class Collector:
         self.counters, self.staleness_histogram = self.ledger.counters, self.ledger.staleness_histogram
         self.occupancy = self.ledger.occupancy
         self._occupancy_interval_s = occupancy_interval_s
-        self._bar = tqdm(total=self._total, desc="collect", unit="group", disable=not progress)
+        self._bar = tqdm(total=self._tasks.total, desc="collect", unit="group", disable=not progress)
         self._prefix = f"rollout-{id(self):x}"
 
     # ------------------------------------------------------------------ lifecycle
@@ -118,7 +97,7 @@ class Collector:
     async def __aenter__(self) -> "Collector":
         stats = await self._view.stats()
         self.budget.start_at(stats["weight_version"])
-        self._iter = self._tasks.__aiter__() if hasattr(self._tasks, "__aiter__") else iter(self._tasks)
+        self._tasks.open()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         await self._tg.start(self._run)
@@ -154,37 +133,23 @@ class Collector:
         changed, self._changed = self._changed, anyio.Event()
         changed.set()
 
-    def _has_tasks(self) -> bool:
-        return bool(self._requeued) or not self._exhausted
-
-    async def _next_task(self) -> tuple[int, Any] | None:
-        if self._requeued:
-            return self._requeued.popleft()
-        try:
-            task = await self._iter.__anext__() if hasattr(self._iter, "__anext__") else next(self._iter)
-        except (StopIteration, StopAsyncIteration):
-            self._exhausted = True
-            return None
-        self._next_index += 1
-        return self._next_index - 1, task
-
     async def _feed(self) -> None:
         try:
             while True:
                 started = False
-                while not self._closing and self._has_tasks() and self.budget.can_start_group():
-                    item = await self._next_task()
+                while not self._closing and self._tasks.has_tasks() and self.budget.can_start_group():
+                    item = await self._tasks.next()
                     if item is not None:
                         self._start(*item)
                         started = True
-                if started or self._exhausted:  # only a change wakes the consumer (no ping-pong)
+                if started or self._tasks.exhausted:  # only a change wakes the consumer (no ping-pong)
                     self._notify()
                 await self._changed.wait()
         except Exception as exc:  # noqa: BLE001 - the task iterable failed: the consumer gets it
             self._fail(exc)
 
     def _start(self, task_index: int, task: Any) -> None:
-        run = _Run(self._seq, task, task_index, prompt_of(task), [None] * self.n, attempts=[0] * self.n)
+        run = GroupRun(self._seq, task, task_index, prompt_of(task), [None] * self.n, attempts=[0] * self.n)
         self._seq += 1
         self._runs[run.seq] = run
         b = self.budget
@@ -201,7 +166,7 @@ class Collector:
 
     # ------------------------------------------------------------------ one sample
 
-    async def _sample(self, run: _Run, i: int) -> None:
+    async def _sample(self, run: GroupRun, i: int) -> None:
         seed = self.params.seed if self.params.seed is not None else self.seed
         params = self.params.with_seed(child_seed(child_seed(seed, run.task_index + 1), i))
         try:
@@ -225,7 +190,7 @@ class Collector:
                     if not run.aborted:
                         raise RuntimeError(f"sample {i} ended with finish_reason {c.finish_reason!r}: {c.error}")
                     break
-                sample = self._sample_of(run, i, c)
+                sample = run.sample_of(i, c)
                 sample.reward = await self._reward(run.task, sample)
                 run.samples[i] = sample
                 break
@@ -237,7 +202,7 @@ class Collector:
         if all(s is not None for s in run.samples) or (run.error is not None and not run.live):
             self._complete(run)
 
-    async def _attempt(self, run: _Run, i: int, params: SamplingParams) -> Any:
+    async def _attempt(self, run: GroupRun, i: int, params: SamplingParams) -> Any:
         """One engine request of sample i (a whole sample, or its current round); its last output."""
         rounds = run.rounds.get(i)
         rid = f"{self._prefix}-{run.seq}-{i}-{run.attempts[i]}"
@@ -252,15 +217,6 @@ class Collector:
         finally:
             run.live.pop(i, None)
 
-    def _sample_of(self, run: _Run, i: int, c: Any) -> Sample:
-        r = run.rounds.get(i)
-        if r is None:
-            return Sample(i, list(run.prompt), list(c.token_ids), list(c.logprobs), list(c.readout_loops),
-                          list(c.weight_versions), c.finish_reason, c.weight_version, num_restarts=run.attempts[i])
-        return Sample(i, list(run.prompt), r.token_ids, r.logprobs, r.readout_loops, r.weight_versions,
-                      c.finish_reason, c.weight_version if r.first_version is None else r.first_version,
-                      num_restarts=run.attempts[i], round_starts=r.round_starts)
-
     async def _reward(self, task: Any, sample: Sample) -> float | None:
         if self.reward is None:
             return None
@@ -269,14 +225,14 @@ class Collector:
         value = await anyio.to_thread.run_sync(self.reward, task, sample)
         return await value if inspect.isawaitable(value) else value
 
-    async def _fail_run(self, run: _Run, exc: BaseException) -> None:
+    async def _fail_run(self, run: GroupRun, exc: BaseException) -> None:
         if run.error is None and not run.aborted:
             run.error = exc
             self._pauser.wake([run])  # its paused samples end too
             for rid in list(run.live.values()):  # the group is lost: stop its other samples now
                 await self.engine.abort(rid)
 
-    def _complete(self, run: _Run) -> None:
+    def _complete(self, run: GroupRun) -> None:
         if self._runs.pop(run.seq, None) is None or run.aborted:
             return  # completed already, or counted as aborted surplus
         self.budget.groups_in_flight -= 1
@@ -300,7 +256,7 @@ class Collector:
         if not keep:
             self.counters["groups_filtered"] += 1
             return
-        self._ready.append((run.seq, group))
+        self._ready.add(run.seq, group)
         self.budget.groups_ready += 1
 
     # ------------------------------------------------------------------ the consumer
@@ -318,9 +274,9 @@ class Collector:
             if batch is not None:
                 return batch
             b = self.budget
-            if not self._has_tasks() and not b.groups_in_flight and not self._ready:
+            if not self._tasks.has_tasks() and not b.groups_in_flight and not self._ready:
                 raise StopAsyncIteration
-            if not b.groups_in_flight and not self._ready and self._has_tasks() and not b.can_start_group():
+            if not b.groups_in_flight and not self._ready and self._tasks.has_tasks() and not b.can_start_group():
                 b.open_one_batch()  # no update is coming for work that was never started
                 self._notify()  # the feeder may start it
             if self._pauser.num_paused and not b.samples_in_flight:
@@ -328,26 +284,21 @@ class Collector:
             await self._changed.wait()
 
     def _drop_stale(self) -> None:
-        kept: deque[tuple[int, Group]] = deque()
-        for seq, group in self._ready:
-            if self.budget.is_stale(group.oldest_version):  # regenerated under the current weights
-                self.counters["groups_stale"] += 1
-                self._requeued.append((group.task_index, group.task))
-                self.budget.groups_ready -= 1
-            else:
-                kept.append((seq, group))
-        if len(kept) < len(self._ready):
+        stale = self._ready.pop_stale(self.budget.is_stale)
+        for group in stale:  # regenerated under the current weights
+            self.counters["groups_stale"] += 1
+            self._tasks.requeue(group.task_index, group.task)
+            self.budget.groups_ready -= 1
+        if stale:
             self._notify()  # the feeder regenerates them
-        self._ready = kept
 
     async def _take_batch(self) -> Batch | None:
         self._drop_stale()
         G = self.groups_per_batch
-        done_generating = not self._has_tasks() and not self.budget.groups_in_flight
+        done_generating = not self._tasks.has_tasks() and not self.budget.groups_in_flight
         if len(self._ready) < G and not (done_generating and self._ready):
             return None
-        taken = [self._ready.popleft() for _ in range(min(G, len(self._ready)))]
-        groups = [g for _, g in taken]
+        groups, newest_seq = self._ready.take(G)
         b = self.budget
         b.groups_ready -= len(groups)
         b.groups_yielded += len(groups)
@@ -355,7 +306,7 @@ class Collector:
         self._batches += 1
         self.ledger.account(batch, b)
         self._bar.update(len(groups))
-        await self._handle_surplus(max(seq for seq, _ in taken))
+        await self._handle_surplus(newest_seq)
         await self._pauser.pause_long_samples(self._runs.values())
         self._notify()
         return batch
@@ -373,7 +324,7 @@ class Collector:
             self._runs.pop(run.seq, None)
             self.budget.groups_in_flight -= 1
             self.counters["groups_aborted"] += 1
-            self._requeued.append((run.task_index, run.task))
+            self._tasks.requeue(run.task_index, run.task)
             for rid in list(run.live.values()):
                 await self.engine.abort(rid)
 
