@@ -143,7 +143,8 @@ def engine_config(args, model_dir: str, name: str) -> EngineConfig:
     mode, B, s = parse_config(name, args.shallow_loops)
     return EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
                         shallow_loops=s, max_num_seqs=args.N, max_model_len=args.P + args.M,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def workload(args, vocab: int, count: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-N", type=int, default=64, help="concurrent requests")
     ap.add_argument("-P", type=int, default=512, help="prompt tokens")
     ap.add_argument("-M", type=int, default=256, help="output tokens per request")
+    ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                    help="EngineConfig.async_scheduling: auto (None: on for CUDA), on, off")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)
