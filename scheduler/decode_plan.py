@@ -39,11 +39,14 @@ def plan_decodes(config: SchedulerConfig, cohorts: Cohorts, requests: Mapping[st
     rows = DecodeRows()
     verify = config.mode == "verify"
     plan_row = plan_verify if verify else plan_deferred
+    bs = config.block_size
     for cohort, fed in cohorts.begin_step(requests):
         boundary = cohort.is_boundary_step() or force_boundary
         for r in fed:
-            if not verify or r.can_feed:  # every fed request feeds, but verify's with drafts to the end
-                kv.grow(r, kv.blocks_to_write(r, r.feed_position))  # make_room left room for it
+            # every fed request writes its feed position (not verify's with drafts to the end); a new block
+            # when the position starts one (kv.blocks_to_write, written out); make_room left room for it
+            if (not verify or r.can_feed) and r.feed_position // bs >= len(r.block_ids):
+                kv.grow(r, kv.blocks_to_write(r, r.feed_position))
             plan_row(config, r, cohort.cohort_id, boundary, rows.shallow, rows.deep)
         rows.num_boundaries += boundary
         cohort.end_step(boundary)
