@@ -7,8 +7,9 @@ compiles, cuBLAS picks kernels), then captures. Replays copy the
 step's small index vectors (token ids, table rows, positions, retained-row slots) into the graph's
 static inputs; padding entries point at the scratch table row, whose blocks are the scratch block, so
 they write nowhere that matters. Fed token ids that a step not yet read back sampled (async scheduling)
-are copied device-to-device into the ids input before the replay, so the graph itself never changes. Warm-up runs are real runs of the step with the same inputs, and every
-write they make (KV slots, retained rows) is idempotent, so capturing mid-generation is safe.
+are copied device-to-device into the ids input before the replay, so the graph itself never changes.
+Warm-up runs are real runs of the step with the same inputs, and every write they make (KV slots,
+retained rows) is idempotent, so capturing mid-generation is safe.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, SampledToken, ShallowWork, StepFailure,
-                                      StepPlan, StepResult, VerifyResult)
+from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, ShallowWork, StepFailure, StepPlan,
+                                      StepResult, VerifyResult)
 
 from .batch import BatchMeta, BlockTables, SeqSpan, fed_ids, to_device, uniform_meta, varlen_meta
 from .cuda_graphs import GraphCache
@@ -40,7 +40,7 @@ from .model import OuroForCausalLM
 from .pending import PendingStep, start_timing, without_requests
 from .pending import failure as _failure
 from .prompt_logprobs import prompt_logprobs
-from .readout import PendingSample, Readout, launch_sample, require_finite, sample_readouts
+from .readout import PendingSample, Readout, launch_sample, require_finite
 from .retained import RetainedRows, RetainedSpan
 from . import weights
 from .verify import VerifyItem, verify_batch
@@ -152,7 +152,7 @@ class ModelExecutor:
             readouts += self._run_deep_phase(deep, step)
         if readouts:
             try:
-                step.sample = self._launch_sample(readouts)
+                step.sample = self._sample(readouts)
             except Exception as exc:  # noqa: BLE001
                 ids = tuple(rid for r in readouts for rid, _ in r.items)
                 step.failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
@@ -179,9 +179,10 @@ class ModelExecutor:
             for d in deep:  # consumed, or discarded with a failed (closing) cohort
                 self.kept_rows.forget(d.request_id)
 
-    def _launch_sample(self, readouts: list[Readout]) -> PendingSample:
-        """The batched sampling pass, queued; its tokens are also written to next_tokens[table row], where
-        a step launched before this one is read feeds them from (ShallowWork.token_id None)."""
+    def _sample(self, readouts: list[Readout]) -> PendingSample:
+        """The batched sampling pass, queued (benchmarks/public_path.py times it as a phase); its tokens are
+        also written to next_tokens[table row], where a step launched before this one is read feeds them
+        from (ShallowWork.token_id None)."""
         pending = launch_sample(self.model, readouts, self.head_dtype, self.logprobs_mode)
         rows = self._index([self.tables.row_of[rid] for rid, _ in pending.items])
         self.next_tokens.index_copy_(0, rows, pending.token_ids)
@@ -315,10 +316,6 @@ class ModelExecutor:
             return verify_batch(items, logits_s, logits_T, self.logprobs_mode)
         finally:  # checked after verify_batch's own syncs (no extra stall); wins over what NaNs broke there
             require_finite(finite, row_ids)
-
-    def _sample(self, readouts: list[Readout]) -> list[SampledToken]:
-        """The sampling pass read at once (benchmarks/public_path.py times it as a phase)."""
-        return sample_readouts(self.model, readouts, self.head_dtype, self.logprobs_mode)
 
     # ------------------------------------------------------------------ startup
 

@@ -79,7 +79,8 @@ def sample_readouts(model: OuroForCausalLM, readouts: list[Readout], head_dtype:
 
 def non_finite_message(request_ids: list[str]) -> str:
     more = " ..." if len(request_ids) > 8 else ""
-    return f"non-finite logits (NaN or inf) for request(s) {request_ids[:8]}{more}: the weights or activations overflowed"
+    return (f"non-finite logits (NaN or inf) for request(s) {request_ids[:8]}{more}: the weights or activations "
+            f"overflowed")
 
 
 def require_finite(finite: torch.Tensor, row_ids: list[str]) -> None:

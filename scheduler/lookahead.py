@@ -92,19 +92,15 @@ def apply_pending(plan: StepPlan, live: Callable[[str], Request | None], cohorts
     return sampled
 
 
-def may_end(r: Request) -> bool:
-    """Whether the update of the step in flight may end `r` (its pending token's value or length)."""
-    return bool(r.stop_token_ids) or r.is_ending
-
-
 def drain_reason(plan: StepPlan, sampled: list[Request], waiting: Iterable[Request], admission: str,
                  prefill_under_way: bool, prefix_caching: bool, cohorts: Cohorts,
                  requests: Mapping[str, Request], must_preempt: Callable[[], bool]) -> str | None:
     """Why the next step may not be planned before the update of `plan` (the module docstring's rules,
     after apply_pending), or None. `sampled`: the requests `plan` samples; `admission`: who may be admitted
     ("all", "started", "none")."""
+    # may the update of `plan` end one of them (a stop set, or the pending token at max_tokens: is_ending)?
     ends = any(r.stop_token_ids or (r.num_pending and len(r.output_token_ids) + r.num_pending >= r.params.max_tokens)
-               for r in sampled)  # may_end, written out (every request, every step)
+               for r in sampled)
     if admission != "none" and any(admission == "all" or r.num_preemptions for r in waiting):
         if ends or (prefix_caching and any(p.token_ids for p in plan.prefills)):
             return "admission"
