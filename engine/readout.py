@@ -68,15 +68,6 @@ def launch_sample(model: OuroForCausalLM, readouts: list[Readout], head_dtype: t
     return PendingSample(items, drawn, finite)
 
 
-def sample_readouts(model: OuroForCausalLM, readouts: list[Readout], head_dtype: torch.dtype | None,
-                    logprobs_mode: str) -> list[SampledToken]:
-    """launch_sample and read; FloatingPointError on a non-finite logit."""
-    tokens, bad = launch_sample(model, readouts, head_dtype, logprobs_mode).read()
-    if bad:
-        raise FloatingPointError(non_finite_message(bad))
-    return tokens
-
-
 def non_finite_message(request_ids: list[str]) -> str:
     more = " ..." if len(request_ids) > 8 else ""
     return (f"non-finite logits (NaN or inf) for request(s) {request_ids[:8]}{more}: the weights or activations "
