@@ -358,3 +358,34 @@ def test_a_step_with_nothing_to_run_leaves_nothing_behind():
     while core.has_unfinished:
         core.step()
     assert core.stats()["lookahead_steps"] > 0 and core.stats()["kv_blocks_used"] == 0
+
+
+class FailDeepBesidePrefill(SkippingFake):
+    """Fails the deep call of the first step that also finishes a prefill."""
+
+    done = False
+
+    def execute(self, plan):
+        if not self.done and plan.deep and any(p.sample is not None for p in plan.prefills):
+            self.fail[plan.step_id], self.done = Phase.DEEP, True
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_deep_call_failing_beside_a_prefill_does_not_take_the_prefilled_request(lookahead):
+    """The cohort of a failed deep call closes: its members end with "error", the request whose prefill ran in
+    the same step is not one of them (it joins a new cohort), with async scheduling too (rule deep_and_prefill)."""
+    core = fake_core(lookahead, {}, deep_interval=2)
+    core.executor = FailDeepBesidePrefill()
+    q0 = core.add((1, 2, 3), SamplingParams(max_tokens=12, ignore_eos=True), request_id="q0").children[0]
+    q1 = None
+    # add q1 when the next step planned is q0's boundary (token 3, B = 2): with a step in flight, one earlier
+    while core.has_unfinished or q1 is None:
+        if q1 is None and q0.num_output_tokens == (1 if lookahead else 2):
+            q1 = core.add((4, 5, 6, 7), SamplingParams(max_tokens=5, ignore_eos=True), request_id="q1").children[0]
+        core.step()
+    core.drain()
+    assert core.executor.done
+    assert q0.finish_reason == "error" and "deep failed" in q0.error
+    assert q1.finish_reason == "length" and len(q1.output_token_ids) == 5
+    assert core.stats()["kv_blocks_used"] == 0
