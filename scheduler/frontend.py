@@ -22,7 +22,7 @@ from .errors import RequestRejectedError
 from .validate import check_ids_free
 from .log import get_logger
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .params import MAX_SEED, SamplingParams
+from .params import MAX_SEED, SamplingParams, field_error
 from .pipeline import StepPipeline
 from .plan import Executor, StepPlan, StepResult
 from .request import Request
@@ -50,11 +50,11 @@ def check_new_request(params: SamplingParams, request_id: str | None, max_num_se
     """What every engine front (EngineCore, the Ray pool) checks before queueing a request; returns its id
     (a fresh uuid when None: a counter's "req-3" can be a caller's own live id)."""
     if params.stop:  # text needs a tokenizer: the front ends that hold one cut the text themselves
-        raise ValueError(f"SamplingParams.stop={list(params.stop)!r}: stop strings need a tokenizer; use "
-                         f"ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
+        raise field_error(ValueError, "stop", f"SamplingParams.stop={list(params.stop)!r}: stop strings need a "
+                          f"tokenizer; use ourobatch.LLM or the HTTP server, or stop_token_ids with this engine")
     if params.n > max_num_seqs:  # one request's samples fit in one batch
-        raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}; lower n or "
-                                   f"raise max_num_seqs")
+        raise field_error(RequestRejectedError, "n", f"SamplingParams.n={params.n} exceeds max_num_seqs="
+                          f"{max_num_seqs}; lower n or raise max_num_seqs")
     if request_id is None:
         return f"req-{uuid.uuid4().hex}"
     check_ids_free([request_id], live_ids)

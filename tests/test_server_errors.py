@@ -17,6 +17,7 @@ import pytest
 
 import ourobatch.scheduler.errors as named
 from ourobatch import EngineConfig, SamplingParams
+from ourobatch.scheduler.frontend import check_new_request
 from ourobatch.server.app import create_app
 from ourobatch.server.cli import build_parser
 from ourobatch.server.errors import STATUS, BadRequest, error_response, field_of, status_of
@@ -154,8 +155,7 @@ def _with_field(exc: BaseException, field: str) -> BaseException:
 
 def test_a_bad_input_error_names_its_field_as_data():
     """The body's param is the error's `field` attribute when it has one, whatever its message says; an
-    error without one still gets the field its "SamplingParams.<field>" message names (kept only for
-    scheduler/frontend.py's two checks, which do not set `field` yet: stop strings, n > max_num_seqs)."""
+    error without one has no param, even when its message names a field (nothing is parsed out of it)."""
     def param(exc: BaseException) -> str | None:
         return json.loads(error_response(exc).body)["error"]["param"]
 
@@ -163,8 +163,14 @@ def test_a_bad_input_error_names_its_field_as_data():
     assert param(_with_field(TypeError("SamplingParams.top_k must be an int"), "n")) == "n"  # the attribute wins
     assert param(_with_field(named.RequestRejectedError("too long"), "prompt")) == "prompt"
     assert param(BadRequest("give exactly one of input_ids or text", "input_ids")) == "input_ids"
-    assert field_of(ValueError("SamplingParams.stop=['x']: stop strings need a tokenizer")) == "stop"  # the fallback
-    assert field_of(named.RequestRejectedError("SamplingParams.n=9 exceeds max_num_seqs=4")) == "n"
+    assert field_of(ValueError("SamplingParams.stop=['x']: stop strings need a tokenizer")) is None
+    # the engine front's two checks (scheduler/frontend.py check_new_request) carry theirs as data
+    with pytest.raises(ValueError) as stop:
+        check_new_request(SamplingParams(stop=["x"]), None, 4, {})
+    with pytest.raises(named.RequestRejectedError) as many:
+        check_new_request(SamplingParams(n=9), None, 4, {})
+    assert (field_of(stop.value), field_of(many.value)) == ("stop", "n")
+    assert type(stop.value) is ValueError and param(many.value) == "n"
     assert field_of(ValueError("prompt_token_ids[0] = 99 is outside the vocabulary")) is None
     assert param(BadRequest("no field")) is None
 

@@ -98,22 +98,9 @@ def error(status: int, message: str, param: str | None = None, kind: str = "BadR
 def field_of(exc: BaseException) -> str | None:
     """The request field a bad-input error names (the error body's ``param``), read as data: the error's
     ``field`` attribute, which BadRequest and every SamplingParams check set (scheduler.params.field_error
-    puts one on a plain ValueError / TypeError). An error without one falls back to _field_in_message;
-    else None."""
+    puts one on a plain ValueError / TypeError, check_new_request on its two); else None."""
     field = getattr(exc, "field", None)  # optional: only errors that know their field carry it
-    if isinstance(field, str):
-        return field
-    return _field_in_message(str(exc))
-
-
-def _field_in_message(message: str) -> str | None:
-    """The field in "SamplingParams.<field>=..." / "SamplingParams.<field> must ...". Kept only for the two
-    checks of scheduler/frontend.py check_new_request that do not set ``field`` yet (stop strings without a
-    tokenizer: "stop"; n above max_num_seqs, a RequestRejectedError: "n"); that file is being rewritten by
-    another worker. Once those raise with field_error, this parse goes."""
-    if "SamplingParams." in message:
-        return message.split("SamplingParams.", 1)[1].split("=", 1)[0].split(" ", 1)[0]
-    return None
+    return field if isinstance(field, str) else None
 
 
 def _describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
