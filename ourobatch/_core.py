@@ -12,7 +12,7 @@ from ourobatch.engine.executor import ModelExecutor
 from ourobatch.engine.kv_cache import KVPool
 from ourobatch.engine.loader import expected_shapes, load_model
 from ourobatch.engine.model import OuroForCausalLM
-from ourobatch.scheduler.config import SchedulerConfig
+from ourobatch.scheduler.config import SchedulerConfig, check_shallow_loops
 from ourobatch.scheduler.frontend import EngineCore
 from ourobatch.scheduler.log import get_logger
 
@@ -98,11 +98,7 @@ def auto_num_blocks(config: EngineConfig, model_config: OuroConfig, dtype: torch
 
 def check_checkpoint_fit(config: EngineConfig, mc: OuroConfig) -> None:
     """The options that depend on the checkpoint's config.json (cheap: no weights are read)."""
-    T = mc.total_ut_steps
-    if config.shallow_loops > T - 1:
-        raise ValueError(
-            f"EngineConfig.shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} for this checkpoint "
-            f"(total_ut_steps={T}), got {config.shallow_loops}")
+    check_shallow_loops("EngineConfig", config.shallow_loops, mc.total_ut_steps)  # the rule's one wording
 
 
 def check_attention(config: EngineConfig, head_dim: int, dtype: torch.dtype) -> None:

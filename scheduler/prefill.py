@@ -52,13 +52,6 @@ class PartialPrefill:
     weight_version: object  # Scheduler.weight_version at admission, its keys' salt: after a change, not shared
 
 
-def check_budget(max_num_batched_tokens: int, block_size: int) -> None:
-    """A step must be able to prefill one whole block (a chunk that is not the last one)."""
-    if max_num_batched_tokens < block_size:
-        raise ValueError(f"max_num_batched_tokens must be >= block_size ({block_size}): a step prefills at least "
-                         f"one block, got {max_num_batched_tokens}")
-
-
 class Prefills:
     """The prefills under way, by request id (their one owner), and the planner of each step's chunks."""
 

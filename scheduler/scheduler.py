@@ -29,7 +29,7 @@ from . import admission, decode_plan, lookahead, prefill, validate, verify_plan
 from .block_manager import BlockManager
 from .kv_manager import KVManager
 from .cohort import Cohorts
-from .config import MODES, SchedulerConfig
+from .config import SchedulerConfig
 from .counters import SchedulerCounters
 from .params import MAX_SEED, SamplingParams
 from .plan import Phase, StepPlan, StepResult
@@ -41,18 +41,8 @@ __all__ = ["RequestUpdate", "Scheduler"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
-        T, s, B = config.total_ut_steps, config.shallow_loops, config.deep_interval
-        if config.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
-        if not 1 <= s <= T - 1:
-            raise ValueError(f"shallow_loops must satisfy 1 <= shallow_loops <= {T - 1} (T={T}), got {s}")
-        if B < 1:
-            raise ValueError(f"deep_interval must be >= 1, got {B}")
-        prefill.check_budget(config.max_num_batched_tokens, config.block_size)
-        self.config = config
+        self.config = config  # checked when it was built (scheduler/config.py: one check per rule)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
-        if not 0 <= config.kv_watermark < 1:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {config.kv_watermark!r}")
         self.kv = KVManager(self.blocks, config.kv_allocation, config.enable_prefix_caching,
                             math.ceil(config.kv_watermark * config.num_kv_blocks))
         self.requests: dict[str, Request] = {}  # every live (not finished) request
