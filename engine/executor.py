@@ -48,11 +48,11 @@ from .verify import VerifyItem, verify_batch
 
 class ModelExecutor:
     def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
-                 max_num_seqs: int = 256, max_blocks_per_seq: int = 256, deep_interval: int = 1,
-                 attention: str = "auto", cuda_graphs: bool | None = None, logprobs_mode: str = "processed",
+                 logprobs_mode: str, max_num_seqs: int = 256, max_blocks_per_seq: int = 256,
+                 deep_interval: int = 1, attention: str = "auto", cuda_graphs: bool | None = None,
                  head_dtype: torch.dtype | None = None) -> None:
         self.model = model
-        self.logprobs_mode = logprobs_mode  # "processed" | "raw": which log-probs tokens report
+        self.logprobs_mode = logprobs_mode  # "processed" | "raw" (EngineConfig's): which log-probs tokens report
         self.head_dtype = head_dtype  # dtype of the lm_head matmul (None: the model's)
         self.pool = pool
         self.device = torch.device(device)

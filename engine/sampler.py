@@ -111,9 +111,6 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     return torch.log_softmax(z, dim=-1)
 
 
-LOGPROBS_MODES = ("processed", "raw")
-
-
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """logits: [rows, vocab] -> log_softmax before temperature, filters and min_tokens [rows, vocab],
     float32 (float64 for float64 logits): logprobs_mode="raw"."""

@@ -39,7 +39,7 @@ class VerifyItem:
 
 
 def verify_batch(items: list[VerifyItem], logits_s: torch.Tensor, logits_T: torch.Tensor,
-                 logprobs_mode: str = "processed") -> list[VerifyResult]:
+                 logprobs_mode: str) -> list[VerifyResult]:
     """logits_s, logits_T: [rows, vocab], the requests' rows concatenated in `items` order."""
     dev = logits_T.device
     row_params = [it.params for it in items for _ in range(it.num_rows)]
