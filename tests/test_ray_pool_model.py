@@ -81,6 +81,8 @@ def check_completion(world: Any, rec: Record, c) -> None:
 
 def check_error(rec: Record, exc: BaseException, retry: bool) -> None:
     where = f"{rec.rid} {sorted(rec.events)}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, ReplicaDiedError) and "killed" in rec.events and not retry:
+        return  # sent to a killed replica the pool still thought ready: the death can beat the refusal
     if "surely_refused" in rec.events and "updated" not in rec.events:
         assert isinstance(exc, InconsistentWeightsError), where
     if isinstance(exc, InconsistentWeightsError):
