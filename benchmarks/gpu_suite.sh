@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,6 +37,13 @@ if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (be
 fi
 if [ "$what" = cold ]; then  # fresh processes: ready and first rounds, empty then warm compile cache (cold_start.py)
   python3 benchmarks/cold_start.py --out "$OUT/cold" "$@" 2>&1 | tee "$OUT/cold.log" | grep -v '^{' | tail -20
+fi
+if [ "$what" = itl ]; then  # the prefill budget sweep: p99 / p50 gap between deliveries per max_num_batched_tokens
+  # (benchmarks/serving.py, full depth, rates 16 and 32, 80 requests; one engine per budget). ITL_BUDGETS overrides.
+  for budget in ${ITL_BUDGETS:-8192 1024 2048 512}; do
+    python3 benchmarks/serving.py --out "$OUT/itl/b$budget" --configs interval1 --rates 16,32 --num-requests 80 \
+      --no-plots --max-num-batched-tokens "$budget" "$@" 2>&1 | tee "$OUT/itl_b$budget.log" | grep '^|' | tail -4
+  done
 fi
 if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (benchmarks/step_profile.py)
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
