@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ourobatch.engine.attention_dispatch import LAUNCH_TABLE, LaunchConfig
+from engine.attention_dispatch import LAUNCH_TABLE, LaunchConfig
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 16, 128, 16  # Ouro-1.4B
 BLOCK_NS, WARPS, STAGES, SPLITS = (32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8, 16)
@@ -80,7 +80,7 @@ class Problem:
 
 
 def call(p: Problem, q, starts, rows: int, config: LaunchConfig | None, copy: int) -> torch.Tensor:
-    from ourobatch.engine.triton_attention import launch_paged_attention, triton_paged_attention
+    from engine.triton_attention import launch_paged_attention, triton_paged_attention
 
     args = (q, p.k, p.v, p.tables[copy], p.ctx, starts, rows, HEAD_DIM**-0.5)
     return triton_paged_attention(*args) if config is None else launch_paged_attention(*args, config)
@@ -246,7 +246,7 @@ def run(args) -> dict:
         device, dtype = "cuda", torch.bfloat16
         grid = [g for g in itertools.product(BLOCK_NS, WARPS, STAGES) if not (g[0] == 128 and g[1] == 2)]
         splits = SPLITS
-    from ourobatch.engine.triton_attention import default_config, num_sms
+    from engine.triton_attention import default_config, num_sms
 
     sms = num_sms(torch.device(device))
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def child(args) -> dict:
     import torch
 
     from ourobatch import Engine, compile_cache
-    from ourobatch.engine import kernel_warmup
+    from engine import kernel_warmup
 
     sys.path.insert(0, str(HERE))
     from public_path import engine_config, timed_round, workload  # noqa: E402

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ourobatch.engine import triton_fused as fused
-from ourobatch.engine import triton_gemm as tg
-from ourobatch.engine.gemm_dispatch import GemmConfig
+from engine import triton_fused as fused
+from engine import triton_gemm as tg
+from engine.gemm_dispatch import GemmConfig
 
 H, I, Q, KV = 2048, 5632, 2048, 2048  # hidden, intermediate, q dim, kv dim (Ouro-1.4B)
 COPIES, REPS, EPS = 24, 20, 1e-6

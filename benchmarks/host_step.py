@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ourobatch.scheduler.config import SchedulerConfig  # noqa: E402
-from ourobatch.scheduler.frontend import EngineCore  # noqa: E402
-from ourobatch.scheduler.params import SamplingParams  # noqa: E402
-from ourobatch.scheduler.plan import SampledToken, StepPlan, StepResult  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
+from ourobatch.runtime.engine_core import EngineCore  # noqa: E402
+from scheduler.params import SamplingParams  # noqa: E402
+from scheduler.plan import SampledToken, StepPlan, StepResult  # noqa: E402
 
 CONFIGS = {"interval1": ("deferred", 1), "deferred8": ("deferred", 8)}
 

@@ -54,9 +54,9 @@ from bench_plot import accuracy_plot  # noqa: E402
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch._core import resolve_dtype
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.loader import load_model
-from ourobatch.engine.model import OuroForCausalLM
+from engine.config import OuroConfig
+from engine.loader import load_model
+from engine.model import OuroForCausalLM
 
 Z95 = 1.959963984540054
 DEFAULT_CONFIGS = ("interval1,eager4," + ",".join(f"deferred{b}s{s}" for b in (2, 4, 8) for s in (1, 2, 3))

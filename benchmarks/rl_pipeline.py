@@ -48,10 +48,10 @@ from tqdm.auto import tqdm
 
 from ourobatch import Engine, EngineConfig, SamplingParams
 from ourobatch._core import resolve_dtype
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.loader import load_state_dict
+from engine.config import OuroConfig
+from engine.loader import load_state_dict
 from ourobatch.rollout import Collector
-from ourobatch.scheduler.params import RequestOutputKind
+from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import draw_lengths  # noqa: E402

@@ -34,8 +34,8 @@ import anyio
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams
-from ourobatch.engine.config import OuroConfig
-from ourobatch.scheduler.params import RequestOutputKind
+from engine.config import OuroConfig
+from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402

@@ -51,9 +51,9 @@ import anyio
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.cuda_graphs import BUCKETS
-from ourobatch.scheduler.params import RequestOutputKind
+from engine.config import OuroConfig
+from engine.cuda_graphs import BUCKETS
+from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import draw_lengths  # noqa: E402

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch._core import build_engine_core
-from ourobatch.engine import gemm_dispatch
-from ourobatch.engine.gemm_dispatch import GemmConfig
-from ourobatch.engine.loader import load_model
+from engine import gemm_dispatch
+from engine.gemm_dispatch import GemmConfig
+from engine.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402

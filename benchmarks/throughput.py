@@ -29,7 +29,7 @@ import torch
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch._core import build_engine_core, resolve_dtype
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 
 OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,

@@ -1,4 +1,4 @@
-"""ourobatch.engine: torch, no asyncio. Config and loader, the Ouro model, the paged per-loop KV pool,
+"""engine: torch, no asyncio. Config and loader, the Ouro model, the paged per-loop KV pool,
 attention, the sampler, and the executor that runs a StepPlan."""
 
 from .config import OuroConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ourobatch.scheduler.errors import CheckpointError
+from scheduler.errors import CheckpointError
 
 
 @dataclass(frozen=True)

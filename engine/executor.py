@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ourobatch.scheduler.plan import (DeepWork, Phase, PrefillWork, ShallowWork, StepFailure, StepPlan,
+from scheduler.plan import (DeepWork, Phase, PrefillWork, ShallowWork, StepFailure, StepPlan,
                                       StepResult, VerifyResult)
 
 from .batch import BatchMeta, BlockTables, SeqSpan, fed_ids, to_device, uniform_meta, varlen_meta

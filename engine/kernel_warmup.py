@@ -219,7 +219,7 @@ def launch_fused(s: KernelShapes, device: torch.device) -> None:
 
 def launch_sampler(s: KernelShapes, device: torch.device) -> None:
     """The sampler's one-kernel path, at an odd and an even row count (a row view's alignment moves)."""
-    from ourobatch.scheduler.params import SamplingParams
+    from scheduler.params import SamplingParams
 
     from .sampler import sample
 

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from typing import Callable
 
-from ourobatch.scheduler.errors import CheckpointError, EngineClosedError
+from scheduler.errors import CheckpointError, EngineClosedError
 
 from .config import OuroConfig
 from .model import OuroForCausalLM

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ourobatch.scheduler.plan import Phase, PromptLogprobs, StepFailure, StepPlan, StepResult, VerifyResult
+from scheduler.plan import Phase, PromptLogprobs, StepFailure, StepPlan, StepResult, VerifyResult
 
 from .readout import PendingSample, non_finite_message
 

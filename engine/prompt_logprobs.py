@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ourobatch.scheduler.plan import PrefillWork, PromptLogprobs
+from scheduler.plan import PrefillWork, PromptLogprobs
 
 from .sampler import processed_logprobs, raw_logprobs
 

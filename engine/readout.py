@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ourobatch.scheduler.plan import SampledToken, SampleSpec
+from scheduler.plan import SampledToken, SampleSpec
 
 from .model import OuroForCausalLM
 from .sampler import DeviceSample, sample_on_device, to_host

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ourobatch.scheduler.plan import DeepWork, ShallowWork
+from scheduler.plan import DeepWork, ShallowWork
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 _M32 = 0xFFFFFFFF
 STREAM_TOKEN = 0  # the draw of a generated token (other streams are reserved for verification)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ourobatch.scheduler.params import SamplingParams
-from ourobatch.scheduler.plan import VerifyResult
+from scheduler.params import SamplingParams
+from scheduler.plan import VerifyResult
 
 from .sampler import counter_uniforms, processed_logprobs, raw_logprobs, sample, top_logprobs
 

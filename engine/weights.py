@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from ourobatch.scheduler.errors import WeightUpdateError
+from scheduler.errors import WeightUpdateError
 
 from .config import OuroConfig
 from .loader import checkpoint_files, expected_shapes

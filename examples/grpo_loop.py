@@ -57,7 +57,7 @@ import anyio
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.rollout import Collector
 from ourobatch.training import readout_logprobs
 

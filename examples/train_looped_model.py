@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.model import OuroForCausalLM
+from engine.config import OuroConfig
+from engine.model import OuroForCausalLM
 
 EOS, BOS, QUERY = 0, 1, 2  # <|endoftext|>, <|im_start|>, ?
 FIRST_NODE = 3  # nodes n0..n{K-1}, then pair tokens "ns>nd" at FIRST_NODE + K + s * K + d

@@ -1,6 +1,6 @@
 """ourobatch: rollout generation for looped language models (Ouro) with deferred, batched deep loops."""
 
-from ourobatch.scheduler.errors import (
+from scheduler.errors import (
     CheckpointError,
     EngineAsleepError,
     EngineClosedError,
@@ -12,12 +12,12 @@ from ourobatch.scheduler.errors import (
     RequestRejectedError,
     WeightUpdateError,
 )
-from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.outputs import CompletionOutput, RequestOutput
+from scheduler.params import RequestOutputKind, SamplingParams
 
 from .config import EngineConfig
 
-# The engines pull in torch; load them on first use so `import ourobatch.scheduler` stays torch-free.
+# The engines pull in torch; load them on first use so `import scheduler` stays torch-free.
 _LAZY = {"Engine": "ourobatch.async_engine", "SyncEngine": "ourobatch.sync_engine", "LLM": "ourobatch.llm"}
 
 

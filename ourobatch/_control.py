@@ -5,7 +5,7 @@ under the same lock); the async Engine runs it on the worker thread through ``As
 (the stepping thread has handed back and cannot start again until it returns). Each takes the engine's
 lock only for the control state and the scheduler, never for the executor's part, so the event loop can
 keep admitting and aborting while a large weight copy runs. The rules (which call is allowed in which
-state) are EngineControl.check's (scheduler/control.py), checked again here since the state may have
+state) are EngineControl.check's (ourobatch/runtime/control.py), checked again here since the state may have
 changed between the call and its turn.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Sequence
 
-from ourobatch.scheduler.control import SLEEP_LEVELS
-from ourobatch.scheduler.errors import WeightUpdateError
-from ourobatch.scheduler.frontend import EngineCore
+from ourobatch.runtime.control import SLEEP_LEVELS
+from scheduler.errors import WeightUpdateError
+from ourobatch.runtime.engine_core import EngineCore
 
 from .training import score_on_executor
 

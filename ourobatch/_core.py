@@ -7,14 +7,14 @@ from typing import Callable
 
 import torch
 
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.executor import ModelExecutor
-from ourobatch.engine.kv_cache import KVPool
-from ourobatch.engine.loader import expected_shapes, load_model
-from ourobatch.engine.model import OuroForCausalLM
-from ourobatch.scheduler.config import SchedulerConfig, check_shallow_loops
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.log import get_logger
+from engine.config import OuroConfig
+from engine.executor import ModelExecutor
+from engine.kv_cache import KVPool
+from engine.loader import expected_shapes, load_model
+from engine.model import OuroForCausalLM
+from scheduler.config import SchedulerConfig, check_shallow_loops
+from ourobatch.runtime.engine_core import EngineCore
+from ourobatch.log import get_logger
 
 from .compile_cache import StartupCompiles
 from .config import EngineConfig
@@ -109,7 +109,7 @@ def check_attention(config: EngineConfig, head_dim: int, dtype: torch.dtype) -> 
     if not (config.attention_backend == "triton" or config.cuda_graphs):
         return  # 'auto' falls back to the torch reference by itself
     try:
-        from ourobatch.engine.triton_attention import supports
+        from engine.triton_attention import supports
     except ImportError:
         why = "the `triton` package is not installed"
     else:

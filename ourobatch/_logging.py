@@ -1,6 +1,6 @@
 """Console logging for the command-line entry points (``python -m ourobatch generate`` and ``serve``).
 
-The library configures nothing (scheduler/log.py: events go through structlog only once the host has
+The library configures nothing (ourobatch/log.py: events go through structlog only once the host has
 configured it); an entry point is the host, and runs its main() inside console_logging(): structlog's console
 renderer on stderr at ``--log-level`` (default info), so a warning such as ``max_model_len_capped`` and the
 startup line are seen. Events the engine emits per request or per step (NOISY_EVENTS) are shown only at
@@ -19,7 +19,7 @@ import structlog
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "info"
 # info events shown on a console only at debug: one line per request, per step or per replica call
-# (scheduler/frontend.py, ourobatch/ray), and engine_ready, which the entry points' own ready line
+# (ourobatch/runtime/engine_core.py, ourobatch/ray), and engine_ready, which the entry points' own ready line
 # (generate_ready, server_ready) repeats with the KV capacity in tokens and the address
 NOISY_EVENTS = frozenset({"request_finished", "request_failed", "request_aborted", "completion_aborted",
                           "deep_boundary", "request_retried", "replica_call", "engine_ready"})

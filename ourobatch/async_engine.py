@@ -1,6 +1,6 @@
 """Engine: the asyncio (anyio) facade. ``async with Engine(config) as engine: await engine.generate(...)``.
 
-The engine's loop runs in a task it owns (see ourobatch.scheduler.driver for the theory of operation):
+The engine's loop runs in a task it owns (see ourobatch.runtime.driver for the theory of operation):
 ``async with`` starts it in a task group entered and left by the same task; hosts that start and stop in
 different tasks run ``await engine.serve()`` in a task of their own and call ``await engine.aclose()``.
 """
@@ -16,14 +16,14 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.driver import AsyncDriver
-from ourobatch.scheduler.streams import RequestStream
-from ourobatch.engine.loader import checkpoint_files
-from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.errors import EngineClosedError, EngineDeadError
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.outputs import RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.runtime.driver import AsyncDriver
+from ourobatch.runtime.streams import RequestStream
+from engine.loader import checkpoint_files
+from engine.weights import checkpoint_tensors
+from scheduler.errors import EngineClosedError, EngineDeadError
+from ourobatch.runtime.engine_core import EngineCore
+from ourobatch.outputs import RequestOutput
+from scheduler.params import RequestOutputKind, SamplingParams
 
 from . import _control
 from ._core import build_engine_core
@@ -245,7 +245,7 @@ class Engine:
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ the RL contract
-    # Thin: the rules are EngineControl's (scheduler/control.py, docs/state_machine.md); executor calls
+    # Thin: the rules are EngineControl's (ourobatch/runtime/control.py, docs/state_machine.md); executor calls
     # run between steps on the worker thread (AsyncDriver.between_steps, ourobatch/_control.py).
 
     async def pause(self, mode: str = "abort") -> None:

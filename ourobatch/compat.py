@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ourobatch.scheduler.outputs import Logprob  # vLLM's Logprob (also ourobatch.compat.Logprob)
-from ourobatch.scheduler.params import SamplingParams
+from ourobatch.outputs import Logprob  # vLLM's Logprob (also ourobatch.compat.Logprob)
+from scheduler.params import SamplingParams
 
 FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ourobatch.scheduler.log import get_logger
+from ourobatch.log import get_logger
 
 log = get_logger()
 

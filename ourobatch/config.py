@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ourobatch.scheduler import config as rules  # the rules EngineConfig shares with SchedulerConfig
-from ourobatch.scheduler.params import LOGPROBS_MODES, MAX_SEED, SamplingParams
+from scheduler import config as rules  # the rules EngineConfig shares with SchedulerConfig
+from scheduler.params import LOGPROBS_MODES, MAX_SEED, SamplingParams
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")

@@ -16,9 +16,9 @@ from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.errors import EngineClosedError
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.errors import EngineClosedError
+from ourobatch.log import get_logger
+from scheduler.params import SamplingParams
 
 from ._extras import MissingExtraError
 from .chat_template import ChatTemplate, conversations, no_template_error, read_special_tokens

@@ -16,14 +16,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.errors import EngineClosedError
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.outputs import RequestOutput
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.errors import EngineClosedError
+from ourobatch.runtime.engine_core import EngineCore
+from ourobatch.outputs import RequestOutput
+from scheduler.params import SamplingParams
 
-from ourobatch.engine.loader import checkpoint_files
-from ourobatch.engine.weights import checkpoint_tensors
-from ourobatch.scheduler.control import EngineControl, Run
+from engine.loader import checkpoint_files
+from engine.weights import checkpoint_tensors
+from ourobatch.runtime.control import EngineControl, Run
 
 from . import _control
 from ._core import build_engine_core
@@ -125,7 +125,7 @@ class SyncEngine:
         return [p.output() for p in parents]
 
     # ------------------------------------------------------------------ the RL contract (blocking)
-    # Thin: the rules are EngineControl's (scheduler/control.py); every call holds the lock, which steps
+    # Thin: the rules are EngineControl's (ourobatch/runtime/control.py); every call holds the lock, which steps
     # also hold, so none ever runs with a step in flight. Each ends by waking generate() calls that wait.
 
     def _controlled(self, fn: Any, *args: Any) -> Any:

@@ -117,7 +117,7 @@ class FaultInjector:
     """
 
     def __init__(self, phase: str, calls: set[int] | None = None, when=None) -> None:
-        from ourobatch.scheduler.plan import Phase
+        from scheduler.plan import Phase
 
         self.phase = Phase(phase)
         self.calls = calls

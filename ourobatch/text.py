@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 from ._extras import require
 from .chat_template import ChatTemplate, load_chat_template

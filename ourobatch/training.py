@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from torch import nn
 
-from ourobatch.engine.model import OuroForCausalLM, head_logits
-from ourobatch.engine.sampler import processed_logprobs, raw_logprobs
-from ourobatch.scheduler.params import LOGPROBS_MODES, SamplingParams
+from engine.model import OuroForCausalLM, head_logits
+from engine.sampler import processed_logprobs, raw_logprobs
+from scheduler.params import LOGPROBS_MODES, SamplingParams
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 

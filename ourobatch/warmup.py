@@ -29,11 +29,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ourobatch.scheduler.config import SchedulerConfig
-from ourobatch.scheduler.errors import EngineClosedError
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.errors import EngineClosedError
+from ourobatch.runtime.engine_core import EngineCore
+from ourobatch.log import get_logger
+from scheduler.params import SamplingParams
 
 log = get_logger()
 
@@ -113,7 +113,7 @@ def _stopped(should_stop: Callable[[], bool] | None, executor) -> bool:
 
 
 def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
-    from ourobatch.engine import kernel_warmup
+    from engine import kernel_warmup
 
     shapes = kernel_warmup.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
     report = kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop)

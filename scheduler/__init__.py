@@ -1,10 +1,10 @@
-"""ourobatch.scheduler: torch-free requests, KV-block accounting, cohorts and the sans-IO Scheduler."""
+"""scheduler: the sans-IO scheduling policy, torch-free: requests, KV-block accounting, cohorts, the Scheduler
+and the plans it hands the engine (docs/architecture.md)."""
 
 from .block_manager import BlockManager
 from .cohort import Cohort
 from .config import MODES, SchedulerConfig
 from .scheduler import RequestUpdate, Scheduler
-from .frontend import EngineCore, ParentRequest, child_seed
 from .errors import (
     CheckpointError,
     EngineClosedError,
@@ -13,7 +13,6 @@ from .errors import (
     OurobatchError,
     RequestRejectedError,
 )
-from .outputs import CompletionOutput, RequestOutput
 from .params import RequestOutputKind, SamplingParams
 from .plan import (
     DeepWork,
@@ -33,20 +32,16 @@ __all__ = [
     "BlockManager",
     "CheckpointError",
     "Cohort",
-    "CompletionOutput",
     "DeepWork",
-    "EngineCore",
     "EngineClosedError",
     "EngineDeadError",
     "Executor",
     "InvalidTransition",
     "MODES",
     "OurobatchError",
-    "ParentRequest",
     "Phase",
     "PrefillWork",
     "Request",
-    "RequestOutput",
     "RequestOutputKind",
     "RequestRejectedError",
     "RequestStatus",
@@ -61,6 +56,5 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TRANSITIONS",
-    "child_seed",
     "set_status",
 ]

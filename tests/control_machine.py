@@ -35,7 +35,7 @@ from ourobatch import (
     OurobatchError,
     SamplingParams,
 )
-from ourobatch.scheduler.errors import EngineDeadError, InvalidTransition
+from scheduler.errors import EngineDeadError, InvalidTransition
 
 from .helpers import GatedExecutor
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ourobatch.scheduler.errors import RequestRejectedError
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.plan import StepPlan
+from scheduler.errors import RequestRejectedError
+from ourobatch.runtime.engine_core import EngineCore
+from scheduler.plan import StepPlan
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Async scheduling (scheduler/lookahead.py, scheduler/pipeline.py, ModelExecutor.launch): a step planned
+"""Async scheduling (scheduler/lookahead.py, ourobatch/runtime/pipeline.py, ModelExecutor.launch): a step planned
 while the one before it runs changes nothing a request gets.
 
 Torch-free part: hypothesis draws workloads (arrivals, aborts, eos and stop-id stops, max_tokens, n > 1,
@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
 from ourobatch._core import build_engine_core
-from ourobatch.scheduler.config import SchedulerConfig
-from ourobatch.scheduler.frontend import EngineCore
-from ourobatch.scheduler.params import RequestOutputKind
-from ourobatch.scheduler.plan import Phase
+from scheduler.config import SchedulerConfig
+from ourobatch.runtime.engine_core import EngineCore
+from scheduler.params import RequestOutputKind
+from scheduler.plan import Phase
 from ourobatch.testing import make_tiny_checkpoint
 from tests.lookahead_harness import Event, run_async, run_sync
 from tests.oracle import load_oracle, processed_logprobs

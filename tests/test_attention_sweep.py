@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ourobatch.engine.attention_dispatch import INF, LAUNCH_TABLE, LaunchConfig, choose_config
+from engine.attention_dispatch import INF, LAUNCH_TABLE, LaunchConfig, choose_config
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 
 sweep = load_benchmark("attention_sweep")

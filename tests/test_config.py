@@ -13,7 +13,7 @@ import torch
 
 from ourobatch import EngineConfig, RequestRejectedError, SamplingParams, SyncEngine
 from ourobatch._core import check_attention, check_machine
-from ourobatch.scheduler.params import MAX_N
+from scheduler.params import MAX_N
 from ourobatch.testing import make_tiny_checkpoint
 
 
@@ -90,12 +90,12 @@ def test_valid_cuda_combinations_pass_the_machine_check(ckpt):
 @pytest.mark.parametrize("supported", [False, None])  # None: the triton package is missing
 def test_triton_kernel_limits_are_checked_before_loading(ckpt, monkeypatch, supported):
     if supported is None:
-        monkeypatch.setitem(sys.modules, "ourobatch.engine.triton_attention", None)  # import raises
+        monkeypatch.setitem(sys.modules, "engine.triton_attention", None)  # import raises
         why = "triton` package is not installed"
     else:
-        fake = types.ModuleType("ourobatch.engine.triton_attention")
+        fake = types.ModuleType("engine.triton_attention")
         fake.supports = lambda head_dim, dtype: supported
-        monkeypatch.setitem(sys.modules, "ourobatch.engine.triton_attention", fake)
+        monkeypatch.setitem(sys.modules, "engine.triton_attention", fake)
         why = "head_dim=8, dtype=float64"
     with pytest.raises(ValueError, match=rf"attention_backend='triton' cannot run: .*{why}.*'auto' or 'torch'"):
         check_attention(config(ckpt, device="cuda", attention_backend="triton"), 8, torch.float64)

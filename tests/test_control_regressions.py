@@ -1,5 +1,5 @@
 """Issue 19: one regression test per control-path defect (items 1, 2, 4, 5, 7, 10, 12), each written to
-fail on the code before the control state got one owner (scheduler/control.py).
+fail on the code before the control state got one owner (ourobatch/runtime/control.py).
 
 Interleavings are forced with hooks, never sleeps: GatedExecutor holds a step in flight on the worker
 thread; SyncEngine tests run a control call from inside a step's hook, between two steps.

@@ -14,7 +14,7 @@ import pytest
 
 from ourobatch import EngineConfig
 from ourobatch.engine_args import engine_config_from_args
-from ourobatch.scheduler import SchedulerConfig
+from scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_shallow_loops_names_the_checkpoints_bound_where_it_is_known():
 
 def test_the_logprobs_modes_are_one_constant_of_the_torch_free_boundary():
     from ourobatch import config
-    from ourobatch.scheduler import params
+    from scheduler import params
 
     assert config.CHOICES["logprobs_mode"] is config.LOGPROBS_MODES is params.LOGPROBS_MODES == ("processed", "raw")
     text = r"^EngineConfig\.logprobs_mode must be one of \('processed', 'raw'\), got 'x'$"

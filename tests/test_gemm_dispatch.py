@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ourobatch.engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gemm_config
+from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gemm_config
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from ourobatch import CheckpointError, Engine, EngineClosedError, EngineConfig, EngineDeadError, SamplingParams, SyncEngine
-from ourobatch.engine import loader
+from engine import loader
 from ourobatch.testing import make_tiny_checkpoint
 
 from .helpers import GatedExecutor, until

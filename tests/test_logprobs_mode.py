@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 from ourobatch.training import readout_logprobs
 from tests.oracle import load_oracle, processed_logprobs, readout_position

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.loader import load_model
+from engine.config import OuroConfig
+from engine.loader import load_model
 from tests.oracle import load_oracle
 from tests.pointer_chase import check_task_file
 

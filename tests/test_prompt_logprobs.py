@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
-from ourobatch.scheduler.params import RequestOutputKind
+from scheduler.params import RequestOutputKind
 from ourobatch.testing import make_tiny_checkpoint
 from tests.oracle import load_oracle, processed_logprobs
 

@@ -1,8 +1,8 @@
 """The public facade is small and pinned: this test fails when it drifts."""
 
 import ourobatch
-import ourobatch.engine
-import ourobatch.scheduler
+import engine
+import scheduler
 
 PUBLIC = {
     "CheckpointError", "CompletionOutput", "Engine", "EngineClosedError", "EngineConfig", "EngineDeadError",
@@ -27,7 +27,7 @@ def test_top_level_all_is_pinned():
 
 
 def test_every_name_in_all_exists():
-    for module in (ourobatch, ourobatch.engine, ourobatch.scheduler):
+    for module in (ourobatch, engine, scheduler):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 from tests.benchmark_scripts import load_benchmark
 from tests.oracle import expected_readout_loops, load_oracle, readout_position

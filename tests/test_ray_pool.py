@@ -20,7 +20,7 @@ from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
 from ourobatch.ray import EnginePool, ReplicaDiedError
 from ourobatch.ray.routing import Router
 from ourobatch.ray.stats import sum_stats
-from ourobatch.scheduler.errors import EngineDeadError, RequestRejectedError
+from scheduler.errors import EngineDeadError, RequestRejectedError
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import pytest
 
 from ourobatch import SamplingParams
 from ourobatch.ray import ReplicaDiedError
-from ourobatch.scheduler.errors import InconsistentWeightsError
+from scheduler.errors import InconsistentWeightsError
 
 
 @dataclasses.dataclass(eq=False)

@@ -251,7 +251,7 @@ async def test_continuation_under_pause_keep_continues_on_the_new_weights(fresh,
 async def test_replica_restarted_after_sleep2_and_wake_up_is_missing_its_weights_too(fresh, ckpt):
     """After sleep(2) + wake_up no replica holds weights until a full load: one restarted meanwhile (from its
     checkpoint) must not serve them either, or requests routed there would run while the others refuse."""
-    from ourobatch.scheduler.errors import InconsistentWeightsError
+    from scheduler.errors import InconsistentWeightsError
 
     pool = fresh
     await asyncio.wait_for(pool.sleep(2), LIMIT)

@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.ray import EnginePool
-from ourobatch.scheduler.errors import (EngineAsleepError, EngineBusyError, EngineClosedError,
+from scheduler.errors import (EngineAsleepError, EngineBusyError, EngineClosedError,
                                         InconsistentWeightsError)
 from ourobatch.testing import make_tiny_checkpoint
 from tests.test_ray_pool_model import Record, check_error, check_outputs

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-import ourobatch.scheduler.errors as named
+import scheduler.errors as named
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch.scheduler.frontend import check_new_request
+from ourobatch.runtime.engine_core import check_new_request
 from ourobatch.server.app import create_app
 from ourobatch.server.cli import build_parser
 from ourobatch.server.errors import STATUS, BadRequest, error_response, field_of, status_of
@@ -164,7 +164,7 @@ def test_a_bad_input_error_names_its_field_as_data():
     assert param(_with_field(named.RequestRejectedError("too long"), "prompt")) == "prompt"
     assert param(BadRequest("give exactly one of input_ids or text", "input_ids")) == "input_ids"
     assert field_of(ValueError("SamplingParams.stop=['x']: stop strings need a tokenizer")) is None
-    # the engine front's two checks (scheduler/frontend.py check_new_request) carry theirs as data
+    # the engine front's two checks (ourobatch/runtime/engine_core.py check_new_request) carry theirs as data
     with pytest.raises(ValueError) as stop:
         check_new_request(SamplingParams(stop=["x"]), None, 4, {})
     with pytest.raises(named.RequestRejectedError) as many:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ourobatch import Engine, EngineBusyError, EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 from ourobatch.training import NormHookModel, readout_logprobs
 from tests.helpers import GatedExecutor, until

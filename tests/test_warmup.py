@@ -18,10 +18,10 @@ import torch
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch import compile_cache
 from ourobatch._core import build_engine_core
-from ourobatch.engine import kernel_warmup
-from ourobatch.engine.cuda_graphs import BUCKETS
-from ourobatch.engine.gemm_dispatch import GemmConfig
-from ourobatch.scheduler.frontend import request_seed
+from engine import kernel_warmup
+from engine.cuda_graphs import BUCKETS
+from engine.gemm_dispatch import GemmConfig
+from ourobatch.runtime.engine_core import request_seed
 from ourobatch.testing import make_tiny_checkpoint
 from ourobatch.warmup import WarmupPlan, warm_up_requests
 
@@ -283,7 +283,7 @@ def test_one_gemm_launch_per_tile_and_row_class():
 
 INTERPRETED = """
 import torch
-from ourobatch.engine import kernel_warmup as kw
+from engine import kernel_warmup as kw
 for dtype in (torch.float32, torch.bfloat16):
     s = kw.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
                         (1, 2, 4), True)

@@ -19,9 +19,9 @@ from typing import Any, Sequence, TextIO
 from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS
 from ourobatch.config import EngineConfig
 from ourobatch.engine_args import add_engine_arguments, engine_config_from_args
-from ourobatch.scheduler.errors import CheckpointError, OurobatchError, RequestRejectedError
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.errors import CheckpointError, OurobatchError, RequestRejectedError
+from ourobatch.log import get_logger
+from scheduler.params import SamplingParams
 
 from .jsonl import CheckpointTokenizer, InputError, PromptLine, check_requests, output_record, read_lines
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 #: SamplingParams fields a line's "sampling_params" may set (output_kind only matters for streaming).
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "output_kind")
@@ -168,7 +168,7 @@ def check_requests(scheduler_config: Any, lines: Iterable[PromptLine]) -> None:
     """Run every request through the engine's own admission checks (vocabulary, max_model_len, KV pool,
     n <= max_num_seqs) on a throwaway EngineCore that never steps, so a rejected request is reported with
     its line number and nothing runs. Needs only the checkpoint's config.json, not its weights."""
-    from ourobatch.scheduler.frontend import EngineCore
+    from ourobatch.runtime.engine_core import EngineCore
 
     probe = EngineCore(scheduler_config, executor=None)  # type: ignore[arg-type]  # add() never executes
     errors = []

@@ -19,9 +19,9 @@ import ray
 
 from ourobatch.async_engine import Engine
 from ourobatch.config import EngineConfig
-from ourobatch.scheduler.errors import EngineClosedError
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.outputs import RequestOutput
+from scheduler.errors import EngineClosedError
+from ourobatch.log import get_logger
+from ourobatch.outputs import RequestOutput
 
 log = get_logger()
 

@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ourobatch.scheduler.log import get_logger
+from ourobatch.log import get_logger
 
 from .actor import BROADCAST_METHODS
 from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failure

@@ -8,12 +8,12 @@ import asyncio
 import dataclasses
 from typing import Any, Sequence
 
-from ourobatch.scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
+from scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
                                         ReplicaDiedError, RequestRejectedError)
-from ourobatch.scheduler.frontend import check_new_request, request_seed
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.outputs import RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.runtime.engine_core import check_new_request, request_seed
+from ourobatch.log import get_logger
+from ourobatch.outputs import RequestOutput
+from scheduler.params import RequestOutputKind, SamplingParams
 
 from .actor import ReplicaNotArmedError
 from .flight import Flight, SubRequest

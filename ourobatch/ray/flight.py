@@ -23,10 +23,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ourobatch.scheduler.frontend import child_seed
-from ourobatch.scheduler.outputs import CompletionOutput, RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
-from ourobatch.scheduler.streams import OutputStream
+from ourobatch.runtime.engine_core import child_seed
+from ourobatch.outputs import CompletionOutput, RequestOutput
+from scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.runtime.streams import OutputStream
 
 if TYPE_CHECKING:
     from .pool import EnginePool
@@ -252,7 +252,7 @@ class Flight:
 
 
 class PoolStream(OutputStream):
-    """Async iterator over one pool request's outputs (Engine.stream's contract: scheduler/streams.py).
+    """Async iterator over one pool request's outputs (Engine.stream's contract: ourobatch/runtime/streams.py).
     Closing it early (``aclose()``, leaving ``async with``, cancelling the consumer, or dropping it) aborts
     the request. Raises ReplicaDiedError if its replica dies (unless the pool retries it)."""
 

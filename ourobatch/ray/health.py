@@ -12,7 +12,7 @@ import asyncio
 
 import ray
 
-from ourobatch.scheduler.log import get_logger
+from ourobatch.log import get_logger
 
 from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failure, is_gone_for_good
 

@@ -28,10 +28,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
 from ourobatch.config import EngineConfig, batch_arguments, resolve_config
-from ourobatch.scheduler.errors import EngineClosedError, ReplicaDiedError
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.outputs import RequestOutput
-from ourobatch.scheduler.params import RequestOutputKind
+from scheduler.errors import EngineClosedError, ReplicaDiedError
+from ourobatch.log import get_logger
+from ourobatch.outputs import RequestOutput
+from scheduler.params import RequestOutputKind
 
 from .actor import EngineActor
 from .control import Control

@@ -25,9 +25,9 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import anyio
 from tqdm.auto import tqdm
 
-from ourobatch.scheduler.frontend import child_seed
-from ourobatch.scheduler.log import get_logger
-from ourobatch.scheduler.params import SamplingParams
+from ourobatch.runtime.engine_core import child_seed
+from ourobatch.log import get_logger
+from scheduler.params import SamplingParams
 
 from . import options
 from .budget import Budget

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 ON_UPDATE = ("continue", "recompute", "abort")
 SURPLUS = ("carry", "abort")

@@ -21,9 +21,9 @@ from typing import Any
 
 import anyio
 
-from ourobatch.scheduler.frontend import child_seed
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
-from ourobatch.scheduler.streams import OutputStream
+from ourobatch.runtime.engine_core import child_seed
+from scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.runtime.streams import OutputStream
 
 
 @dataclass

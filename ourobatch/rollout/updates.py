@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from ourobatch.scheduler.errors import OurobatchError
+from scheduler.errors import OurobatchError
 
 
 async def push_weights(engine: Any, policy: str, runs: Iterable[Any], push: Callable[[], Any]) -> int:

@@ -18,7 +18,7 @@ from ourobatch._logging import DEFAULT_LOG_LEVEL, LOG_LEVELS, console_logging
 from ourobatch.compat import VLLM_LOGPROBS_MODE
 from ourobatch.config import EngineConfig
 from ourobatch.engine_args import add_engine_arguments, engine_config_from_args
-from ourobatch.scheduler.log import get_logger
+from ourobatch.log import get_logger
 
 from .limits import DEFAULT_MAX_REQUEST_BYTES
 

@@ -21,7 +21,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 from ourobatch.text import Tokenizer, check_text_params
 
 from . import prompt_logprobs as plp, sglang_shapes

@@ -104,7 +104,7 @@ async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDisk
         raise BadRequest("is_async=true is not supported: the update returns once the weights are in; send "
                          "false or leave it out", "is_async")
     if body.abort_all_requests:  # the body is checked whole first: a bad one aborts nothing
-        from ourobatch.engine.loader import checkpoint_files
+        from engine.loader import checkpoint_files
 
         await anyio.to_thread.run_sync(checkpoint_files, Path(body.model_path))  # CheckpointError: 400
         await abort_request(request, AbortRequest(abort_all=True))

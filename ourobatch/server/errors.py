@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ourobatch.scheduler.errors import (
+from scheduler.errors import (
     CheckpointError,
     EngineAsleepError,
     EngineBusyError,
@@ -37,7 +37,7 @@ from ourobatch.scheduler.errors import (
     RequestRejectedError,
     WeightUpdateError,
 )
-from ourobatch.scheduler.log import get_logger
+from ourobatch.log import get_logger
 
 log = get_logger("ourobatch.server")
 

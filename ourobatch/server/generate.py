@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from ourobatch.compat import from_sglang
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 from . import prompt_logprobs as plp, sglang_shapes
 from .completions import CLIENT_CLOSED, Generation, _close_after, _sse

@@ -17,8 +17,8 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ourobatch.scheduler.errors import EngineClosedError, OurobatchError
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.errors import EngineClosedError, OurobatchError
+from scheduler.params import SamplingParams
 
 from .errors import error, first_error
 

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ourobatch.scheduler.params import SamplingParams
+from scheduler.params import SamplingParams
 
 from .errors import BadRequest
 

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ourobatch.scheduler.outputs import CompletionOutput
-from ourobatch.scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.outputs import CompletionOutput
+from scheduler.params import RequestOutputKind, SamplingParams
 from ourobatch.text import StopChecker, Tokenizer, completion_text
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ourobatch.engine.attention_dispatch import (
+from engine.attention_dispatch import (
     LAUNCH_TABLE,
     LaunchConfig,
     choose_config,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from tests.oracle import load_oracle
 
 from .conftest import SHAPES

@@ -10,7 +10,7 @@ import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch._core import build_engine_core
-from ourobatch.scheduler.frontend import EngineCore
+from ourobatch.runtime.engine_core import EngineCore
 from tests.oracle import expected_readout_loops, load_oracle, processed_logprobs, readout_position
 
 from .conftest import SHAPES

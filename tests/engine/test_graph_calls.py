@@ -10,7 +10,7 @@ import pytest
 
 from ourobatch._core import build_engine_core
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch.engine.graph_calls import DeepCall, ShallowCall
+from engine.graph_calls import DeepCall, ShallowCall
 
 from .test_generation_vs_oracle import run_staggered
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ourobatch.engine.config import OuroConfig
-from ourobatch.engine.kv_cache import KVPool
+from engine.config import OuroConfig
+from engine.kv_cache import KVPool
 
 
 def _config(**kw) -> OuroConfig:

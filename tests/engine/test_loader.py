@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ourobatch import CheckpointError
-from ourobatch.engine import OuroConfig, expected_shapes, load_model
+from engine import OuroConfig, expected_shapes, load_model
 from ourobatch.testing import make_tiny_checkpoint
 
 

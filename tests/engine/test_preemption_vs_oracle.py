@@ -15,8 +15,8 @@ import torch
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch._core import build_engine_core
-from ourobatch.scheduler.frontend import child_seed
-from ourobatch.scheduler.request import RequestStatus
+from ourobatch.runtime.engine_core import child_seed
+from scheduler.request import RequestStatus
 from tests.oracle import load_oracle, processed_logprobs
 
 TOL = 1e-6

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chi2
 
 from ourobatch import SamplingParams
-from ourobatch.engine.sampler import counter_uniforms, processed_logprobs, sample
+from engine.sampler import counter_uniforms, processed_logprobs, sample
 from tests.oracle import processed_logprobs as oracle_logprobs
 
 CASES = [

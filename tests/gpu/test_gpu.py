@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.attention import SeqSpan, paged_attention
-from ourobatch.engine.kv_cache import KVPool
+from engine.attention import SeqSpan, paged_attention
+from engine.kv_cache import KVPool
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +22,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 16, 128), (8, 2, 64), (4, 1, 32), (32, 8, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 8])
 def test_triton_kernel_matches_reference(dtype, heads, kv_heads, head_dim, rows):
-    from ourobatch.engine.triton_attention import triton_paged_attention
+    from engine.triton_attention import triton_paged_attention
 
     g = torch.Generator(device="cuda").manual_seed(heads * 1000 + rows * 10 + head_dim)
     block_size, num_blocks, seqs = 16, 300, 7
@@ -115,8 +115,8 @@ def test_bf16_gpu_agrees_with_float32_cpu(ckpt):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_fused_kernels_match_their_references(dtype, tol):
-    from ourobatch.engine import triton_fused as fused
-    from ourobatch.engine.model import RMSNorm, RotaryEmbedding
+    from engine import triton_fused as fused
+    from engine.model import RMSNorm, RotaryEmbedding
 
     g = torch.Generator(device="cuda").manual_seed(1)
     rows, H, eps = 37, 2048, 1e-6
@@ -166,8 +166,8 @@ def test_fused_triton_engine_equals_reference_engine(ckpt):
 
 @pytest.mark.parametrize("vocab", [97, 49152])
 def test_triton_sampler_equals_the_torch_sampler(vocab):
-    from ourobatch.engine.sampler import counter_uniforms, processed_logprobs
-    from ourobatch.engine.triton_sampler import sample_plain
+    from engine.sampler import counter_uniforms, processed_logprobs
+    from engine.triton_sampler import sample_plain
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
     rows = 300
@@ -204,7 +204,7 @@ def test_tied_logits_draw_the_same_alone_and_in_a_batch_of_64(dtype, vocab):
     """The tie rule (the lower token id first) on CUDA: the torch path (top-p/top-k/min-p/top log-probs)
     and the Triton path (temperature only) give each row the same result alone and in a batch of 64,
     greedy picks the lowest tied id, and top-p keeps the tokens the oracle keeps."""
-    from ourobatch.engine.sampler import processed_logprobs, sample
+    from engine.sampler import processed_logprobs, sample
     from tests.engine.test_sampler import ranked_by_id_on_ties, tie_heavy_rows
     from tests.oracle import processed_logprobs as oracle_logprobs
 

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from ourobatch.engine.attention import SeqSpan, paged_attention
-from ourobatch.engine.attention_dispatch import LaunchConfig, query_tiling
-from ourobatch.engine.kv_cache import KVPool
+from engine.attention import SeqSpan, paged_attention
+from engine.attention_dispatch import LaunchConfig, query_tiling
+from engine.kv_cache import KVPool
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -62,7 +62,7 @@ class Case:
         return paged_attention(self.q_ref, self.pool, 1, 0, spans, self.scale)
 
     def run(self, config: LaunchConfig | None = None) -> torch.Tensor:
-        from ourobatch.engine.triton_attention import launch_paged_attention, triton_paged_attention
+        from engine.triton_attention import launch_paged_attention, triton_paged_attention
 
         if config is None:
             return triton_paged_attention(self.q, self.k, self.v, *self.args)
@@ -126,10 +126,10 @@ def test_strided_queries(splits):
 def test_dispatch_matches_reference(load, rows):
     # Ouro's heads (16 = 16 kv heads, d = 128): one request takes split-K, more than 2 programs per SM the
     # one-pass kernel, 8 requests whatever the table says
-    from ourobatch.engine.triton_attention import default_config, num_sms
+    from engine.triton_attention import default_config, num_sms
 
     # "many": just past the table's last split-K row for this tile (16 kv heads per request)
-    from ourobatch.engine.attention_dispatch import LAUNCH_TABLE
+    from engine.attention_dispatch import LAUNCH_TABLE
 
     split_rows = [per_sm for per_sm, max_tile, c in LAUNCH_TABLE if c.splits > 1 and rows <= max_tile]
     many = int(max(split_rows) * num_sms(torch.device(DEVICE)) / 16) + 1
@@ -151,7 +151,7 @@ def test_split_k_inside_a_cuda_graph_reads_context_lengths_on_the_device():
     case = Case([300, 20, 129], [4, 4, 4], 16, 16, 128, torch.float32, seed=3)
     tables, ctx, starts, max_rows, scale = case.args
     config = LaunchConfig(32, 4, 2, 8)
-    from ourobatch.engine.triton_attention import launch_paged_attention
+    from engine.triton_attention import launch_paged_attention
 
     def step() -> torch.Tensor:
         return launch_paged_attention(case.q, case.k, case.v, tables, ctx, starts, max_rows, scale, config)

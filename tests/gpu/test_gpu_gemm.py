@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine import gemm_dispatch
-from ourobatch.engine.gemm_dispatch import GemmConfig
+from engine import gemm_dispatch
+from engine.gemm_dispatch import GemmConfig
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,8 +27,8 @@ CONFIGS = [GemmConfig(), GemmConfig(block_n=32, block_k=64, splits_o=1, splits_d
 @pytest.mark.parametrize("hidden,inter,kdim", [(2048, 5632, 2048), (64, 128, 128), (96, 200, 72)])
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_fused_gemms_match_the_cublas_path(rows, hidden, inter, kdim, cfg):
-    from ourobatch.engine import triton_fused as fused
-    from ourobatch.engine import triton_gemm as tg
+    from engine import triton_fused as fused
+    from engine import triton_gemm as tg
 
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
     bf = dict(device="cuda", dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.scheduler.frontend import child_seed
+from ourobatch.runtime.engine_core import child_seed
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

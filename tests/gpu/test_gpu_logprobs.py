@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.engine.loader import load_model
+from engine.loader import load_model
 from ourobatch.training import readout_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

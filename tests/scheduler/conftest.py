@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ourobatch.scheduler import RequestStatus, Scheduler, SchedulerConfig
+from scheduler import RequestStatus, Scheduler, SchedulerConfig
 
 from .fakes import STOP, FakeExecutor
 

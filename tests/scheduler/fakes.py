@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from ourobatch.scheduler.plan import Phase, SampledToken, StepFailure, StepPlan, StepResult, VerifyResult
+from scheduler.plan import Phase, SampledToken, StepFailure, StepPlan, StepResult, VerifyResult
 
 STOP = 0  # the fake checkpoint's eos
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from ourobatch.scheduler import BlockManager
+from scheduler import BlockManager
 
 
 def test_blocks_for_rounds_up():
@@ -69,7 +69,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
 
-from ourobatch.scheduler.block_manager import prefix_block_keys  # noqa: E402
+from scheduler.block_manager import prefix_block_keys  # noqa: E402
 
 
 def test_prefix_keys_chain_the_whole_prefix():

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
+from scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
 
 from .conftest import abort_all_and_release, check_block_refs, make_scheduler, update_checked
 from .fakes import FakeExecutor

@@ -1,4 +1,4 @@
-"""scheduler/control.py: the control state machine, torch-free, against the rules of issue 19 written
+"""ourobatch/runtime/control.py: the control state machine, torch-free, against the rules of issue 19 written
 out by hand (docs/state_machine.md's control table), and the scheduler's last guard: a step's results
 apply only to the request incarnations, in the state, that its plan ran."""
 
@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from ourobatch.scheduler.control import STATES, TABLE, EngineControl, Run
-from ourobatch.scheduler.errors import (
+from ourobatch.runtime.control import STATES, TABLE, EngineControl, Run
+from scheduler.errors import (
     EngineAsleepError,
     EngineBusyError,
     EngineClosedError,
     EngineDeadError,
     InconsistentWeightsError,
 )
-from ourobatch.scheduler.params import SamplingParams
-from ourobatch.scheduler.request import RequestStatus
+from scheduler.params import SamplingParams
+from scheduler.request import RequestStatus
 
 from .conftest import make_scheduler, run_step
 from .fakes import FakeExecutor

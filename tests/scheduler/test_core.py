@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ourobatch.scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
+from scheduler import Phase, RequestRejectedError, RequestStatus, SamplingParams
 
 from .conftest import abort_all_and_release, make_scheduler, run_step, update_checked
 from .fakes import STOP, FakeExecutor

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ourobatch.scheduler import Phase, RequestRejectedError, SamplingParams
+from scheduler import Phase, RequestRejectedError, SamplingParams
 
 from .conftest import check_block_refs, check_cohort_clocks, make_scheduler
 from .fakes import FakeExecutor

@@ -7,7 +7,7 @@ executing: the step's results for it are ignored by `update()`".
 
 from __future__ import annotations
 
-from ourobatch.scheduler import Phase, RequestStatus, SamplingParams
+from scheduler import Phase, RequestStatus, SamplingParams
 
 from .conftest import make_scheduler, run_step
 from .fakes import FakeExecutor

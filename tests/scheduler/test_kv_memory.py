@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from ourobatch.scheduler import RequestStatus, SamplingParams
-from ourobatch.scheduler.admission import MAX_BYPASS
+from scheduler import RequestStatus, SamplingParams
+from scheduler.admission import MAX_BYPASS
 
 from .conftest import check_block_refs, make_scheduler
 from .fakes import FakeExecutor

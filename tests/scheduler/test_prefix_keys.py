@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ourobatch.scheduler import SamplingParams, block_manager
+from scheduler import SamplingParams, block_manager
 
 from .conftest import check_block_refs, make_scheduler
 from .fakes import FakeExecutor

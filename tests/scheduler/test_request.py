@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from ourobatch.scheduler import TRANSITIONS, InvalidTransition, Request, RequestStatus, SamplingParams, set_status
+from scheduler import TRANSITIONS, InvalidTransition, Request, RequestStatus, SamplingParams, set_status
 
 
 def make(status: RequestStatus) -> Request:

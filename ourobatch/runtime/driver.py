@@ -14,7 +14,7 @@ later writes those blocks only after every step launched before it (one device s
 After each ``update`` the stepping thread queues the requests it touched and writes a byte to a socket
 pair; the event loop's delivery task wakes on it and sets the collectors' events (anyio objects are
 only ever touched on the event loop). The stepping thread returns to the event loop when there is
-nothing to do, when the engine is closing, when the control state (scheduler/control.py: a pause, a
+nothing to do, when the engine is closing, when the control state (ourobatch/runtime/control.py: a pause, a
 maintenance hold for a weight copy, sleep, wake or score) needs the loop's decision, or when a dropped
 stream must be released; the loop then decides whether and when to step again. Control calls never
 change the scheduler with a step in flight: state changes take effect at once, what they imply for the
@@ -38,11 +38,11 @@ from typing import Any, Iterable, Mapping
 
 import anyio
 
-from .errors import EngineClosedError, EngineDeadError
-from .frontend import EngineCore, ParentRequest
-from .log import get_logger
-from .outputs import RequestOutput
-from .params import RequestOutputKind, SamplingParams
+from scheduler.errors import EngineClosedError, EngineDeadError
+from .engine_core import EngineCore, ParentRequest
+from ourobatch.log import get_logger
+from ourobatch.outputs import RequestOutput
+from scheduler.params import RequestOutputKind, SamplingParams
 from .control import EngineControl
 from .streams import RequestStream
 
@@ -289,7 +289,7 @@ class AsyncDriver:
     # ------------------------------------------------------------------ pause, resume, worker calls
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation (scheduler/control.py: 'abort', 'wait' or 'keep'); returns once paused, or
+        """Pause generation (ourobatch/runtime/control.py: 'abort', 'wait' or 'keep'); returns once paused, or
         raises the engine's error if it closes or dies first."""
         self._check_running()
         done = anyio.Event()

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .control import EngineControl
-from .config import SchedulerConfig
-from .scheduler import RequestUpdate, Scheduler
-from .errors import RequestRejectedError
-from .validate import check_ids_free
-from .log import get_logger
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .params import MAX_SEED, SamplingParams, field_error
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import RequestUpdate, Scheduler
+from scheduler.errors import RequestRejectedError
+from scheduler.validate import check_ids_free
+from ourobatch.log import get_logger
+from ourobatch.outputs import CompletionOutput, Logprob, RequestOutput
+from scheduler.params import MAX_SEED, SamplingParams, field_error
 from .pipeline import StepPipeline
-from .plan import Executor, StepPlan, StepResult
-from .request import Request
+from scheduler.plan import Executor, StepPlan, StepResult
+from scheduler.request import Request
 
 log = get_logger()
 

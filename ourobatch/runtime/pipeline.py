@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .plan import PendingStep, StepPlan, StepResult
+from scheduler.plan import PendingStep, StepPlan, StepResult
 
 
 class _Core(Protocol):

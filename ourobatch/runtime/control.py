@@ -30,17 +30,17 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .errors import (
+from scheduler.errors import (
     EngineAsleepError,
     EngineBusyError,
     EngineClosedError,
     EngineDeadError,
     InconsistentWeightsError,
 )
-from .log import get_logger
+from ourobatch.log import get_logger
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
+    from scheduler.scheduler import Scheduler
 
 log = get_logger()
 

@@ -1,7 +1,7 @@
 """Output streams: OutputStream, the iterate-and-close protocol every stream shares (Engine.stream's
 RequestStream here, the Ray pool's PoolStream), and RequestStream. Torch-free.
 
-RequestStream reads outputs through its AsyncDriver (scheduler/driver.py): ``_take`` builds a coalesced
+RequestStream reads outputs through its AsyncDriver (ourobatch/runtime/driver.py): ``_take`` builds a coalesced
 output under the driver's lock, ``_wait`` waits for the collector's event, ``release`` aborts and forgets
 the request.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .outputs import RequestOutput
+from ourobatch.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from .driver import AsyncDriver, _Collector
