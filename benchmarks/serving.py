@@ -18,6 +18,14 @@ gives each token the gap to the token before it (0 inside a delivery), `tpot` = 
 `itl_p99_over_p50` and `itl_hist` (log bins) show it. serving_report.py: the summary (the highest finite
 rate where interval1 keeps p99 TTFT < --ttft-slo, and there every config against it), table, plots.
 
+Why a gap is long (engine transport): the step log (step_log.py, a wrapper around the engine's executor)
+records every step's time, its composition (decode rows, prefill tokens and chunks, chunks after a
+history, deep rows), whether it was launched ahead (async scheduling) or the pipeline drained, its graph
+replays and captures and the Triton kernels compiled during it; per rate, `steps` summarises pure-decode
+steps against steps that prefill and by prefill-token bucket, with the slowest steps whole. Per rate also
+`kernels_compiled_during_round` (ourobatch.compile_cache's counter: compiled / loaded from the disk
+cache), `graph_captures_during_round` and `drain_reasons` (why steps were not planned ahead).
+
     python benchmarks/serving.py --out results/serving                  # H200 (docs/benchmarks.md)
     python benchmarks/serving.py --out results/serving_http --server    # the same through HTTP/SSE
     python benchmarks/serving.py --device cpu --dtype float32 --tiny --configs interval1,deferred4 \\
@@ -26,46 +34,40 @@ rate where interval1 keeps p99 TTFT < --ttft-slo, and there every config against
 
 --out gets serving.json (meta, rows, summary) and serving.md, both rewritten after each config,
 serving_requests.jsonl.gz (a line per round: every request's arrival, delivery times and token counts),
+serving_steps.jsonl.gz (a line per round: every step of the step log, `t` in s since the round started),
 and with matplotlib serving_latency.png, serving_running.png, serving_gaps.png (--no-plots: none).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gzip
 import json
 import math
 import platform
 import random
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import torch
 
-from ourobatch import Engine, EngineConfig, SamplingParams
 from engine.config import OuroConfig
 from engine.cuda_graphs import BUCKETS
-from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import draw_lengths  # noqa: E402
+from serving_clients import open_client  # noqa: E402
 from serving_report import markdown, measure, plot, progress_line, summarize  # noqa: E402
+from step_log import steps_line, summarize_steps  # noqa: E402
 from throughput import CONFIG_HELP, add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
-MODEL_NAME = "bench"
 SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
-COUNTERS = ("tokens_generated", "deep_calls", "steps", "preemptions")
-METRICS = {"ourobatch_num_requests_running": "num_running", "ourobatch_num_requests_waiting": "num_waiting",
-           "ourobatch_generation_tokens_total": "tokens_generated", "ourobatch_deep_calls_total": "deep_calls",
-           "ourobatch_scheduler_steps_total": "steps"}
+COUNTERS = ("tokens_generated", "deep_calls", "steps", "preemptions", "lookahead_steps", "lookahead_drains")
 
 
 def parse_rates(text: str) -> list[float]:
@@ -111,129 +113,6 @@ def warmup_lengths(width: int, plateau: int) -> list[int]:
     through every CUDA-graph bucket <= width, for `plateau` tokens each: request r lives while r < bucket."""
     steps = sorted({b for b in BUCKETS if b < width} | {width})
     return [plateau * sum(1 for b in steps if b > r) for r in range(width)]
-
-
-# ---------------------------------------------------------------------- clients: the engine or HTTP
-
-
-class EngineClient:
-    """Requests through the in-process async Engine."""
-
-    transport = "engine"
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    async def stream(self, rid: str, prompt: list[int], max_tokens: int, seed: int) -> AsyncIterator[tuple[int, Any]]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        async with self.engine.stream(prompt, params, request_id=rid) as stream:
-            async for out in stream:
-                yield len(out.outputs[0].token_ids), out.outputs[0].finish_reason
-
-    async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def graph_captures(self) -> int | None:
-        graphs = self.engine.core.executor.graphs
-        return graphs.num_captures if graphs is not None else None
-
-    async def reset_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-
-class HttpClient:
-    """Requests through the server: openai's AsyncOpenAI on /v1/completions (SSE), httpx for /metrics."""
-
-    transport = "http"
-
-    def __init__(self, url: str) -> None:
-        import httpx
-        import openai
-
-        self.oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        self.http = httpx.AsyncClient(base_url=url, timeout=60)
-
-    async def stream(self, rid: str, prompt: list[int], max_tokens: int, seed: int) -> AsyncIterator[tuple[int, Any]]:
-        # logprobs=0 + token ids: each chunk lists its tokens (text is empty without a tokenizer)
-        stream = await self.oai.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=seed, stream=True,
-            logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-        async with stream:
-            async for chunk in stream:
-                for c in chunk.choices:
-                    yield len(c.logprobs.tokens or []) if c.logprobs else 0, c.finish_reason
-
-    async def stats(self) -> dict[str, Any]:
-        values = {}
-        for line in (await self.http.get("/metrics")).text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in METRICS:
-                values[METRICS[name]] = int(float(value))
-        return values
-
-    def graph_captures(self) -> int | None:
-        return None  # in the server's process
-
-    async def reset_cache(self) -> None:
-        (await self.http.post("/flush_cache")).raise_for_status()
-
-    async def aclose(self) -> None:
-        await self.oai.close()
-        await self.http.aclose()
-
-
-@contextlib.contextmanager
-def server_process(model_dir: str, args: Any, mode: str, B: int, s: int, max_model_len: int):
-    """`python -m ourobatch serve` on a free port of 127.0.0.1; yields its url once the app is up."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # the child binds it
-    flags = dict(device=args.device, dtype=args.dtype, mode=mode, deep_interval=B, shallow_loops=s,
-                 max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, block_size=args.block_size,
-                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks)
-    cmd = [sys.executable, "-m", "ourobatch", "serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
-           str(port), "--served-model-name", MODEL_NAME, "--log-level", "info"]
-    cmd += [x for k, v in flags.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in proc.stderr:  # uvicorn's startup line (access lines go to stdout)
-            lines.append(line)
-            if "Application startup complete" in line:
-                break
-        else:
-            raise RuntimeError("the server exited during startup:\n" + "".join(lines[-40:]))
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()  # SIGTERM: the server drains and exits
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def open_client(model_dir: str, args: Any, mode: str, B: int, s: int, max_model_len: int):
-    if args.server:
-        with server_process(model_dir, args, mode, B, s, max_model_len) as url:
-            client = HttpClient(url)
-            try:
-                yield client
-            finally:
-                await client.aclose()
-        return
-    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
-                       shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                       block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                       num_kv_blocks=args.num_kv_blocks,
-                       **({} if args.max_num_batched_tokens is None else
-                          dict(max_num_batched_tokens=args.max_num_batched_tokens)))
-    async with Engine(cfg) as engine:
-        yield EngineClient(engine)
 
 
 # ---------------------------------------------------------------------- one round: requests at their arrivals
@@ -291,17 +170,33 @@ async def run_config(model_dir: str, args: Any, name: str, rates: list[float], v
         warmup_s = time.perf_counter() - t
         for rate in rates:
             await client.reset_cache()
-            before, captures = await client.stats(), client.graph_captures()
+            await client.take_steps()  # the warm-up's and the last round's: not this round's
+            before, captures, drains = await client.stats(), client.graph_captures(), client.drain_reasons()
+            compiles, t0 = client.compile_counts(), time.perf_counter()
             records, trace = await run_round(client, prompts, lengths, arrivals(gaps, rate), f"{name}-{rate:g}",
                                              args.sample_interval)
-            after = await client.stats()
+            after, steps = await client.stats(), await client.take_steps()
+            for step in steps or ():
+                step["t"] = round(step["t"] - t0, 6)  # s since the round started, as the request records
             row = dict(config=name, mode=mode, deep_interval=B, shallow_loops=s, rate=rate_label(rate),
                        transport=client.transport, warmup_s=warmup_s, **measure(records, trace),
                        counters={k: after[k] - before[k] for k in COUNTERS if k in after and k in before},
-                       graph_captures_during_round=None if captures is None else client.graph_captures() - captures)
+                       graph_captures_during_round=None if captures is None else client.graph_captures() - captures,
+                       kernels_compiled_during_round=_compiled_since(compiles, client.compile_counts()),
+                       drain_reasons=None if drains is None else
+                       {k: v - drains.get(k, 0) for k, v in client.drain_reasons().items() if v > drains.get(k, 0)},
+                       steps=None if steps is None else summarize_steps(steps))
             rows.append(row)
-            emit(row, records)
+            emit(row, records, steps)
     return rows
+
+
+def _compiled_since(before: Any, after: Any) -> dict | None:
+    """Triton kernels compiled and loaded from the disk cache between two counter snapshots (None: no counter)."""
+    if before is None or after is None:
+        return None
+    delta = after - before
+    return dict(compiled=delta.compiled, loaded=delta.loaded, seconds=round(delta.seconds, 3))
 
 
 OPTIONS = [  # flag, type, default, help
@@ -375,11 +270,16 @@ def main(argv: list[str] | None = None) -> int:
                                                  "shallow_loops", "sample_interval", "ttft_slo")})
     vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
     rows: list[dict] = []
-    with gzip.open(out / "serving_requests.jsonl.gz", "wt") as raw:
-        def emit(row: dict, records: list[dict]) -> None:
+    with gzip.open(out / "serving_requests.jsonl.gz", "wt") as raw, \
+            gzip.open(out / "serving_steps.jsonl.gz", "wt") as step_file:
+        def emit(row: dict, records: list[dict], steps: list[dict] | None) -> None:
             print(progress_line(row), flush=True)
+            print(steps_line(row["steps"]), flush=True)
             raw.write(json.dumps(dict(config=row["config"], rate=row["rate"], requests=records)) + "\n")
             raw.flush()
+            if steps is not None:
+                step_file.write(json.dumps(dict(config=row["config"], rate=row["rate"], steps=steps)) + "\n")
+                step_file.flush()
 
         for name in names:
             rows += anyio.run(run_config, model_dir, args, name, rates, vocab, emit)

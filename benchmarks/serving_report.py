@@ -115,7 +115,33 @@ def progress_line(row: dict) -> str:
     return (f"{row['config']:>10} rate {str(row['rate']):>5}: {row['num_requests']} req in {row['duration_s']:.1f} s, "
             f"{row['requests_per_s']:.1f} req/s, {row['output_tokens_per_s']:.0f} tok/s, TTFT p50/p99 {fmt(t['p50'])}/"
             f"{fmt(t['p99'])} ms, ITL p50/p99 {fmt(i['p50'], '{:.1f}')}/{fmt(i['p99'], '{:.1f}')} ms, running mean "
-            f"{row['mean_running']:.1f}, graph captures {row['graph_captures_during_round']}")
+            f"{row['mean_running']:.1f}, graph captures {row['graph_captures_during_round']}, kernels compiled "
+            f"{_compiled(row.get('kernels_compiled_during_round'))}")
+
+
+def _compiled(c: dict | None) -> str:
+    return "-" if c is None else f"{c['compiled']} (+{c['loaded']} from cache, {c['seconds']:.1f} s)"
+
+
+def steps_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per round, pure-decode vs prefill step times and step times by prefill tokens."""
+    rows = [r for r in rows if r.get("steps")]
+    if not rows:
+        return []
+    lines = ["", "Engine steps (step log; ms from the previous step's result or the step's launch to its result; "
+             "prefill buckets: step p50 / p99 ms (steps)):", "",
+             "| config | rate /s | steps | decode p50 / p99 | prefill p50 / p99 | prefill launch p50 | with history "
+             "| ahead | compiled / captures | by prefill tokens |", "|---" * 10 + "|"]
+    for r in rows:
+        st = r["steps"]
+        d, p = st["decode"], st["prefill"]
+        by = "; ".join(f"{k}: {fmt(v['step_ms']['p50'], '{:.1f}')} / {fmt(v['step_ms']['p99'], '{:.1f}')} "
+                       f"({v['count']})" for k, v in st["by_prefill_tokens"].items())
+        lines.append(f"| {r['config']} | {r['rate']} | {st['num_steps']} | {fmt(d['step_ms']['p50'], '{:.1f}')} / "
+                     f"{fmt(d['step_ms']['p99'], '{:.1f}')} | {fmt(p['step_ms']['p50'], '{:.1f}')} / "
+                     f"{fmt(p['step_ms']['p99'], '{:.1f}')} | {fmt(p['launch_ms']['p50'], '{:.1f}')} | "
+                     f"{p['with_history']} | {st['ahead']} | {st['compiled']} / {st['captures']} | {by} |")
+    return lines
 
 
 def markdown(rows: list[dict], meta: dict, summary: dict) -> str:
@@ -136,6 +162,7 @@ def markdown(rows: list[dict], meta: dict, summary: dict) -> str:
                      + f" | {fmt(r['itl_p99_over_p50'], '{:.2f}')} | {r['tokens_per_delivery']:.2f} | "
                      f"{fmt(r['tpot_ms']['mean'], '{:.1f}')} | {fmt(e['p50'], '{:.2f}', 1e3)} / "
                      f"{fmt(e['p99'], '{:.2f}', 1e3)} | {r['mean_running']:.1f} / {r['peak_running']} |")
+    lines += steps_table(rows)
     s = summary
     if s["rate"] is None:
         lines.append(f"\nSummary: {s['note']}.")

@@ -38,6 +38,34 @@ def run(out, ckpt, *extra):
     return data, raw
 
 
+def logged_steps(out):
+    with gzip.open(out / "serving_steps.jsonl.gz", "rt") as f:
+        return {(line["config"], line["rate"]): line["steps"] for line in map(json.loads, f)}
+
+
+def check_steps(row, steps, prompt_lens):
+    """The step log of one round: every prompt token prefilled once (no prefix sharing, no preemption: the
+    workload's own lengths), each request's last chunk sampled once, and the summary recomputed from it."""
+    assert row["counters"]["preemptions"] == 0
+    assert sum(s["prefill_tokens"] for s in steps) == sum(prompt_lens)
+    assert sum(s["prefills_sampled"] for s in steps) == len(prompt_lens)
+    assert all(s["prefill_chunks"] >= s["history_chunks"] and s["step_ms"] > 0 for s in steps)
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps) and steps[0]["t"] > 0
+    for a, b in zip(steps, steps[1:]):  # a step not launched ahead starts after the result before it
+        assert b["ahead"] or b["t"] - b["step_ms"] / 1e3 >= a["t"] - 1e-6
+    st = row["steps"]
+    decode = [s["step_ms"] for s in steps if not s["prefill_tokens"] and (s["decode_rows"] or s["deep_rows"])]
+    prefill = [s["step_ms"] for s in steps if s["prefill_tokens"]]
+    assert st["num_steps"] == len(steps) and prefill and decode
+    check_percentiles(st["decode"]["step_ms"], decode)
+    check_percentiles(st["prefill"]["step_ms"], prefill)
+    assert sum(b["count"] for b in st["by_prefill_tokens"].values()) == len(prefill)
+    assert st["by_prefill_tokens"]["1-64"]["count"] == len(prefill)  # prompts <= 16 tokens
+    assert st["slowest"][0]["step_ms"] == max(s["step_ms"] for s in steps)
+    assert st["ahead"] == 0 and st["graph_replays"] == 0  # the CPU engine: no async scheduling, no graphs
+    assert row["kernels_compiled_during_round"] is None and row["drain_reasons"] == {}
+
+
 def ms(seconds):
     return 1e3 * seconds
 
@@ -90,6 +118,9 @@ def test_engine_run_numbers_follow_from_the_records(tmp_path, ckpt):
                                                        ("deferred4", RATE), ("deferred4", "inf")]
     assert set(raw) == {(r["config"], r["rate"]) for r in rows}
     prompts, output_lens, _ = serving.workload(types.SimpleNamespace(**WORKLOAD), vocab=97, seed=0, n=N)
+    steps = logged_steps(tmp_path / "out")
+    for row in rows:
+        check_steps(row, steps[(row["config"], row["rate"])], [len(p) for p in prompts])
     unit = [r["arrival"] * RATE for r in raw[("interval1", RATE)]]
     assert unit[0] == 0 and unit == sorted(unit) and unit[-1] > 0
     for row in rows:
@@ -112,7 +143,7 @@ def test_engine_run_numbers_follow_from_the_records(tmp_path, ckpt):
     assert s["top_rate_throughput_gain"]["deferred4"] == pytest.approx(
         tokens_per_s(raw[("deferred4", "inf")]) / tokens_per_s(raw[("interval1", "inf")]))
     md = (tmp_path / "out" / "serving.md").read_text()
-    assert "| interval1 | inf |" in md and "| deferred4 | 50.0 |" in md
+    assert "| interval1 | inf |" in md and "| deferred4 | 50.0 |" in md and "Engine steps" in md
     for name in ("serving_latency.png", "serving_running.png", "serving_gaps.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
 
@@ -126,6 +157,7 @@ def test_server_run_counts_every_token_over_sse(tmp_path, ckpt, monkeypatch):
         assert row["transport"] == "http" and row["counters"]["tokens_generated"] == sum(output_lens)
         check_round(row, raw[(row["config"], row["rate"])], [len(p) for p in prompts], output_lens)
     assert data["summary"]["compared_throughput_gain"] is None and "deferred4" in data["summary"]["note"]
+    assert all(r["steps"] is None for r in data["rows"]) and not logged_steps(tmp_path / "out")  # in the server
 
 
 def test_no_matplotlib_no_plots(tmp_path, monkeypatch):
