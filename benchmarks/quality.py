@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a fol
 from bench_plot import accuracy_plot  # noqa: E402
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import resolve_dtype
+from ourobatch.assembly import resolve_dtype
 from engine.config import OuroConfig
 from engine.loader import load_model
 from engine.model import OuroForCausalLM

@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ourobatch import Engine, EngineConfig, SamplingParams
-from ourobatch._core import resolve_dtype
+from ourobatch.assembly import resolve_dtype
 from engine.config import OuroConfig
 from engine.loader import load_state_dict
 from ourobatch.rollout import Collector

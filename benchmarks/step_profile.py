@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from engine import gemm_dispatch
 from engine.gemm_dispatch import GemmConfig
 from engine.loader import load_model

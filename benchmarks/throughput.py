@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch._core import build_engine_core, resolve_dtype
+from ourobatch.assembly import build_engine_core, resolve_dtype
 from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 

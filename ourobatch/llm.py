@@ -67,7 +67,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, tokenizer: str | Path | None = None, device: str | None = None,
                  **engine_options: Any) -> None:
-        from ._core import build_engine_core  # torch loads here
+        from .assembly import build_engine_core  # torch loads here
 
         options = dict(engine_options)
         options.setdefault("logprobs_mode", VLLM_LOGPROBS_MODE)  # vLLM's default, raw (EngineConfig's: processed)

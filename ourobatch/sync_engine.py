@@ -26,7 +26,7 @@ from engine.weights import checkpoint_tensors
 from ourobatch.runtime.control import EngineControl, Run
 
 from . import _control
-from ._core import build_engine_core
+from .assembly import build_engine_core
 from .config import EngineConfig, batch_arguments, resolve_config
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from scheduler.config import SchedulerConfig
 from ourobatch.runtime.engine_core import EngineCore
 from scheduler.params import RequestOutputKind

@@ -226,7 +226,7 @@ def never_load(monkeypatch) -> list[str]:
         calls.append(str(path))
         raise RuntimeError("the weights were loaded although the input is bad")
 
-    monkeypatch.setattr("ourobatch._core.load_model", load_model)
+    monkeypatch.setattr("ourobatch.assembly.load_model", load_model)
     return calls
 
 

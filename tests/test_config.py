@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, RequestRejectedError, SamplingParams, SyncEngine
-from ourobatch._core import check_attention, check_machine
+from ourobatch.assembly import check_attention, check_machine
 from scheduler.params import MAX_N
 from ourobatch.testing import make_tiny_checkpoint
 

@@ -17,7 +17,7 @@ import torch
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch import compile_cache
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from engine import kernel_warmup
 from engine.cuda_graphs import BUCKETS
 from engine.gemm_dispatch import GemmConfig
@@ -218,7 +218,7 @@ def test_the_compile_counter_counts_compiles_and_cache_loads_and_chains_the_list
 
 
 def test_a_cpu_engine_imports_no_triton_and_sets_no_cache_folder(ckpts, tmp_path):
-    code = ("import os, sys\nfrom ourobatch import EngineConfig\nfrom ourobatch._core import build_engine_core\n"
+    code = ("import os, sys\nfrom ourobatch import EngineConfig\nfrom ourobatch.assembly import build_engine_core\n"
             f"cfg = EngineConfig(model={str(ckpts['gqa'])!r}, compile_cache_dir={str(tmp_path)!r})\n"
             "core = build_engine_core(cfg)\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n"

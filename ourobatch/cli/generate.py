@@ -213,7 +213,7 @@ def _options(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
 
 def _check_before_loading(config: EngineConfig, defaults: dict[str, Any], input_name: str) -> _Checked:
     """Everything that needs no weights, before the (slow) load: the machine, config.json, every line."""
-    from ourobatch._core import (  # torch loads here, not for --help
+    from ourobatch.assembly import (  # torch loads here, not for --help
         auto_num_blocks,
         check_before_loading,
         effective_max_model_len,

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
-        from ourobatch._core import check_before_loading  # fail before binding the port
+        from ourobatch.assembly import check_before_loading  # fail before binding the port
 
         _, dtype = check_before_loading(config)
         tokenizer = load_tokenizer(args)

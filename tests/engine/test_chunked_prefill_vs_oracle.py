@@ -10,7 +10,7 @@ import random
 import pytest
 
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from tests.oracle import load_oracle
 
 from .test_generation_vs_oracle import check_against_oracle

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from ourobatch.runtime.engine_core import EngineCore
 from tests.oracle import expected_readout_loops, load_oracle, processed_logprobs, readout_position
 

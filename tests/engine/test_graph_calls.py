@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from ourobatch import EngineConfig, SamplingParams
 from engine.graph_calls import DeepCall, ShallowCall
 

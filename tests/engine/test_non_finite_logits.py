@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 
 PARAMS = [SamplingParams(max_tokens=14, temperature=t, seed=5 + i, logprobs=2, ignore_eos=True)
           for i, t in enumerate([1.0, 0.0, 0.8])]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ourobatch import EngineConfig, SamplingParams
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from ourobatch.runtime.engine_core import child_seed
 from scheduler.request import RequestStatus
 from tests.oracle import load_oracle, processed_logprobs

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch._core import build_engine_core
+from ourobatch.assembly import build_engine_core
 from ourobatch.testing import FaultInjector, make_tiny_checkpoint
 from tests.oracle import load_oracle, processed_logprobs, readout_position
 

@@ -1,4 +1,5 @@
-"""The composition root: a checkpoint folder and an EngineConfig -> model, KV pool, executor, EngineCore."""
+"""Assembly: a checkpoint folder and an EngineConfig -> model, KV pool, executor, EngineCore (the composition
+root both engines, LLM and the CLIs build through; the checks that need no weights run first)."""
 
 from __future__ import annotations
 
