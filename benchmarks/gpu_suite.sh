@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,6 +44,9 @@ if [ "$what" = itl ]; then  # the prefill budget sweep: p99 / p50 gap between de
     python3 benchmarks/serving.py --out "$OUT/itl/b$budget" --configs interval1 --rates 16,32 --num-requests 80 \
       --no-plots --max-num-batched-tokens "$budget" "$@" 2>&1 | tee "$OUT/itl_b$budget.log" | grep '^|' | tail -4
   done
+fi
+if [ "$what" = mixed ]; then  # a step that prefills k tokens beside N decode rows vs a decode step (mixed_step.py)
+  python3 benchmarks/mixed_step.py --out "$OUT/mixed" "$@" 2>&1 | tee "$OUT/mixed.log" | grep -v '^{' | tail -150
 fi
 if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (benchmarks/step_profile.py)
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
