@@ -6,7 +6,7 @@
     ├── CheckpointError (ValueError)    a checkpoint folder that is not a loadable Ouro checkpoint
     ├── EngineClosedError (RuntimeError)    a call on an engine that is closed or not started
     ├── EngineDeadError (RuntimeError)  the engine hit an unrecoverable error; pending callers get this
-    │   └── ReplicaDiedError            a pool replica (Ray actor) died with the request in flight
+    │   └── (ourobatch.ray's ReplicaDiedError: a pool replica died with the request in flight)
     ├── EngineBusyError (RuntimeError)  a control call the engine's state forbids now (docs/state_machine.md)
     │   └── EngineAsleepError           a call that needs the weights on the device while the engine sleeps
     ├── WeightUpdateError (ValueError)  a tensor of a weight update is wrong (name, shape, dtype, repeat, NaN)
@@ -42,10 +42,6 @@ class EngineClosedError(OurobatchError, RuntimeError):
 
 class EngineDeadError(OurobatchError, RuntimeError):
     """Raised to every pending caller when the engine stops on an unrecoverable error."""
-
-
-class ReplicaDiedError(EngineDeadError):
-    """Raised by ourobatch.ray.EnginePool to the requests in flight on a replica that died (not retried)."""
 
 
 class EngineBusyError(OurobatchError, RuntimeError):

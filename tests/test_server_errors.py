@@ -141,7 +141,10 @@ def test_every_named_error_has_its_status():
                 "EngineClosedError": 503, "EngineDeadError": 503, "ReplicaDiedError": 503, "EngineBusyError": 409,
                 "EngineAsleepError": 503, "WeightUpdateError": 400, "InconsistentWeightsError": 503,
                 "OurobatchError": 500}
-    classes = {n: c for n, c in vars(named).items() if isinstance(c, type) and issubclass(c, named.OurobatchError)}
+    import ourobatch.ray.errors as pool_errors  # ReplicaDiedError: the pool's, mapped by its base class
+
+    classes = {n: c for module in (named, pool_errors) for n, c in vars(module).items()
+               if isinstance(c, type) and issubclass(c, named.OurobatchError)}
     assert set(classes) == set(expected)  # a new named error needs a row (or knowingly inherits one)
     assert {n: status_of(c("x"))[0] for n, c in classes.items()} == expected
     assert status_of(ValueError("x")) == status_of(TypeError("x")) == (400, "BadRequestError")

@@ -13,7 +13,7 @@ which anyio allows only inside a task group the caller would have to enter. Ever
 (``EnginePool._tasks``, a replica's monitor), which ``aclose()`` awaits, and every wait is bounded.
 """
 
-from scheduler.errors import ReplicaDiedError
+from .errors import ReplicaDiedError
 
 _LAZY = {"EnginePool": "ourobatch.ray.pool", "EngineActor": "ourobatch.ray.actor"}
 

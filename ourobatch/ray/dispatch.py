@@ -8,14 +8,14 @@ import asyncio
 import dataclasses
 from typing import Any, Sequence
 
-from scheduler.errors import (EngineClosedError, EngineDeadError, InconsistentWeightsError,
-                                        ReplicaDiedError, RequestRejectedError)
+from scheduler.errors import EngineClosedError, EngineDeadError, InconsistentWeightsError, RequestRejectedError
 from ourobatch.runtime.engine_core import check_new_request, request_seed
 from ourobatch.log import get_logger
 from ourobatch.outputs import RequestOutput
 from scheduler.params import RequestOutputKind, SamplingParams
 
 from .actor import ReplicaNotArmedError
+from .errors import ReplicaDiedError
 from .flight import Flight, SubRequest
 from .replica import Replica, ReplicaState, cancel_generator, cause_of, is_actor_failure
 

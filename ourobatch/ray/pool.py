@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
 from ourobatch.config import EngineConfig, batch_arguments, resolve_config
-from scheduler.errors import EngineClosedError, ReplicaDiedError
+from scheduler.errors import EngineClosedError
 from ourobatch.log import get_logger
 from ourobatch.outputs import RequestOutput
 from scheduler.params import RequestOutputKind
@@ -36,6 +36,7 @@ from scheduler.params import RequestOutputKind
 from .actor import EngineActor
 from .control import Control
 from .dispatch import Dispatch
+from .errors import ReplicaDiedError
 from .flight import Flight, PoolStream
 from .health import ReplicaHealth
 from .replica import Replica, ReplicaState, await_ref, cause_of

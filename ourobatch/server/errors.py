@@ -1,8 +1,9 @@
 """Which HTTP status each error gets, in one table, and the error body every route answers with.
 
 ``STATUS`` maps an exception class to (status, OpenAI error type); ``status_of`` resolves an exception
-by its class's MRO, so a subclass (ReplicaDiedError, EngineAsleepError) gets its own row when it has
-one and its parent's otherwise. Every route goes through ``error_response``: the app registers
+by its class's MRO, so a subclass (EngineAsleepError) gets its own row when it has one and its
+parent's otherwise: ourobatch.ray's ReplicaDiedError is an EngineDeadError's 503 without this module
+importing ourobatch.ray (or Ray). Every route goes through ``error_response``: the app registers
 ``table_error`` as the handler of each class here (and ``validation_error`` for a body FastAPI cannot
 parse), and the SSE producers (streaming.py) turn an error raised after the headers into ``sse_error``,
 one ``data: {"error": ...}`` event, before ending the stream cleanly.
@@ -11,7 +12,7 @@ one ``data: {"error": ...}`` event, before ending the stream cleanly.
                                  WeightUpdateError, CheckpointError (the body's param: field_of)
     409 ConflictError            EngineBusyError: the engine's state forbids the call now (an update while
                                  requests run unpaused)
-    503 ServiceUnavailableError  EngineClosedError, EngineDeadError (ReplicaDiedError), EngineAsleepError,
+    503 ServiceUnavailableError  EngineClosedError, EngineDeadError (+ ReplicaDiedError), EngineAsleepError,
                                  InconsistentWeightsError: not ready, closed, dead, asleep, weights missing
     500 InternalServerError      InvalidTransition or any other OurobatchError: a bug, still with the body
 """
