@@ -1,6 +1,8 @@
 """engine: torch, no asyncio. Config and loader, the Ouro model, the paged per-loop KV pool,
 attention, the sampler, and the executor that runs a StepPlan."""
 
+__ourobatch_layer__ = "engine"  # the marker ourobatch/import_roots.py checks: this is ourobatch's engine
+
 from .config import OuroConfig
 from .executor import ModelExecutor
 from .kv_cache import KVPool

@@ -1,5 +1,9 @@
 """ourobatch: rollout generation for looped language models (Ouro) with deferred, batched deep loops."""
 
+from .import_roots import check_import_roots as _check_import_roots
+
+_check_import_roots()  # `scheduler` and `engine` are generic top-level names: ours, or an ImportError saying whose
+
 from scheduler.errors import (
     CheckpointError,
     EngineAsleepError,

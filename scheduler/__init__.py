@@ -1,6 +1,8 @@
 """scheduler: the sans-IO scheduling policy, torch-free: requests, KV-block accounting, cohorts, the Scheduler
 and the plans it hands the engine (docs/architecture.md)."""
 
+__ourobatch_layer__ = "scheduler"  # the marker ourobatch/import_roots.py checks: this is ourobatch's scheduler
+
 from .block_manager import BlockManager
 from .cohort import Cohort
 from .config import MODES, SchedulerConfig
