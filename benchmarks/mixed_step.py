@@ -52,7 +52,7 @@ from engine.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mixed_step_report import markdown, summarize  # noqa: E402
-from step_trace import profile_steps, sync_sites  # noqa: E402
+from step_trace import allocator_counts, counts_since, profile_steps, sync_sites  # noqa: E402
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 
 
@@ -108,6 +108,7 @@ class Bench:
         """One step alone, timed in its parts (ms); returns its plan and the sample."""
         core = self.core
         self.sync()
+        allocator = allocator_counts(self.cuda)
         t0 = time.perf_counter()
         plan = core.schedule()
         t1 = time.perf_counter()
@@ -117,6 +118,7 @@ class Bench:
         t3 = time.perf_counter()
         core.update(plan, result)
         t4 = time.perf_counter()
+        allocator = counts_since(allocator, allocator_counts(self.cuda))  # cudaMalloc / cudaFree in the step
         if result.failures:
             raise RuntimeError(f"step {plan.step_id} failed: {result.failures}")
         timing = core.executor.timing
@@ -125,7 +127,7 @@ class Bench:
                           result_ms=1e3 * (t3 - t2), update_ms=1e3 * (t4 - t3), execute_ms=1e3 * (t3 - t1),
                           gpu_ms=timing.pop() if timing else None, decode_rows=len(plan.shallow),
                           deep=bool(plan.deep), prefill_tokens=sum(len(p.token_ids) for p in chunks),
-                          starts=[p.start_position for p in chunks])
+                          starts=[p.start_position for p in chunks], allocator=allocator)
 
     def decode_to(self, N: int) -> None:
         """Add requests until N decode, then step until a plan feeds all N and no prefill (plus 2 B steps)."""

@@ -25,6 +25,12 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _allocs(group: list[dict]) -> int | None:
+    """cudaMalloc calls (the caching allocator's num_device_alloc) during these steps; None off CUDA."""
+    counts = [s["allocator"]["num_device_alloc"] for s in group if s.get("allocator")]
+    return sum(counts) if counts else None
+
+
 def _fit(points: list[tuple[int, float]]) -> tuple[float | None, float | None]:
     """Least squares extra_ms = fixed + per_token * k: (fixed ms, us per token); None below two distinct k."""
     if len({k for k, _ in points}) < 2:
@@ -62,6 +68,7 @@ def _group(samples: list[dict], config: str, N: int, flops_per_token: float, thr
                              result_ms=percentiles([s["result_ms"] for s in group]),
                              host_ms=percentiles([s["schedule_ms"] + s["update_ms"] for s in group]),
                              deep_steps=sum(s["deep"] for s in group), ratio=ratio, extra_ms=extra_ms,
+                             device_allocs=_allocs(group),
                              chunk_tflop=flops_per_token * k / 1e12,
                              prefill_tflops=flops_per_token * k / 1e9 / extra_ms if extra_ms and extra_ms > 0 else None))
             if ratio <= threshold:
@@ -151,5 +158,11 @@ def markdown(result: dict) -> str:
     for config, N in dict.fromkeys((r["config"], r["N"]) for r in result["rows"]):
         lines += _table(result["rows"], config, N)
     lines += ["", *[f"- {line}" for line in result["lines"]]]
+    allocs = [s["allocator"] for s in result["samples"] if s.get("allocator")]
+    if allocs:
+        lines.append(f"- CUDA caching allocator during the timed steps: {sum(a['num_device_alloc'] for a in allocs)} "
+                     f"cudaMalloc, {sum(a['num_device_free'] for a in allocs)} cudaFree, "
+                     f"{sum(a['num_alloc_retries'] for a in allocs)} flush-and-retry, in "
+                     f"{sum(a['num_device_alloc'] > 0 for a in allocs)} of {len(allocs)} steps")
     lines += _profile_lines(result.get("profile"), result.get("syncs"))
     return "\n".join(lines) + "\n"

@@ -24,7 +24,8 @@ history, deep rows), whether it was launched ahead (async scheduling) or the pip
 replays and captures and the Triton kernels compiled during it; per rate, `steps` summarises pure-decode
 steps against steps that prefill and by prefill-token bucket, with the slowest steps whole. Per rate also
 `kernels_compiled_during_round` (ourobatch.compile_cache's counter: compiled / loaded from the disk
-cache), `graph_captures_during_round` and `drain_reasons` (why steps were not planned ahead).
+cache), `graph_captures_during_round`, `drain_reasons` (why steps were not planned ahead) and
+`allocator_during_round` (the CUDA caching allocator's cudaMalloc / cudaFree calls and flush-and-retries).
 
     python benchmarks/serving.py --out results/serving                  # H200 (docs/benchmarks.md)
     python benchmarks/serving.py --out results/serving_http --server    # the same through HTTP/SSE
@@ -64,6 +65,7 @@ from rollout import draw_lengths  # noqa: E402
 from serving_clients import open_client  # noqa: E402
 from serving_report import markdown, measure, plot, progress_line, summarize  # noqa: E402
 from step_log import steps_line, summarize_steps  # noqa: E402
+from step_trace import counts_since  # noqa: E402
 from throughput import CONFIG_HELP, add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
 SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
@@ -172,7 +174,7 @@ async def run_config(model_dir: str, args: Any, name: str, rates: list[float], v
             await client.reset_cache()
             await client.take_steps()  # the warm-up's and the last round's: not this round's
             before, captures, drains = await client.stats(), client.graph_captures(), client.drain_reasons()
-            compiles, t0 = client.compile_counts(), time.perf_counter()
+            compiles, allocator, t0 = client.compile_counts(), client.allocator(), time.perf_counter()
             records, trace = await run_round(client, prompts, lengths, arrivals(gaps, rate), f"{name}-{rate:g}",
                                              args.sample_interval)
             after, steps = await client.stats(), await client.take_steps()
@@ -185,6 +187,7 @@ async def run_config(model_dir: str, args: Any, name: str, rates: list[float], v
                        kernels_compiled_during_round=_compiled_since(compiles, client.compile_counts()),
                        drain_reasons=None if drains is None else
                        {k: v - drains.get(k, 0) for k, v in client.drain_reasons().items() if v > drains.get(k, 0)},
+                       allocator_during_round=counts_since(allocator, client.allocator()),
                        steps=None if steps is None else summarize_steps(steps))
             rows.append(row)
             emit(row, records, steps)

@@ -19,6 +19,7 @@ from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_log import StepLog  # noqa: E402
+from step_trace import allocator_counts  # noqa: E402
 
 MODEL_NAME = "bench"
 METRICS = {"ourobatch_num_requests_running": "num_running", "ourobatch_num_requests_waiting": "num_waiting",
@@ -49,6 +50,10 @@ class EngineClient:
     def drain_reasons(self) -> dict[str, int] | None:
         """Why steps were not planned ahead (async scheduling), so far (read between rounds)."""
         return dict(self.engine.core.scheduler.drain_reasons)
+
+    def allocator(self) -> dict[str, int] | None:
+        """The CUDA caching allocator's counters (cudaMalloc / cudaFree calls, retries); None on the CPU."""
+        return allocator_counts(self.engine.core.executor.device.type == "cuda")
 
     async def stream(self, rid: str, prompt: list[int], max_tokens: int, seed: int) -> AsyncIterator[tuple[int, Any]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True,
@@ -108,6 +113,9 @@ class HttpClient:
         return None
 
     def drain_reasons(self) -> dict[str, int] | None:
+        return None
+
+    def allocator(self) -> dict[str, int] | None:
         return None
 
     async def reset_cache(self) -> None:

@@ -123,6 +123,11 @@ def _compiled(c: dict | None) -> str:
     return "-" if c is None else f"{c['compiled']} (+{c['loaded']} from cache, {c['seconds']:.1f} s)"
 
 
+def _allocs(row: dict) -> str:
+    a = row.get("allocator_during_round")
+    return "-" if a is None else f"{a['num_device_alloc']} / {a['num_alloc_retries']}"
+
+
 def steps_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per round, pure-decode vs prefill step times and step times by prefill tokens."""
     rows = [r for r in rows if r.get("steps")]
@@ -131,7 +136,7 @@ def steps_table(rows: list[dict]) -> list[str]:
     lines = ["", "Engine steps (step log; ms from the previous step's result or the step's launch to its result; "
              "prefill buckets: step p50 / p99 ms (steps)):", "",
              "| config | rate /s | steps | decode p50 / p99 | prefill p50 / p99 | prefill launch p50 | with history "
-             "| ahead | compiled / captures | by prefill tokens |", "|---" * 10 + "|"]
+             "| ahead | compiled / captures | cudaMalloc / retries | by prefill tokens |", "|---" * 11 + "|"]
     for r in rows:
         st = r["steps"]
         d, p = st["decode"], st["prefill"]
@@ -140,7 +145,7 @@ def steps_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['config']} | {r['rate']} | {st['num_steps']} | {fmt(d['step_ms']['p50'], '{:.1f}')} / "
                      f"{fmt(d['step_ms']['p99'], '{:.1f}')} | {fmt(p['step_ms']['p50'], '{:.1f}')} / "
                      f"{fmt(p['step_ms']['p99'], '{:.1f}')} | {fmt(p['launch_ms']['p50'], '{:.1f}')} | "
-                     f"{p['with_history']} | {st['ahead']} | {st['compiled']} / {st['captures']} | {by} |")
+                     f"{p['with_history']} | {st['ahead']} | {st['compiled']} / {st['captures']} | {_allocs(r)} | {by} |")
     return lines
 
 

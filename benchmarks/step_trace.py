@@ -19,6 +19,24 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 TOP = 15
 
 
+ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts(cuda: bool) -> dict[str, int] | None:
+    """The CUDA caching allocator's event counters (cudaMalloc / cudaFree calls, flush-and-retry after a
+    failed cudaMalloc, syncs of all streams); None off CUDA. Read it outside a timed window (~0.1 ms)."""
+    if not cuda:
+        return None
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_KEYS}
+
+
+def counts_since(before: dict | None, after: dict | None) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in before}
+
+
 def _kernel_table(prof: Any) -> tuple[list[dict], float, int]:
     """Device activities (kernels, copies) by name: calls and microseconds; their total; their count."""
     per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])

@@ -64,6 +64,7 @@ def check_steps(row, steps, prompt_lens):
     assert st["slowest"][0]["step_ms"] == max(s["step_ms"] for s in steps)
     assert st["ahead"] == 0 and st["graph_replays"] == 0  # the CPU engine: no async scheduling, no graphs
     assert row["kernels_compiled_during_round"] is None and row["drain_reasons"] == {}
+    assert row["allocator_during_round"] is None  # the CUDA caching allocator's counters: CUDA only
 
 
 def ms(seconds):
