@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ourobatch.runtime.engine_core import child_seed
 from ourobatch.outputs import CompletionOutput, RequestOutput
 from scheduler.params import RequestOutputKind, SamplingParams
+from ourobatch.runtime.cursor import OutputCursor
 from ourobatch.runtime.streams import OutputStream
 
 if TYPE_CHECKING:
@@ -161,20 +162,17 @@ class Flight:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params  # seeded
-        self.kind = kind  # what the caller reads
         assert params.seed is not None
         self.completions = [Completion(i, child_seed(params.seed, i)) for i in range(params.n)]
         self.subs: list[SubRequest] = []  # live engine requests
         self.error: BaseException | None = None
         self.event = asyncio.Event()
-        self.delivered = [0] * params.n
-        self.sent_final = False
+        self.cursor = OutputCursor(params.n, kind)  # what the caller has been given, per its output kind
         self.num_retries = 0
         self.retry = False  # the pool's retry_aborted when the request was added
         self.aborted: set[int] = set()  # completions the caller aborted: never retried (docs/scaling.md)
         self.abandoned = False  # the caller is gone: nothing reads it
         self.prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: from the first engine request
-        self.prompt_logprobs_sent = False  # DELTA streams carry them once
 
     @property
     def finished(self) -> bool:
@@ -222,29 +220,21 @@ class Flight:
         return subs
 
     def output(self, since: list[int] | None = None) -> RequestOutput:
+        """The stitched output: cumulative, or with `since` each completion's tokens from since[i] on."""
         outs = [c.output(since[i] if since is not None else 0) for i, c in enumerate(self.completions)]
-        prompt = None if since is not None and self.prompt_logprobs_sent else self.prompt_logprobs
-        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished, prompt)
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished, self.prompt_logprobs)
 
     def num_tokens(self) -> list[int]:
         return [len(c.token_ids) for c in self.completions]
 
     def pending(self) -> bool:
-        return self.num_tokens() != self.delivered or (self.finished and not self.sent_final)
+        return self.cursor.pending(self)
 
     def take(self) -> RequestOutput | None:
         """What the caller reads now, per its output kind (None: nothing for it yet)."""
         if self.error is not None:
             raise self.error
-        finished = self.finished
-        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
-            self.delivered = self.num_tokens()
-            return None
-        out = self.output(since=self.delivered if self.kind == RequestOutputKind.DELTA else None)
-        self.delivered = self.num_tokens()
-        self.prompt_logprobs_sent = self.prompt_logprobs_sent or out.prompt_logprobs is not None
-        self.sent_final = finished
-        return out
+        return self.cursor.take(self)
 
     async def wait(self) -> None:
         await self.event.wait()
@@ -272,7 +262,7 @@ class PoolStream(OutputStream):
         return self._flight.take()
 
     def _sent_final(self) -> bool:
-        return self._flight.sent_final
+        return self._flight.cursor.sent_final
 
     async def _wait(self) -> None:
         await self._flight.wait()

@@ -44,6 +44,7 @@ from ourobatch.log import get_logger
 from ourobatch.outputs import RequestOutput
 from scheduler.params import RequestOutputKind, SamplingParams
 from .control import EngineControl
+from .cursor import OutputCursor
 from .streams import RequestStream
 
 log = get_logger()
@@ -52,12 +53,9 @@ log = get_logger()
 @dataclass(eq=False)
 class _Collector:
     parent: ParentRequest
-    kind: RequestOutputKind
+    cursor: OutputCursor  # what the consumer has been given (its output kind: cursor.kind)
     event: anyio.Event
-    delivered: list[int]  # tokens already handed to the consumer, per completion
-    sent_final: bool = False
     killed: bool = False  # ended by the engine dying: the consumer gets EngineDeadError
-
 
     def notify(self) -> None:
         self.event.set()
@@ -65,11 +63,11 @@ class _Collector:
     def on_step(self) -> None:
         """A step touched the request: wake the consumer, unless it waits only for the end (FINAL_ONLY:
         generate(), generate_batch()), so 64 waiting callers do not all wake on every step."""
-        if self.kind != RequestOutputKind.FINAL_ONLY or self.parent.finished:
+        if self.cursor.kind != RequestOutputKind.FINAL_ONLY or self.parent.finished:
             self.event.set()
 
     def pending(self) -> bool:
-        return self.parent.num_tokens() != self.delivered or (self.parent.finished and not self.sent_final)
+        return self.cursor.pending(self.parent)
 
 
 class AsyncDriver:
@@ -270,8 +268,8 @@ class AsyncDriver:
         self._check_running()
         with self.lock:
             parent = self.core.add(prompt_token_ids, params, request_id)  # checks the id and the state
-        collector = _Collector(parent, kind if kind is not None else parent.params.output_kind, anyio.Event(),
-                               [0] * len(parent.children))
+        kind = kind if kind is not None else parent.params.output_kind
+        collector = _Collector(parent, OutputCursor(len(parent.children), kind), anyio.Event())
         self._collectors[parent.request_id] = collector
         self._wakeup.set()
         return collector
@@ -368,21 +366,7 @@ class AsyncDriver:
 
     def _take(self, collector: _Collector) -> RequestOutput | None:
         with self.lock:  # a consistent snapshot: the stepping thread appends under the same lock
-            return self._take_locked(collector)
-
-    def _take_locked(self, collector: _Collector) -> RequestOutput | None:
-        parent, kind = collector.parent, collector.kind
-        finished = parent.finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            collector.delivered = parent.num_tokens()
-            return None
-        if kind == RequestOutputKind.DELTA:
-            out = parent.output(since=collector.delivered)
-        else:
-            out = parent.output()
-        collector.delivered = parent.num_tokens()
-        collector.sent_final = finished
-        return out
+            return collector.cursor.take(collector.parent)
 
     async def _wait(self, collector: _Collector) -> None:
         if self._error is not None and not collector.parent.finished:

@@ -2,8 +2,8 @@
 RequestStream here, the Ray pool's PoolStream), and RequestStream. Torch-free.
 
 RequestStream reads outputs through its AsyncDriver (ourobatch/runtime/driver.py): ``_take`` builds a coalesced
-output under the driver's lock, ``_wait`` waits for the collector's event, ``release`` aborts and forgets
-the request.
+output under the driver's lock (the collector's OutputCursor: cursor.py), ``_wait`` waits for the
+collector's event, ``release`` aborts and forgets the request.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class RequestStream(OutputStream):
         return self._driver._take(self._collector)
 
     def _sent_final(self) -> bool:
-        return self._collector.sent_final
+        return self._collector.cursor.sent_final
 
     async def _wait(self) -> None:
         await self._driver._wait(self._collector)
