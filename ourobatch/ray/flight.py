@@ -21,17 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from ourobatch.runtime.engine_core import child_seed
 from ourobatch.outputs import CompletionOutput, RequestOutput
 from scheduler.params import RequestOutputKind, SamplingParams
 from ourobatch.runtime.cursor import OutputCursor
 from ourobatch.runtime.streams import OutputStream
-
-if TYPE_CHECKING:
-    from .pool import EnginePool
-
 
 # How each CompletionOutput field stitches across the engine requests of one completion (a retry starts a
 # new one): per-token lists are appended, counters over the completion added, the rest is the latest.
@@ -241,12 +237,20 @@ class Flight:
         self.event.clear()
 
 
+class FlightOwner(Protocol):
+    """What a PoolStream releases its flight through: the EnginePool (pool.py, which imports this module)."""
+
+    def _release(self, flight: Flight) -> None: ...
+
+    def _release_later(self, flight: Flight) -> None: ...
+
+
 class PoolStream(OutputStream):
     """Async iterator over one pool request's outputs (Engine.stream's contract: ourobatch/runtime/streams.py).
     Closing it early (``aclose()``, leaving ``async with``, cancelling the consumer, or dropping it) aborts
     the request. Raises ReplicaDiedError if its replica dies (unless the pool retries it)."""
 
-    def __init__(self, pool: "EnginePool", flight: Flight) -> None:
+    def __init__(self, pool: FlightOwner, flight: Flight) -> None:
         self._pool = pool
         self._flight = flight
         self._closed = False

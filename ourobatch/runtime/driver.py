@@ -33,7 +33,6 @@ import collections
 import socket
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import anyio
@@ -45,35 +44,15 @@ from ourobatch.outputs import RequestOutput
 from scheduler.params import RequestOutputKind, SamplingParams
 from .control import EngineControl
 from .cursor import OutputCursor
-from .streams import RequestStream
+from .streams import Collector, RequestStream
 
 log = get_logger()
-
-
-@dataclass(eq=False)
-class _Collector:
-    parent: ParentRequest
-    cursor: OutputCursor  # what the consumer has been given (its output kind: cursor.kind)
-    event: anyio.Event
-    killed: bool = False  # ended by the engine dying: the consumer gets EngineDeadError
-
-    def notify(self) -> None:
-        self.event.set()
-
-    def on_step(self) -> None:
-        """A step touched the request: wake the consumer, unless it waits only for the end (FINAL_ONLY:
-        generate(), generate_batch()), so 64 waiting callers do not all wake on every step."""
-        if self.cursor.kind != RequestOutputKind.FINAL_ONLY or self.parent.finished:
-            self.event.set()
-
-    def pending(self) -> bool:
-        return self.cursor.pending(self.parent)
 
 
 class AsyncDriver:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._collectors: dict[str, _Collector] = {}
+        self._collectors: dict[str, Collector] = {}
         self._wakeup = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._closing = False
@@ -81,7 +60,7 @@ class AsyncDriver:
         self.step_in_flight = False
         self.num_steps = 0
         self._owner_thread = threading.get_ident()
-        self._orphans: collections.deque[_Collector] = collections.deque()  # released off-thread
+        self._orphans: collections.deque[Collector] = collections.deque()  # released off-thread
         self.control: EngineControl = core.control
         self.lock = threading.RLock()  # guards the core: the stepping thread and the event loop
         self._touched: collections.deque[ParentRequest] = collections.deque()  # stepped, not yet delivered
@@ -262,14 +241,14 @@ class AsyncDriver:
 
     def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
             request_id: str | None = None,
-            kind: RequestOutputKind | None = None) -> _Collector:
+            kind: RequestOutputKind | None = None) -> Collector:
         """Validate and queue a request (raises, changing nothing, on bad input); wake the loop. `kind`
         overrides params.output_kind (FINAL_ONLY for callers that only await the end)."""
         self._check_running()
         with self.lock:
             parent = self.core.add(prompt_token_ids, params, request_id)  # checks the id and the state
         kind = kind if kind is not None else parent.params.output_kind
-        collector = _Collector(parent, OutputCursor(len(parent.children), kind), anyio.Event())
+        collector = Collector(parent, OutputCursor(len(parent.children), kind), anyio.Event())
         self._collectors[parent.request_id] = collector
         self._wakeup.set()
         return collector
@@ -329,12 +308,12 @@ class AsyncDriver:
                 self.control.holds -= 1
             self._wakeup.set()
 
-    def defer_release(self, collector: _Collector) -> None:
+    def defer_release(self, collector: Collector) -> None:
         """release() from a finalizer: the garbage collector may run anywhere (inside schedule(), on
         another thread), so only queue the collector; the loop releases it between steps."""
         self._orphans.append(collector)  # deque.append is atomic
 
-    def release(self, collector: _Collector) -> None:
+    def release(self, collector: Collector) -> None:
         """The consumer is gone: abort the request if it still runs, drop its collector."""
         if threading.get_ident() != self._owner_thread:
             self.defer_release(collector)
@@ -345,12 +324,12 @@ class AsyncDriver:
         if not collector.parent.finished:
             self.abort(request_id)
 
-    def _raise_if_dead(self, collector: _Collector) -> None:
+    def _raise_if_dead(self, collector: Collector) -> None:
         if collector.killed:
             assert self._error is not None
             raise self._error
 
-    async def wait_final(self, collector: _Collector) -> RequestOutput:
+    async def wait_final(self, collector: Collector) -> RequestOutput:
         """The finished output; EngineDeadError if the engine died first."""
         try:
             while not collector.parent.finished:
@@ -361,14 +340,14 @@ class AsyncDriver:
         finally:
             self.release(collector)
 
-    def open_stream(self, collector: _Collector) -> RequestStream:
+    def open_stream(self, collector: Collector) -> RequestStream:
         return RequestStream(self, collector)
 
-    def _take(self, collector: _Collector) -> RequestOutput | None:
+    def _take(self, collector: Collector) -> RequestOutput | None:
         with self.lock:  # a consistent snapshot: the stepping thread appends under the same lock
             return collector.cursor.take(collector.parent)
 
-    async def _wait(self, collector: _Collector) -> None:
+    async def _wait(self, collector: Collector) -> None:
         if self._error is not None and not collector.parent.finished:
             raise self._error
         await collector.event.wait()

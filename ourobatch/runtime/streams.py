@@ -1,19 +1,61 @@
 """Output streams: OutputStream, the iterate-and-close protocol every stream shares (Engine.stream's
-RequestStream here, the Ray pool's PoolStream), and RequestStream. Torch-free.
+RequestStream here, the Ray pool's PoolStream), and the engine's side of it: a request's Collector and
+the RequestStream over it. Torch-free.
 
-RequestStream reads outputs through its AsyncDriver (ourobatch/runtime/driver.py): ``_take`` builds a coalesced
+RequestStream reads outputs through its AsyncDriver (ourobatch/runtime/driver.py; here only the Reader
+protocol, so this module does not import the driver that imports it): ``_take`` builds a coalesced
 output under the driver's lock (the collector's OutputCursor: cursor.py), ``_wait`` waits for the
 collector's event, ``release`` aborts and forgets the request.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
 
 from ourobatch.outputs import RequestOutput
+from scheduler.params import RequestOutputKind
 
-if TYPE_CHECKING:
-    from .driver import AsyncDriver, _Collector
+from .cursor import OutputCursor
+from .engine_core import ParentRequest
+
+
+@dataclass(eq=False)
+class Collector:
+    """One request's delivery state on the event loop: what its consumer was given and its wake-up."""
+
+    parent: ParentRequest
+    cursor: OutputCursor  # what the consumer has been given (its output kind: cursor.kind)
+    event: anyio.Event
+    killed: bool = False  # ended by the engine dying: the consumer gets EngineDeadError
+
+    def notify(self) -> None:
+        self.event.set()
+
+    def on_step(self) -> None:
+        """A step touched the request: wake the consumer, unless it waits only for the end (FINAL_ONLY:
+        generate(), generate_batch()), so 64 waiting callers do not all wake on every step."""
+        if self.cursor.kind != RequestOutputKind.FINAL_ONLY or self.parent.finished:
+            self.event.set()
+
+    def pending(self) -> bool:
+        return self.cursor.pending(self.parent)
+
+
+class Reader(Protocol):
+    """What a RequestStream reads its collector through: the AsyncDriver."""
+
+    def _raise_if_dead(self, collector: Collector) -> None: ...
+
+    def _take(self, collector: Collector) -> RequestOutput | None: ...
+
+    async def _wait(self, collector: Collector) -> None: ...
+
+    def release(self, collector: Collector) -> None: ...
+
+    def defer_release(self, collector: Collector) -> None: ...
 
 
 class OutputStream:
@@ -92,7 +134,7 @@ class RequestStream(OutputStream):
     """Engine.stream()'s iterator (OutputStream). Raises EngineDeadError if the engine dies while the
     request runs."""
 
-    def __init__(self, driver: "AsyncDriver", collector: "_Collector") -> None:
+    def __init__(self, driver: Reader, collector: Collector) -> None:
         self._driver = driver
         self._collector = collector
         self._closed = False
