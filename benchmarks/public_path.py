@@ -6,10 +6,16 @@ output tokens each (ignore_eos, temperature 1, prefill included), run three ways
 - ``sync``: ``SyncEngine.generate_batch`` (the blocking path),
 - ``async``: N concurrent ``Engine.generate`` calls (the public async path),
 - ``profiled``: the async run again with probes: CUDA events around every executor phase (prefill,
-  shallow call, deep call, sampling; no extra synchronisation), host clocks around ``schedule``,
-  ``update``, the worker thread's ``execute`` and the event-loop turn between steps (output delivery,
-  other tasks), the requests that waited aligned to a cohort each step, and the CUDA graphs captured
-  during the run.
+  shallow call, deep call, sampling; no extra synchronisation), host clocks around ``schedule`` (and
+  ``schedule_ahead`` with async scheduling), ``update``, the worker thread's ``execute`` and the
+  event-loop turn between steps (output delivery, other tasks), the requests that waited aligned to a
+  cohort each step, and the CUDA graphs captured during the run (``--no-profile``: not run).
+
+The timed sync and async runs also measure ``gpu_idle_share`` (benchmarks/gpu_idle.py): CUDA events on
+the stream at the start and end of every step's GPU work (around ``executor.launch``), so pipelined steps
+count; the idle time between one step's end and the next one's start, as a share of the step phase's
+span on the device (host clocks on the CPU). With async scheduling on, this, not the probe's host
+columns, says how much of the host's work is still on the critical path.
 
 Each engine first runs a short warm-up round (CUDA graphs are captured at startup; this compiles the
 prefill kernels). Output: public_path.json and public_path.md (tok/s per path and the profile table).
@@ -38,6 +44,7 @@ from engine.config import OuroConfig
 from scheduler.request import RequestStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_idle import StepGaps  # noqa: E402
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 
 PHASES = ("_prefill", "_shallow", "_deep", "_deep_verify", "_sample")
@@ -95,7 +102,7 @@ class Probe:
                     out = orig(*args)
                     now = time.perf_counter()
                     self.host[key] += now - t
-                    if key == "schedule":
+                    if key == "schedule" and out is not None:  # schedule_ahead: None when not planned ahead
                         self.steps += bool(out.prefills or out.shallow or out.deep)  # not release-only plans
                         self._schedule_end = now
                         reqs = core.scheduler.requests.values()
@@ -109,6 +116,7 @@ class Probe:
             return wrapper
 
         self._wrap(core, "schedule", timed("schedule"))
+        self._wrap(core.scheduler, "schedule_ahead", timed("schedule"))  # async scheduling's planned-ahead steps
         self._wrap(core, "update", timed("update"))
         self._wrap(ex, "execute", timed("execute"))
 
@@ -147,11 +155,15 @@ def engine_config(args, model_dir: str, name: str) -> EngineConfig:
                         async_scheduling={"auto": None, "on": True, "off": False}[getattr(args, "async_scheduling", "auto")])
 
 
-def workload(args, vocab: int, count: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
+def workload(args, vocab: int, count: int | None = None,
+             seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """`count` (default N) random prompts of P tokens from Random(seed), M tokens each; another seed gives
+    other prompts (no shared prefix blocks: benchmarks/cold_start.py's rounds) and other sampling seeds."""
     count = args.N if count is None else count
-    rng = random.Random(0)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(args.P)] for _ in range(count)]
-    params = [SamplingParams(max_tokens=args.M, temperature=1.0, seed=i, ignore_eos=True) for i in range(count)]
+    params = [SamplingParams(max_tokens=args.M, temperature=1.0, seed=seed * 1_000_003 + i, ignore_eos=True)
+              for i in range(count)]
     return prompts, params
 
 
@@ -164,11 +176,16 @@ def run_sync(args, model_dir: str, name: str) -> dict:
     with SyncEngine(engine_config(args, model_dir, name)) as engine:
         prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
         engine.generate_batch(prompts, warm_params(args))
-        t = time.perf_counter()
-        outs = engine.generate_batch(prompts, params)
-        wall = time.perf_counter() - t
+        gaps = StepGaps(engine.core.executor, args.device.startswith("cuda"))
+        gaps.install()
+        try:
+            t = time.perf_counter()
+            outs = engine.generate_batch(prompts, params)
+            wall = time.perf_counter() - t
+        finally:
+            gaps.remove()
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
+    return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary())
 
 
 async def timed_round(engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
@@ -201,13 +218,20 @@ async def run_pool(args, model_dir: str, name: str) -> dict:
     return dict(path=f"pool{args.replicas}", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
 
 
-async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict]:
+async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict | None]:
     async with Engine(engine_config(args, model_dir, name)) as engine:
         prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
 
         await timed_round(engine, prompts, warm_params(args))
-        wall, tokens = await timed_round(engine, prompts, params)
-        plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall)
+        gaps = StepGaps(engine.core.executor, args.device.startswith("cuda"))
+        gaps.install()  # the stepping thread is idle between rounds: no step is launched while this runs
+        try:
+            wall, tokens = await timed_round(engine, prompts, params)
+        finally:
+            gaps.remove()
+        plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary())
+        if getattr(args, "no_profile", False):
+            return plain, None
         probe = Probe(engine.core, args.device.startswith("cuda"))
         probe.install()
         try:
@@ -218,11 +242,16 @@ async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict]:
     return plain, profiled
 
 
+def idle_pct(row: dict) -> str:
+    share = (row.get("gpu_idle") or {}).get("gpu_idle_share")
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
 def markdown(rows: list[dict], profiles: list[dict], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['device_name']}, torch {meta['torch']}, {meta['dtype']}: "
              f"N = {meta['N']} requests, prompt {meta['P']}, {meta['M']} tokens each, prefill included.", "",
              "| config | SyncEngine tok/s | async Engine tok/s | async / sync | sync x interval 1 | "
-             "async x interval 1 |", "|---|---|---|---|---|---|"]
+             "async x interval 1 | GPU idle between steps: sync / async |", "|---|---|---|---|---|---|---|"]
     by = {(r["config"], r["path"]): r for r in rows}
     configs = list(dict.fromkeys(r["config"] for r in rows))
     base = {p: by.get(("interval1", p), {}).get("tokens_per_s") for p in ("sync", "async")}
@@ -230,9 +259,17 @@ def markdown(rows: list[dict], profiles: list[dict], meta: dict) -> str:
         s, a = by[(c, "sync")]["tokens_per_s"], by[(c, "async")]["tokens_per_s"]
         rs = f"{s / base['sync']:.2f}" if base["sync"] else "-"
         ra = f"{a / base['async']:.2f}" if base["async"] else "-"
-        lines.append(f"| {c} | {s:,.0f} | {a:,.0f} | {a / s:.3f} | {rs} | {ra} |")
-    lines += ["", "Where the profiled async run's wall time goes (ms per step; device parts from CUDA events, "
-              "host parts from clocks; the device and host parts overlap only inside execute):", "",
+        idle = " / ".join(idle_pct(by[(c, p)]) for p in ("sync", "async"))
+        lines.append(f"| {c} | {s:,.0f} | {a:,.0f} | {a / s:.3f} | {rs} | {ra} | {idle} |")
+    lines += ["", "GPU idle between steps: the sum of the gaps between one step's last GPU work and the next "
+              "one's first (CUDA events around executor.launch; host clocks on the CPU), as a share of the "
+              "timed round's step phase (benchmarks/gpu_idle.py).", ""]
+    if not profiles:
+        return "\n".join(lines) + "\n"
+    lines += ["Where the profiled async run's wall time goes (ms per step; device parts from CUDA events, "
+              "host parts from clocks; the device and host parts overlap only inside execute; with async "
+              "scheduling the steps run through launch, so execute is 0 and schedule / update overlap the "
+              "device):", "",
               "| config | steps | wall | prefill | shallow | deep | sample | execute (worker) | schedule | update | "
               "thread hop | between steps | aligning share | captures in run |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -264,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled async run (time: the "
+                    "timed runs and their gpu_idle_share only)")
     ap.add_argument("--replicas", type=int, default=0, help="R >= 1: only the async path, through an "
                     "ourobatch.ray.EnginePool of R replicas (one GPU each), N requests per replica")
     args = ap.parse_args(argv)
@@ -277,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_checkpoint(args)
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N, P=args.P,
-                M=args.M, torch=torch.__version__,
+                M=args.M, torch=torch.__version__, async_scheduling=args.async_scheduling,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor())
     rows, profiles = [], []
     if args.replicas:
@@ -291,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(dict(config=name, **run_sync(args, model_dir, name)))
         plain, profiled = anyio.run(run_async, args, model_dir, name)
         rows.append(dict(config=name, **plain))
-        profiles.append(dict(config=name, **profiled))
-        print(json.dumps(rows[-2:] + profiles[-1:]), flush=True)
+        if profiled is not None:
+            profiles.append(dict(config=name, **profiled))
+        print(json.dumps(rows[-2:] + (profiles[-1:] if profiled is not None else [])), flush=True)
         (out / "public_path.json").write_text(json.dumps(dict(meta=meta, rows=rows, profiles=profiles)))
     md = markdown(rows, profiles, meta)
     (out / "public_path.md").write_text(md)

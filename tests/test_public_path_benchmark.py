@@ -20,6 +20,11 @@ def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
     assert [(r["config"], r["path"]) for r in data["rows"]] == [
         ("interval1", "sync"), ("interval1", "async"), ("deferred4", "sync"), ("deferred4", "async")]
     assert all(r["tokens"] == N * M for r in data["rows"])  # every request ran to max_tokens (ignore_eos)
+    for r in data["rows"]:  # the timed runs' GPU-idle measure (host clocks on the CPU): every step seen
+        idle = r["gpu_idle"]
+        assert idle["clock"] == "host" and idle["steps"] == M
+        assert 0 <= idle["idle_s"] <= idle["span_s"] <= r["wall_s"]
+        assert idle["gpu_idle_share"] == idle["idle_s"] / idle["span_s"]
     for p in data["profiles"]:
         assert p["tokens"] == N * M
         # M tokens: token 1 from the prefill step, then one token per step; the prefills of N short prompts
@@ -31,5 +36,16 @@ def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
         assert ("deep" in p["device_s"]) == (p["config"] == "deferred4")  # interval 1: one call per step
         assert p["graph_captures_in_run"] == 0 and 0 <= p["aligning_share"] < 1
     md = (tmp_path / "out" / "public_path.md").read_text()
-    assert "| interval1 |" in md and "| deferred4 |" in md
+    assert "| interval1 |" in md and "| deferred4 |" in md and "GPU idle between steps: sync / async" in md
+
+
+def test_no_profile_runs_the_timed_paths_only(tmp_path):
+    rc = public_path.main(["--device", "cpu", "--dtype", "float32", "--tiny", "-N", "2", "-P", "5", "-M", "6",
+                           "--configs", "interval1", "--no-profile", "--async-scheduling", "on",
+                           "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "ckpt")])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "public_path.json").read_text())
+    assert data["profiles"] == [] and data["meta"]["async_scheduling"] == "on"
+    assert [r["gpu_idle"]["steps"] for r in data["rows"]] == [6, 6]  # lookahead's steps are seen too
+    assert "Where the profiled" not in (tmp_path / "out" / "public_path.md").read_text()
 
