@@ -4,10 +4,14 @@ For each config (interval1, deferred8 by default), two fresh subprocesses share 
 (Triton's on-disk cache; TRITON_CACHE_DIR is unset for them, so the engine's folder is the one used):
 
 - process 1, the folder empty: time to ready through the async ``Engine`` (split into weights, KV pool,
-  kernel warm-up, graph captures and the request warm-up: the ``engine_ready`` event's fields), kernels
-  compiled / loaded from the cache, then a first round of N prompts of P tokens x M tokens (temperature
-  1, ignore_eos, prefill included) and a second identical round; the Triton compiles and graph captures
-  that happened during the first round;
+  kernel warm-up, graph captures and the request warm-up: the ``engine_ready`` event's fields), and the
+  time from the process's start (spawned by this script: interpreter and imports included) to ready,
+  what a user waits; kernels compiled / loaded from the cache; then --rounds rounds (3 by default) of N
+  prompts of P tokens x M tokens (temperature 1, ignore_eos, prefill included), each round its own
+  seeded random prompts, so no round finds another's prompt blocks in the prefix cache and every round
+  prefills all N x P tokens (checked: the prefix-cache hits and computed prefill tokens of each round
+  are recorded). Per round: wall time, Triton compiles and graph captures during it. "first / warm" is
+  round 1 over the last round;
 - process 2, the same folder: the same, now loading every kernel from the cache.
 
 Output: cold_start.json (every process's numbers, the capture time of each graph) and cold_start.md.
@@ -25,6 +29,7 @@ _STARTED = time.perf_counter()  # before the heavy imports: the child reports it
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -38,16 +43,16 @@ PHASES = ("weights", "kv_pool", "kernels", "graphs", "requests")
 
 
 def child(args) -> dict:
-    """One process: build the engine, run two rounds, return the numbers (runs in the subprocess)."""
+    """One process: build the engine, run the rounds, return the numbers (runs in the subprocess)."""
     import anyio
     from structlog.testing import capture_logs
     import torch
 
-    from ourobatch import Engine, compile_cache
+    from ourobatch import Engine
     from engine import kernel_warmup
 
     sys.path.insert(0, str(HERE))
-    from public_path import engine_config, timed_round, workload  # noqa: E402
+    from public_path import engine_config  # noqa: E402
     from throughput import ensure_checkpoint  # noqa: E402
 
     if args.threads:
@@ -62,32 +67,47 @@ def child(args) -> dict:
         t = time.perf_counter()
         with capture_logs() as logs:
             await engine.__aenter__()
-        ready = time.perf_counter() - t
+        ready, ready_at = time.perf_counter() - t, time.time()
         try:
             events = {e["event"]: e for e in logs}
-            prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
-            graphs = engine.core.executor.graphs
-            counts0, captures0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0
-            first, tokens = await timed_round(engine, prompts, params)
-            counts1, captures1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0
-            second, _ = await timed_round(engine, prompts, params)
+            rounds = [await one_round(engine, args, r) for r in range(1, args.rounds + 1)]
         finally:
             await engine.__aexit__(None, None, None)
         ev = events.get("engine_ready", {})
         compiled = events.get("kernels_compiled", {})
+        first, warm = rounds[0]["wall_s"], rounds[-1]["wall_s"]
         return dict(config=args.config, import_s=imported, ready_s=ready,
+                    start_to_ready_s=ready_at - args.spawned_at if args.spawned_at else None,
                     phases={p: ev.get(f"{p}_s") for p in PHASES}, startup_s=ev.get("startup_s"),
                     kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
                     compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
                     warmup_requests=_strip(events.get("warmup_requests")),
                     graph_seconds=events.get("cuda_graph_timings", {}).get("seconds"),
-                    first_round_s=first, second_round_s=second, tokens=tokens,
-                    compiles_in_first_round=(None if counts0 is None else
-                                             (counts1 - counts0).compiled + (counts1 - counts0).loaded),
-                    captures_in_first_round=captures1 - captures0,
+                    rounds=rounds, first_round_s=first, warm_round_s=warm, first_over_warm=first / warm,
+                    tokens=rounds[0]["tokens"], compiles_in_first_round=rounds[0]["compiles"],
+                    captures_in_first_round=rounds[0]["captures"],
                     device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
 
     return anyio.run(run)
+
+
+async def one_round(engine, args, seed: int) -> dict:
+    """Round `seed` (1, 2, ...): N concurrent requests on prompts of its own (public_path.workload(seed=)),
+    with what it compiled, captured, found in the prefix cache and prefilled."""
+    from ourobatch import compile_cache
+    from public_path import timed_round, workload  # noqa: E402
+
+    core = engine.core
+    prompts, params = workload(args, core.scheduler.config.vocab_size, seed=seed)
+    graphs = core.executor.graphs
+    counts0, captures0, stats0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
+    wall, tokens = await timed_round(engine, prompts, params)
+    counts1, captures1, stats1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
+    delta = None if counts0 is None else counts1 - counts0
+    return dict(round=seed, wall_s=wall, tokens=tokens,
+                compiles=None if delta is None else delta.compiled + delta.loaded, captures=captures1 - captures0,
+                prompts_sha1=hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12],
+                **{k: stats1[k] - stats0[k] for k in ("prefix_cache_hits", "prefill_tokens_computed")})
 
 
 def _strip(event: dict | None) -> dict | None:
@@ -99,7 +119,8 @@ def spawn(args, config: str, cache_dir: str, process: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--cache-dir", cache_dir,
            "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
            "--dtype", args.dtype, "--workdir", args.workdir, "--shallow-loops", str(args.shallow_loops),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--threads", str(args.threads or 0)]
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--threads", str(args.threads or 0),
+           "--rounds", str(args.rounds), "--spawned-at", repr(time.time())]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--no-warmup"] if args.no_warmup else []
@@ -117,21 +138,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"Measured {meta['date']} on {meta['device_name']}: N = {meta['N']} prompts of {meta['P']} tokens, "
-             f"{meta['M']} tokens each (temperature 1, prefill included), through the async Engine; process 1 "
-             f"starts with an empty compile cache, process 2 with the folder process 1 filled.", "",
-             "| config | process | import s | ready s | weights | KV pool | kernels | graphs | requests | "
-             "compiled / loaded | first round s | second round s | first / second | compiles, captures in "
-             "round 1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Measured {meta['date']} on {meta['device_name']}: {meta['rounds']} rounds of N = {meta['N']} "
+             f"prompts of {meta['P']} tokens (each round its own prompts), {meta['M']} tokens each (temperature 1, "
+             f"prefill included), through the async Engine; process 1 starts with an empty compile cache, "
+             f"process 2 with the folder process 1 filled. start to ready: from the process's spawn "
+             f"(interpreter, imports) to the engine ready; warm = the last round.", "",
+             "| config | process | start to ready s | import s | ready s | weights | KV pool | kernels | graphs | "
+             "requests | compiled / loaded | round s | first / warm | compiles, captures per round | "
+             "prefix-cache hits |", "|---" * 15 + "|"]
     for r in rows:
-        ph = r["phases"]
-        ratio = r["first_round_s"] / r["second_round_s"] if r["second_round_s"] else None
-        lines.append(f"| {r['config']} | {r['process']} | {f(r['import_s'])} | {f(r['ready_s'])} | "
-                     + " | ".join(f(ph.get(p)) for p in PHASES)
+        ph, rounds = r["phases"], r["rounds"]
+        lines.append(f"| {r['config']} | {r['process']} | {f(r.get('start_to_ready_s'))} | {f(r['import_s'])} | "
+                     f"{f(r['ready_s'])} | " + " | ".join(f(ph.get(p)) for p in PHASES)
                      + f" | {f(r['kernels_compiled'], '{}')} / {f(r['kernels_loaded'], '{}')} | "
-                     f"{f(r['first_round_s'])} | "
-                     f"{f(r['second_round_s'])} | {f(ratio)} | {f(r['compiles_in_first_round'], '{}')}, "
-                     f"{r['captures_in_first_round']} |")
+                     + " / ".join(f(x["wall_s"]) for x in rounds) + f" | {f(r['first_over_warm'])} | "
+                     + " / ".join(f"{f(x['compiles'], '{}')}, {x['captures']}" for x in rounds) + " | "
+                     + f"{sum(x['prefix_cache_hits'] for x in rounds)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=0, help="compile threads of the kernel warm-up (0: its default)")
     ap.add_argument("--no-warmup", action="store_true", help="EngineConfig(warmup=False): the baseline")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per process, each with its own prompts (>= 2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--spawned-at", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)), flush=True)
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     for field in ("N", "P", "M"):
         if getattr(args, field) < 1:
             ap.error(f"-{field} must be >= 1, got {getattr(args, field)}")
+    if args.rounds < 2:
+        ap.error(f"--rounds must be >= 2 (a first and a warm round), got {args.rounds}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from throughput import ensure_checkpoint  # noqa: E402
@@ -177,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(spawn(args, name, cache_dir, process))
                 print(json.dumps(rows[-1]), flush=True)
                 meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N,
-                            P=args.P, M=args.M, device_name=rows[-1].get("device_name"), warmup=not args.no_warmup)
+                            P=args.P, M=args.M, rounds=args.rounds, device_name=rows[-1].get("device_name"),
+                            warmup=not args.no_warmup)
                 (out / "cold_start.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         finally:
             shutil.rmtree(cache_dir, ignore_errors=True)
