@@ -2,18 +2,59 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|cold] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|cold|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+# Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
+# in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
+# 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
+# tests/test_gpu_suite.py.
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
+WORKDIR=${SUITE_WORKDIR:-/tmp/ourobatch-bench}  # the benchmarks' --workdir default: the random checkpoint
+finish() {  # every mode ends here (trap EXIT): summary.md + results.tgz, nothing else left under $OUT
+  local rc=$? sum="$OUT/.summary.md" tgz big f mds
+  trap - EXIT
+  [ "$rc" -eq 0 ] && rc=${status:-0}
+  case $what in targets*) for f in "$WORKDIR"/$([ -n "${SUITE_SMOKE:-}" ] && echo tiny || echo ouro-1.4b-random); do
+    [ -f "$f/config.json" ] && cp "$f/config.json" "$OUT/model_config.json"; done;; esac  # the bytes floor's shape
+  { echo "# gpu_suite.sh $what: exit $rc after $SECONDS s"; echo
+    [ -s "$OUT/gpu.txt" ] && { sed 's/^/    /' "$OUT/gpu.txt"; echo; }
+    [ -s "$OUT/stages.md" ] && { printf '| stage | exit | seconds |\n|---|---|---|\n'; cat "$OUT/stages.md"; echo; }
+    case $what in targets*) python3 benchmarks/targets_report.py "$OUT" 2>&1; echo;; esac
+    [ -s "$OUT/gpu_tests.log" ] && { echo '```'; tail -15 "$OUT/gpu_tests.log"; echo '```'; echo; }
+    mds=$(find "$OUT" -name '*.md' ! -name stages.md ! -name .summary.md | sort)
+    for f in $mds; do echo "## ${f#"$OUT"/}"; echo; head -40 "$f"; echo; done
+    [ -z "$mds" ] && for f in $(find "$OUT" -name '*.log' | sort); do
+      echo "## ${f#"$OUT"/} (last lines)"; echo '```'; tail -20 "$f"; echo '```'; done
+  } > "$sum" 2>&1
+  tgz=$(mktemp /tmp/gpu_suite_results.XXXXXX)
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name .summary.md -print0 | tar --null -czf "$tgz" -T -)
+  if [ "$(stat -c %s "$tgz")" -gt 15000000 ]; then  # the device returns files of at most 16 MiB: drop big ones
+    big=$(cd "$OUT" && find . -type f -size +2M ! -name .summary.md | sort)
+    (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name .summary.md -print0 \
+      | tar --null -czf "$tgz" $(printf -- '--exclude=%s ' $big) -T -)
+    printf 'Left out of results.tgz (over 2 MB each):\n%s\n' "$big" >> "$sum"
+  fi
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name .summary.md -exec rm -rf {} +
+  mv "$tgz" "$OUT/results.tgz" && chmod 644 "$OUT/results.tgz"
+  mv "$sum" "$OUT/summary.md"
+  echo; cat "$OUT/summary.md"
+  exit "$rc"
+}
+trap finish EXIT
+trap 'exit 143' TERM INT  # a stop still packs what is there
+if [ -n "${SUITE_SMOKE:-}" ]; then
+  echo "SUITE_SMOKE: CPU smoke run, no install" > "$OUT/gpu.txt"
+elif [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
-  || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+if [ -z "${SUITE_SMOKE:-}" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+fi
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -o addopts: the H200's pytest has no pytest-asyncio, whose pyproject options --strict-config would refuse
@@ -67,4 +108,54 @@ fi
 if [ "$what" = rl ] || [ "$what" = all ]; then  # sleep / wake / load / update timings and memory
   python3 benchmarks/rl_ops.py --out "$OUT/rl_ops" 2>&1 | tee "$OUT/rl_ops.log" | grep -v '^{' | tail -12
 fi
+case $what in targets|targets_a|targets_b)  # issue 22's target table (targets_report.py, into summary.md)
+  # targets_a: the public paths, N = 64 three runs in a row (async vs sync, GPU idle share, B=4/B=8 vs
+  # interval 1), N = 8 interval 1 (vs HF generate), the decode harness at N = 8 / 64 (bytes floor).
+  # targets_b: cold_start (fresh processes, 3 rounds of distinct prompts), the rollout batch at the issue's
+  # settings (interval1, deferred8, lazy KV), public paths at N = 256 (GPU idle share); TARGETS_HARNESS256=1
+  # adds the decode harness at N = 256 (sync stepping: the host share the issue started from).
+  # Each half is planned for one 10-minute call; `targets` runs both (a longer limit only). No "$@" here.
+  # TARGETS_BUDGET_S (570): a stage starts only with its minimum left, under a timeout of what is left.
+  budget=${TARGETS_BUDGET_S:-570}
+  stage() {  # stage NAME MIN_S CMD...: CMD's output in $OUT/NAME.log, its exit and seconds in stages.md
+    local name=$1 min=$2 left t rc; shift 2
+    left=$(( budget - SECONDS - 25 ))  # 25 s kept for the report and the packing
+    if [ "$left" -lt "$min" ]; then echo "| $name | skipped ($left s left, needs $min) | 0 |" >> "$OUT/stages.md"; return; fi
+    t=$SECONDS
+    timeout -k 10 "$left" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+    echo "| $name | $rc | $(( SECONDS - t )) |" >> "$OUT/stages.md"
+    [ "$rc" -eq 0 ] || status=1
+    echo "== $name: exit $rc, $(( SECONDS - t )) s"; grep '^|' "$OUT/$name.log" | tail -n 8
+  }
+  if [ -n "${SUITE_SMOKE:-}" ]; then  # toy sizes on the CPU, same stages and folders
+    dev=(--device cpu --dtype float32 --tiny --workdir "$WORKDIR"); pp=(-P 8 -M 6); p256=(-P 8 -M 4)
+    cold=(-N 4 -P 40 -M 4); floor=(--scenarios 8x16x8,64x16x8)
+    roll=(--prompts 3 --n 2 --prompt-len 8 --max-tokens 24 --median 8)
+  else
+    dev=(--workdir "$WORKDIR"); pp=(); p256=(-M 512); cold=(); floor=(--scenarios 8x512x256,64x512x256); roll=()
+  fi
+  if [ "$what" != targets_b ]; then
+    for r in 1 2 3; do  # three runs in a row; the first with the per-step profile
+      prof=(); [ "$r" -gt 1 ] && prof=(--no-profile)
+      stage "public_n64_r$r" 100 python3 benchmarks/public_path.py --out "$OUT/public_n64_r$r" -N 64 "${pp[@]}" \
+        "${prof[@]}" "${dev[@]}"
+    done
+    stage public_n8 40 python3 benchmarks/public_path.py --out "$OUT/public_n8" -N 8 --configs interval1 --no-profile \
+      "${pp[@]}" "${dev[@]}"
+    stage harness_floor 45 python3 benchmarks/throughput.py --out "$OUT/harness_floor" --configs interval1 \
+      "${floor[@]}" "${dev[@]}"
+  fi
+  if [ "$what" != targets_a ]; then
+    stage cold 120 python3 benchmarks/cold_start.py --out "$OUT/cold" "${cold[@]}" "${dev[@]}"
+    stage rollout 110 python3 benchmarks/rollout.py --out "$OUT/rollout" --configs interval1,deferred8 \
+      --allocations lazy "${roll[@]}" "${dev[@]}"
+    stage public_n256 120 python3 benchmarks/public_path.py --out "$OUT/public_n256" -N 256 \
+      --configs interval1,deferred8 --no-profile "${p256[@]}" "${dev[@]}"
+    if [ -n "${TARGETS_HARNESS256:-}" ]; then
+      stage harness_n256 70 python3 benchmarks/throughput.py --out "$OUT/harness_n256" --scenarios 256x512x512 \
+        --configs interval1,deferred4,deferred8 "${dev[@]}"
+    fi
+  fi;;
+esac
+# (other helpers: new modes go above this line)
 exit $status
