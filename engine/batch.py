@@ -11,9 +11,14 @@ the device tables (async scheduling launches a step while the one before it stil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+# Prompt chunks after shared or cached blocks with at most this many rows run in the paged Triton kernel
+# (one batched call; its tile grows with the rows); longer ones gather their history and run SDPA.
+MAX_KERNEL_HISTORY_ROWS = 64
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,6 +118,45 @@ class HistoryMeta:
 
 
 @dataclass
+class FreshGroup:
+    """Prompt chunks from position 0 of one length: one batched causal SDPA call."""
+
+    num_seqs: int
+    num_rows: int  # rows of each chunk
+    rows: slice | torch.Tensor  # their rows in the call: a slice when contiguous, else [num_seqs * num_rows] int64
+    slots: torch.Tensor  # [num_seqs * num_rows] int64: their KV slots (this call's keys, read from the plane)
+
+
+@dataclass
+class GatheredChunk:
+    """A prompt chunk after shared or cached blocks that gathers its history from the pool and runs SDPA."""
+
+    rows: slice  # its rows in the call, at positions context_len - num_rows .. context_len - 1
+    slots: torch.Tensor  # [context_len] int64: KV slots of positions 0 .. context_len - 1
+    mask: torch.Tensor  # [num_rows, context_len] bool: a row sees the positions up to its own
+
+
+@dataclass
+class PrefillAttention:
+    """How a prefill call's attention splits into batched calls, computed once per step (every layer pass of
+    every loop only launches them). Pieces: the fresh groups, the chunks with a history (the paged kernel's
+    batch, BatchMeta.history, or one gathered SDPA call each)."""
+
+    fresh: list[FreshGroup]
+    gathered: list[GatheredChunk]
+    whole: bool  # a single piece covers every row in order: its output is the call's, no scatter
+
+
+@dataclass
+class SpanRead:
+    """What the reference attention reads for one request, computed once per step (engine/attention.py
+    paged_attention): the KV slots of its context and its causal mask."""
+
+    slots: torch.Tensor  # [context_len] int64: KV slots of positions 0 .. context_len - 1
+    mask: torch.Tensor | None  # [1, num_rows, context_len] bool, True where a key is after the row (None: 1 row)
+
+
+@dataclass
 class BatchMeta:
     """One forward call's rows. Tensors are on the device; `spans` is the host view (None in graphs)."""
 
@@ -124,14 +168,18 @@ class BatchMeta:
     max_rows: int  # most rows of one sequence (sizes the attention tile)
     prefill: bool  # every sequence is a whole prompt from position 0: dense causal attention
     spans: list[SeqSpan] | None = None
-    history: HistoryMeta | None = None  # prefill: the chunks with a history (None when every one starts at 0)
+    history: HistoryMeta | None = None  # prefill: the chunks with a history for the paged kernel (None: none)
+    prefill_attention: PrefillAttention | None = None  # prefill: the batched attention calls
+    reads: list[SpanRead] | None = None  # the reference attention's per-span reads (one per span)
+    rope: dict = field(default_factory=dict)  # the reference path's RoPE cos/sin per dtype (engine/model.py)
 
 
 def uniform_meta(tables: BlockTables, row_ids: torch.Tensor, starts: torch.Tensor, rows_per_seq: int,
                  block_size: int, spans: list[SeqSpan] | None = None) -> BatchMeta:
     """Metadata for `rows_per_seq` contiguous rows per sequence, computed on the device (graph-safe).
 
-    row_ids, starts: [seqs] int64 (table row and first position of each sequence).
+    row_ids, starts: [seqs] int64 (table row and first position of each sequence). With `spans` (the
+    reference attention's host view) the per-span reads are computed here too.
     """
     R = rows_per_seq
     seqs = row_ids.shape[0]
@@ -143,13 +191,19 @@ def uniform_meta(tables: BlockTables, row_ids: torch.Tensor, starts: torch.Tenso
     slots = blocks * block_size + positions % block_size
     context_lens = (starts + R).to(torch.int32)
     query_start = (torch.arange(seqs + 1, device=row_ids.device, dtype=torch.int32) * R)
-    return BatchMeta(positions, slots, block_tables, context_lens, query_start, R, False, spans)
+    reads = span_reads(spans, block_size, row_ids.device) if spans else None
+    return BatchMeta(positions, slots, block_tables, context_lens, query_start, R, False, spans, reads=reads)
 
 
 def varlen_meta(tables: BlockTables, starts: list[int], num_rows: list[int], block_ids: list[tuple[int, ...]],
-                block_size: int, prefill: bool, device: torch.device) -> BatchMeta:
+                block_size: int, prefill: bool, device: torch.device, *, paged_history: bool = False,
+                reads: bool = False) -> BatchMeta:
     """Metadata for sequences with different row counts (prefills, and the general case), built on the host
-    from each sequence's block ids (its table row holds the same ids)."""
+    from each sequence's block ids (its table row holds the same ids).
+
+    prefill: also the batched attention calls (PrefillAttention); `paged_history`: the backend runs chunks
+    after a history in the paged kernel when none has more than MAX_KERNEL_HISTORY_ROWS rows (else each
+    gathers its history for SDPA). `reads`: the reference attention's per-span reads (non-prefill)."""
     positions, spans, row = [], [], 0
     for block_table, start, n in zip(block_ids, starts, num_rows):
         positions.extend(range(start, start + n))
@@ -164,16 +218,87 @@ def varlen_meta(tables: BlockTables, starts: list[int], num_rows: list[int], blo
     query_start = torch.zeros(len(starts) + 1, dtype=torch.int32)
     query_start[1:] = torch.tensor(num_rows).cumsum(0)
     context_lens = torch.tensor([s + n for s, n in zip(starts, num_rows)], dtype=torch.int32)
-    history = None
-    hist = [i for i, (start, n) in enumerate(zip(starts, num_rows)) if prefill and start > 0]
-    if hist:
+    meta = BatchMeta(_put(pos, device), _put(slots, device), _put(host_tables, device), _put(context_lens, device),
+                     _put(query_start, device), max(num_rows), prefill, spans)
+    if prefill:
+        _plan_prefill(meta, host_tables, slots, block_size, device, paged_history)
+    elif reads:
+        meta.reads = span_reads(spans, block_size, device, host_tables)
+    return meta
+
+
+def _plan_prefill(meta: BatchMeta, host_tables: torch.Tensor, slots: torch.Tensor, block_size: int,
+                  device: torch.device, paged_history: bool) -> None:
+    """meta.prefill_attention (and meta.history for the paged kernel): the batched attention calls."""
+    spans = meta.spans
+    total = spans[-1].row_start + spans[-1].num_rows
+    hist = [i for i, s in enumerate(spans) if s.context_len > s.num_rows]
+    fresh_of_len: dict[int, list[SeqSpan]] = {}
+    for s in spans:
+        if s.context_len == s.num_rows:
+            fresh_of_len.setdefault(s.num_rows, []).append(s)
+    fresh = [_fresh_group(group, n, slots, device) for n, group in fresh_of_len.items()]
+    gathered: list[GatheredChunk] = []
+    if hist and paged_history and max(spans[i].num_rows for i in hist) <= MAX_KERNEL_HISTORY_ROWS:
         rows_idx = torch.cat([torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_rows) for i in hist])
         hq = torch.zeros(len(hist) + 1, dtype=torch.int32)
-        hq[1:] = torch.tensor([num_rows[i] for i in hist]).cumsum(0)
-        history = HistoryMeta(_put(rows_idx, device), _put(host_tables[hist], device), _put(context_lens[hist], device),
-                              _put(hq, device), max(num_rows[i] for i in hist))
-    return BatchMeta(_put(pos, device), _put(slots, device), _put(host_tables, device), _put(context_lens, device),
-                     _put(query_start, device), max(num_rows), prefill, spans, history)
+        hq[1:] = torch.tensor([spans[i].num_rows for i in hist]).cumsum(0)
+        ctx = torch.tensor([spans[i].context_len for i in hist], dtype=torch.int32)
+        meta.history = HistoryMeta(_put(rows_idx, device), _put(host_tables[hist], device), _put(ctx, device),
+                                   _put(hq, device), max(spans[i].num_rows for i in hist))
+        pieces, whole_rows = len(fresh) + 1, len(hist) == len(spans)
+    elif hist:
+        ctx = [spans[i].context_len for i in hist]
+        hist_slots = _put(_context_slots(host_tables, hist, ctx, block_size), device).split(ctx)
+        for i, s_slots in zip(hist, hist_slots):
+            s = spans[i]
+            mask = (torch.arange(s.context_len, device=device)[None, :]
+                    <= torch.arange(s.context_len - s.num_rows, s.context_len, device=device)[:, None])
+            gathered.append(GatheredChunk(slice(s.row_start, s.row_start + s.num_rows), s_slots, mask))
+        pieces = len(fresh) + len(gathered)
+        whole_rows = len(gathered) == 1 and gathered[0].rows == slice(0, total)
+    else:
+        pieces, whole_rows = len(fresh), isinstance(fresh[0].rows, slice) and fresh[0].rows == slice(0, total)
+    meta.prefill_attention = PrefillAttention(fresh, gathered, pieces == 1 and whole_rows)
+
+
+def _fresh_group(group: list[SeqSpan], n: int, slots: torch.Tensor, device: torch.device) -> FreshGroup:
+    first, last = group[0].row_start, group[-1].row_start + n
+    if last - first == n * len(group):  # consecutive chunks: a slice of the call's rows
+        rows: slice | torch.Tensor = slice(first, last)
+        idx = torch.arange(first, last)
+    else:
+        idx = torch.cat([torch.arange(s.row_start, s.row_start + n) for s in group])
+        rows = _put(idx, device)
+    return FreshGroup(len(group), n, rows, _put(slots[idx], device))
+
+
+def _context_slots(host_tables: torch.Tensor, seqs: list[int], context_lens: list[int],
+                   block_size: int) -> torch.Tensor:
+    """KV slots of positions 0 .. context_len - 1 of each listed table row, concatenated (host tensors)."""
+    lens = torch.tensor(context_lens)
+    seq = torch.repeat_interleave(torch.tensor(seqs), lens)
+    pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return host_tables[seq, pos // block_size].to(torch.int64) * block_size + pos % block_size
+
+
+def span_reads(spans: list[SeqSpan], block_size: int, device: torch.device,
+               host_tables: torch.Tensor | None = None) -> list[SpanRead]:
+    """Each span's context slots and causal mask for the reference attention, in one host-built copy."""
+    if host_tables is None:
+        width = max(len(s.block_ids) for s in spans)
+        host_tables = torch.tensor([list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in spans],
+                                   dtype=torch.int32)
+    ctx = [s.context_len for s in spans]
+    parts = _put(_context_slots(host_tables, list(range(len(spans))), ctx, block_size), device).split(ctx)
+    reads = []
+    for s, s_slots in zip(spans, parts):
+        mask = None
+        if s.num_rows > 1:
+            q_pos = torch.arange(s.context_len - s.num_rows, s.context_len, device=device)
+            mask = torch.arange(s.context_len, device=device)[None, None, :] > q_pos[None, :, None]
+        reads.append(SpanRead(s_slots, mask))
+    return reads
 
 
 def _put(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -213,7 +213,7 @@ class ModelExecutor:
         # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
         # (start > 0) reads that history from the pool
         meta = varlen_meta(self.tables, starts, lens, [w.block_ids for w in run], self.block_size,
-                           prefill=True, device=self.device)
+                           prefill=True, device=self.device, paged_history=self.attention == "triton")
         ids = self._index([t for w in run for t in w.token_ids])
         h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
         last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
@@ -298,7 +298,7 @@ class ModelExecutor:
         rows = [self.tables.row_of[d.request_id] for d in works]
         num_rows = [d.num_rows for d in works]
         meta = varlen_meta(self.tables, [d.start_position for d in works], num_rows, [d.block_ids for d in works],
-                           self.block_size, prefill=False, device=self.device)
+                           self.block_size, prefill=False, device=self.device, reads=self.attention == "torch")
         h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
         h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
         return meta, h_s, h_T

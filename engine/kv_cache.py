@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch import to_device
 from .config import OuroConfig
 
 
@@ -48,6 +49,7 @@ class KVPool:
     def release(self) -> None:
         """Free k and v (the engine sleeps); the geometry stays, reallocate() gives the memory back."""
         self.k = self.v = None
+        self._views = None
 
     def reallocate(self) -> None:
         """(Re)allocate k and v at the pool's geometry. Their contents are undefined: nothing is read
@@ -56,6 +58,7 @@ class KVPool:
         # of a large CPU pool cost no memory.
         self.k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self._views = None
 
     @property
     def num_bytes(self) -> int:
@@ -63,11 +66,25 @@ class KVPool:
             return 0
         return 2 * self.k.numel() * self.k.element_size()
 
+    def _plane_views(self, loop: int, layer: int) -> tuple[torch.Tensor, ...]:
+        """(k, v flat, k, v paged) views of one plane, made once per (loop, layer) and k / v tensor: a layer
+        pass asks for them every call, and each view is a few host ops."""
+        views = getattr(self, "_views", None)  # a pool built field by field (tests) has no cache yet
+        if views is None or views[0] is not self.k or views[1] is not self.v:
+            views = self._views = (self.k, self.v, {})
+        per = views[2].get((loop, layer))
+        if per is None:
+            k, v = self.k[loop - 1, layer], self.v[loop - 1, layer]
+            per = views[2][loop, layer] = (k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:]), k, v)
+        return per
+
     def plane(self, loop: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Loop `loop` (1-based) and layer's K and V as flat slots: [num_blocks * block_size, kv_heads, d]."""
-        k = self.k[loop - 1, layer]
-        v = self.v[loop - 1, layer]
-        return k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:])
+        return self._plane_views(loop, layer)[:2]
+
+    def block_plane(self, loop: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loop `loop` (1-based) and layer's K and V by block: [num_blocks + 1, block_size, kv_heads, d]."""
+        return self._plane_views(loop, layer)[2:]
 
     def write(self, loop: int, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [rows] flat slot ids; k, v: [rows, kv_heads, head_dim]
@@ -77,7 +94,7 @@ class KVPool:
 
     def slots_for(self, block_ids: tuple[int, ...] | list[int], positions: torch.Tensor) -> torch.Tensor:
         """Flat slot ids of `positions` (a [rows] long tensor) under one request's block table."""
-        table = torch.as_tensor(block_ids, dtype=torch.long, device=positions.device)
+        table = to_device(list(block_ids), torch.long, positions.device)  # queued: no wait for the device
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def read(self, loop: int, layer: int, block_ids: tuple[int, ...] | list[int],

@@ -86,11 +86,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [rows, heads, head_dim], positions: [rows]
-        cdt = _compute_dtype(x.dtype)
-        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, device=x.device, dtype=cdt) / self.head_dim)
+        return self.rotate(x, *self.cos_sin(positions, x.dtype))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every row's angles, [rows, 1, head_dim] in `dtype` (the rows' dtype): a step
+        computes them once for all its layer passes (BatchMeta.rope)."""
+        cdt = _compute_dtype(dtype)
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, device=positions.device, dtype=cdt)
+                                  / self.head_dim)
         freqs = positions.to(cdt)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+        return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.head_dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -118,24 +126,30 @@ class OuroAttention(nn.Module):
         self.v_proj.weight = nn.Parameter(fused[q_dim + kv_dim:], requires_grad=False)
         self.qkv_weight = fused
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, fused: bool = True,
+                cos_sin: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (after RoPE) and v of every row. x: [..., hidden] (rows = its leading dims flattened),
         positions: [rows] -> q: [rows, heads, d], k, v: [rows, kv_heads, d]. `fused`: one [q; k; v] GEMM
-        when fuse() ran (the dense path passes False: it keeps the separate projections)."""
+        when fuse() ran (the dense path passes False: it keeps the separate projections). `cos_sin`: a
+        per-step cache of the rows' cos / sin by dtype (BatchMeta.rope), filled on first use."""
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if fused and self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split([q_dim, kv_dim, kv_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = rope(q.reshape(-1, self.num_heads, self.head_dim), positions)
-        k = rope(k.reshape(-1, self.num_kv_heads, self.head_dim), positions)
+        cached = None if cos_sin is None else cos_sin.get(q.dtype)
+        if cached is None:
+            cached = rope.cos_sin(positions, q.dtype)
+            if cos_sin is not None:
+                cos_sin[q.dtype] = cached
+        q = rope.rotate(q.reshape(-1, self.num_heads, self.head_dim), *cached)
+        k = rope.rotate(k.reshape(-1, self.num_kv_heads, self.head_dim), *cached)
         return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, rope: RotaryEmbedding, pool: KVPool, loop: int,
                 layer: int) -> torch.Tensor:
         """The paged backend: keys and values to the pool, attention over it. x: [rows, hidden] -> same."""
-        q, k, v = self.project(x, meta.positions, rope)
+        q, k, v = self.project(x, meta.positions, rope, cos_sin=meta.rope)
         pool.write(loop, layer, meta.slots, k, v)  # keys are stored after RoPE
         a = attend(q, k, v, pool, loop, layer, meta, self.scale, self.backend)
         return self.o_proj(a.reshape(x.shape[0], self.num_heads * self.head_dim))
