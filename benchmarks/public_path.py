@@ -1,7 +1,9 @@
 """The public paths side by side, with a profile of where the async Engine's wall time goes.
 
 For each config (interval 1, deferred B=4 / B=8 by default), one workload of N prompts of P tokens, M
-output tokens each (ignore_eos, temperature 1, prefill included), run three ways in one process:
+output tokens each (ignore_eos, temperature 1, prefill included; the warm-up round runs the same prompts,
+so the timed rounds find their full prompt blocks in the prefix cache unless --fresh-prompts; each timed
+row records its prefix-cache hits and computed prefill tokens), run three ways in one process:
 
 - ``sync``: ``SyncEngine.generate_batch`` (the blocking path),
 - ``async``: N concurrent ``Engine.generate`` calls (the public async path),
@@ -172,11 +174,25 @@ def warm_params(args, count: int | None = None) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=min(args.M, 24), seed=10_000 + i, ignore_eos=True) for i in range(count)]
 
 
+def round_prompts(args, vocab: int, round_seed: int) -> list[list[int]]:
+    """A warm-up or profiled round's prompts: the timed round's own (seed 0) by default, so the rounds after
+    the first find their full blocks in the prefix cache (as in every H200 run before this flag); with
+    --fresh-prompts each round its own (seed `round_seed`), and the timed round prefills all of N x P."""
+    return workload(args, vocab, seed=round_seed if getattr(args, "fresh_prompts", False) else 0)[0]
+
+
+def prefill_counts(core, before: dict | None = None) -> dict:
+    """The prefix-cache hits and computed prefill tokens so far (less `before`'s)."""
+    stats = core.stats()
+    return {k: stats[k] - (before or {}).get(k, 0) for k in ("prefix_cache_hits", "prefill_tokens_computed")}
+
+
 def run_sync(args, model_dir: str, name: str) -> dict:
     with SyncEngine(engine_config(args, model_dir, name)) as engine:
         prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
-        engine.generate_batch(prompts, warm_params(args))
+        engine.generate_batch(round_prompts(args, engine.core.scheduler.config.vocab_size, 1), warm_params(args))
         gaps = StepGaps(engine.core.executor, args.device.startswith("cuda"))
+        before = prefill_counts(engine.core)
         gaps.install()
         try:
             t = time.perf_counter()
@@ -184,8 +200,10 @@ def run_sync(args, model_dir: str, name: str) -> dict:
             wall = time.perf_counter() - t
         finally:
             gaps.remove()
+        prefill = prefill_counts(engine.core, before)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary())
+    return dict(path="sync", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary(),
+                **prefill)
 
 
 async def timed_round(engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
@@ -220,22 +238,25 @@ async def run_pool(args, model_dir: str, name: str) -> dict:
 
 async def run_async(args, model_dir: str, name: str) -> tuple[dict, dict | None]:
     async with Engine(engine_config(args, model_dir, name)) as engine:
-        prompts, params = workload(args, engine.core.scheduler.config.vocab_size)
+        vocab = engine.core.scheduler.config.vocab_size
+        prompts, params = workload(args, vocab)
 
-        await timed_round(engine, prompts, warm_params(args))
+        await timed_round(engine, round_prompts(args, vocab, 1), warm_params(args))
         gaps = StepGaps(engine.core.executor, args.device.startswith("cuda"))
+        before = prefill_counts(engine.core)
         gaps.install()  # the stepping thread is idle between rounds: no step is launched while this runs
         try:
             wall, tokens = await timed_round(engine, prompts, params)
         finally:
             gaps.remove()
-        plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary())
+        plain = dict(path="async", wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, gpu_idle=gaps.summary(),
+                     **prefill_counts(engine.core, before))
         if getattr(args, "no_profile", False):
             return plain, None
         probe = Probe(engine.core, args.device.startswith("cuda"))
         probe.install()
         try:
-            wall_p, tokens_p = await timed_round(engine, prompts, params)
+            wall_p, tokens_p = await timed_round(engine, round_prompts(args, vocab, 2), params)
         finally:
             probe.remove()
         profiled = dict(path="profiled", tokens=tokens_p, tokens_per_s=tokens_p / wall_p, **probe.summary(wall_p))
@@ -249,7 +270,9 @@ def idle_pct(row: dict) -> str:
 
 def markdown(rows: list[dict], profiles: list[dict], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['device_name']}, torch {meta['torch']}, {meta['dtype']}: "
-             f"N = {meta['N']} requests, prompt {meta['P']}, {meta['M']} tokens each, prefill included.", "",
+             f"N = {meta['N']} requests, prompt {meta['P']}, {meta['M']} tokens each, prefill included ("
+             + ("each round its own prompts" if meta.get("fresh_prompts") else "the warm-up's prompts: the timed "
+                "rounds find their full blocks in the prefix cache") + ").", "",
              "| config | SyncEngine tok/s | async Engine tok/s | async / sync | sync x interval 1 | "
              "async x interval 1 | GPU idle between steps: sync / async |", "|---|---|---|---|---|---|---|"]
     by = {(r["config"], r["path"]): r for r in rows}
@@ -301,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--fresh-prompts", action="store_true", help="each round (warm-up, timed, profiled) its "
+                    "own prompts: the timed round prefills all N x P tokens (default: the warm-up's prompts, whose "
+                    "full blocks the timed round finds in the prefix cache, as in the earlier H200 runs)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled async run (time: the "
                     "timed runs and their gpu_idle_share only)")
     ap.add_argument("--replicas", type=int, default=0, help="R >= 1: only the async path, through an "
@@ -317,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_checkpoint(args)
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N, P=args.P,
                 M=args.M, torch=torch.__version__, async_scheduling=args.async_scheduling,
+                fresh_prompts=args.fresh_prompts,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor())
     rows, profiles = [], []
     if args.replicas:

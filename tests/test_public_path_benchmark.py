@@ -49,3 +49,17 @@ def test_no_profile_runs_the_timed_paths_only(tmp_path):
     assert [r["gpu_idle"]["steps"] for r in data["rows"]] == [6, 6]  # lookahead's steps are seen too
     assert "Where the profiled" not in (tmp_path / "out" / "public_path.md").read_text()
 
+
+
+def test_fresh_prompts_make_the_timed_rounds_prefill_everything(tmp_path):
+    N, P = 2, 40  # two full 16-token blocks per prompt
+    for fresh in (False, True):
+        out = tmp_path / f"out{int(fresh)}"
+        rc = public_path.main(["--device", "cpu", "--dtype", "float32", "--tiny", "-N", str(N), "-P", str(P), "-M", "3",
+                               "--configs", "interval1", "--no-profile", "--out", str(out),
+                               "--workdir", str(tmp_path / "ckpt")] + ["--fresh-prompts"] * fresh)
+        assert rc == 0
+        rows = json.loads((out / "public_path.json").read_text())["rows"]
+        for r in rows:  # each timed row's own counts: the warm-up's prompts share their 32 full-block tokens
+            assert r["prefix_cache_hits"] == (0 if fresh else N * 32)
+            assert r["prefill_tokens_computed"] == (N * P if fresh else N * (P - 32))
