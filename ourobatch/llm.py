@@ -50,6 +50,15 @@ def _dtype_name(dtype: Any) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
+def _cut_stop_strings(core: Any, parent: Any, checkers: list[StopChecker], stops: list[Any]) -> None:
+    """Record in stops[j] the stop string child j's text hit, once, and abort that child alone."""
+    for j, child in enumerate(parent.children):
+        if stops[j] is None:
+            stops[j] = checkers[j].check(child.output_token_ids, child.finish_reason == "stop")  # eos first (vLLM)
+            if stops[j] is not None and not child.is_finished:
+                core.abort(child.request_id)  # this completion only; siblings run on
+
+
 class LLM:
     """vLLM's ``LLM``: ``LLM(model, dtype=..., max_model_len=..., seed=0, ...)``, then ``generate``.
 
@@ -144,16 +153,36 @@ class LLM:
             raise TypeError(f"LLM.generate() got unsupported argument(s) {sorted(unsupported)}")
         core = self._require_core()
         batch = self._prompts(prompts)
+        per_prompt = self._per_prompt_params(sampling_params, len(batch))
+        parents = self._add_all(core, batch, per_prompt)
+        stops = self._run_to_completion(core, parents, per_prompt, use_tqdm)
+        eos = core.scheduler.config.eos_token_ids
+        results = []
+        for (text, _), p, parent, hits in zip(batch, per_prompt, parents, stops):
+            out = parent.output()
+            completions = [to_vllm_completion(c, p, self.tokenizer, eos, hit) for c, hit in zip(out.outputs, hits)]
+            results.append(LLMRequestOutput(out.request_id, text, list(out.prompt_token_ids), completions,
+                                            prompt_logprobs=to_vllm_prompt_logprobs(out.prompt_logprobs, p,
+                                                                                    self.tokenizer)))
+        return results
+
+    def _per_prompt_params(self, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt (one for all, or a list of one each), stop strings checked."""
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes, Mapping)):
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
+            if len(sampling_params) != num_prompts:
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
             per_prompt = [to_sampling_params(p) for p in sampling_params]
         else:
-            per_prompt = [to_sampling_params(sampling_params)] * len(batch)
+            per_prompt = [to_sampling_params(sampling_params)] * num_prompts
         for p in per_prompt:
             if p.stop:
                 self._require_tokenizer(f"stop={list(p.stop)!r}")
             check_text_params(p, self.tokenizer)
+        return per_prompt
+
+    def _add_all(self, core: Any, batch: list[tuple[str | None, list[int]]],
+                 per_prompt: list[SamplingParams]) -> list[Any]:
+        """Add every prompt (stop strings are cut here, not by the engine); if one is rejected, none runs."""
         parents = []
         try:
             for i, ((_, ids), p) in enumerate(zip(batch, per_prompt)):
@@ -166,6 +195,12 @@ class LLM:
             for parent in parents:  # all or nothing
                 core.abort(parent.request_id)
             raise
+        return parents
+
+    def _run_to_completion(self, core: Any, parents: list[Any], per_prompt: list[SamplingParams],
+                           use_tqdm: bool) -> list[list[Any]]:
+        """Step until every parent finishes; a completion whose text hits a stop string is aborted alone.
+        -> the stop string each completion hit (None: none). On any error every parent is aborted."""
         checkers = [[StopChecker(self.tokenizer, p) for _ in range(p.n)] if p.stop and self.tokenizer else None
                     for p in per_prompt]
         stops: list[list[Any]] = [[None] * p.n for p in per_prompt]
@@ -178,12 +213,7 @@ class LLM:
                     if done[i]:
                         continue
                     if checkers[i] is not None:
-                        for j, child in enumerate(parent.children):
-                            if stops[i][j] is None:
-                                stops[i][j] = checkers[i][j].check(child.output_token_ids,  # eos first (vLLM)
-                                                                   child.finish_reason == "stop")
-                                if stops[i][j] is not None and not child.is_finished:
-                                    core.abort(child.request_id)  # this completion only; siblings run on
+                        _cut_stop_strings(core, parent, checkers[i], stops[i])
                     if parent.finished:
                         done[i] = True
                         bar.update(1)
@@ -193,15 +223,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        eos = core.scheduler.config.eos_token_ids
-        results = []
-        for (text, _), p, parent, hits in zip(batch, per_prompt, parents, stops):
-            out = parent.output()
-            completions = [to_vllm_completion(c, p, self.tokenizer, eos, hit) for c, hit in zip(out.outputs, hits)]
-            results.append(LLMRequestOutput(out.request_id, text, list(out.prompt_token_ids), completions,
-                                            prompt_logprobs=to_vllm_prompt_logprobs(out.prompt_logprobs, p,
-                                                                                    self.tokenizer)))
-        return results
+        return stops
 
     def _prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         """-> [(text or None, token ids)] for one prompt or a list of them (vLLM's parsing)."""
