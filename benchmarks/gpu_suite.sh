@@ -132,7 +132,9 @@ case $what in targets|targets_a|targets_b)  # issue 22's target table (targets_r
     cold=(-N 4 -P 40 -M 4); floor=(--scenarios 8x16x8,64x16x8)
     roll=(--prompts 3 --n 2 --prompt-len 8 --max-tokens 24 --median 8)
   else
-    dev=(--workdir "$WORKDIR"); pp=(); p256=(-M 512); cold=(); floor=(--scenarios 8x512x256,64x512x256); roll=()
+    # TARGETS_PUBLIC_ARGS (e.g. "-M 128"): extra public_path.py arguments of the N = 64 and N = 8 stages
+    dev=(--workdir "$WORKDIR"); pp=(${TARGETS_PUBLIC_ARGS:-}); p256=(-M 512); cold=()
+    floor=(--scenarios 8x512x256,64x512x256); roll=()
   fi
   if [ "$what" != targets_b ]; then
     for r in 1 2 3; do  # three runs in a row; the first with the per-step profile
