@@ -46,6 +46,17 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, num_shards: int = 1
     config = {**TINY_CONFIG, **overrides}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.to(dtype).contiguous() for name, t in _random_weights(config, seed).items()}
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for stale in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    _save_shards(path, tensors, num_shards)
+    return path
+
+
+def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's float32 tensors, by HF name, drawn from one generator seeded with `seed`."""
     H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -83,14 +94,14 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, num_shards: int = 1
             p + "post_attention_layernorm.weight": norm_weight(),
             p + "post_attention_layernorm_2.weight": norm_weight(),
         })
-    tensors = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for stale in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
+    return tensors
+
+
+def _save_shards(path: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    """model.safetensors, or num_shards files with HF's model.safetensors.index.json."""
     if num_shards <= 1:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return path
+        return
     names = sorted(tensors)
     weight_map = {}
     for i in range(num_shards):
@@ -101,7 +112,6 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, num_shards: int = 1
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return path
 
 
 class InjectedFault(RuntimeError):
