@@ -145,6 +145,33 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
     single = (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1) or (
         not isinstance(input_ids, torch.Tensor) and len(input_ids) > 0 and isinstance(input_ids[0], int))
     ids = _as_batch(input_ids, weight.device, single)  # [b, S]
+    loops, prompt_lens, row_params = _rows(model, ids, readout_loops, prompt_len, params, eos_token_ids,
+                                           logprobs_mode, single)
+    readouts = lm.loop_readouts(ids)  # T x [b, S, hidden]
+    entries = _entries(prompt_lens, loops, len(readouts))
+    C = max((len(L) for L in loops), default=0)
+    dev = weight.device
+    if not entries:
+        out = torch.zeros(ids.shape[0], C, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                          device=dev)
+        return out[0] if single else out
+    rows, cols, pos, loop_ids, token_index = (torch.tensor(v, dtype=torch.int64, device=dev)
+                                              for v in zip(*entries))
+    tokens = ids[rows, pos + 1]  # generated token j sits one position after its readout
+    logits = head_logits(_gather_readouts(readouts, rows, pos, loop_ids), weight, head_dtype)  # [N, vocab]
+    if logprobs_mode == "raw":
+        lp = raw_logprobs(logits)
+    else:
+        lp = processed_logprobs(logits, [row_params[i] for i, *_ in entries], token_index.tolist())
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)  # [N]
+    out = torch.zeros(ids.shape[0], C, dtype=chosen.dtype, device=dev).index_put((rows, cols), chosen)
+    return out[0] if single else out
+
+
+def _rows(model: Any, ids: torch.Tensor, readout_loops: Any, prompt_len: Any, params: Any,
+          eos_token_ids: int | Sequence[int] | None, logprobs_mode: str,
+          single: bool) -> tuple[list[list], list, list[SamplingParams]]:
+    """readout_loops, prompt_len and params, one per row of ids [b, S], checked against each other."""
     b, S = ids.shape
     if isinstance(readout_loops, torch.Tensor):
         readout_loops = readout_loops.tolist()
@@ -158,39 +185,30 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
             raise ValueError(f"prompt_len must be an int >= 1, got {P!r} for row {i}")
         if P + len(L) > S:
             raise ValueError(f"row {i}: prompt_len {P} + {len(L)} readout loops exceed its {S} input tokens")
+    return loops, prompt_lens, row_params
 
-    readouts = lm.loop_readouts(ids)  # T x [b, S, hidden]
-    T = len(readouts)
-    # one entry per generated token: (row, column j-1, readout position, loop, token id, token index j)
+
+def _entries(prompt_lens: list, loops: list[list], T: int) -> list[tuple[int, int, int, int, int]]:
+    """One entry per generated token: (row, column j-1, readout position, loop, token index j); every loop
+    an int in 1..T."""
     entries = [(i, j, P + j - 1, r, j + 1) for i, (P, L) in enumerate(zip(prompt_lens, loops))
                for j, r in enumerate(L)]
     bad = [(i, r) for i, _, _, r, _ in entries if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= T]
     if bad:
         raise ValueError(f"readout_loops must be ints in 1..{T} (the model's loops), got {bad[0][1]!r} in row "
                          f"{bad[0][0]}")
-    C = max((len(L) for L in loops), default=0)
-    dev = weight.device
-    if not entries:
-        out = torch.zeros(b, C, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32, device=dev)
-        return out[0] if single else out
-    rows, cols, pos, loop_ids, token_index = (torch.tensor(v, dtype=torch.int64, device=dev)
-                                              for v in zip(*entries))
-    tokens = ids[rows, pos + 1]  # generated token j sits one position after its readout
-    # gather each token's readout row from its own loop: [N, hidden], in entry order
+    return entries
+
+
+def _gather_readouts(readouts: Sequence[torch.Tensor], rows: torch.Tensor, pos: torch.Tensor,
+                     loop_ids: torch.Tensor) -> torch.Tensor:
+    """Each entry's readout row from its own loop: readouts T x [b, S, hidden] -> [N, hidden], entry order."""
     parts, order = [], []
     for r in sorted(set(loop_ids.tolist())):
         sel = (loop_ids == r).nonzero().squeeze(1)
         parts.append(readouts[r - 1][rows[sel], pos[sel]])
         order.append(sel)
-    h = torch.cat(parts)[torch.argsort(torch.cat(order))]
-    logits = head_logits(h, weight, head_dtype)  # [N, vocab]
-    if logprobs_mode == "raw":
-        lp = raw_logprobs(logits)
-    else:
-        lp = processed_logprobs(logits, [row_params[i] for i, *_ in entries], token_index.tolist())
-    chosen = lp.gather(1, tokens[:, None]).squeeze(1)  # [N]
-    out = torch.zeros(b, C, dtype=chosen.dtype, device=dev).index_put((rows, cols), chosen)
-    return out[0] if single else out
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
 def _engine_params(model: Any, rows: list, eos_token_ids: int | Sequence[int] | None,
