@@ -203,19 +203,7 @@ def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
     path = Path(path)
     files = checkpoint_files(path)
     shapes = expected_shapes(config)
-    names = set(files)
-    if config.tie_word_embeddings and "lm_head.weight" not in names:
-        names.add("lm_head.weight")  # filled from the embedding below
-        tied = True
-    else:
-        tied = False
-    unknown = sorted(names - set(shapes))
-    if unknown:
-        raise CheckpointError(f"{path}: unknown tensor(s) {unknown[:5]} (not part of an Ouro model)")
-    missing = sorted(set(shapes) - names)
-    if missing:
-        raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}")
-
+    tied = _check_names(path, set(files), shapes, config.tie_word_embeddings)
     clock = timings if timings is not None else LoadTimings()
     started = time.perf_counter()
     device = torch.device(device)
@@ -257,6 +245,20 @@ def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
     clock.num_tensors = len(where)
     clock.total_s = time.perf_counter() - started
     return tensors
+
+
+def _check_names(path: Path, names: set[str], shapes: dict[str, tuple[int, ...]], tie_word_embeddings: bool) -> bool:
+    """CheckpointError for unknown or missing tensor names; True when lm_head is the embedding (tied, absent)."""
+    tied = tie_word_embeddings and "lm_head.weight" not in names
+    if tied:
+        names = names | {"lm_head.weight"}  # filled from the embedding
+    unknown = sorted(names - set(shapes))
+    if unknown:
+        raise CheckpointError(f"{path}: unknown tensor(s) {unknown[:5]} (not part of an Ouro model)")
+    missing = sorted(set(shapes) - names)
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}")
+    return tied
 
 
 def _checked_tensor(f, file: Path, name: str, present: set[str], shape: tuple[int, ...]) -> torch.Tensor:
