@@ -27,6 +27,44 @@ from .attention_dispatch import LaunchConfig, choose_config, query_tiling
 
 
 @triton.jit
+def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head, stride_k_block,
+                 stride_k_slot, stride_k_head, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of the query tile q [BLOCK_M, HEAD_DIM] (rows at positions q_pos, causal) over key
+    positions lo..hi-1, gathered BLOCK_N at a time through request seq's block table; inlined by Triton.
+    -> (acc [BLOCK_M, HEAD_DIM] unnormalized, running max m_i and mass l_i [BLOCK_M], base 2, float32)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
+        kv_off = block.to(tl.int64) * stride_k_block + (offs_n % PAGE) * stride_k_slot + kv_head * stride_k_head
+        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet (padding)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
@@ -61,33 +99,9 @@ def _paged_attention_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
-        kv_off = block.to(tl.int64) * stride_k_block + (offs_n % PAGE) * stride_k_slot + kv_head * stride_k_head
-        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet (padding)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head,
+                                 stride_k_block, stride_k_slot, stride_k_head, qk_scale,
+                                 BLOCK_M, BLOCK_N, PAGE, HEAD_DIM, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = split * stride_o_split + q_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
