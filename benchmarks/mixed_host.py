@@ -4,8 +4,10 @@ A ModelExecutor over a random checkpoint runs hand-built StepPlans (no scheduler
 token each (full depth, a ShallowWork through loops 1..T; on CUDA the decode call replays its graph) while
 C requests prefill one chunk of k tokens, fresh (from position 0) or after a history of --history tokens
 already in the pool (the prefill-with-history path: the paged kernel up to 64 rows on CUDA, gathered
-history + SDPA past that). The prefill call is eager, so what its host does per layer pass is what this
-measures. Per row (kind, C, k), after --warmup untimed steps, --reps timed ones:
+history + SDPA past that); ragged / ragged_history: the C chunks have lengths k, k - 1, ..., k - C + 1 (as
+in serving, where no two chunks of a step are alike; equal-length fresh chunks share one SDPA call). The
+prefill call is eager, so what its host does per layer pass is what this measures. Per row (kind, C, k),
+after --warmup untimed steps, --reps timed ones:
 
 - launch_ms: executor.launch(plan) (the host queueing the step; on the CPU it also computes it), step_ms:
   launch + result() (the device synchronized before each step);
@@ -18,7 +20,7 @@ measures. Per row (kind, C, k), after --warmup untimed steps, --reps timed ones:
 
     python benchmarks/mixed_host.py --out /tmp/mh                                   # CPU, 4 layers, hidden 256
     python benchmarks/mixed_host.py --device cuda --dtype bfloat16 --shape 1.4b --ns 64 \\
-        --ks 64,256,512,1024,2048 --chunks 1,4 --history 1024 --out results/mixed_host   # the H200
+        --ks 64,256,512,1024,2048 --chunks 1,4,10 --history 1024 --out results/mixed_host   # the H200
 
 Output: mixed_host.json (meta, one entry per row) and a table on stdout.
 """
@@ -60,6 +62,7 @@ SHAPES = {
                  max_position_embeddings=65536, total_ut_steps=4),
 }
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+KINDS = ("fresh", "history", "ragged", "ragged_history")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
@@ -130,15 +133,17 @@ class Rig:
         spec = SampleSpec(self.T, 2, GREEDY)
         return [ShallowWork(rid, 5, P, self.blocks(i, P + 1), self.T, False, spec) for i, rid in enumerate(ids)]
 
-    def chunks(self, N: int, C: int, k: int, history: int, tag: str) -> list[PrefillWork]:
-        """C chunk requests of k tokens from position `history` (whose KV is written here first)."""
+    def chunks(self, N: int, C: int, k: int, history: int, tag: str, ragged: bool = False) -> list[PrefillWork]:
+        """C chunk requests of k tokens (ragged: k - j for chunk j, every length different) from position
+        `history` (whose KV is written here first)."""
         ids = [(N + j, f"{tag}-c{j}") for j in range(C)]
         if history:
             self.run([PrefillWork(rid, self.tokens(history, s), 0, self.blocks(s, history + k), None)
                       for s, rid in ids])
         spec = SampleSpec(self.T, 1, GREEDY)
-        return [PrefillWork(rid, self.tokens(k, s + 11), history, self.blocks(s, history + k), spec)
-                for s, rid in ids]
+        lens = [max(1, k - j) if ragged else k for j in range(C)]
+        return [PrefillWork(rid, self.tokens(n, s + 11), history, self.blocks(s, history + n), spec)
+                for (s, rid), n in zip(ids, lens)]
 
 
 def count_ops(rig: Rig, prefills, shallow) -> dict:
@@ -174,7 +179,8 @@ def count_launches(rig: Rig, prefills, shallow) -> dict:
 def measure_row(rig: Rig, N: int, C: int, k: int, kind: str, decode: list[ShallowWork]) -> dict:
     args = rig.args
     tag = f"{kind}{C}x{k}"
-    prefills = rig.chunks(N, C, k, args.history if kind == "history" else 0, tag) if C else []
+    history = args.history if kind.endswith("history") else 0
+    prefills = rig.chunks(N, C, k, history, tag, kind.startswith("ragged")) if C else []
     for _ in range(args.warmup):
         rig.run(prefills, decode)
     launch, step, sampled = [], [], None
@@ -183,7 +189,7 @@ def measure_row(rig: Rig, N: int, C: int, k: int, kind: str, decode: list[Shallo
         launch.append(l_ms)
         step.append(s_ms)
         sampled = sorted(result.sampled, key=lambda t: t.request_id)
-    row = dict(kind=kind, N=N, chunks=C, k=k, prefill_tokens=C * k, history=args.history if kind == "history" else 0,
+    row = dict(kind=kind, N=N, chunks=C, k=k, prefill_tokens=sum(len(p.token_ids) for p in prefills), history=history,
                launch_ms=statistics.median(launch), step_ms=statistics.median(step), launch_samples=launch,
                step_samples=step, tokens={t.request_id: t.token_id for t in sampled},
                logprobs={t.request_id: t.logprob for t in sampled}, **count_ops(rig, prefills, decode))
@@ -235,7 +241,8 @@ def parse_args(argv: list[str] | None) -> Any:
     ap.add_argument("--ns", default="16", help="decoding rows per step (comma-separated)")
     ap.add_argument("--ks", default="64,256,1024", help="tokens per prefill chunk")
     ap.add_argument("--chunks", default="1,4", help="prefill chunks per step")
-    ap.add_argument("--kinds", default="fresh,history", help="fresh, history (comma-separated)")
+    ap.add_argument("--kinds", default="fresh,history,ragged",
+                    help="of " + ", ".join(KINDS) + " (ragged: the C chunks have C different lengths)")
     ap.add_argument("--history", type=int, default=512, help="tokens before a history chunk")
     ap.add_argument("--decode-prompt", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
@@ -248,9 +255,9 @@ def parse_args(argv: list[str] | None) -> Any:
         args.ns, args.ks = parse_ints(args.ns, "--ns", 1), parse_ints(args.ks, "--ks", 1)
         args.chunks = parse_ints(args.chunks, "--chunks", 1)
         args.kinds = args.kinds.split(",")
-        bad = [k for k in args.kinds if k not in ("fresh", "history")]
+        bad = [k for k in args.kinds if k not in KINDS]
         if bad:
-            raise ValueError(f"--kinds takes fresh and/or history, got {bad}")
+            raise ValueError(f"--kinds takes some of {', '.join(KINDS)}, got {bad}")
         if args.history < 1 or args.history % args.block_size:
             raise ValueError(f"--history must be a positive multiple of --block-size ({args.block_size}), "
                              f"got {args.history}")
@@ -276,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.kinds:
                 for C in args.chunks:
                     for k in args.ks:
+                        if kind.startswith("ragged") and C == 1:
+                            continue  # one chunk: the same as fresh / history
                         rows.append(measure_row(rig, N, C, k, kind, decode))
             rig.released = tuple(w.request_id for w in decode)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,

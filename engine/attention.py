@@ -80,22 +80,27 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         k_blocks, v_blocks = pool.block_plane(loop, layer)
         pieces.append((h.rows, triton_paged_attention(q.index_select(0, h.rows), k_blocks, v_blocks, h.block_tables,
                                                       h.context_lens, h.query_start, h.max_rows, scale)))
+    if plan.fresh and k is None:  # every fresh group's keys in one gather (views of it per group)
+        k_fresh, v_fresh = k_plane.index_select(0, plan.fresh_slots), v_plane.index_select(0, plan.fresh_slots)
     for g in plan.fresh:
         b, n = g.num_seqs, g.num_rows
         if k is None:
-            kg, vg = k_plane.index_select(0, g.slots), v_plane.index_select(0, g.slots)
+            kg, vg = k_fresh[g.kv_start:g.kv_start + b * n], v_fresh[g.kv_start:g.kv_start + b * n]
         else:
-            kg, vg = k[g.rows], v[g.rows]
-        qg = q[g.rows].view(b, n, *q.shape[1:]).transpose(1, 2)  # [b, heads, n, d]
+            kg, vg = _rows(k, g.rows), _rows(v, g.rows)
+        qg = _rows(q, g.rows).view(b, n, *q.shape[1:]).transpose(1, 2)  # [b, heads, n, d]
         kg = kg.reshape(b, n, *kg.shape[1:]).transpose(1, 2)
         vg = vg.reshape(b, n, *vg.shape[1:]).transpose(1, 2)
         if groups > 1:
             kg = kg.repeat_interleave(groups, dim=1)
             vg = vg.repeat_interleave(groups, dim=1)
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
-        pieces.append((g.rows, og.transpose(1, 2).reshape(b * n, *q.shape[1:])))
+        pieces.append((g.rows, og.transpose(1, 2)))  # [b, n, heads, d]
+    if plan.gathered:  # every gathered chunk's context in one gather
+        k_hist, v_hist = k_plane.index_select(0, plan.gathered_slots), v_plane.index_select(0, plan.gathered_slots)
     for c in plan.gathered:  # rows at positions ctx - n .. ctx - 1 attend to positions 0 .. their own
-        kh, vh = k_plane.index_select(0, c.slots), v_plane.index_select(0, c.slots)  # [ctx, kv_heads, d]
+        kh = k_hist[c.kv_start:c.kv_start + c.context_len]  # [ctx, kv_heads, d]
+        vh = v_hist[c.kv_start:c.kv_start + c.context_len]
         if groups > 1:
             kh = kh.repeat_interleave(groups, dim=1)
             vh = vh.repeat_interleave(groups, dim=1)
@@ -103,12 +108,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         o = F.scaled_dot_product_attention(qs, kh.transpose(0, 1)[None].to(qs.dtype),
                                            vh.transpose(0, 1)[None].to(qs.dtype), attn_mask=c.mask, scale=scale)
         pieces.append((c.rows, o[0].transpose(0, 1)))
-    if plan.whole:
-        return pieces[0][1]
+    return _assemble(q, pieces, plan.whole)
+
+
+def _assemble(q: torch.Tensor, pieces: list[tuple[slice | torch.Tensor, torch.Tensor]], whole: bool) -> torch.Tensor:
+    """The call's [rows, heads, d] output from its pieces: one piece covering every row is returned as it is
+    (reshaped), else each is copied to its rows (one copy per piece)."""
+    if whole:
+        return pieces[0][1].reshape(q.shape)
     out = torch.empty_like(q)
     for rows, o in pieces:
-        out[rows] = o
+        if isinstance(rows, slice):
+            out[rows].view(o.shape).copy_(o)
+        else:
+            out.index_copy_(0, rows, o.reshape(-1, *q.shape[1:]))
     return out
+
+
+def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool: "KVPool", loop: int,

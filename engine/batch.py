@@ -124,7 +124,7 @@ class FreshGroup:
     num_seqs: int
     num_rows: int  # rows of each chunk
     rows: slice | torch.Tensor  # their rows in the call: a slice when contiguous, else [num_seqs * num_rows] int64
-    slots: torch.Tensor  # [num_seqs * num_rows] int64: their KV slots (this call's keys, read from the plane)
+    kv_start: int  # their keys' first row in PrefillAttention.fresh_slots (this call's keys, read from the plane)
 
 
 @dataclass
@@ -132,7 +132,8 @@ class GatheredChunk:
     """A prompt chunk after shared or cached blocks that gathers its history from the pool and runs SDPA."""
 
     rows: slice  # its rows in the call, at positions context_len - num_rows .. context_len - 1
-    slots: torch.Tensor  # [context_len] int64: KV slots of positions 0 .. context_len - 1
+    kv_start: int  # its context's first row in PrefillAttention.gathered_slots
+    context_len: int
     mask: torch.Tensor  # [num_rows, context_len] bool: a row sees the positions up to its own
 
 
@@ -140,10 +141,12 @@ class GatheredChunk:
 class PrefillAttention:
     """How a prefill call's attention splits into batched calls, computed once per step (every layer pass of
     every loop only launches them). Pieces: the fresh groups, the chunks with a history (the paged kernel's
-    batch, BatchMeta.history, or one gathered SDPA call each)."""
+    batch, BatchMeta.history, or one gathered SDPA call each). Each kind reads its keys in one gather."""
 
     fresh: list[FreshGroup]
+    fresh_slots: torch.Tensor | None  # [fresh rows] int64: KV slots of the fresh groups' rows, group after group
     gathered: list[GatheredChunk]
+    gathered_slots: torch.Tensor | None  # [sum of context_len] int64: slots of each gathered chunk's positions
     whole: bool  # a single piece covers every row in order: its output is the call's, no scatter
 
 
@@ -237,8 +240,20 @@ def _plan_prefill(meta: BatchMeta, host_tables: torch.Tensor, slots: torch.Tenso
     for s in spans:
         if s.context_len == s.num_rows:
             fresh_of_len.setdefault(s.num_rows, []).append(s)
-    fresh = [_fresh_group(group, n, slots, device) for n, group in fresh_of_len.items()]
+    fresh, fresh_idx, start = [], [], 0
+    for n, group in fresh_of_len.items():
+        first, last = group[0].row_start, group[-1].row_start + n
+        if last - first == n * len(group):  # consecutive chunks: a slice of the call's rows
+            idx, rows = torch.arange(first, last), slice(first, last)
+        else:
+            idx = torch.cat([torch.arange(s.row_start, s.row_start + n) for s in group])
+            rows = _put(idx, device)
+        fresh.append(FreshGroup(len(group), n, rows, start))
+        fresh_idx.append(idx)
+        start += len(idx)
+    fresh_slots = _put(slots[torch.cat(fresh_idx)], device) if fresh else None
     gathered: list[GatheredChunk] = []
+    gathered_slots = None
     if hist and paged_history and max(spans[i].num_rows for i in hist) <= MAX_KERNEL_HISTORY_ROWS:
         rows_idx = torch.cat([torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_rows) for i in hist])
         hq = torch.zeros(len(hist) + 1, dtype=torch.int32)
@@ -249,28 +264,20 @@ def _plan_prefill(meta: BatchMeta, host_tables: torch.Tensor, slots: torch.Tenso
         pieces, whole_rows = len(fresh) + 1, len(hist) == len(spans)
     elif hist:
         ctx = [spans[i].context_len for i in hist]
-        hist_slots = _put(_context_slots(host_tables, hist, ctx, block_size), device).split(ctx)
-        for i, s_slots in zip(hist, hist_slots):
+        gathered_slots = _put(_context_slots(host_tables, hist, ctx, block_size), device)
+        start = 0
+        for i in hist:
             s = spans[i]
             mask = (torch.arange(s.context_len, device=device)[None, :]
                     <= torch.arange(s.context_len - s.num_rows, s.context_len, device=device)[:, None])
-            gathered.append(GatheredChunk(slice(s.row_start, s.row_start + s.num_rows), s_slots, mask))
+            gathered.append(GatheredChunk(slice(s.row_start, s.row_start + s.num_rows), start, s.context_len, mask))
+            start += s.context_len
         pieces = len(fresh) + len(gathered)
         whole_rows = len(gathered) == 1 and gathered[0].rows == slice(0, total)
     else:
         pieces, whole_rows = len(fresh), isinstance(fresh[0].rows, slice) and fresh[0].rows == slice(0, total)
-    meta.prefill_attention = PrefillAttention(fresh, gathered, pieces == 1 and whole_rows)
-
-
-def _fresh_group(group: list[SeqSpan], n: int, slots: torch.Tensor, device: torch.device) -> FreshGroup:
-    first, last = group[0].row_start, group[-1].row_start + n
-    if last - first == n * len(group):  # consecutive chunks: a slice of the call's rows
-        rows: slice | torch.Tensor = slice(first, last)
-        idx = torch.arange(first, last)
-    else:
-        idx = torch.cat([torch.arange(s.row_start, s.row_start + n) for s in group])
-        rows = _put(idx, device)
-    return FreshGroup(len(group), n, rows, _put(slots[idx], device))
+    meta.prefill_attention = PrefillAttention(fresh, fresh_slots, gathered, gathered_slots,
+                                              pieces == 1 and whole_rows)
 
 
 def _context_slots(host_tables: torch.Tensor, seqs: list[int], context_lens: list[int],
