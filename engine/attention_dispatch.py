@@ -90,3 +90,22 @@ def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -
     cap = MAX_BLOCK_M_FP32 if fp32 else MAX_BLOCK_M_SMALL_HEAD if head_dim <= 64 else MAX_BLOCK_M
     block_m = min(max(16, 1 << (tile - 1).bit_length()), cap)  # tl.dot needs M >= 16
     return block_m, -(-tile // block_m)
+
+
+def max_tiles(num_tokens: int, num_seqs: int, group: int, block_m: int) -> int:
+    """Most M tiles `num_seqs` sequences of `num_tokens` new rows in all can need: each sequence's
+    ceil(rows x group / block_m) is below rows x group / block_m + 1."""
+    return -(-num_tokens * group // block_m) + num_seqs
+
+
+def tile_map(num_rows: list[int], group: int, block_m: int, capacity: int, pad_seq: int) -> list[int]:
+    """The paged kernel's tile map (its `tiles` argument), flattened: (sequence, M tile) for every M tile that
+    holds rows of a sequence, then (pad_seq, 0) up to `capacity` tiles. pad_seq must name a sequence with
+    no rows (its programs read and write nothing)."""
+    flat: list[int] = []
+    for seq, n in enumerate(num_rows):
+        for m in range(-(-n * group // block_m)):
+            flat += (seq, m)
+    if len(flat) > 2 * capacity:
+        raise ValueError(f"{len(flat) // 2} M tiles, more than the map's capacity of {capacity}")
+    return flat + [pad_seq, 0] * (capacity - len(flat) // 2)

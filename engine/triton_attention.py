@@ -66,15 +66,20 @@ def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_b
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, m_tiles,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, tiles_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
     stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1) // m_tiles
-    m_tile = tl.program_id(1) % m_tiles
+    if TILED:  # axis 0 walks a tile map of (sequence, M tile) pairs; padding tiles name a sequence of no rows
+        seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        kv_head = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1) // m_tiles
+        m_tile = tl.program_id(1) % m_tiles
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     q_begin = tl.load(query_start_ptr + seq)
@@ -135,11 +140,15 @@ def _combine_kernel(
 
 def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                           max_rows: int, scale: float, config: LaunchConfig) -> torch.Tensor:
+                           max_rows: int, scale: float, config: LaunchConfig,
+                           tiles: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel with an explicit launch config (the sweep and the tests call this directly).
 
     q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d]; block_tables: [seqs, width] int32;
-    context_lens: [seqs] int32; query_start: [seqs + 1] int32, covering all rows -> [rows, heads, d].
+    context_lens: [seqs] int32; query_start: [seqs + 1] int32 -> [rows, heads, d]. Rows no sequence covers
+    hold no defined value. `tiles` ([num_tiles, 2] int32, attention_dispatch.tile_map): the programs walk this
+    list of (sequence, M tile) pairs instead of every sequence times max_rows' M tiles, so a launch's grid
+    is fixed by the list's length, not by how many sequences share max_rows (graphed prefill).
     """
     rows, heads, d = q.shape
     _, page, kv_heads, _ = k_plane.shape
@@ -155,14 +164,16 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         part = torch.empty((splits, rows, heads, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((splits, rows, heads), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(0), lse.stride(0))
-    _paged_attention_kernel[(seqs, kv_heads * m_tiles, splits)](
-        q, k_plane, v_plane, part, lse, block_tables, context_lens, query_start, m_tiles,
+    grid = (seqs, kv_heads * m_tiles, splits) if tiles is None else (tiles.shape[0], kv_heads, splits)
+    _paged_attention_kernel[grid](
+        q, k_plane, v_plane, part, lse, block_tables, context_lens, query_start,
+        query_start if tiles is None else tiles, m_tiles,
         q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
         lse.stride(-2) if splits > 1 else 0,
         k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
-        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1 and rows > 0:
         _combine_kernel[(rows, heads)](
@@ -172,20 +183,27 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
     return out
 
 
-def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_rows: int) -> LaunchConfig:
-    """The dispatch table's config for this launch (attention_dispatch.choose_config)."""
+def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_rows: int,
+                   num_tiles: int | None = None) -> LaunchConfig:
+    """The dispatch table's config for this launch (attention_dispatch.choose_config). With a tile map of
+    `num_tiles` entries, each (tile, kv head) program counts as one sequence of one M tile of rows."""
     _, heads, d = q.shape
     kv_heads = k_plane.shape[2]
-    return choose_config(num_seqs, kv_heads, max_rows * (heads // kv_heads), d, num_sms(q.device))
+    group = heads // kv_heads
+    if num_tiles is not None:
+        block_m, _ = query_tiling(max_rows, group, d, fp32=q.dtype == torch.float32)
+        return choose_config(num_tiles, kv_heads, min(max_rows * group, block_m), d, num_sms(q.device))
+    return choose_config(num_seqs, kv_heads, max_rows * group, d, num_sms(q.device))
 
 
 def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                           max_rows: int, scale: float) -> torch.Tensor:
+                           max_rows: int, scale: float, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]."""
-    config = default_config(q, k_plane, context_lens.shape[0], max_rows)
+    config = default_config(q, k_plane, context_lens.shape[0], max_rows,
+                            None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
-                                  config)
+                                  config, tiles)
 
 
 _SMS: dict[int, int] = {}

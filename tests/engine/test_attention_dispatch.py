@@ -11,7 +11,9 @@ from engine.attention_dispatch import (
     LAUNCH_TABLE,
     LaunchConfig,
     choose_config,
+    max_tiles,
     query_tiling,
+    tile_map,
 )
 
 H200_SMS = 132
@@ -84,3 +86,32 @@ def test_float32_tiles_stay_at_16_rows(rows, group, expect):
     block_m, m_tiles = query_tiling(rows, group, 128, fp32=True)
     assert (block_m, m_tiles) == expect
     assert block_m * m_tiles >= rows * group
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_map_covers_every_row_once_and_fits_max_tiles(seed):
+    # random chunk lengths (1-token decode rows up to long prompt chunks), GQA groups and tile heights:
+    # the tiles' rows, expanded, are exactly every (sequence, query row x head) once; padding names pad_seq
+    import random
+
+    rnd = random.Random(seed)
+    rows = [rnd.choice([1, 2, 15, 16, 17, 63, 64, 65, 200]) for _ in range(rnd.randint(1, 9))]
+    group, block_m = rnd.choice([1, 2, 4]), rnd.choice([16, 64, 128])
+    cap = max_tiles(sum(rows), len(rows), group, block_m)
+    flat = tile_map(rows, group, block_m, cap, pad_seq=len(rows))
+    pairs = list(zip(flat[::2], flat[1::2]))
+    assert len(pairs) == cap
+    covered = []
+    for seq, m in pairs:
+        if seq == len(rows):
+            assert m == 0
+            continue
+        covered += [(seq, i) for i in range(m * block_m, (m + 1) * block_m) if i < rows[seq] * group]
+    assert sorted(covered) == [(s, i) for s, n in enumerate(rows) for i in range(n * group)]
+    assert len(covered) == len(set(covered))
+
+
+def test_tile_map_refuses_more_tiles_than_its_capacity():
+    assert max_tiles(64, 1, 1, 64) == 2
+    with pytest.raises(ValueError, match="3 M tiles, more than the map's capacity of 2"):
+        tile_map([64, 1, 1], 1, 64, 2, pad_seq=3)

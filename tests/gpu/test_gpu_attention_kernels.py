@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.attention import SeqSpan, paged_attention
-from engine.attention_dispatch import LaunchConfig, query_tiling
+from engine.attention_dispatch import LaunchConfig, max_tiles, query_tiling, tile_map
 from engine.kv_cache import KVPool
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -111,6 +111,32 @@ def test_tiles_past_max_block_m_run_as_m_tiles(dtype, splits):
     assert query_tiling(40, 4, d, fp32=dtype == torch.float32) == ((16, 10) if dtype == torch.float32 else (64, 3))
     case = Case([60, 173, 41], [40, 3, 40], heads, kv_heads, d, dtype, seed=11)
     case.check(case.run(LaunchConfig(32, 4, 2, splits)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("heads,kv_heads,d", HEADS)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tile_map_runs_only_the_listed_tiles(dtype, heads, kv_heads, d, splits):
+    # graphed prefill's launch: a fresh chunk, a decode row, a chunk after a history and a short fresh
+    # chunk, sized for a bucket of 128 rows; a padding sequence of no rows that the spare tiles name, and
+    # query rows past every sequence (the bucket's padding) that no tile covers
+    from engine.triton_attention import launch_paged_attention
+
+    rows, ctx = [40, 1, 70, 3], [40, 50, 100, 3]
+    case = Case(ctx, rows, heads, kv_heads, d, dtype, seed=heads + d + splits)
+    tables, ctx_t, starts, _, scale = case.args
+    bucket, group, n = 128, heads // kv_heads, sum(rows)
+    tables = torch.cat([tables, tables[:1]])
+    ctx_t = torch.cat([ctx_t, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
+    starts = torch.cat([starts, starts[-1:]])
+    q = torch.cat([case.q, torch.randn(bucket - n, heads, d, device=DEVICE).to(dtype)])
+    block_m, _ = query_tiling(bucket, group, d, fp32=dtype == torch.float32)
+    cap = max_tiles(bucket, len(rows), group, block_m)
+    tiles = torch.tensor(tile_map(rows, group, block_m, cap, pad_seq=len(rows)), dtype=torch.int32,
+                         device=DEVICE).view(-1, 2)
+    out = launch_paged_attention(q, case.k, case.v, tables, ctx_t, starts, bucket, scale,
+                                 LaunchConfig(32, 4, 2, splits), tiles)
+    case.check(out[:n])
 
 
 @pytest.mark.parametrize("splits", [1, 4])
