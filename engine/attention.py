@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 
 
 def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, spans: list[SeqSpan],
-                    scale: float, reads: list[SpanRead] | None = None) -> torch.Tensor:
+                    scale: float, reads: list[SpanRead] | None = None, zero_rest: bool = False) -> torch.Tensor:
     """q: [rows, heads, head_dim] -> out: [rows, heads, head_dim]. `reads`: each span's context slots and
-    mask, computed once per step (BatchMeta.reads); None: computed here from the spans' block ids."""
-    out = torch.empty_like(q)
+    mask, computed once per step (BatchMeta.reads); None: computed here from the spans' block ids.
+    `zero_rest`: rows no span covers (a bucket's padding) are zeros, not left undefined."""
+    out = torch.zeros_like(q) if zero_rest else torch.empty_like(q)
     heads = q.shape[1]
     k_plane, v_plane = pool.plane(loop, layer)
     for i, span in enumerate(spans):
@@ -140,6 +141,18 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
 
         k_blocks, v_blocks = pool.block_plane(loop, layer)
         return triton_paged_attention(q, k_blocks, v_blocks, meta.block_tables, meta.context_lens,
-                                      meta.query_start, meta.max_rows, scale)
-    assert meta.spans is not None, "the reference attention needs host spans"
+                                      meta.query_start, meta.max_rows, scale, meta.tiles)
+    if meta.spans is None:  # device-only metadata (a graph's forward run eagerly): read it back
+        return paged_attention(q, pool, loop, layer, spans_on_device(meta, pool.block_size), scale, zero_rest=True)
     return paged_attention(q, pool, loop, layer, meta.spans, scale, meta.reads)
+
+
+def spans_on_device(meta: "BatchMeta", block_size: int) -> list[SeqSpan]:
+    """The host spans of metadata that lives on the device only (waits for the device: reference path)."""
+    starts, ctx = meta.query_start.tolist(), meta.context_lens.tolist()
+    spans = []
+    for i, c in enumerate(ctx):
+        n = starts[i + 1] - starts[i]
+        if n > 0:
+            spans.append(SeqSpan(starts[i], n, c, tuple(meta.block_tables[i, :-(-c // block_size)].tolist())))
+    return spans

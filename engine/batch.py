@@ -174,6 +174,7 @@ class BatchMeta:
     history: HistoryMeta | None = None  # prefill: the chunks with a history for the paged kernel (None: none)
     prefill_attention: PrefillAttention | None = None  # prefill: the batched attention calls
     reads: list[SpanRead] | None = None  # the reference attention's per-span reads (one per span)
+    tiles: torch.Tensor | None = None  # [num_tiles, 2] int32: the paged kernel's tile map (engine/prefill_graph.py)
     rope: dict = field(default_factory=dict)  # the reference path's RoPE cos/sin per dtype (engine/model.py)
 
 

@@ -1,4 +1,5 @@
-"""CUDA graphs for the hot calls: the shallow step and the deep call, captured per batch-size bucket.
+"""CUDA graphs for the hot calls: the shallow step and the deep call, captured per batch-size bucket, and
+the prefill, captured per bucket of tokens (engine/prefill_graph.py).
 
 The engine captures every bucket of the calls its mode makes at startup (``capture_all``, vLLM-style,
 logged as ``cuda_graphs_captured`` with its time); any other (call, loops, rows-per-request, bucket) is
@@ -20,10 +21,12 @@ from typing import Callable
 
 import torch
 
+from . import prefill_graph
 from .batch import BlockTables, uniform_meta
-from .graph_calls import DeepCall, GraphCall, ShallowCall
+from .graph_calls import DeepCall, GraphCall, PrefillCall, ShallowCall
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
+from .prefill_graph import PrefillLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -40,12 +43,17 @@ class GraphCache:
     they read and write (the executor builds a new cache when it reallocates them, on wake-up)."""
 
     def __init__(self, model: OuroForCausalLM, pool: KVPool, tables: BlockTables, retained_rows: torch.Tensor,
-                 max_num_seqs: int, device: torch.device) -> None:
+                 max_num_seqs: int, device: torch.device, max_num_batched_tokens: int = 8192) -> None:
         self.model, self.pool, self.tables, self.retained_rows = model, pool, tables, retained_rows
         self.device = device
         self.block_size, self.total_ut_steps = pool.block_size, model.config.total_ut_steps
         self.max_num_seqs = max_num_seqs
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        cfg = model.config
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.prefill_layouts = [PrefillLayout.for_bucket(b, max_num_seqs, self.group, cfg.head_dim,
+                                                         pool.k.dtype == torch.float32)
+                                for b in prefill_graph.prefill_buckets(max_num_batched_tokens)]
         self.graphs: dict[tuple[GraphCall, int], _Graph] = {}  # (call, bucket) -> graph
         self.mempool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
@@ -75,8 +83,9 @@ class GraphCache:
             g.inputs[name][:n].copy_(t)
 
     def _get(self, call: GraphCall, n: int, names: list[str], build: Callable[[dict[str, torch.Tensor]], list],
-             values: dict[str, list[int]], on_device: dict[str, torch.Tensor] | None = None) -> _Graph:
-        bucket = self._bucket(n)
+             values: dict[str, list[int]], on_device: dict[str, torch.Tensor] | None = None,
+             bucket: int | None = None) -> _Graph:
+        bucket = self._bucket(n) if bucket is None else bucket
         g = self.graphs.get((call, bucket))
         on_device = on_device or {}
         if g is not None:
@@ -104,6 +113,14 @@ class GraphCache:
         pool (vLLM's order); `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks)."""
         before = self.num_captures
         self.capture_seconds: dict[tuple[GraphCall, int], float] = {}
+        scratch = self.tables.scratch_row
+        for layout in reversed(self.prefill_layouts):  # largest first, like the decode buckets
+            if should_stop is not None and should_stop():
+                return self.num_captures - before
+            started = time.perf_counter()
+            self.prefill(layout, [[0]], [0], [scratch])  # one token at position 0 of the scratch row
+            torch.cuda.synchronize(self.device)
+            self.capture_seconds[PrefillCall(), layout.tokens] = time.perf_counter() - started
         for call in calls:
             for bucket in reversed(self.buckets):
                 if should_stop is not None and should_stop():
@@ -141,6 +158,27 @@ class GraphCache:
         g = self._get(ShallowCall(last_loop, retain), n, names, build, values, on_device)
         g.graph.replay()
         return [h[:n] for h in g.outputs]
+
+    def prefill_layout(self, num_tokens: int, num_chunks: int) -> PrefillLayout | None:
+        """The smallest bucket that holds a prefill of these chunks (None: run it eagerly)."""
+        for layout in self.prefill_layouts:
+            if layout.holds(num_tokens, num_chunks):
+                return layout
+        return None
+
+    def prefill(self, layout: PrefillLayout, token_ids: list[list[int]], starts: list[int],
+                table_rows: list[int]) -> torch.Tensor:
+        """Loops 1..T over prompt chunks (engine/prefill_graph.py) -> the loop-T readouts [layout.tokens, hidden]:
+        the graph's static output, overwritten by its next replay (copy what must outlive the step)."""
+        values = layout.pack(token_ids, starts, table_rows, self.tables.scratch_row, self.group)
+        model, pool, tables = self.model, self.pool, self.tables
+
+        def build(inp: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+            return [prefill_graph.forward(model, pool, tables, layout, inp["packed"])]
+
+        g = self._get(PrefillCall(), layout.length, ["packed"], build, {"packed": values}, bucket=layout.tokens)
+        g.graph.replay()
+        return g.outputs[0]
 
     def deep(self, rows: list[int], starts: list[int], R: int, first_loop: int) -> torch.Tensor:
         n = len(rows)

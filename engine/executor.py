@@ -24,7 +24,6 @@ bucket (cuda_graphs.py); elsewhere the same functions run eagerly.
 
 from __future__ import annotations
 
-import gc
 from typing import Callable
 
 import torch
@@ -50,7 +49,7 @@ class ModelExecutor:
     def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
                  logprobs_mode: str, max_num_seqs: int = 256, max_blocks_per_seq: int = 256,
                  deep_interval: int = 1, attention: str = "auto", cuda_graphs: bool | None = None,
-                 head_dtype: torch.dtype | None = None) -> None:
+                 head_dtype: torch.dtype | None = None, max_num_batched_tokens: int = 8192) -> None:
         self.model = model
         self.logprobs_mode = logprobs_mode  # "processed" | "raw" (EngineConfig's): which log-probs tokens report
         self.head_dtype = head_dtype  # dtype of the lm_head matmul (None: the model's)
@@ -82,6 +81,7 @@ class ModelExecutor:
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens  # sizes the prefill graphs' token buckets
         self.graphs = None
         if cuda_graphs:
             self.graphs = self._new_graph_cache()
@@ -92,7 +92,8 @@ class ModelExecutor:
         self.sleep_level = 0  # 0 awake; 1 weights in CPU memory; 2 weights dropped
 
     def _new_graph_cache(self) -> GraphCache:
-        return GraphCache(self.model, self.pool, self.tables, self.kept_rows.rows, self.max_num_seqs, self.device)
+        return GraphCache(self.model, self.pool, self.tables, self.kept_rows.rows, self.max_num_seqs, self.device,
+                          self.max_num_batched_tokens)
 
     @property
     def retained(self) -> dict[str, RetainedSpan]:
@@ -208,22 +209,30 @@ class ModelExecutor:
 
     def _prefill(self, works: tuple[PrefillWork, ...], step: PendingStep) -> list[Readout]:
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
-        starts = [w.start_position for w in run]
         lens = [len(w.token_ids) for w in run]
-        # prefill=True: prompt rows attend densely (SDPA); a chunk after shared or cached blocks
-        # (start > 0) reads that history from the pool
-        meta = varlen_meta(self.tables, starts, lens, [w.block_ids for w in run], self.block_size,
-                           prefill=True, device=self.device, paged_history=self.attention == "triton")
-        ids = self._index([t for w in run for t in w.token_ids])
-        h_T = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
-        last = {w.request_id: span.row_start + span.num_rows - 1 for w, span in zip(run, meta.spans)}
-        if any(w.prompt_logprobs is not None for w in run):  # engine/prompt_logprobs.py, read with the result
-            row_starts = [span.row_start for span in meta.spans]
+        row_starts = [sum(lens[:i]) for i in range(len(run))]
+        wants_prompt = any(w.prompt_logprobs is not None for w in run)
+        h_T = self._prefill_rows(run, lens, keep=wants_prompt)
+        if wants_prompt:  # engine/prompt_logprobs.py, read with the result
             step.prompt_job = lambda: prompt_logprobs(self.model, h_T, run, row_starts, self.logprobs_mode,
                                                       self.head_dtype, require_finite)
+        last = {w.request_id: start + n - 1 for w, start, n in zip(run, row_starts, lens)}
         items = [(w.request_id, w.sample) for w in works if w.sample is not None]
         keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
         return [Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
+
+    def _prefill_rows(self, run: list[PrefillWork], lens: list[int], keep: bool) -> torch.Tensor:
+        """Every chunk row's loop-T readout, [sum(lens), hidden]: the prefill graph of the smallest token bucket
+        that holds them (engine/prefill_graph.py; copied when `keep`: read after the step), else eager."""
+        layout = self.graphs.prefill_layout(sum(lens), len(run)) if self.graphs is not None else None
+        if layout is not None:
+            h = self.graphs.prefill(layout, [list(w.token_ids) for w in run], [w.start_position for w in run],
+                                    [self.tables.row_of[w.request_id] for w in run])[:sum(lens)]
+            return h.clone() if keep else h
+        meta = varlen_meta(self.tables, [w.start_position for w in run], lens, [w.block_ids for w in run],
+                           self.block_size, prefill=True, device=self.device, paged_history=self.attention == "triton")
+        ids = self._index([t for w in run for t in w.token_ids])
+        return self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
 
     def _shallow(self, works: tuple[ShallowWork, ...]) -> list[Readout]:
         out: list[Readout] = []
@@ -350,7 +359,7 @@ class ModelExecutor:
             self.graphs.close()
         self.pool.release()
         self.kept_rows.release()
-        self._free_device_memory()
+        weights.free_device_memory(self.device)
 
     def wake_up(self) -> None:
         """Rebuild the weights (from the pinned copy, or zeroed after level 2), the KV pool and the buffers;
@@ -384,15 +393,4 @@ class ModelExecutor:
         self.tables = None  # type: ignore[assignment]
         self.kept_rows.release()
         self.fault_hook = None
-        self._free_device_memory(clear_cublas=True)
-
-    def _free_device_memory(self, clear_cublas: bool = False) -> None:
-        # torch builds modules on the meta device with reference cycles (nn.Embedding's init frames), so
-        # the model is only freed by the cycle collector: run it now rather than some time later.
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None) if clear_cublas else None
-            if clear is not None:  # cuBLAS keeps a workspace per stream it saw (graph capture streams too)
-                clear()
-            torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info
+        weights.free_device_memory(self.device, clear_cublas=True)

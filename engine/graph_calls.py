@@ -1,5 +1,6 @@
 """The calls a CUDA graph is captured for, as typed keys (torch-free): a shallow step or a deep call of one
-loop range. With the batch-size bucket they name one graph of the cache (cuda_graphs.py)."""
+loop range, or a prefill. With the bucket (requests; tokens for a prefill) they name one graph of the cache
+(cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,16 @@ class DeepCall:
         return f"deep:{self.first_loop}:{self.rows_per_request}"
 
 
-GraphCall = ShallowCall | DeepCall
+@dataclass(frozen=True)
+class PrefillCall:
+    """Loops 1..T over a step's prompt chunks, padded to a bucket of tokens (engine/prefill_graph.py). Every
+    mode prefills, so the cache captures its buckets whatever the mode (not one of mode_calls)."""
+
+    def __str__(self) -> str:
+        return "prefill"
+
+
+GraphCall = ShallowCall | DeepCall | PrefillCall
 
 
 def mode_calls(mode: str, total_ut_steps: int, deep_interval: int, shallow_loops: int) -> list[GraphCall]:

@@ -10,11 +10,13 @@ copied, so the caller knows whether the model is now half-updated.
 
 The executor's sleep (level 1) keeps its weights as a ``cpu_copy``; its wake_up builds the model again
 with ``rebuild_model`` (from that copy, or zeroed after level 2, when a full update_weights /
-load_weights must follow). The executor frees and reallocates its own pool and buffers.
+load_weights must follow). The executor frees and reallocates its own pool and buffers;
+``free_device_memory`` hands what it dropped back to the device at once.
 """
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -120,3 +122,16 @@ def rebuild_model(config: OuroConfig, state: dict[str, torch.Tensor] | None, dty
     model = model.eval().requires_grad_(False)
     model.fuse_projections()
     return model
+
+
+def free_device_memory(device: torch.device, clear_cublas: bool = False) -> None:
+    """Give dropped weights, pools and graphs back to the device now (sleep, close)."""
+    # torch builds modules on the meta device with reference cycles (nn.Embedding's init frames), so
+    # the model is only freed by the cycle collector: run it now rather than some time later.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None) if clear_cublas else None
+        if clear is not None:  # cuBLAS keeps a workspace per stream it saw (graph capture streams too)
+            clear()
+        torch.cuda.empty_cache()  # cached blocks count as used in the next engine's mem_get_info

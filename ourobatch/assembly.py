@@ -179,7 +179,8 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                              max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
                              deep_interval=config.deep_interval, attention=config.attention_backend,
                              cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
-                             head_dtype=resolve_head_dtype(config))
+                             head_dtype=resolve_head_dtype(config),
+                             max_num_batched_tokens=config.max_num_batched_tokens)
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
     # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
     warm_up(executor, scheduler_config, WarmupPlan.for_engine(config.warmup, config.device), clock,

@@ -1,0 +1,119 @@
+"""Graphed prefill's forward (engine/prefill_graph.py), run eagerly on the CPU in float64 with the torch
+attention, against the dense float64 oracle: chunks from position 0 and chunks after a history written by
+an earlier call, padded to a bucket, in every model shape; the padding rows write only the scratch block.
+On CUDA the same forward is captured per bucket (tests/gpu/test_gpu_prefill_graph.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.batch import BlockTables
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from engine.prefill_graph import (MAX_GRAPH_CHUNKS, PREFILL_BUCKETS, PrefillLayout, forward,
+                                  prefill_buckets)
+from tests.oracle import load_oracle
+
+from .conftest import SHAPES
+
+BLOCK = 4
+
+
+class Rig:
+    """A float64 model, a pool and block tables; requests get disjoint shuffled blocks."""
+
+    def __init__(self, ckpt, seed: int) -> None:
+        self.model = load_model(ckpt, torch.float64, "cpu")
+        self.model.fuse_projections()
+        self.model.set_attention_backend("torch")
+        cfg = self.model.config
+        self.pool = KVPool.for_model(cfg, 64, BLOCK, torch.float64, "cpu")
+        self.pool.k.fill_(7.0)  # a sentinel: blocks nobody owns must still hold it at the end
+        self.pool.v.fill_(7.0)
+        self.tables = BlockTables(8, 16, self.pool.scratch_block, torch.device("cpu"))
+        self.free = list(range(64))
+        random.Random(seed).shuffle(self.free)
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.rows: dict[str, int] = {}
+
+    def blocks(self, rid: str, length: int) -> int:
+        known = self.tables.block_ids_of.get(rid, ())
+        need = -(-length // BLOCK) - len(known)
+        row = self.tables.row(rid, known + tuple(self.free.pop() for _ in range(need)))
+        self.tables.flush()
+        return row
+
+    def prefill(self, chunks: dict[str, tuple[int, list[int]]], bucket: int) -> torch.Tensor:
+        """chunks: request id -> (first position, token ids); returns the bucket's loop-T readouts."""
+        rows = [self.blocks(rid, start + len(ids)) for rid, (start, ids) in chunks.items()]
+        cfg = self.model.config
+        layout = PrefillLayout.for_bucket(bucket, 8, self.group, cfg.head_dim, fp32=False)
+        values = layout.pack([ids for _, ids in chunks.values()], [s for s, _ in chunks.values()], rows,
+                             self.tables.scratch_row, self.group)
+        assert len(values) == layout.length
+        with torch.inference_mode():
+            return forward(self.model, self.pool, self.tables, layout, torch.tensor(values, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunks_fresh_and_after_a_history_match_the_oracle(checkpoints, shape, seed):
+    rnd = random.Random(f"{shape}{seed}")
+    oracle = load_oracle(checkpoints[shape])
+    rig = Rig(checkpoints[shape], seed)
+    seqs = {f"r{i}": [rnd.randrange(oracle.vocab_size) for _ in range(rnd.randint(2, 13))] for i in range(4)}
+    split = {rid: rnd.randint(1, len(s) - 1) for rid, s in seqs.items()}
+    # call 1: the first part of r0..r2 from position 0; call 2: their rest (after a history) and r3 whole
+    first = {rid: (0, s[:split[rid]]) for rid, s in seqs.items() if rid != "r3"}
+    second = {rid: (split[rid], s[split[rid]:]) for rid, s in seqs.items() if rid != "r3"} | {"r3": (0, seqs["r3"])}
+    readouts = {}
+    for chunks in (first, second):
+        total = sum(len(ids) for _, ids in chunks.values())
+        bucket = next(b for b in (16, 32, 64) if b > total)  # always some padding rows
+        h = rig.prefill(chunks, bucket)
+        assert h.shape == (bucket, rig.model.config.hidden_size)
+        row = 0
+        for rid, (start, ids) in chunks.items():
+            readouts.setdefault(rid, {}).update({start + i: h[row + i] for i in range(len(ids))})
+            row += len(ids)
+    for rid, s in seqs.items():
+        ref = oracle.forward(s).hidden[-1]  # [S, H], loop T's normed readout, recomputed densely
+        got = torch.stack([readouts[rid][p] for p in range(len(s))])
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+    used = {b for ids in rig.tables.block_ids_of.values() for b in ids} | {rig.pool.scratch_block}
+    untouched = [b for b in range(rig.pool.num_blocks) if b not in used]
+    assert untouched and (rig.pool.k[:, :, untouched] == 7.0).all() and (rig.pool.v[:, :, untouched] == 7.0).all()
+
+
+def test_layout_packs_every_field_and_pads_to_the_bucket():
+    layout = PrefillLayout.for_bucket(32, 256, 2, 64, fp32=False)
+    assert layout.chunks == min(MAX_GRAPH_CHUNKS, 32) and layout.block_m == 64
+    values = layout.pack([[5, 6, 7], [9]], [4, 0], [3, 1], scratch_row=99, group=2)
+    f, at = {}, 0
+    for name, size in layout.sizes.items():
+        f[name], at = values[at:at + size], at + size
+    assert at == layout.length == len(values)
+    assert f["ids"] == [5, 6, 7, 9] + [0] * 28
+    assert f["positions"] == [4, 5, 6, 0] + [0] * 28
+    assert f["chunk_of_row"] == [0, 0, 0, 1] + [layout.chunks] * 28
+    assert f["table_rows"] == [3, 1] + [99] * (layout.chunks - 1)
+    assert f["context_lens"] == [7, 1] + [0] * (layout.chunks - 1)
+    assert f["query_start"] == [0, 3, 4] + [4] * (layout.chunks - 1)
+    assert f["tiles"][:4] == [0, 0, 1, 0] and set(f["tiles"][4::2]) == {layout.chunks}
+
+
+def test_layout_refuses_what_it_cannot_hold():
+    layout = PrefillLayout.for_bucket(16, 4, 1, 64, fp32=False)
+    assert layout.holds(16, 4) and not layout.holds(17, 1) and not layout.holds(5, 5)
+    with pytest.raises(ValueError, match="5 chunks of 5 tokens do not fit a layout of 4 x 16"):
+        layout.pack([[1]] * 5, [0] * 5, [0] * 5, scratch_row=9, group=1)
+
+
+@pytest.mark.parametrize("budget,expect", [(16, [16]), (100, [16, 32, 64, 100]), (512, [b for b in PREFILL_BUCKETS
+                                                                                          if b <= 512]),
+                                           (8192, list(PREFILL_BUCKETS))])
+def test_buckets_end_at_the_step_budget_or_the_graph_cap(budget, expect):
+    assert prefill_buckets(budget) == expect
