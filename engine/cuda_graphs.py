@@ -51,9 +51,7 @@ class GraphCache:
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         cfg = model.config
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.prefill_layouts = [PrefillLayout.for_bucket(b, max_num_seqs, self.group, cfg.head_dim,
-                                                         pool.k.dtype == torch.float32)
-                                for b in prefill_graph.prefill_buckets(max_num_batched_tokens)]
+        self.prefill_layouts = prefill_graph.layouts_for(max_num_batched_tokens, max_num_seqs, cfg, pool.k.dtype)
         self.graphs: dict[tuple[GraphCall, int], _Graph] = {}  # (call, bucket) -> graph
         self.mempool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
@@ -80,18 +78,21 @@ class GraphCache:
             host = torch.tensor(vals + [scratch.get(name, 0)] * pad, dtype=torch.int64, pin_memory=True)
             buf.copy_(host, non_blocking=True)
         for name, t in on_device.items():
-            g.inputs[name][:n].copy_(t)
+            g.inputs[name][:t.shape[0]].copy_(t)
 
     def _get(self, call: GraphCall, n: int, names: list[str], build: Callable[[dict[str, torch.Tensor]], list],
              values: dict[str, list[int]], on_device: dict[str, torch.Tensor] | None = None,
              bucket: int | None = None) -> _Graph:
-        bucket = self._bucket(n) if bucket is None else bucket
+        """The graph of (call, bucket), captured now if new, its inputs filled; `bucket` None: the request
+        bucket of n, and every input is [bucket] long; else each input is [n] (a prefill's packed vector)."""
+        size = self._bucket(n) if bucket is None else n
+        bucket = size if bucket is None else bucket
         g = self.graphs.get((call, bucket))
         on_device = on_device or {}
         if g is not None:
             self._fill(g, values, n, on_device)
             return g
-        inputs = {name: torch.zeros(bucket, dtype=torch.int64, device=self.device) for name in names}
+        inputs = {name: torch.zeros(size, dtype=torch.int64, device=self.device) for name in names}
         g = _Graph(torch.cuda.CUDAGraph(), inputs)
         self._fill(g, values, n, on_device)
         side = torch.cuda.Stream()
@@ -161,22 +162,22 @@ class GraphCache:
 
     def prefill_layout(self, num_tokens: int, num_chunks: int) -> PrefillLayout | None:
         """The smallest bucket that holds a prefill of these chunks (None: run it eagerly)."""
-        for layout in self.prefill_layouts:
-            if layout.holds(num_tokens, num_chunks):
-                return layout
-        return None
+        return prefill_graph.smallest_layout(self.prefill_layouts, num_tokens, num_chunks)
 
     def prefill(self, layout: PrefillLayout, token_ids: list[list[int]], starts: list[int],
-                table_rows: list[int]) -> torch.Tensor:
+                table_rows: list[int], device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Loops 1..T over prompt chunks (engine/prefill_graph.py) -> the loop-T readouts [layout.tokens, hidden]:
-        the graph's static output, overwritten by its next replay (copy what must outlive the step)."""
+        the graph's static output, overwritten by its next replay (copy what must outlive the step).
+        `device_ids`: the first ids, copied from the device after the packed vector (not read back yet)."""
         values = layout.pack(token_ids, starts, table_rows, self.tables.scratch_row, self.group)
         model, pool, tables = self.model, self.pool, self.tables
 
         def build(inp: dict[str, torch.Tensor]) -> list[torch.Tensor]:
             return [prefill_graph.forward(model, pool, tables, layout, inp["packed"])]
 
-        g = self._get(PrefillCall(), layout.length, ["packed"], build, {"packed": values}, bucket=layout.tokens)
+        on_device = {"packed": device_ids} if device_ids is not None else None
+        g = self._get(PrefillCall(), layout.length, ["packed"], build, {"packed": values}, on_device,
+                      bucket=layout.tokens)
         g.graph.replay()
         return g.outputs[0]
 

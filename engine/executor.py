@@ -28,28 +28,28 @@ from typing import Callable
 
 import torch
 
-from scheduler.plan import (DeepWork, Phase, PrefillWork, ShallowWork, StepFailure, StepPlan,
-                                      StepResult, VerifyResult)
+from scheduler.plan import DeepWork, Phase, StepFailure, StepPlan, StepResult
 
-from .batch import BatchMeta, BlockTables, SeqSpan, fed_ids, to_device, uniform_meta, varlen_meta
+from .batch import BlockTables
 from .cuda_graphs import GraphCache
 from .graph_calls import GraphCall, mode_calls
 from .kv_cache import KVPool
 from .model import OuroForCausalLM
 from .pending import PendingStep, start_timing, without_requests
 from .pending import failure as _failure
-from .prompt_logprobs import prompt_logprobs
-from .readout import PendingSample, Readout, launch_sample, require_finite
+from .phases import StepPhases
+from .prefill_graph import layouts_for
+from .readout import PendingSample, Readout, launch_sample
 from .retained import RetainedRows, RetainedSpan
 from . import weights
-from .verify import VerifyItem, verify_batch
 
 
-class ModelExecutor:
+class ModelExecutor(StepPhases):
     def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
                  logprobs_mode: str, max_num_seqs: int = 256, max_blocks_per_seq: int = 256,
                  deep_interval: int = 1, attention: str = "auto", cuda_graphs: bool | None = None,
-                 head_dtype: torch.dtype | None = None, max_num_batched_tokens: int = 8192) -> None:
+                 head_dtype: torch.dtype | None = None, max_num_batched_tokens: int = 8192,
+                 static_prefill: bool = False) -> None:
         self.model = model
         self.logprobs_mode = logprobs_mode  # "processed" | "raw" (EngineConfig's): which log-probs tokens report
         self.head_dtype = head_dtype  # dtype of the lm_head matmul (None: the model's)
@@ -82,6 +82,9 @@ class ModelExecutor:
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # sizes the prefill graphs' token buckets
+        # fixed-shape prefill calls without graphs too (tests: the graphed path's logic, eagerly on the CPU)
+        self.static_prefill = static_prefill
+        self.prefill_layouts = layouts_for(max_num_batched_tokens, max_num_seqs, cfg, dtype)
         self.graphs = None
         if cuda_graphs:
             self.graphs = self._new_graph_cache()
@@ -132,6 +135,34 @@ class ModelExecutor:
                 failures.append(_failure(Phase.SHALLOW, tuple(decoding.values()), exc))
             return self._launched(PendingStep(plan, failures))
         step = PendingStep(plan, [], timing=start_timing(self.device, self.timing is not None))
+        readouts, failed = self._first_phases(plan, step)
+        deep = [d for d in plan.deep if d.request_id not in failed]
+        if deep:
+            readouts += self._run_deep_phase(deep, step)
+        if readouts:
+            try:
+                step.sample = self._sample(readouts)
+            except Exception as exc:  # noqa: BLE001
+                ids = tuple(rid for r in readouts for rid, _ in r.items)
+                step.failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
+        if step.timing is not None:
+            step.timing[1].record()
+        return self._launched(step)
+
+    def _first_phases(self, plan: StepPlan, step: PendingStep) -> tuple[list[Readout], set[str]]:
+        """Prefill and shallow phases: one call at full depth when a bucket holds both (phases.py _merged),
+        else each its own. Returns their readouts and the decoding requests that failed."""
+        layout = self._merge_layout(plan)
+        if layout is not None:
+            try:
+                self._enter(Phase.PREFILL, plan.prefills)
+                self._enter(Phase.SHALLOW, plan.shallow)
+                return self._merged(plan, layout, step), set()
+            except Exception as exc:  # noqa: BLE001 - one call: both phases fail
+                step.failures += [_failure(Phase.PREFILL, plan.prefills, exc),
+                                  _failure(Phase.SHALLOW, plan.shallow, exc)]
+                step.prompt_job = None
+                return [], {w.request_id for w in plan.shallow}
         readouts: list[Readout] = []
         if plan.prefills:
             try:
@@ -148,18 +179,7 @@ class ModelExecutor:
             except Exception as exc:  # noqa: BLE001
                 step.failures.append(_failure(Phase.SHALLOW, plan.shallow, exc))
                 failed.update(w.request_id for w in plan.shallow)
-        deep = [d for d in plan.deep if d.request_id not in failed]
-        if deep:
-            readouts += self._run_deep_phase(deep, step)
-        if readouts:
-            try:
-                step.sample = self._sample(readouts)
-            except Exception as exc:  # noqa: BLE001
-                ids = tuple(rid for r in readouts for rid, _ in r.items)
-                step.failures.append(StepFailure(Phase.SAMPLE, ids, f"{type(exc).__name__}: {exc}"))
-        if step.timing is not None:
-            step.timing[1].record()
-        return self._launched(step)
+        return readouts, failed
 
     def _launched(self, step: PendingStep) -> PendingStep:
         self._failed = {rid for f in step.failures for rid in f.request_ids}
@@ -192,139 +212,6 @@ class ModelExecutor:
     def _enter(self, phase: Phase, works) -> None:
         if self.fault_hook is not None:
             self.fault_hook(phase, tuple(w.request_id for w in works))
-
-    # ------------------------------------------------------------------ phases
-
-    def _spans(self, works, starts: list[int], num_rows: list[int]) -> list[SeqSpan] | None:
-        if self.attention != "torch":
-            return None
-        spans, row = [], 0
-        for w, start, n in zip(works, starts, num_rows):
-            spans.append(SeqSpan(row, n, start + n, w.block_ids))
-            row += n
-        return spans
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int64, self.device)
-
-    def _prefill(self, works: tuple[PrefillWork, ...], step: PendingStep) -> list[Readout]:
-        run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
-        lens = [len(w.token_ids) for w in run]
-        row_starts = [sum(lens[:i]) for i in range(len(run))]
-        wants_prompt = any(w.prompt_logprobs is not None for w in run)
-        h_T = self._prefill_rows(run, lens, keep=wants_prompt)
-        if wants_prompt:  # engine/prompt_logprobs.py, read with the result
-            step.prompt_job = lambda: prompt_logprobs(self.model, h_T, run, row_starts, self.logprobs_mode,
-                                                      self.head_dtype, require_finite)
-        last = {w.request_id: start + n - 1 for w, start, n in zip(run, row_starts, lens)}
-        items = [(w.request_id, w.sample) for w in works if w.sample is not None]
-        keep = [last[w.sample_from or w.request_id] for w in works if w.sample is not None]
-        return [Readout(h_T.index_select(0, self._index(keep)), items)] if items else []
-
-    def _prefill_rows(self, run: list[PrefillWork], lens: list[int], keep: bool) -> torch.Tensor:
-        """Every chunk row's loop-T readout, [sum(lens), hidden]: the prefill graph of the smallest token bucket
-        that holds them (engine/prefill_graph.py; copied when `keep`: read after the step), else eager."""
-        layout = self.graphs.prefill_layout(sum(lens), len(run)) if self.graphs is not None else None
-        if layout is not None:
-            h = self.graphs.prefill(layout, [list(w.token_ids) for w in run], [w.start_position for w in run],
-                                    [self.tables.row_of[w.request_id] for w in run])[:sum(lens)]
-            return h.clone() if keep else h
-        meta = varlen_meta(self.tables, [w.start_position for w in run], lens, [w.block_ids for w in run],
-                           self.block_size, prefill=True, device=self.device, paged_history=self.attention == "triton")
-        ids = self._index([t for w in run for t in w.token_ids])
-        return self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
-
-    def _shallow(self, works: tuple[ShallowWork, ...]) -> list[Readout]:
-        out: list[Readout] = []
-        groups: dict[tuple[int, bool], list[ShallowWork]] = {}
-        for w in works:
-            groups.setdefault((w.last_loop, w.retain), []).append(w)
-        for (last_loop, retain), group in groups.items():
-            rows = [self.tables.row_of[w.request_id] for w in group]
-            slots = self.kept_rows.next_slots(group) if retain else None
-            positions = [w.position for w in group]
-            readouts = self._run_shallow([w.token_id for w in group], rows, positions, slots, last_loop, group)
-            if retain:
-                self.kept_rows.advance(group)
-            by_loop: dict[int, list[int]] = {}
-            for i, w in enumerate(group):
-                if w.sample is not None:
-                    by_loop.setdefault(w.sample.loop, []).append(i)
-            for loop, idx in by_loop.items():
-                h = readouts[loop - 1]
-                if len(idx) != len(group):
-                    h = h.index_select(0, self._index(idx))
-                out.append(Readout(h, [(group[i].request_id, group[i].sample) for i in idx]))
-        return out
-
-    def _run_shallow(self, token_ids: list[int | None], rows: list[int], positions: list[int],
-                     retain_slots: list[int] | None, last_loop: int, works) -> list[torch.Tensor]:
-        """Loops 1..last_loop over one fed token per request (None: the token this request's last sampled
-        step drew, read from next_tokens); returns readouts [n, hidden] of each loop."""
-        host_ids, device_ids = fed_ids(token_ids, rows, self.next_tokens, self.model_config.vocab_size)
-        if self.graphs is not None:
-            return self.graphs.shallow(host_ids, rows, positions, retain_slots, last_loop, device_ids)
-        row_t, pos_t = self._index(rows), self._index(positions)
-        meta = uniform_meta(self.tables, row_t, pos_t, 1, self.block_size,
-                            self._spans(works, positions, [1] * len(rows)))
-        ids = device_ids if device_ids is not None else self._index(host_ids)
-        readouts = self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, last_loop)
-        if retain_slots is not None:
-            self.retained_rows[row_t, self._index(retain_slots)] = readouts[-1]
-        return readouts
-
-    def _deep(self, works: list[DeepWork]) -> list[Readout]:
-        self.kept_rows.check(works)
-        first_loop = works[0].first_loop
-        R = works[0].num_rows
-        rows = [self.tables.row_of[d.request_id] for d in works]
-        starts = [d.start_position for d in works]
-        if all(d.num_rows == R for d in works):
-            h_last = self._run_deep(rows, starts, R, first_loop, works)
-        else:  # the general case (different row counts): host-built metadata, eager
-            meta, _, h_T = self._run_deep_varlen(works)
-            h_last = h_T.index_select(0, self._index([s.row_start + s.num_rows - 1 for s in meta.spans]))
-        items = [(d.request_id, d.sample) for d in works if d.sample is not None]
-        keep = [i for i, d in enumerate(works) if d.sample is not None]
-        if len(keep) != len(works):
-            h_last = h_last.index_select(0, self._index(keep))
-        return [Readout(h_last, items)] if items else []
-
-    def _run_deep(self, rows: list[int], starts: list[int], R: int, first_loop: int, works) -> torch.Tensor:
-        """Loops first_loop..T over R retained rows per request; returns each request's last-row readout."""
-        if self.graphs is not None:
-            return self.graphs.deep(rows, starts, R, first_loop)
-        row_t = self._index(rows)
-        meta = uniform_meta(self.tables, row_t, self._index(starts), R, self.block_size,
-                            self._spans(works, starts, [R] * len(rows)))
-        h = self.retained_rows[row_t, :R].reshape(len(rows) * R, -1)
-        h_T = self.model.run_loops(h, meta, self.pool, first_loop, self.total_ut_steps)[-1]
-        return h_T.view(len(rows), R, -1)[:, -1]
-
-    def _run_deep_varlen(self, works: list[DeepWork]) -> tuple[BatchMeta, torch.Tensor, torch.Tensor]:
-        """Deep loops over every retained row of requests with different row counts (host-built metadata,
-        no graph). Returns the metadata, the retained loop-s rows and their loop-T readouts."""
-        rows = [self.tables.row_of[d.request_id] for d in works]
-        num_rows = [d.num_rows for d in works]
-        meta = varlen_meta(self.tables, [d.start_position for d in works], num_rows, [d.block_ids for d in works],
-                           self.block_size, prefill=False, device=self.device, reads=self.attention == "torch")
-        h_s = torch.cat([self.retained_rows[r, :n] for r, n in zip(rows, num_rows)])
-        h_T = self.model.run_loops(h_s, meta, self.pool, works[0].first_loop, self.total_ut_steps)[-1]
-        return meta, h_s, h_T
-
-    def _deep_verify(self, works: list[DeepWork]) -> list[VerifyResult]:
-        """Deep loops over every retained row, then the acceptance test of each request's drafts."""
-        self.kept_rows.check(works)
-        meta, h_s, h_T = self._run_deep_varlen(works)
-        items = [VerifyItem(d.request_id, d.draft_token_ids, d.sample.token_index - len(d.draft_token_ids),
-                            d.sample.params, span.row_start, span.num_rows) for d, span in zip(works, meta.spans)]
-        logits_s, logits_T = self.model.logits(h_s, self.head_dtype), self.model.logits(h_T, self.head_dtype)
-        row_ids = [d.request_id for d, span in zip(works, meta.spans) for _ in range(span.num_rows)]
-        finite = torch.isfinite(logits_s).all(-1) & torch.isfinite(logits_T).all(-1)  # [rows]
-        try:
-            return verify_batch(items, logits_s, logits_T, self.logprobs_mode)
-        finally:  # checked after verify_batch's own syncs (no extra stall); wins over what NaNs broke there
-            require_finite(finite, row_ids)
 
     # ------------------------------------------------------------------ startup
 

@@ -35,13 +35,30 @@ from .kv_cache import KVPool
 # enough on the GPU that its eager launch no longer shows.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 MAX_GRAPH_TOKENS = 2048
-MAX_GRAPH_CHUNKS = 64  # chunks one graphed call holds (each adds a tile and an entry per chunk field)
+# Chunks one call holds (each adds a tile and an entry per chunk field); at full depth a step's decode rows
+# are chunks too (engine/phases.py _merged), so this covers a large decode batch beside its prompt chunks.
+MAX_GRAPH_CHUNKS = 256
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     """The token buckets an engine with this step budget captures (its largest is the budget, capped)."""
     cap = min(max_num_batched_tokens, MAX_GRAPH_TOKENS)
     return [b for b in PREFILL_BUCKETS if b < cap] + [cap]
+
+
+def layouts_for(max_num_batched_tokens: int, max_num_seqs: int, config, dtype: torch.dtype) -> list["PrefillLayout"]:
+    """Every bucket's layout for an engine of these limits and this model config (OuroConfig)."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    return [PrefillLayout.for_bucket(b, max_num_seqs, group, config.head_dim, dtype == torch.float32)
+            for b in prefill_buckets(max_num_batched_tokens)]
+
+
+def smallest_layout(layouts: list["PrefillLayout"], num_tokens: int, num_chunks: int) -> "PrefillLayout | None":
+    """The smallest bucket that holds these chunks (None: none does; run them eagerly)."""
+    for layout in layouts:
+        if layout.holds(num_tokens, num_chunks):
+            return layout
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,7 @@ class PrefillLayout:
 
     @classmethod
     def for_bucket(cls, tokens: int, max_num_seqs: int, group: int, head_dim: int, fp32: bool) -> "PrefillLayout":
-        chunks = min(MAX_GRAPH_CHUNKS, max_num_seqs, tokens)
+        chunks = min(MAX_GRAPH_CHUNKS, max_num_seqs + 1, tokens)  # + 1: a decode batch beside one chunk
         block_m, _ = query_tiling(tokens, group, head_dim, fp32)
         return cls(tokens, chunks, max_tiles(tokens, chunks, group, block_m), block_m)
 

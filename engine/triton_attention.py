@@ -173,7 +173,8 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
-        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if splits > 1 and rows > 0:
         _combine_kernel[(rows, heads)](

@@ -1,7 +1,8 @@
 """Graphed prefill's forward (engine/prefill_graph.py), run eagerly on the CPU in float64 with the torch
 attention, against the dense float64 oracle: chunks from position 0 and chunks after a history written by
-an earlier call, padded to a bucket, in every model shape; the padding rows write only the scratch block.
-On CUDA the same forward is captured per bucket (tests/gpu/test_gpu_prefill_graph.py)."""
+an earlier call, padded to a bucket, in every model shape; the padding rows write only the scratch block;
+and whole engines whose prefills (and, at full depth, decode rows beside them: engine/phases.py _merged)
+take that path. On CUDA the same forward is captured per bucket (tests/gpu/test_gpu_prefill_graph.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from engine.batch import BlockTables
+from ourobatch import EngineConfig, SamplingParams
+from ourobatch.assembly import build_engine_core
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.prefill_graph import (MAX_GRAPH_CHUNKS, PREFILL_BUCKETS, PrefillLayout, forward,
@@ -18,6 +21,7 @@ from engine.prefill_graph import (MAX_GRAPH_CHUNKS, PREFILL_BUCKETS, PrefillLayo
 from tests.oracle import load_oracle
 
 from .conftest import SHAPES
+from .test_generation_vs_oracle import check_against_oracle, run_staggered
 
 BLOCK = 4
 
@@ -106,7 +110,7 @@ def test_layout_packs_every_field_and_pads_to_the_bucket():
 
 
 def test_layout_refuses_what_it_cannot_hold():
-    layout = PrefillLayout.for_bucket(16, 4, 1, 64, fp32=False)
+    layout = PrefillLayout.for_bucket(16, 3, 1, 64, fp32=False)  # 3 decode rows + 1 chunk
     assert layout.holds(16, 4) and not layout.holds(17, 1) and not layout.holds(5, 5)
     with pytest.raises(ValueError, match="5 chunks of 5 tokens do not fit a layout of 4 x 16"):
         layout.pack([[1]] * 5, [0] * 5, [0] * 5, scratch_row=9, group=1)
@@ -117,3 +121,44 @@ def test_layout_refuses_what_it_cannot_hold():
                                            (8192, list(PREFILL_BUCKETS))])
 def test_buckets_end_at_the_step_budget_or_the_graph_cap(budget, expect):
     assert prefill_buckets(budget) == expect
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mode,B,budget", [("deferred", 1, 16), ("deferred", 1, 64), ("deferred", 4, 16),
+                                           ("eager", 3, 32)])
+def test_engine_with_fixed_shape_prefill_and_merged_steps_matches_the_oracle(checkpoints, shape, mode, B, budget):
+    # the executor's graphed-prefill logic run eagerly (static_prefill): prompts chunked by a small budget,
+    # staggered arrivals so steps prefill beside decode rows; at full depth those steps are one merged call
+    # (counted), in deferred mode separate calls. Tokens, log-probs and every KV plane vs the oracle.
+    ckpt = checkpoints[shape]
+    oracle = load_oracle(ckpt)
+    rnd = random.Random(f"{shape}{mode}{B}{budget}")
+    prompts = [[rnd.randrange(oracle.vocab_size) for _ in range(rnd.randint(1, 40))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=rnd.randint(6, 16), temperature=rnd.choice([0.0, 0.9]), seed=i,
+                             ignore_eos=True) for i in range(6)]
+    core = build_engine_core(EngineConfig(model=str(ckpt), dtype="float64", mode=mode, deep_interval=B,
+                                          shallow_loops=2, block_size=4, num_kv_blocks=512,
+                                          max_num_batched_tokens=budget))
+    ex = core.executor
+    ex.static_prefill = True
+    calls = {"merged": 0, "static": 0}
+    merged, static = ex._merged, ex._static
+
+    def count_merged(*args):
+        calls["merged"] += 1
+        return merged(*args)
+
+    def count_static(*args):
+        calls["static"] += 1
+        return static(*args)
+
+    ex._merged, ex._static = count_merged, count_static
+    requests = run_staggered(core, prompts, params, arrival_steps=[0, 0, 2, 3, 5, 9])
+    check_against_oracle(core, oracle, requests, B, 2, mode)
+    assert calls["static"] > 0
+    if B == 1:  # full depth: a step that prefills beside decode rows is one call
+        assert calls["merged"] > 0
+    elif mode == "deferred":  # shallow rows run loops 1..2 only: never merged
+        assert calls["merged"] == 0
+    # (eager mode merges its boundary steps: loops 1..T, read from loop T)
+    assert core.stats()["kv_blocks_used"] == 0

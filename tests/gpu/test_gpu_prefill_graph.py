@@ -72,21 +72,21 @@ def test_graphed_prefill_equals_eager_prefill(ckpt, budget, mode, B):
     for g, e in zip(graphed, eager):
         for cg, ce in zip(g.outputs, e.outputs):
             assert cg.token_ids == ce.token_ids
-            torch.testing.assert_close(torch.tensor(cg.logprobs), torch.tensor(ce.logprobs), atol=2e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(cg.logprobs), torch.tensor(ce.logprobs), atol=1e-3, rtol=0)
         if e.prompt_logprobs is not None:
             got = [None if p is None else max(p.values(), key=lambda x: x.logprob).logprob for p in g.prompt_logprobs]
             ref = [None if p is None else max(p.values(), key=lambda x: x.logprob).logprob for p in e.prompt_logprobs]
             assert got[0] is None and ref[0] is None
-            torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(ref[1:]), atol=2e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(ref[1:]), atol=1e-3, rtol=0)
 
 
 def test_steps_past_a_layout_run_eagerly(ckpt):
-    # 96 one-token prompts admitted in one step: more chunks than MAX_GRAPH_CHUNKS, so that step is eager
+    # 300 one-token prompts admitted in one step: more chunks than MAX_GRAPH_CHUNKS, so that step is eager
     from engine.prefill_graph import MAX_GRAPH_CHUNKS
 
-    cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=96,
-                       max_model_len=64, max_num_batched_tokens=128)
-    prompts = [[i % 200 + 1] for i in range(96)]
+    cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="float32", num_kv_blocks=1024, max_num_seqs=300,
+                       max_model_len=64, max_num_batched_tokens=512)
+    prompts = [[i % 200 + 1] for i in range(300)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with SyncEngine(cfg) as llm:
         ex = llm.core.executor
