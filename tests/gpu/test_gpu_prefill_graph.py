@@ -1,7 +1,8 @@
 """Graphed prefill on CUDA (engine/prefill_graph.py): an engine whose prefills replay the bucket graphs gives
 the tokens, log-probs and prompt log-probs of one whose prefills run eagerly (SDPA, gathered histories),
 with fresh chunks, chunks after cached blocks, chunked prompts past the step budget and more chunks than a
-layout holds (eager fallback), in float32 where both paths are exact up to summation order."""
+layout holds (eager fallback), in float32 where both paths are exact up to summation order. At full depth
+(deep_interval 1) the steps that prefill beside decode rows run both in one call (engine/phases.py _merged)."""
 
 from __future__ import annotations
 
