@@ -149,11 +149,17 @@ class Probe:
         )
 
 
+def budget_kwargs(args) -> dict:
+    """--max-num-batched-tokens when given (else EngineConfig's default step budget)."""
+    budget = getattr(args, "max_num_batched_tokens", None)
+    return {} if budget is None else {"max_num_batched_tokens": budget}
+
+
 def engine_config(args, model_dir: str, name: str) -> EngineConfig:
     mode, B, s = parse_config(name, args.shallow_loops)
     return EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
                         shallow_loops=s, max_num_seqs=args.N, max_model_len=args.P + args.M,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        gpu_memory_utilization=args.gpu_memory_utilization, **budget_kwargs(args),
                         async_scheduling={"auto": None, "on": True, "off": False}[getattr(args, "async_scheduling", "auto")])
 
 
@@ -320,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-M", type=int, default=256, help="output tokens per request")
     ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                     help="EngineConfig.async_scheduling: auto (None: on for CUDA), on, off")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engines' step budget (default: EngineConfig's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shallow-loops", type=int, default=2)

@@ -39,6 +39,7 @@ from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
+from public_path import budget_kwargs  # noqa: E402
 
 
 def draw_lengths(rng: random.Random, count: int, median: float, sigma: float, cap: int) -> list[int]:
@@ -102,7 +103,7 @@ async def run_config(model_dir: str, args, name: str, allocation: str) -> dict:
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
                        shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, kv_allocation=allocation,
-                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
+                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, **budget_kwargs(args))
     async with (Engine(cfg) if not args.replicas else _pool(cfg, args.replicas, args.gpus_per_replica)) as engine:
         vocab = OuroConfig.from_checkpoint(model_dir).vocab_size
         warm_prompts, warm_lengths = workload(args, vocab, seed=99, median=max(2, args.median / 10))
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for rollout.json, rollout.md, rollout_kv.png")
     ap.add_argument("--configs", default="interval1,deferred4,deferred8")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's step budget (default: EngineConfig's)")
     ap.add_argument("--allocations", default="lazy,reserve", help="KV policies to run each config with")
     ap.add_argument("--prompts", type=int, default=32, help="R")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (SamplingParams.n)")

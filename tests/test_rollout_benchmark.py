@@ -23,6 +23,7 @@ def test_tiny_run_counts_tokens_and_shared_prefills(tmp_path):
     rc = rollout.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--prompts", str(R), "--n", str(n),
                        "--prompt-len", str(P), "--max-tokens", "20", "--median", "6", "--block-size", "4",
                        "--num-kv-blocks", "40", "--configs", "interval1,deferred4", "--allocations", "lazy,reserve",
+                       "--sample-interval", "0.001",  # a toy round can end within the default 50 ms
                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "ckpt")])
     assert rc == 0
     data = json.loads((tmp_path / "out" / "rollout.json").read_text())
