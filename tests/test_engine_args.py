@@ -119,14 +119,15 @@ def test_serve_flags_to_engine_config():
 
     parser = _serve_parser()
     config = build_config(parser.parse_args(["--model", "m"]))
-    expected = dataclasses.replace(EngineConfig(model="m"), logprobs_mode="raw")  # vLLM's, serve's default
-    assert config == expected
+    # serve's defaults: vLLM's raw log-probs, and a step budget of 512 tokens (steady latency under arrivals)
+    expected = dataclasses.replace(EngineConfig(model="m"), logprobs_mode="raw", max_num_batched_tokens=512)
+    assert config == expected and EngineConfig(model="m").max_num_batched_tokens == 8192
     args = ["--model", "m", "--mode", "verify", "--deep-interval", "4", "--num-kv-blocks", "12", "--cuda-graphs",
             "false", "--enable-prefix-caching", "off", "--kv-watermark", "0.5", "--engine-seed", "9", "--logprobs-mode",
-            "processed", "--kv-allocation", "reserve"]
+            "processed", "--kv-allocation", "reserve", "--max-num-batched-tokens", "8192"]
     assert build_config(parser.parse_args(args)) == EngineConfig(
         model="m", mode="verify", deep_interval=4, num_kv_blocks=12, cuda_graphs=False, enable_prefix_caching=False,
-        kv_watermark=0.5, seed=9, logprobs_mode="processed", kv_allocation="reserve")
+        kv_watermark=0.5, seed=9, logprobs_mode="processed", kv_allocation="reserve", max_num_batched_tokens=8192)
     assert build_config(parser.parse_args(["--model", "m", "--seed", "7"])).seed == 7  # serve's --seed: the engine's
     assert build_config(parser.parse_args(["--model", "m", "--num-kv-blocks", "none", "--cuda-graphs",
                                            "auto"])).num_kv_blocks is None
