@@ -27,7 +27,8 @@ def test_startup_captures_every_bucket_and_requests_capture_nothing(ckpt, mode, 
     with SyncEngine(EngineConfig(**cfg)) as engine:
         graphs = engine.core.executor.graphs
         calls = engine.core.executor.graph_calls(mode, B, 2)
-        assert graphs.num_captures == len(calls) * len(graphs.buckets)  # buckets 1, 2, 4, 8, 16
+        # decode buckets 1, 2, 4, 8, 16 per call, and every prefill bucket (16 .. 2048 tokens)
+        assert graphs.num_captures == len(calls) * len(graphs.buckets) + len(graphs.prefill_layouts)
         captured_at_start = graphs.num_captures
         with_graphs = [o.outputs[0].token_ids for o in engine.generate_batch(prompts, params)]
         assert graphs.num_captures == captured_at_start  # 11 requests finishing at once: buckets 8 .. 16
