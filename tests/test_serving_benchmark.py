@@ -21,7 +21,8 @@ N, RATE = 8, 50.0
 WORKLOAD = dict(prompt_median=8, prompt_sigma=0.6, max_prompt_len=16, output_median=5, output_sigma=0.6,
                 max_tokens=10)
 ARGS = ["--device", "cpu", "--dtype", "float32", "--tiny", "--num-requests", str(N), "--block-size", "4",
-        "--max-num-seqs", str(N), "--rates", f"{RATE:g},inf"]
+        "--max-num-seqs", str(N), "--rates", f"{RATE:g},inf",
+        "--sample-interval", "0.001"]  # a toy round on a fast CPU can end within the default 50 ms
 ARGS += [x for k, v in WORKLOAD.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
