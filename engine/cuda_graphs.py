@@ -43,15 +43,13 @@ class GraphCache:
     they read and write (the executor builds a new cache when it reallocates them, on wake-up)."""
 
     def __init__(self, model: OuroForCausalLM, pool: KVPool, tables: BlockTables, retained_rows: torch.Tensor,
-                 max_num_seqs: int, device: torch.device, max_num_batched_tokens: int = 8192) -> None:
+                 max_num_seqs: int, device: torch.device, prefill_layouts: list[PrefillLayout]) -> None:
         self.model, self.pool, self.tables, self.retained_rows = model, pool, tables, retained_rows
         self.device = device
         self.block_size, self.total_ut_steps = pool.block_size, model.config.total_ut_steps
         self.max_num_seqs = max_num_seqs
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
-        cfg = model.config
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.prefill_layouts = prefill_graph.layouts_for(max_num_batched_tokens, max_num_seqs, cfg, pool.k.dtype)
+        self.prefill_layouts = prefill_layouts  # the executor's token buckets (prefill_graph.layouts_for)
         self.graphs: dict[tuple[GraphCall, int], _Graph] = {}  # (call, bucket) -> graph
         self.mempool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
@@ -160,16 +158,12 @@ class GraphCache:
         g.graph.replay()
         return [h[:n] for h in g.outputs]
 
-    def prefill_layout(self, num_tokens: int, num_chunks: int) -> PrefillLayout | None:
-        """The smallest bucket that holds a prefill of these chunks (None: run it eagerly)."""
-        return prefill_graph.smallest_layout(self.prefill_layouts, num_tokens, num_chunks)
-
     def prefill(self, layout: PrefillLayout, token_ids: list[list[int]], starts: list[int],
                 table_rows: list[int], device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Loops 1..T over prompt chunks (engine/prefill_graph.py) -> the loop-T readouts [layout.tokens, hidden]:
         the graph's static output, overwritten by its next replay (copy what must outlive the step).
         `device_ids`: the first ids, copied from the device after the packed vector (not read back yet)."""
-        values = layout.pack(token_ids, starts, table_rows, self.tables.scratch_row, self.group)
+        values = layout.pack(token_ids, starts, table_rows, self.tables.scratch_row)
         model, pool, tables = self.model, self.pool, self.tables
 
         def build(inp: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -81,7 +81,6 @@ class ModelExecutor(StepPhases):
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens  # sizes the prefill graphs' token buckets
         # fixed-shape prefill calls without graphs too (tests: the graphed path's logic, eagerly on the CPU)
         self.static_prefill = static_prefill
         self.prefill_layouts = layouts_for(max_num_batched_tokens, max_num_seqs, cfg, dtype)
@@ -96,7 +95,7 @@ class ModelExecutor(StepPhases):
 
     def _new_graph_cache(self) -> GraphCache:
         return GraphCache(self.model, self.pool, self.tables, self.kept_rows.rows, self.max_num_seqs, self.device,
-                          self.max_num_batched_tokens)
+                          self.prefill_layouts)
 
     @property
     def retained(self) -> dict[str, RetainedSpan]:

@@ -11,6 +11,8 @@ retained rows of every boundary request (loops first_loop..T), graphed per batch
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from scheduler.plan import DeepWork, PrefillWork, ShallowWork, StepPlan, VerifyResult
@@ -45,7 +47,7 @@ class StepPhases:
         """The prefill phase's readouts; `h_T`: its rows' loop-T readouts when a merged call computed them."""
         run = [w for w in works if w.token_ids]  # forks (sample_from) compute nothing
         lens = [len(w.token_ids) for w in run]
-        row_starts = [sum(lens[:i]) for i in range(len(run))]
+        row_starts = list(itertools.accumulate(lens, initial=0))[:-1]
         wants_prompt = any(w.prompt_logprobs is not None for w in run)
         if h_T is None:
             h_T = self._prefill_rows(run, lens, keep=wants_prompt)
@@ -72,9 +74,9 @@ class StepPhases:
 
     def _layout(self, num_tokens: int, num_chunks: int) -> PrefillLayout | None:
         """The bucket of a fixed-shape prefill call (graphed, or eager with static_prefill), or None."""
-        if self.graphs is not None:
-            return self.graphs.prefill_layout(num_tokens, num_chunks)
-        return smallest_layout(self.prefill_layouts, num_tokens, num_chunks) if self.static_prefill else None
+        if self.graphs is None and not self.static_prefill:
+            return None
+        return smallest_layout(self.prefill_layouts, num_tokens, num_chunks)
 
     def _static(self, layout: PrefillLayout, chunks: list[list[int]], starts: list[int], rows: list[int],
                 device_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,9 +84,7 @@ class StepPhases:
         next replay). `device_ids`: the first ids, from the device (tokens not read back yet)."""
         if self.graphs is not None:
             return self.graphs.prefill(layout, chunks, starts, rows, device_ids)
-        cfg = self.model_config
-        packed = self._index(layout.pack(chunks, starts, rows, self.tables.scratch_row,
-                                         cfg.num_attention_heads // cfg.num_key_value_heads))
+        packed = self._index(layout.pack(chunks, starts, rows, self.tables.scratch_row))
         if device_ids is not None:
             packed[:device_ids.shape[0]] = device_ids
         return prefill_graph.forward(self.model, self.pool, self.tables, layout, packed)

@@ -69,12 +69,13 @@ class PrefillLayout:
     chunks: int  # most chunks it holds; entry `chunks` is the padding chunk (no rows, the scratch row)
     tiles: int  # capacity of the tile map
     block_m: int  # the kernel's tile height at this bucket (query_tiling)
+    group: int  # query heads per kv head (GQA): a tile holds block_m // group rows
 
     @classmethod
     def for_bucket(cls, tokens: int, max_num_seqs: int, group: int, head_dim: int, fp32: bool) -> "PrefillLayout":
         chunks = min(MAX_GRAPH_CHUNKS, max_num_seqs + 1, tokens)  # + 1: a decode batch beside one chunk
         block_m, _ = query_tiling(tokens, group, head_dim, fp32)
-        return cls(tokens, chunks, max_tiles(tokens, chunks, group, block_m), block_m)
+        return cls(tokens, chunks, max_tiles(tokens, chunks, group, block_m), block_m, group)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -89,8 +90,8 @@ class PrefillLayout:
     def holds(self, num_tokens: int, num_chunks: int) -> bool:
         return num_tokens <= self.tokens and num_chunks <= self.chunks
 
-    def pack(self, token_ids: list[list[int]], starts: list[int], table_rows: list[int], scratch_row: int,
-             group: int) -> list[int]:
+    def pack(self, token_ids: list[list[int]], starts: list[int], table_rows: list[int],
+             scratch_row: int) -> list[int]:
         """The vector for chunks of `token_ids` at first positions `starts` of the requests in `table_rows`
         (BlockTables rows): the values of every field in `sizes` order, padded."""
         lens = [len(t) for t in token_ids]
@@ -111,7 +112,7 @@ class PrefillLayout:
                 + table_rows + [scratch_row] * chunks_pad
                 + [s + length for s, length in zip(starts, lens)] + [0] * chunks_pad
                 + offsets + [total] * chunks_pad
-                + tile_map(lens, group, self.block_m, self.tiles, pad_seq=pad))
+                + tile_map(lens, self.group, self.block_m, self.tiles, pad_seq=pad))
 
 
 def forward(model, pool: KVPool, tables: BlockTables, layout: PrefillLayout, packed: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class Rig:
         cfg = self.model.config
         layout = PrefillLayout.for_bucket(bucket, 8, self.group, cfg.head_dim, fp32=False)
         values = layout.pack([ids for _, ids in chunks.values()], [s for s, _ in chunks.values()], rows,
-                             self.tables.scratch_row, self.group)
+                             self.tables.scratch_row)
         assert len(values) == layout.length
         with torch.inference_mode():
             return forward(self.model, self.pool, self.tables, layout, torch.tensor(values, dtype=torch.int64))
@@ -95,7 +95,7 @@ def test_chunks_fresh_and_after_a_history_match_the_oracle(checkpoints, shape, s
 def test_layout_packs_every_field_and_pads_to_the_bucket():
     layout = PrefillLayout.for_bucket(32, 256, 2, 64, fp32=False)
     assert layout.chunks == min(MAX_GRAPH_CHUNKS, 32) and layout.block_m == 64
-    values = layout.pack([[5, 6, 7], [9]], [4, 0], [3, 1], scratch_row=99, group=2)
+    values = layout.pack([[5, 6, 7], [9]], [4, 0], [3, 1], scratch_row=99)
     f, at = {}, 0
     for name, size in layout.sizes.items():
         f[name], at = values[at:at + size], at + size
@@ -113,7 +113,7 @@ def test_layout_refuses_what_it_cannot_hold():
     layout = PrefillLayout.for_bucket(16, 3, 1, 64, fp32=False)  # 3 decode rows + 1 chunk
     assert layout.holds(16, 4) and not layout.holds(17, 1) and not layout.holds(5, 5)
     with pytest.raises(ValueError, match="5 chunks of 5 tokens do not fit a layout of 4 x 16"):
-        layout.pack([[1]] * 5, [0] * 5, [0] * 5, scratch_row=9, group=1)
+        layout.pack([[1]] * 5, [0] * 5, [0] * 5, scratch_row=9)
 
 
 @pytest.mark.parametrize("budget,expect", [(16, [16]), (100, [16, 32, 64, 100]), (512, [b for b in PREFILL_BUCKETS

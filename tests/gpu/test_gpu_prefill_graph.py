@@ -95,7 +95,7 @@ def test_steps_past_a_layout_run_eagerly(ckpt):
         rows = ex._prefill_rows
 
         def spy(run_, lens, keep):
-            seen.append((len(run_), ex.graphs.prefill_layout(sum(lens), len(run_)) is not None))
+            seen.append((len(run_), ex._layout(sum(lens), len(run_)) is not None))
             return rows(run_, lens, keep)
 
         ex._prefill_rows = spy
