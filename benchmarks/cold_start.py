@@ -4,7 +4,9 @@ For each config (interval1, deferred8 by default), two fresh subprocesses share 
 (Triton's on-disk cache; TRITON_CACHE_DIR is unset for them, so the engine's folder is the one used):
 
 - process 1, the folder empty: time to ready through the async ``Engine`` (split into weights, KV pool,
-  kernel warm-up, graph captures and the request warm-up: the ``engine_ready`` event's fields), and the
+  kernel warm-up, graph captures and the request warm-up: the ``engine_ready`` event's fields; the kernels
+  compile while the weights load, so "kernels" is the wait for them after the load plus the check pass;
+  the JSON also has the load's own breakdown and the compiles during each phase), and the
   time from the process's start (spawned by this script: interpreter and imports included) to ready,
   what a user waits; kernels compiled / loaded from the cache; then --rounds rounds (3 by default) of N
   prompts of P tokens x M tokens (temperature 1, ignore_eos, prefill included), each round its own
@@ -81,6 +83,9 @@ def child(args) -> dict:
                     phases={p: ev.get(f"{p}_s") for p in PHASES}, startup_s=ev.get("startup_s"),
                     kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
                     compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
+                    prefetch_kernels=_strip(events.get("warmup_kernels_prefetch")),
+                    compiled_during=ev.get("compiled_during"),
+                    weights_breakdown={k: v for k, v in ev.items() if k.startswith("weights_") and k != "weights_s"},
                     warmup_requests=_strip(events.get("warmup_requests")),
                     graph_seconds=events.get("cuda_graph_timings", {}).get("seconds"),
                     rounds=rounds, first_round_s=first, warm_round_s=warm, first_over_warm=first / warm,

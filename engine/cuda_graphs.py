@@ -3,8 +3,9 @@ the prefill, captured per bucket of tokens (engine/prefill_graph.py).
 
 The engine captures every bucket of the calls its mode makes at startup (``capture_all``, vLLM-style,
 logged as ``cuda_graphs_captured`` with its time); any other (call, loops, rows-per-request, bucket) is
-captured lazily the first time it is needed. A capture warms up twice on a side stream (Triton
-compiles, cuBLAS picks kernels), then captures. Replays copy the
+captured lazily the first time it is needed. A capture runs the call once eagerly on a side stream
+(cuBLAS's lazy set-up; the startup's kernel warm-up has compiled every Triton specialization by then, and
+a lazy capture compiles its own in that run), then captures. Replays copy the
 step's small index vectors (token ids, table rows, positions, retained-row slots) into the graph's
 static inputs; padding entries point at the scratch table row, whose blocks are the scratch block, so
 they write nowhere that matters. Fed token ids that a step not yet read back sampled (async scheduling)
@@ -31,6 +32,14 @@ from .prefill_graph import PrefillLayout
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
+WARMUP_RUNS = 1  # eager runs before a capture: cuBLAS's lazy set-up (every Triton kernel is compiled by then)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The request counts the shallow and deep calls are captured at (a call pads up to the next one)."""
+    return [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -48,7 +57,7 @@ class GraphCache:
         self.device = device
         self.block_size, self.total_ut_steps = pool.block_size, model.config.total_ut_steps
         self.max_num_seqs = max_num_seqs
-        self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.buckets = batch_buckets(max_num_seqs)
         self.prefill_layouts = prefill_layouts  # the executor's token buckets (prefill_graph.layouts_for)
         self.graphs: dict[tuple[GraphCall, int], _Graph] = {}  # (call, bucket) -> graph
         self.mempool = torch.cuda.graph_pool_handle()
@@ -96,7 +105,7 @@ class GraphCache:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(WARMUP_RUNS):
                 build(inputs)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.mempool):

@@ -44,6 +44,23 @@ from .retained import RetainedRows, RetainedSpan
 from . import weights
 
 
+def resolve_attention(attention: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
+    """The attention backend an executor runs: "auto" is the Triton kernel on CUDA where it supports the
+    shapes, else the reference torch path (the startup's kernel prefetch resolves it the same way)."""
+    if attention != "auto":
+        return attention
+    if device.type != "cuda":
+        return "torch"
+    from .triton_attention import supports
+
+    return "triton" if supports(head_dim, dtype) else "torch"
+
+
+def resolve_cuda_graphs(cuda_graphs: bool | None, device: torch.device, attention: str) -> bool:
+    """Whether the hot calls replay CUDA graphs: None means on CUDA with the Triton backend."""
+    return device.type == "cuda" and attention == "triton" if cuda_graphs is None else cuda_graphs
+
+
 class ModelExecutor(StepPhases):
     def __init__(self, model: OuroForCausalLM, pool: KVPool, device: torch.device | str = "cpu", *,
                  logprobs_mode: str, max_num_seqs: int = 256, max_blocks_per_seq: int = 256,
@@ -58,13 +75,7 @@ class ModelExecutor(StepPhases):
         cfg = model.config
         self.total_ut_steps = cfg.total_ut_steps
         self.block_size = pool.block_size
-        if attention == "auto":
-            from_triton = self.device.type == "cuda"
-            if from_triton:
-                from .triton_attention import supports
-
-                from_triton = supports(cfg.head_dim, pool.k.dtype)
-            attention = "triton" if from_triton else "torch"
+        attention = resolve_attention(attention, self.device, cfg.head_dim, pool.k.dtype)
         self.attention = attention
         model.set_attention_backend(attention)
         self.tables = BlockTables(max_num_seqs, max_blocks_per_seq, pool.scratch_block, self.device)
@@ -78,8 +89,7 @@ class ModelExecutor(StepPhases):
         self._failed: set[str] = set()  # requests a phase of the step last launched failed
         # Tests set this to raise inside a phase: called as fault_hook(phase, request_ids) at its start.
         self.fault_hook: Callable[[Phase, tuple[str, ...]], None] | None = None
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and attention == "triton"
+        cuda_graphs = resolve_cuda_graphs(cuda_graphs, self.device, attention)
         self.max_num_seqs = max_num_seqs
         # fixed-shape prefill calls without graphs too (tests: the graphed path's logic, eagerly on the CPU)
         self.static_prefill = static_prefill

@@ -3,7 +3,8 @@
 Theory of operation. Triton compiles a kernel once per *specialization*: its constexpr arguments (the
 paged attention's BLOCK_M, BLOCK_N, SPLIT, ...; num_warps, num_stages) and the class of each int
 argument (== 1, divisible by 16, other) and pointer (16-byte aligned or not). The graphed calls
-(cuda_graphs.py) fix theirs per batch-size bucket and compile when captured; the eager calls pick
+(cuda_graphs.py) fix theirs per bucket (requests for the decode calls, tokens for the prefill's tiled
+launches), which would otherwise compile one by one inside the startup's captures; the eager calls pick
 theirs from host ints at run time: a prefill chunk after a history (the paged kernel, rows x chunks), verify's
 deep call and a varlen deep call (requests x rows), the sampler's fast path (the row count's parity moves
 a pointer's alignment), the skinny GEMMs (rows). So the first requests would compile what startup did not.
@@ -12,7 +13,9 @@ This module enumerates the host ints each call can be given by the engine's limi
 max_num_batched_tokens, max_model_len, deep_interval), maps each to its specialization key with the
 same Triton-free rules the kernels dispatch by (attention_dispatch.choose_config / query_tiling,
 gemm_dispatch.gemm_config), keeps one representative per key and launches it on scratch tensors
-(nothing the engine reads is written). The launches run in threads: a compile spends much of its time
+(nothing the engine reads is written). The shapes come from the config alone (``kernel_shapes``), so the
+engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it again,
+as a check that costs only launches, once the executor exists. The launches run in threads: a compile spends much of its time
 in LLVM and ptxas with the GIL released. One launch per kernel runs first on its own (Triton builds a
 kernel's per-device cache on first use, which two threads would race to create).
 
@@ -33,8 +36,10 @@ from typing import Callable
 import torch
 
 from .attention import MAX_KERNEL_HISTORY_ROWS
-from .attention_dispatch import LAUNCH_TABLE, choose_config, query_tiling
+from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
+from .cuda_graphs import batch_buckets
 from .gemm_dispatch import GEMM_TABLE, gemm_config
+from .prefill_graph import PrefillLayout, prefill_buckets
 
 NUM_THREADS = min(8, os.cpu_count() or 1)  # compile threads (benchmarks/cold_start.py --threads sets it)
 
@@ -62,6 +67,7 @@ class KernelShapes:
     num_sms: int
     buckets: tuple[int, ...] | None  # the graphed calls' batch sizes (None: decode calls run eagerly)
     triton_attention: bool  # the paged kernel and the fused elementwise kernels run (attention_backend triton)
+    prefill_buckets: tuple[int, ...] = ()  # the graphed prefill's token buckets (prefill_graph; () without graphs)
 
     @property
     def group(self) -> int:
@@ -80,6 +86,7 @@ class AttentionCase:
     seqs: int  # requests in the call
     max_rows: int  # new rows of the longest
     rows: int  # new rows of all of them (max_rows + seqs - 1 <= rows <= seqs * max_rows)
+    tiles: int = 0  # > 0: a graphed prefill's launch, walking a tile map of this many entries (seqs: chunks + 1)
 
 
 @dataclass(frozen=True)
@@ -111,20 +118,46 @@ def _families(s: KernelShapes) -> list[_Family]:
     return fams
 
 
-def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int) -> tuple:
-    """The specialization a paged-kernel call compiles (and the combine kernel's, when it splits)."""
-    config = choose_config(seqs, s.num_kv_heads, max_rows * s.group, s.head_dim, s.num_sms)
+def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: int = 0) -> tuple:
+    """The specialization a paged-kernel call compiles (and the combine kernel's, when it splits); `tiles` > 0:
+    a graphed prefill's launch over a tile map (TILED: its own kernel variant)."""
+    config = case_config(s, AttentionCase(seqs, max_rows, rows, tiles))
     block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
-    key: tuple = (config, block_m, int_class(m_tiles))
+    key: tuple = (config, block_m, int_class(m_tiles)) + (("tiled",) if tiles else ())
     if config.splits > 1:  # the partials' strides: rows x heads x head_dim and rows x heads
         key += (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads))
     return key
 
 
+def case_config(s: KernelShapes, case: AttentionCase) -> LaunchConfig:
+    """The launch config the kernel's dispatch picks for this call (triton_attention.default_config)."""
+    tile = case.max_rows * s.group
+    if case.tiles:  # each (tile, kv head) program counts as one sequence of one M tile
+        block_m, _ = query_tiling(case.max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
+        return choose_config(case.tiles, s.num_kv_heads, min(tile, block_m), s.head_dim, s.num_sms)
+    return choose_config(case.seqs, s.num_kv_heads, tile, s.head_dim, s.num_sms)
+
+
+def prefill_cases(s: KernelShapes) -> list[AttentionCase]:
+    """One tiled launch per distinct specialization among the graphed prefill's buckets: a bucket of t
+    tokens calls the kernel on t rows (max_rows t) of its layout's chunks + 1 sequences, over its tile map."""
+    found: dict[tuple, AttentionCase] = {}
+    for tokens in s.prefill_buckets:
+        layout = PrefillLayout.for_bucket(tokens, s.max_num_seqs, s.group, s.head_dim, s.dtype == torch.float32)
+        case = AttentionCase(layout.chunks + 1, tokens, tokens, layout.tiles)
+        found.setdefault(attention_key(s, case.seqs, tokens, tokens, case.tiles), case)
+    return list(found.values())
+
+
 def attention_cases(s: KernelShapes) -> list[AttentionCase]:
-    """One call per distinct specialization of every call the engine can make with the paged kernel."""
+    """One call per distinct specialization of every call the engine can make with the paged kernel: the
+    eager and graphed decode-shaped calls, then the graphed prefill's tiled ones (prefill_cases)."""
     if not s.triton_attention:
         return []
+    return _untiled_cases(s) + prefill_cases(s)
+
+
+def _untiled_cases(s: KernelShapes) -> list[AttentionCase]:
     # choose_config reads the tile only through LAUNCH_TABLE's max_tile bounds: one lookup per bound class
     bounds = sorted({row[1] for row in LAUNCH_TABLE})
     memo: dict[tuple[int, tuple[bool, ...]], tuple] = {}
@@ -188,15 +221,19 @@ def _row_counts(case: AttentionCase) -> list[int]:
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
     from .triton_attention import triton_paged_attention
 
-    counts = _row_counts(case)
     q = torch.zeros(case.rows, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
     plane = torch.zeros(1, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)  # block 0
     tables = torch.zeros(case.seqs, s.table_width, dtype=torch.int32, device=device)
-    lens = torch.tensor(counts, dtype=torch.int32)
+    tiles = None
+    if case.tiles:  # every tile names the last sequence, which has no rows (a bucket of padding only)
+        lens = torch.zeros(case.seqs, dtype=torch.int32)
+        tiles = torch.tensor([case.seqs - 1, 0] * case.tiles, dtype=torch.int32).view(-1, 2).to(device)
+    else:
+        lens = torch.tensor(_row_counts(case), dtype=torch.int32)
     starts = torch.zeros(case.seqs + 1, dtype=torch.int32)
     starts[1:] = lens.cumsum(0)
     triton_paged_attention(q, plane, plane, tables, lens.to(device), starts.to(device), case.max_rows,
-                           s.head_dim ** -0.5)
+                           s.head_dim ** -0.5, tiles)
 
 
 # ---------------------------------------------------------------------------------------- the other kernels
@@ -274,7 +311,7 @@ def _tasks(s: KernelShapes, device: torch.device) -> list[list[tuple[str, Callab
     cases = attention_cases(s)
 
     def splits(c: AttentionCase) -> int:
-        return choose_config(c.seqs, s.num_kv_heads, c.max_rows * s.group, s.head_dim, s.num_sms).splits
+        return case_config(s, c).splits
 
     def combine_key(c: AttentionCase) -> tuple | None:
         n = splits(c)
@@ -336,15 +373,25 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,
               num_sms: int | None = None) -> KernelShapes:
     """The KernelShapes of a built executor (its model, pool, block tables and graph buckets)."""
-    cfg = executor.model.config
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(executor.device).multi_processor_count
+    return kernel_shapes(executor.model.config, executor.dtype, executor.head_dtype, block_size=executor.block_size,
+                         table_width=executor.tables.width, max_num_seqs=executor.max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, mode=mode,
+                         deep_interval=deep_interval, attention=executor.attention,
+                         cuda_graphs=executor.graphs is not None, num_sms=num_sms)
+
+
+def kernel_shapes(cfg, dtype: torch.dtype, head_dtype: torch.dtype | None, *, block_size: int, table_width: int,
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,
+                  attention: str, cuda_graphs: bool, num_sms: int) -> KernelShapes:
+    """The KernelShapes of an engine of this model config (OuroConfig), limits, resolved attention backend and
+    graph setting: shapes_of (a built executor) and the startup's prefetch (before any weight) build them here."""
     return KernelShapes(
         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-        eps=cfg.rms_norm_eps, dtype=executor.dtype, logits_dtype=executor.head_dtype or executor.dtype,
-        block_size=executor.block_size, table_width=executor.tables.width, max_num_seqs=executor.max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, mode=mode,
-        deep_interval=deep_interval, num_sms=num_sms,
-        buckets=tuple(executor.graphs.buckets) if executor.graphs is not None else None,
-        triton_attention=executor.attention == "triton")
+        eps=cfg.rms_norm_eps, dtype=dtype, logits_dtype=head_dtype or dtype, block_size=block_size,
+        table_width=table_width, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, mode=mode, deep_interval=deep_interval, num_sms=num_sms,
+        buckets=tuple(batch_buckets(max_num_seqs)) if cuda_graphs else None, triton_attention=attention == "triton",
+        prefill_buckets=tuple(prefill_buckets(max_num_batched_tokens)) if cuda_graphs else ())

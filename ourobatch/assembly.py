@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 
 from engine.config import OuroConfig
-from engine.executor import ModelExecutor
+from engine.executor import ModelExecutor, resolve_attention, resolve_cuda_graphs
 from engine.kv_cache import KVPool
-from engine.loader import expected_shapes, load_model
+from engine.loader import LoadTimings, expected_shapes, load_model
 from engine.model import OuroForCausalLM
 from scheduler.config import SchedulerConfig, check_shallow_loops
 from ourobatch.runtime.engine_core import EngineCore
@@ -19,7 +19,7 @@ from ourobatch.log import get_logger
 
 from .compile_cache import StartupCompiles
 from .config import EngineConfig
-from .warmup import StartupClock, WarmupPlan, warm_up
+from .warmup import StartupClock, WarmupPlan, prefetch_kernels, warm_up
 
 log = get_logger()
 
@@ -152,6 +152,25 @@ def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]
     return mc, dtype
 
 
+def kernel_shapes_for(config: EngineConfig, mc: OuroConfig, dtype: torch.dtype, max_model_len: int,
+                      num_sms: int | None = None):
+    """The kernel warm-up's shapes (engine/kernel_warmup.KernelShapes) of the engine this config builds,
+    before any weight is loaded: the executor's own choices (attention backend, graphs, buckets) resolved
+    the way it resolves them. `num_sms`: the device's (asked when None)."""
+    from engine import kernel_warmup
+
+    device = torch.device(config.device)
+    attention = resolve_attention(config.attention_backend, device, mc.head_dim, dtype)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return kernel_warmup.kernel_shapes(
+        mc, dtype, resolve_head_dtype(config), block_size=config.block_size,
+        table_width=math.ceil(max_model_len / config.block_size), max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, mode=config.mode,
+        deep_interval=config.deep_interval, attention=attention,
+        cuda_graphs=resolve_cuda_graphs(config.cuda_graphs, device, attention), num_sms=num_sms)
+
+
 def tensor_names(mc: OuroConfig) -> list[str]:
     """The tensors a full weight load must cover (a tied lm_head is the embedding's storage)."""
     return [n for n in expected_shapes(mc) if not (mc.tie_word_embeddings and n == "lm_head.weight")]
@@ -167,10 +186,14 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,
                     max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
-    clock, compiles = StartupClock(), StartupCompiles(config.compile_cache_dir, config.device)
-    with clock.phase("weights"):
+    compiles = StartupCompiles(config.compile_cache_dir, config.device)
+    clock, loading = StartupClock(counter=compiles.counter), LoadTimings() if model is None else None
+    plan = WarmupPlan.for_engine(config.warmup, config.device)
+    shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
+    # the kernels compile while the weights load (they need only the config's shapes)
+    with prefetch_kernels(shapes, config.device, clock, should_stop), clock.phase("weights"):
         if model is None:
-            model = load_model(config.model, dtype, config.device, should_stop)
+            model = load_model(config.model, dtype, config.device, should_stop, loading)
             model.fuse_projections()
     with clock.phase("kv_pool"):
         num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
@@ -183,8 +206,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                              max_num_batched_tokens=config.max_num_batched_tokens)
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
     # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
-    warm_up(executor, scheduler_config, WarmupPlan.for_engine(config.warmup, config.device), clock,
-            seed=config.seed, async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
+    warm_up(executor, scheduler_config, plan, clock, seed=config.seed, async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,
@@ -198,6 +220,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                       tensor_names=lambda: tensor_names(mc), async_scheduling=resolve_async_scheduling(config))
     log.info("engine_ready", model=str(config.model), mode=config.mode, deep_interval=config.deep_interval,
              shallow_loops=config.shallow_loops, max_model_len=max_model_len, kv_blocks=num_blocks,
-             dtype=str(dtype), device=config.device, **clock.fields())
+             dtype=str(dtype), device=config.device, **clock.fields(),
+             **(loading.fields() if loading is not None else {}))
     compiles.log()
     return core

@@ -6,7 +6,10 @@ after a history, verify's deep call, the sampler's variants, ...). ``warm_up`` r
 exists and before the engine reports ready:
 
 1. ``kernels`` (CUDA): one launch of every kernel specialization the configured limits reach
-   (engine/kernel_warmup.py), in threads, before the graph captures, which then find theirs compiled;
+   (engine/kernel_warmup.py), in threads. Their shapes need only the config, so ``prefetch_kernels``
+   starts them before the weights load and the compiles overlap the load (assembly.py); the pass here,
+   once the executor exists, then finds every kernel compiled and only checks (a launch each). The
+   graph captures and the request pass after it compile nothing (engine_ready's ``compiled_during``);
 2. ``graphs``: the CUDA graph captures of every bucket of the mode's calls (engine/cuda_graphs.py);
 3. ``requests``: a few rounds of dummy requests through a scratch EngineCore (its own Scheduler, this
    executor): a prefill of the whole token budget, a prefix-cache hit (a chunk after cached blocks), n = 2,
@@ -24,10 +27,14 @@ at small sizes on any device (the tests do). Each phase is logged with its time.
 from __future__ import annotations
 
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
+
+import torch
 
 from scheduler.config import SchedulerConfig
 from scheduler.errors import EngineClosedError
@@ -62,24 +69,68 @@ class WarmupPlan:
 
 @dataclass
 class StartupClock:
-    """Seconds per startup phase (weights, kv_pool, kernels, graphs, requests), in order."""
+    """Seconds per startup phase (weights, kv_pool, kernels, graphs, requests), in order, and with a compile
+    counter (ourobatch/compile_cache.py), the Triton kernels compiled during each (in any thread: the kernel
+    prefetch compiles while the weights load)."""
 
+    counter: Any = None  # CompileCounter or None
     seconds: dict[str, float] = field(default_factory=dict)
+    compiled: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t = time.perf_counter()
+        t, before = time.perf_counter(), self.counter.snapshot().compiled if self.counter is not None else 0
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+            if self.counter is not None:
+                self.compiled[name] = self.compiled.get(name, 0) + self.counter.snapshot().compiled - before
 
-    def fields(self) -> dict[str, float]:
-        """engine_ready's timing fields: startup_s and <phase>_s."""
-        out = {f"{k}_s": round(v, 3) for k, v in self.seconds.items()}
+    def fields(self) -> dict[str, Any]:
+        """engine_ready's timing fields: startup_s, <phase>_s and (with a counter) compiled_during."""
+        out: dict[str, Any] = {f"{k}_s": round(v, 3) for k, v in self.seconds.items()}
         out["startup_s"] = round(time.perf_counter() - self.started, 3)
+        if self.counter is not None:
+            out["compiled_during"] = dict(self.compiled)
         return out
+
+
+@contextmanager
+def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: StartupClock,
+                     should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Compile every kernel specialization while the block's body (the weight load) runs: `shapes()`
+    (engine/kernel_warmup.KernelShapes) needs only the config, and the compiles spend most of their time in
+    LLVM and ptxas, beside the load's copies. The wait for the rest at the block's end counts as the
+    "kernels" phase. A body that raises stops it after the launches under way; no thread outlives the block.
+    A prefetch that fails only logs a warning: warm_up's kernel pass, after the executor exists, compiles
+    whatever it missed. `shapes` None: nothing to prefetch (CPU, or warmup off)."""
+    if shapes is None:
+        yield
+        return
+    from engine import kernel_warmup
+
+    stop = threading.Event()
+
+    def run() -> "kernel_warmup.KernelReport":
+        return kernel_warmup.warm_kernels(shapes(), torch.device(device),
+                                          should_stop=lambda: stop.is_set() or bool(should_stop and should_stop()))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ourobatch-prefetch") as pool:
+        future = pool.submit(run)
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            with clock.phase("kernels"):
+                wait([future])
+    if future.exception() is not None:
+        log.warning("warmup_kernels_prefetch_failed", error=f"{type(future.exception()).__name__}: {future.exception()}")
+    else:
+        _log_kernels("warmup_kernels_prefetch", future.result())
 
 
 def warm_up(executor, scheduler_config: SchedulerConfig, plan: WarmupPlan, clock: StartupClock, *,
@@ -116,10 +167,15 @@ def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool]
     from engine import kernel_warmup
 
     shapes = kernel_warmup.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
-    report = kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop)
+    _log_kernels("warmup_kernels", kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop))
+
+
+def _log_kernels(event: str, report) -> None:
+    from engine import kernel_warmup
+
     for failure in report.failures:
         log.warning("warmup_kernel_failed", error=failure)
-    log.info("warmup_kernels", launches=report.cases, seconds=round(report.seconds, 2),
+    log.info(event, launches=report.cases, seconds=round(report.seconds, 2),
              sequential_seconds=round(report.task_seconds, 2), threads=kernel_warmup.NUM_THREADS,
              failures=len(report.failures))
 

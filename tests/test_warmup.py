@@ -20,6 +20,7 @@ from ourobatch import compile_cache
 from ourobatch.assembly import build_engine_core
 from engine import kernel_warmup
 from engine.cuda_graphs import BUCKETS
+from engine.prefill_graph import prefill_buckets
 from engine.gemm_dispatch import GemmConfig
 from ourobatch.runtime.engine_core import request_seed
 from ourobatch.testing import make_tiny_checkpoint
@@ -273,6 +274,95 @@ def test_no_paged_kernel_without_the_triton_backend():
     assert kernel_warmup.attention_cases(kernel_warmup.KernelShapes(**{**s.__dict__, "triton_attention": False})) == []
 
 
+@pytest.mark.parametrize("kv_heads,N,budget,dtype", [(16, 64, 8192, torch.bfloat16), (2, 256, 512, torch.bfloat16),
+                                                      (4, 8, 2048, torch.float32), (16, 300, 100, torch.bfloat16)])
+def test_one_tiled_launch_per_specialization_of_the_graphed_prefill(kv_heads, N, budget, dtype):
+    """Every bucket's tiled call (the forward of engine/prefill_graph.py: the bucket's rows, its layout's
+    chunks + 1 sequences and tile map) maps to one launched case, and no two cases share a specialization."""
+    from engine.prefill_graph import layouts_for
+
+    s = kernel_warmup.KernelShapes(**{**shapes(kv_heads=kv_heads, N=N, budget=budget, dtype=dtype).__dict__,
+                                      "prefill_buckets": tuple(prefill_buckets(budget))})
+    mc = type("Cfg", (), dict(num_attention_heads=16, num_key_value_heads=kv_heads, head_dim=128))
+    keys = {kernel_warmup.attention_key(s, layout.chunks + 1, layout.tokens, layout.tokens, layout.tiles)
+            for layout in layouts_for(budget, N, mc, dtype)}
+    cases = kernel_warmup.prefill_cases(s)
+    assert {kernel_warmup.attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles) for c in cases} == keys
+    assert len(cases) == len(keys)
+    assert all(c.tiles > 0 and c.rows == c.max_rows for c in cases)
+    untiled = kernel_warmup.attention_cases(kernel_warmup.KernelShapes(**{**s.__dict__, "prefill_buckets": ()}))
+    assert kernel_warmup.attention_cases(s) == untiled + cases
+
+
+def test_the_prefetch_shapes_are_the_built_executors(ckpts):
+    """The kernel prefetch builds its shapes from the config before any weight loads: they must be the
+    ones the executor, once built, reports (else the prefetch compiles the wrong specializations)."""
+    from engine.config import OuroConfig
+    from ourobatch.assembly import effective_max_model_len, kernel_shapes_for, resolve_dtype
+
+    for kw in (dict(), dict(mode="verify", B=3), dict(head_dtype="float32", cuda_graphs=False)):
+        cfg = config(ckpts["gqa"], **kw)
+        core = build_engine_core(cfg)
+        sc, mc = core.scheduler.config, OuroConfig.from_checkpoint(cfg.model)
+        built = kernel_warmup.shapes_of(core.executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode,
+                                        sc.deep_interval, num_sms=132)
+        assert kernel_shapes_for(cfg, mc, resolve_dtype(cfg), effective_max_model_len(cfg, mc), num_sms=132) == built
+        core.close()
+
+
+def test_graphed_shapes_list_the_decode_and_prefill_buckets():
+    """With graphs, the shapes name the buckets both graphed calls are captured at; without, none."""
+    from engine.config import OuroConfig
+    from engine.cuda_graphs import batch_buckets
+
+    mc = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=67, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    common = dict(block_size=16, table_width=8, max_num_seqs=40, max_num_batched_tokens=600, max_model_len=128,
+                  mode="deferred", deep_interval=4, num_sms=132)
+    on = kernel_warmup.kernel_shapes(mc, torch.bfloat16, None, attention="triton", cuda_graphs=True, **common)
+    assert on.buckets == (1, 2, 4, 8, 16, 24, 32, 40) == tuple(batch_buckets(40)) and on.triton_attention
+    assert on.prefill_buckets == (16, 32, 64, 128, 256, 384, 512, 600)
+    off = kernel_warmup.kernel_shapes(mc, torch.bfloat16, torch.float32, attention="torch", cuda_graphs=False, **common)
+    assert off.buckets is None and off.prefill_buckets == () and off.logits_dtype == torch.float32
+
+
+def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fails():
+    """prefetch_kernels: the warm-up runs in its own thread while the body runs, the block waits for it
+    (the wait counted as the "kernels" phase), a failing body stops it and still joins it, and a failing
+    prefetch only warns."""
+    import threading
+
+    from structlog.testing import capture_logs
+
+    from ourobatch.warmup import StartupClock, prefetch_kernels
+
+    s = kernel_warmup.KernelShapes(**{**shapes(graphs=False).__dict__, "triton_attention": False,
+                                      "vocab_size": 67, "dtype": torch.float32, "logits_dtype": torch.float32})
+    seen = []
+    clock = StartupClock()
+    with capture_logs() as logs:
+        with prefetch_kernels(lambda: seen.append(threading.current_thread().name) or s, "cpu", clock):
+            pass
+    assert seen and seen[0].startswith("ourobatch-prefetch") and "kernels" in clock.seconds
+    done = [e for e in logs if e["event"] == "warmup_kernels_prefetch"]
+    assert len(done) == 1 and done[0]["launches"] == {"sampler": 1} and done[0]["failures"] == 0
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="load failed"):
+        with prefetch_kernels(lambda: s, "cpu", StartupClock()):
+            raise RuntimeError("load failed")
+    assert not [t for t in threading.enumerate() if t.name not in before and t.name.startswith("ourobatch-")]
+
+    def broken():
+        raise ValueError("no device properties")
+
+    with capture_logs() as logs:
+        with prefetch_kernels(broken, "cpu", StartupClock()):
+            pass
+    warned = [e for e in logs if e["event"] == "warmup_kernels_prefetch_failed"]
+    assert len(warned) == 1 and "no device properties" in warned[0]["error"]
+
+
 def test_one_gemm_launch_per_tile_and_row_class():
     table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
     rows = kernel_warmup.gemm_rows(shapes(), table)
@@ -286,7 +376,8 @@ import torch
 from engine import kernel_warmup as kw
 for dtype in (torch.float32, torch.bfloat16):
     s = kw.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
-                        (1, 2, 4), True)
+                        (1, 2, 4), True, (16, 24))
+    assert kw.prefill_cases(s)  # the graphed prefill's tiled launches too
     report = kw.warm_kernels(s, torch.device("cpu"), threads=1)  # the interpreter is not thread-safe
     assert not report.failures, report.failures
     assert report.cases["attention"] == len(kw.attention_cases(s)) and report.cases["fused"] == 1

@@ -1,7 +1,8 @@
 """The startup warm-up on the GPU: after ready, a first round of mixed requests compiles no Triton kernel
 (counted by the compilation listener ourobatch/compile_cache.py installs) and captures no CUDA graph
-(GraphCache.num_captures), in every mode; its tokens equal an engine's without the warm-up; and a second
-process with the same compile_cache_dir loads every kernel from the disk cache instead of compiling it."""
+(GraphCache.num_captures), in every mode, and its tokens equal an engine's without the warm-up; the
+startup's graph captures and request pass compile nothing either (the kernel passes compiled it all); a
+second process with the same compile_cache_dir loads every kernel from the disk cache instead of compiling it."""
 
 from __future__ import annotations
 
@@ -66,12 +67,14 @@ def test_after_startup_a_first_round_compiles_and_captures_nothing(ckpt, mode, B
 
 CHILD = """
 import json, sys
+from structlog.testing import capture_logs
 from ourobatch import EngineConfig, SyncEngine, compile_cache
 cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verify", deep_interval=3,
                    **json.loads(sys.argv[3]))
-with SyncEngine(cfg) as engine:
+with capture_logs() as logs, SyncEngine(cfg) as engine:
     counts = compile_cache.compile_counts()
-print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded)))
+ready = [e for e in logs if e["event"] == "engine_ready"][0]
+print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded, during=ready["compiled_during"])))
 """
 
 
@@ -85,5 +88,9 @@ def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_pat
         runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["compiled"] > 0
+    # every kernel compiles in the kernel passes (the prefetch beside the weight load, then the check after
+    # it), none inside the graph captures or the request pass, where they would compile one at a time
+    assert first["during"]["graphs"] == 0 and first["during"]["requests"] == 0, first["during"]
+    assert sum(first["during"].values()) == first["compiled"]
     assert second["compiled"] == 0 and second["loaded"] >= first["compiled"] > 0
     assert (tmp_path / "cache" / "triton").is_dir()
