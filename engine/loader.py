@@ -282,6 +282,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     config = OuroConfig.from_checkpoint(path)
     state = load_state_dict(path, config, dtype, device, should_stop, timings)
     with torch.device("meta"):
-        model = OuroForCausalLM(config)
+        model = OuroForCausalLM(config, init_weights=False)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

@@ -214,19 +214,22 @@ class OuroDecoderLayer(nn.Module):
 
 
 class OuroModel(nn.Module):
-    def __init__(self, config: OuroConfig) -> None:
+    def __init__(self, config: OuroConfig, init_weights: bool = True) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        V, H = config.vocab_size, config.hidden_size
+        # init_weights=False (the loaders, on the meta device): no normal_ init of the embedding, which on
+        # meta runs through torch._refs and imports torch._dynamo and sympy (1-4 s of an engine's startup)
+        self.embed_tokens = nn.Embedding(V, H) if init_weights else nn.Embedding(V, H, _weight=torch.empty(V, H))
         self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # at the end of every loop
         self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
 
 
 class OuroForCausalLM(nn.Module):
-    def __init__(self, config: OuroConfig) -> None:
+    def __init__(self, config: OuroConfig, init_weights: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.model = OuroModel(config)
+        self.model = OuroModel(config, init_weights)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.fused_kernels = False

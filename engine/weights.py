@@ -110,7 +110,7 @@ def rebuild_model(config: OuroConfig, state: dict[str, torch.Tensor] | None, dty
     zeros in every tensor: the caller must then load every tensor before serving (the engine refuses
     until then)."""
     with torch.device("meta"):
-        model = OuroForCausalLM(config)
+        model = OuroForCausalLM(config, init_weights=False)
     if state is not None:
         state = {name: t.to(device=device, non_blocking=True) for name, t in state.items()}
     else:

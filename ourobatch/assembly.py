@@ -154,16 +154,16 @@ def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]
 
 def kernel_shapes_for(config: EngineConfig, mc: OuroConfig, dtype: torch.dtype, max_model_len: int,
                       num_sms: int | None = None):
-    """The kernel warm-up's shapes (engine/kernel_warmup.KernelShapes) of the engine this config builds,
+    """The kernel warm-up's shapes (engine/kernel_cases.KernelShapes) of the engine this config builds,
     before any weight is loaded: the executor's own choices (attention backend, graphs, buckets) resolved
     the way it resolves them. `num_sms`: the device's (asked when None)."""
-    from engine import kernel_warmup
+    from engine import kernel_cases
 
     device = torch.device(config.device)
     attention = resolve_attention(config.attention_backend, device, mc.head_dim, dtype)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return kernel_warmup.kernel_shapes(
+    return kernel_cases.kernel_shapes(
         mc, dtype, resolve_head_dtype(config), block_size=config.block_size,
         table_width=math.ceil(max_model_len / config.block_size), max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, mode=config.mode,

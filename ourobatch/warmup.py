@@ -101,7 +101,7 @@ class StartupClock:
 def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: StartupClock,
                      should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
     """Compile every kernel specialization while the block's body (the weight load) runs: `shapes()`
-    (engine/kernel_warmup.KernelShapes) needs only the config, and the compiles spend most of their time in
+    (engine/kernel_cases.KernelShapes) needs only the config, and the compiles spend most of their time in
     LLVM and ptxas, beside the load's copies. The wait for the rest at the block's end counts as the
     "kernels" phase. A body that raises stops it after the launches under way; no thread outlives the block.
     A prefetch that fails only logs a warning: warm_up's kernel pass, after the executor exists, compiles
@@ -164,9 +164,9 @@ def _stopped(should_stop: Callable[[], bool] | None, executor) -> bool:
 
 
 def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
-    from engine import kernel_warmup
+    from engine import kernel_cases, kernel_warmup
 
-    shapes = kernel_warmup.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
+    shapes = kernel_cases.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
     _log_kernels("warmup_kernels", kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop))
 
 

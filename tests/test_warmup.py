@@ -14,11 +14,13 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ourobatch import EngineConfig, SamplingParams
 from ourobatch import compile_cache
 from ourobatch.assembly import build_engine_core
-from engine import kernel_warmup
+from engine import kernel_cases, kernel_warmup
 from engine.cuda_graphs import BUCKETS
 from engine.prefill_graph import prefill_buckets
 from engine.gemm_dispatch import GemmConfig
@@ -232,11 +234,11 @@ def test_a_cpu_engine_imports_no_triton_and_sets_no_cache_folder(ckpts, tmp_path
 
 def shapes(kv_heads=16, mode="deferred", B=1, N=64, budget=8192, L=4096, graphs=True, dtype=torch.bfloat16):
     buckets = tuple([b for b in BUCKETS if b < N] + [N]) if graphs else None
-    return kernel_warmup.KernelShapes(16, kv_heads, 128, 2048, 5632, 49152, 1e-6, dtype, dtype, 16, L // 16, N,
+    return kernel_cases.KernelShapes(16, kv_heads, 128, 2048, 5632, 49152, 1e-6, dtype, dtype, 16, L // 16, N,
                                       budget, L, mode, B, 132, buckets, True)
 
 
-def reachable(s: kernel_warmup.KernelShapes):
+def reachable(s: kernel_cases.KernelShapes):
     """(requests, longest rows, total rows) of every paged-kernel call the engine can make, written out
     from the call sites: graphed decode calls at each bucket (1 row; deferred deep: up to B rows), prefill
     chunks after a history (<= 64 rows each, <= the token budget in all), verify's deep call (<= B + 1)."""
@@ -260,18 +262,18 @@ def reachable(s: kernel_warmup.KernelShapes):
                                 dict(N=32, budget=48, L=256, dtype=torch.float32)])
 def test_one_launch_per_specialization_covers_every_reachable_call(kw):
     s = shapes(**kw)
-    keys = {kernel_warmup.attention_key(s, *call) for call in reachable(s)}
-    cases = kernel_warmup.attention_cases(s)
-    assert {kernel_warmup.attention_key(s, c.seqs, c.max_rows, c.rows) for c in cases} == keys
+    keys = {kernel_cases.attention_key(s, *call) for call in reachable(s)}
+    cases = kernel_cases.attention_cases(s)
+    assert {kernel_cases.attention_key(s, c.seqs, c.max_rows, c.rows) for c in cases} == keys
     assert len(cases) == len(keys)  # one launch each
     for c in cases:  # a launchable split of the rows: the first request has max_rows, none has more
-        counts = kernel_warmup._row_counts(c)
+        counts = kernel_cases._row_counts(c)
         assert len(counts) == c.seqs and sum(counts) == c.rows and max(counts) == c.max_rows and min(counts) >= 1
 
 
 def test_no_paged_kernel_without_the_triton_backend():
     s = shapes()
-    assert kernel_warmup.attention_cases(kernel_warmup.KernelShapes(**{**s.__dict__, "triton_attention": False})) == []
+    assert kernel_cases.attention_cases(kernel_cases.KernelShapes(**{**s.__dict__, "triton_attention": False})) == []
 
 
 @pytest.mark.parametrize("kv_heads,N,budget,dtype", [(16, 64, 8192, torch.bfloat16), (2, 256, 512, torch.bfloat16),
@@ -281,17 +283,17 @@ def test_one_tiled_launch_per_specialization_of_the_graphed_prefill(kv_heads, N,
     chunks + 1 sequences and tile map) maps to one launched case, and no two cases share a specialization."""
     from engine.prefill_graph import layouts_for
 
-    s = kernel_warmup.KernelShapes(**{**shapes(kv_heads=kv_heads, N=N, budget=budget, dtype=dtype).__dict__,
+    s = kernel_cases.KernelShapes(**{**shapes(kv_heads=kv_heads, N=N, budget=budget, dtype=dtype).__dict__,
                                       "prefill_buckets": tuple(prefill_buckets(budget))})
     mc = type("Cfg", (), dict(num_attention_heads=16, num_key_value_heads=kv_heads, head_dim=128))
-    keys = {kernel_warmup.attention_key(s, layout.chunks + 1, layout.tokens, layout.tokens, layout.tiles)
+    keys = {kernel_cases.attention_key(s, layout.chunks + 1, layout.tokens, layout.tokens, layout.tiles)
             for layout in layouts_for(budget, N, mc, dtype)}
-    cases = kernel_warmup.prefill_cases(s)
-    assert {kernel_warmup.attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles) for c in cases} == keys
+    cases = kernel_cases.prefill_cases(s)
+    assert {kernel_cases.attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles) for c in cases} == keys
     assert len(cases) == len(keys)
     assert all(c.tiles > 0 and c.rows == c.max_rows for c in cases)
-    untiled = kernel_warmup.attention_cases(kernel_warmup.KernelShapes(**{**s.__dict__, "prefill_buckets": ()}))
-    assert kernel_warmup.attention_cases(s) == untiled + cases
+    untiled = kernel_cases.attention_cases(kernel_cases.KernelShapes(**{**s.__dict__, "prefill_buckets": ()}))
+    assert kernel_cases.attention_cases(s) == untiled + cases
 
 
 def test_the_prefetch_shapes_are_the_built_executors(ckpts):
@@ -304,7 +306,7 @@ def test_the_prefetch_shapes_are_the_built_executors(ckpts):
         cfg = config(ckpts["gqa"], **kw)
         core = build_engine_core(cfg)
         sc, mc = core.scheduler.config, OuroConfig.from_checkpoint(cfg.model)
-        built = kernel_warmup.shapes_of(core.executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode,
+        built = kernel_cases.shapes_of(core.executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode,
                                         sc.deep_interval, num_sms=132)
         assert kernel_shapes_for(cfg, mc, resolve_dtype(cfg), effective_max_model_len(cfg, mc), num_sms=132) == built
         core.close()
@@ -319,10 +321,10 @@ def test_graphed_shapes_list_the_decode_and_prefill_buckets():
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     common = dict(block_size=16, table_width=8, max_num_seqs=40, max_num_batched_tokens=600, max_model_len=128,
                   mode="deferred", deep_interval=4, num_sms=132)
-    on = kernel_warmup.kernel_shapes(mc, torch.bfloat16, None, attention="triton", cuda_graphs=True, **common)
+    on = kernel_cases.kernel_shapes(mc, torch.bfloat16, None, attention="triton", cuda_graphs=True, **common)
     assert on.buckets == (1, 2, 4, 8, 16, 24, 32, 40) == tuple(batch_buckets(40)) and on.triton_attention
     assert on.prefill_buckets == (16, 32, 64, 128, 256, 384, 512, 600)
-    off = kernel_warmup.kernel_shapes(mc, torch.bfloat16, torch.float32, attention="torch", cuda_graphs=False, **common)
+    off = kernel_cases.kernel_shapes(mc, torch.bfloat16, torch.float32, attention="torch", cuda_graphs=False, **common)
     assert off.buckets is None and off.prefill_buckets == () and off.logits_dtype == torch.float32
 
 
@@ -336,7 +338,7 @@ def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fail
 
     from ourobatch.warmup import StartupClock, prefetch_kernels
 
-    s = kernel_warmup.KernelShapes(**{**shapes(graphs=False).__dict__, "triton_attention": False,
+    s = kernel_cases.KernelShapes(**{**shapes(graphs=False).__dict__, "triton_attention": False,
                                       "vocab_size": 67, "dtype": torch.float32, "logits_dtype": torch.float32})
     seen = []
     clock = StartupClock()
@@ -363,25 +365,45 @@ def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fail
     assert len(warned) == 1 and "no device properties" in warned[0]["error"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sets(st.sampled_from("abc")), st.sets(st.integers(0, 5))), min_size=1, max_size=12))
+def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
+    """kernel_warmup._staged: the first launch alone; within a stage no two launches share a specialization;
+    a kernel's first launch is in an earlier stage than its other launches; every launch once, in order."""
+    tasks = [(f"t{i}", i, kernels, keys) for i, (kernels, keys) in enumerate(spec)]
+    stages = kernel_warmup._staged(tasks)
+    where = {fn: n for n, stage in enumerate(stages) for _, fn in stage}
+    assert sorted(where) == list(range(len(tasks))) and len(stages[0]) == 1 and stages[0][0][1] == 0
+    assert all(stage for stage in stages)
+    for i, (_, _, kernels_i, keys_i) in enumerate(tasks):
+        for j in range(i):
+            _, _, kernels_j, keys_j = tasks[j]
+            if keys_i & keys_j:
+                assert where[i] != where[j]
+        for k in kernels_i:
+            first = min(j for j, t in enumerate(tasks) if k in t[2])
+            assert first == i or where[first] < where[i]
+
+
 def test_one_gemm_launch_per_tile_and_row_class():
     table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
-    rows = kernel_warmup.gemm_rows(shapes(), table)
-    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_warmup.int_class(r)) for r in range(1, 49)}
+    rows = kernel_cases.gemm_rows(shapes(), table)
+    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_cases.int_class(r)) for r in range(1, 49)}
     assert len(rows) == len(keys) and 1 in rows and 16 in rows and 48 in rows
-    assert kernel_warmup.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
+    assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 
 
 INTERPRETED = """
 import torch
-from engine import kernel_warmup as kw
+from engine import kernel_cases as kc, kernel_warmup as kw
 for dtype in (torch.float32, torch.bfloat16):
-    s = kw.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
+    s = kc.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
                         (1, 2, 4), True, (16, 24))
-    assert kw.prefill_cases(s)  # the graphed prefill's tiled launches too
+    assert kc.prefill_cases(s)  # the graphed prefill's tiled launches too
     report = kw.warm_kernels(s, torch.device("cpu"), threads=1)  # the interpreter is not thread-safe
     assert not report.failures, report.failures
-    assert report.cases["attention"] == len(kw.attention_cases(s)) and report.cases["fused"] == 1
-    assert report.cases.get("gemm", 0) == len(kw.gemm_rows(s))
+    assert report.cases["attention"] == len(kc.attention_cases(s)) and report.cases["fused"] == 1
+    assert report.cases.get("gemm", 0) == len(kc.gemm_rows(s))
 print("ok")
 """
 
