@@ -56,9 +56,13 @@ if [ -z "${SUITE_SMOKE:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 fi
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = startup ]; then  # the startup's GPU tests (warm-up, captures, graphed prefill), then `cold` below
+  GPU_TESTS=${GPU_TESTS:-tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_startup.py tests/gpu/test_gpu_prefill_graph.py}
+fi
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = startup ]; then  # GPU_TESTS: files (default tests/gpu)
   # -o addopts: the H200's pytest has no pytest-asyncio, whose pyproject options --strict-config would refuse
-  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" ${GPU_TESTS:-tests/gpu} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -75,11 +79,6 @@ if [ "$what" = serving ]; then  # latency under Poisson arrivals (benchmarks/ser
 fi
 if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
   python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
-fi
-if [ "$what" = startup ]; then  # the startup's GPU tests (warm-up, captures, graphed prefill), then `cold` below
-  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" tests/gpu/test_gpu_warmup.py \
-    tests/gpu/test_gpu_startup.py tests/gpu/test_gpu_prefill_graph.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  status=${PIPESTATUS[0]}
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)
