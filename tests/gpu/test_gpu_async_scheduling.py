@@ -33,7 +33,9 @@ def workload(ignore_eos: bool, plain: bool = False):
     prompts = [[(7 * i + 3 * t) % 250 + 4 for t in range(1 + (5 * i) % 23)] for i in range(12)]
     options = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8)]
     if not plain:
-        options += [dict(temperature=0.9, top_k=20), dict(temperature=1.0, logprobs=2), dict(temperature=1.0, n=2)]
+        options += [dict(temperature=0.9, top_k=20), dict(temperature=1.0, logprobs=2), dict(temperature=1.0, n=2),
+                    dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05),
+                    dict(temperature=0.8, min_tokens=6)]
     stops = [] if ignore_eos else [5, 7, 11, 13, 17, 19]  # with eos 3: ~7 / 257 per token, so some stop early
     params = [SamplingParams(max_tokens=24 + i % 9, seed=i, ignore_eos=ignore_eos, stop_token_ids=stops,
                              **options[i % len(options)]) for i in range(len(prompts))]
@@ -59,10 +61,12 @@ def test_async_scheduling_gives_the_same_tokens_and_logprobs(ckpt, mode, B):
     assert any(c[3] == "stop" for o in expected for c in o), "no eos stop: the wasted rows went untested"
 
 
-def test_launch_never_waits_for_the_device(ckpt):
-    """Every launch (prefills, shallow and deep graphs, the plain sampler, the token buffer, the copies to
+@pytest.mark.parametrize("plain", [True, False])
+def test_launch_never_waits_for_the_device(ckpt, plain):
+    """Every launch (prefills, shallow and deep graphs, the sampler: its one-kernel path, and with `plain`
+    False the full one (top-k / top-p / min-p, min_tokens, top log-probs), the token buffer, the copies to
     pinned memory) under sync debug mode "error": a synchronizing call in it raises."""
-    prompts, params = workload(ignore_eos=False, plain=True)
+    prompts, params = workload(ignore_eos=False, plain=plain)
     with SyncEngine(config(ckpt, "deferred", 4, True)) as llm:
         executor = llm.core.executor
         launch = type(executor).launch
