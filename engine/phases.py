@@ -20,7 +20,7 @@ from scheduler.plan import DeepWork, PrefillWork, ShallowWork, StepPlan, VerifyR
 from . import prefill_graph
 from .batch import BatchMeta, SeqSpan, fed_ids, to_device, uniform_meta, varlen_meta
 from .pending import PendingStep
-from .prefill_graph import PrefillLayout, smallest_layout
+from .prefill_graph import PrefillLayout, merged_layout, smallest_layout
 from .prompt_logprobs import prompt_logprobs
 from .readout import Readout, require_finite
 from .verify import VerifyItem, verify_batch
@@ -91,13 +91,16 @@ class StepPhases:
 
     def _merge_layout(self, plan: StepPlan) -> PrefillLayout | None:
         """The bucket of one call for the step's prompt chunks and its decode rows, when every decode row runs
-        loops 1..T and reads loop T (full depth: both are rows of loops 1..T at their positions), else None."""
+        loops 1..T and reads loop T (full depth: both are rows of loops 1..T at their positions) and merging
+        pads little (prefill_graph.merged_layout), else None."""
         T = self.total_ut_steps
         if not (plan.prefills and plan.shallow) or any(
                 w.last_loop != T or w.retain or (w.sample is not None and w.sample.loop != T) for w in plan.shallow):
             return None
+        if self.graphs is None and not self.static_prefill:
+            return None
         run = [w for w in plan.prefills if w.token_ids]
-        return self._layout(sum(len(w.token_ids) for w in run) + len(plan.shallow), len(run) + len(plan.shallow))
+        return merged_layout(self.prefill_layouts, sum(len(w.token_ids) for w in run), len(run), len(plan.shallow))
 
     def _merged(self, plan: StepPlan, layout: PrefillLayout, step: PendingStep) -> list[Readout]:
         """Prefill and full-depth decode rows in one call: each decode row is a chunk of one token after its

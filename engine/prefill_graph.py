@@ -61,6 +61,25 @@ def smallest_layout(layouts: list["PrefillLayout"], num_tokens: int, num_chunks:
     return None
 
 
+# Most padded rows a merged call (engine/phases.py _merged) may add over the prefill's own bucket. Merging
+# saves the decode call (its weight reads and launches) but pays for every padded row. H200, Ouro-1.4B, 64
+# decode rows beside one chunk of k (benchmarks/mixed_step.py, docs/benchmarks.md, session 4): merged vs
+# two calls 13.3 vs 17.8 ms (k = 64, +64 rows), 16.8 vs 19.3 (256, +128), 23.5 vs 24.5 (512, +256), and
+# 39.1 vs 34.8 (1,024: +512, the 1,536 bucket).
+MAX_MERGE_PADDING = 256
+
+
+def merged_layout(layouts: list["PrefillLayout"], num_prefill_tokens: int, num_chunks: int,
+                  num_decode_rows: int) -> "PrefillLayout | None":
+    """The bucket of one call for a step's prompt chunks and its decode rows (one-token chunks), or None
+    when none holds them or it would add more than MAX_MERGE_PADDING rows over the chunks' own bucket."""
+    merged = smallest_layout(layouts, num_prefill_tokens + num_decode_rows, num_chunks + num_decode_rows)
+    alone = smallest_layout(layouts, num_prefill_tokens, num_chunks)
+    if merged is None or (alone is not None and merged.tokens - alone.tokens > MAX_MERGE_PADDING):
+        return None
+    return merged
+
+
 @dataclass(frozen=True)
 class PrefillLayout:
     """The packed input vector of one bucket: where each field sits."""

@@ -123,6 +123,23 @@ def test_buckets_end_at_the_step_budget_or_the_graph_cap(budget, expect):
     assert prefill_buckets(budget) == expect
 
 
+@pytest.mark.parametrize("k,decode,merged", [(64, 64, 128), (256, 64, 384), (512, 64, 768), (1024, 64, None),
+                                             (1000, 24, 1024), (1536, 64, None), (1400, 64, 1536), (2000, 64, None), (8, 8, 16)])
+def test_a_merged_call_adds_little_padding_over_the_prefill_alone(k, decode, merged):
+    """k prompt tokens in one chunk beside `decode` decode rows: one call when its bucket is at most
+    MAX_MERGE_PADDING rows above the chunk's own (the H200's 1,024 + 64 case padded to 1,536 ran slower
+    than two calls), two calls otherwise, and two when no bucket holds both."""
+    from engine.prefill_graph import MAX_MERGE_PADDING, layouts_for, merged_layout
+
+    assert MAX_MERGE_PADDING == 256
+    mc = type("Cfg", (), dict(num_attention_heads=16, num_key_value_heads=16, head_dim=128))
+    layouts = layouts_for(2048, 256, mc, torch.bfloat16)
+    got = merged_layout(layouts, k, 1, decode)
+    assert (got.tokens if got is not None else None) == merged
+    if got is not None:
+        assert got.holds(k + decode, 1 + decode)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("mode,B,budget", [("deferred", 1, 16), ("deferred", 1, 64), ("deferred", 4, 16),
                                            ("eager", 3, 32)])
