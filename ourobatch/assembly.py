@@ -206,7 +206,8 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
                              max_num_batched_tokens=config.max_num_batched_tokens)
     scheduler_config = make_scheduler_config(config, mc, num_blocks)
     # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
-    warm_up(executor, scheduler_config, plan, clock, seed=config.seed, async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
+    warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
+            async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,

@@ -127,8 +127,9 @@ def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: Start
         finally:
             with clock.phase("kernels"):
                 wait([future])
-    if future.exception() is not None:
-        log.warning("warmup_kernels_prefetch_failed", error=f"{type(future.exception()).__name__}: {future.exception()}")
+    error = future.exception()
+    if error is not None:
+        log.warning("warmup_kernels_prefetch_failed", error=f"{type(error).__name__}: {error}")
     else:
         _log_kernels("warmup_kernels_prefetch", future.result())
 

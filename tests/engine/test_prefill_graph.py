@@ -124,7 +124,8 @@ def test_buckets_end_at_the_step_budget_or_the_graph_cap(budget, expect):
 
 
 @pytest.mark.parametrize("k,decode,merged", [(64, 64, 128), (256, 64, 384), (512, 64, 768), (1024, 64, None),
-                                             (1000, 24, 1024), (1536, 64, None), (1400, 64, 1536), (2000, 64, None), (8, 8, 16)])
+                                             (1000, 24, 1024), (1536, 64, None), (1400, 64, 1536),
+                                             (2000, 64, None), (8, 8, 16)])
 def test_a_merged_call_adds_little_padding_over_the_prefill_alone(k, decode, merged):
     """k prompt tokens in one chunk beside `decode` decode rows: one call when its bucket is at most
     MAX_MERGE_PADDING rows above the chunk's own (the H200's 1,024 + 64 case padded to 1,536 ran slower
