@@ -2,10 +2,10 @@
 (CUDA) by one launch each on scratch tensors (nothing the engine reads is written), in threads.
 
 Theory of operation. A compile spends much of its time in LLVM and ptxas with the GIL released, so the
-launches run in threads, in stages (``_staged``): no two launches of one stage compile the same
-specialization (Triton would compile it twice) or make the first use of one kernel (its first launch
-builds the kernel's per-device cache, which two threads would race to create), and the very first launch
-runs alone (Triton builds its launcher utilities once). The engine starts this before its weights load
+launches run in threads, in stages (``_staged``): the first launch of each specialization (its compile:
+two threads would both compile it) and of each kernel (it builds the kernel's per-device cache, which two
+threads would race to create) ends before any other launch of it starts, and the very first launch runs
+alone (Triton builds its launcher utilities once). The engine starts this before its weights load
 (ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a check that costs only launches, once
 the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the graph captures and a first
 round of requests compile nothing, and that no specialization compiles twice.
@@ -125,17 +125,15 @@ def _tasks(s: KernelShapes, device: torch.device) -> list[list[tuple[str, Callab
 
 
 def _staged(tasks: list[tuple[str, Callable[[], None], set[str], set[tuple]]]) -> list[list[tuple[str, Callable]]]:
-    """Stages (each runs after the one before ends) in which no two launches share a specialization and a
-    kernel's first launch ends before its others start; the first launch alone. Greedy, in task order."""
+    """Stages (each runs after the one before ends) in which the first launch of every kernel and of every
+    specialization ends before any other launch of it starts (later ones find it compiled and may share a
+    stage); the very first launch alone. Greedy, in task order."""
     stages: list[list[tuple[str, Callable]]] = []
-    first_use: dict[str, int] = {}  # kernel -> the stage of its first launch
-    last: dict[tuple, int] = {}  # specialization -> the last stage compiling (or using) it
+    first: dict[object, int] = {}  # kernel or specialization -> the stage of its first launch
     for i, (name, fn, kernels, keys) in enumerate(tasks):
-        after = [first_use[k] for k in kernels if k in first_use] + [last[k] for k in keys if k in last]
-        stage = 0 if i == 0 else 1 + max(after, default=0)
-        for k in kernels:
-            first_use.setdefault(k, stage)
-        last.update((k, stage) for k in keys)
+        stage = 0 if i == 0 else 1 + max((first[k] for k in (*kernels, *keys) if k in first), default=0)
+        for k in (*kernels, *keys):
+            first.setdefault(k, stage)
         stages += [[] for _ in range(stage + 1 - len(stages))]
         stages[stage].append((name, fn))
     return stages
