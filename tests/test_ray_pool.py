@@ -448,6 +448,7 @@ async def test_rollout_benchmark_runs_its_workload_through_a_pool(pools, tmp_pat
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_ray_pool_example(pools, capsys):
+    import ast
     import importlib.util
     from pathlib import Path
 
@@ -458,5 +459,10 @@ async def test_ray_pool_example(pools, capsys):
     spec.loader.exec_module(example)
     await asyncio.wait_for(example.main(), 2 * LIMIT)  # on this module's Ray (the script inits its own)
     out = capsys.readouterr().out
-    assert out.count("prompt [") == 8 and out.count("stream delta:") == 8
+    assert out.count("prompt [") == 8
+    # a DELTA stream's consumer gets everything since its last read, so a consumer that lags (a loaded
+    # machine) gets fewer, larger deltas: count the streamed tokens, not the deltas
+    deltas = [ast.literal_eval(line.split("stream delta:", 1)[1].strip()) for line in out.splitlines()
+              if line.startswith("stream delta:")]
+    assert 1 <= len(deltas) <= 8 and sum(len(d) for d in deltas) == 8 and all(deltas)
     assert "pool: 2/2 replicas ready, tokens_generated=200 (replica 0: " in out
