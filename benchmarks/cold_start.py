@@ -159,6 +159,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      + " / ".join(f(x["wall_s"]) for x in rounds) + f" | {f(r['first_over_warm'])} | "
                      + " / ".join(f"{f(x['compiles'], '{}')}, {x['captures']}" for x in rounds) + " | "
                      + f"{sum(x['prefix_cache_hits'] for x in rounds)} |")
+    lines += ["", "Inside the startup: the weight load itself (engine_ready's weights_total_s), the kernel pass "
+              "that compiles beside it (wall and summed seconds), and the kernels compiled during each phase.", "",
+              "| config | process | load s | load GB/s | prefetch wall / summed s | compiled: weights / kernels / "
+              "graphs / requests |", "|---" * 6 + "|"]
+    for r in rows:
+        load, pre, during = r.get("weights_breakdown") or {}, r.get("prefetch_kernels") or {}, r.get("compiled_during")
+        compiled = "-" if during is None else " / ".join(str(during.get(p, 0)) for p in
+                                                          ("weights", "kernels", "graphs", "requests"))
+        lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
+                     f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
+                     f" | {compiled} |")
     return "\n".join(lines) + "\n"
 
 
