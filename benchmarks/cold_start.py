@@ -104,12 +104,16 @@ async def one_round(engine, args, seed: int) -> dict:
 
     core = engine.core
     prompts, params = workload(args, core.scheduler.config.vocab_size, seed=seed)
-    graphs = core.executor.graphs
+    graphs, executor = core.executor.graphs, core.executor
+    if executor.device.type == "cuda":
+        executor.timing = []  # GPU ms per step (CUDA events): is a slower round slower on the device or the host?
     counts0, captures0, stats0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
     wall, tokens = await timed_round(engine, prompts, params)
     counts1, captures1, stats1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
     delta = None if counts0 is None else counts1 - counts0
-    return dict(round=seed, wall_s=wall, tokens=tokens,
+    steps_ms, executor.timing = executor.timing, None
+    return dict(round=seed, wall_s=wall, tokens=tokens, steps=len(steps_ms) if steps_ms is not None else None,
+                gpu_s=sum(steps_ms) / 1e3 if steps_ms else None, slowest_step_ms=max(steps_ms) if steps_ms else None,
                 compiles=None if delta is None else delta.compiled + delta.loaded, captures=captures1 - captures0,
                 prompts_sha1=hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12],
                 **{k: stats1[k] - stats0[k] for k in ("prefix_cache_hits", "prefill_tokens_computed")})
@@ -160,16 +164,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      + " / ".join(f"{f(x['compiles'], '{}')}, {x['captures']}" for x in rounds) + " | "
                      + f"{sum(x['prefix_cache_hits'] for x in rounds)} |")
     lines += ["", "Inside the startup: the weight load itself (engine_ready's weights_total_s), the kernel pass "
-              "that compiles beside it (wall and summed seconds), and the kernels compiled during each phase.", "",
+              "that compiles beside it (wall and summed seconds), and the kernels compiled during each phase; and "
+              "per round, the steps' GPU time (CUDA events; the rest of the round's wall time is the host's).", "",
               "| config | process | load s | load GB/s | prefetch wall / summed s | compiled: weights / kernels / "
-              "graphs / requests |", "|---" * 6 + "|"]
+              "graphs / requests | steps, GPU s per round |", "|---" * 7 + "|"]
     for r in rows:
         load, pre, during = r.get("weights_breakdown") or {}, r.get("prefetch_kernels") or {}, r.get("compiled_during")
         compiled = "-" if during is None else " / ".join(str(during.get(p, 0)) for p in
                                                           ("weights", "kernels", "graphs", "requests"))
+        per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}" for x in r["rounds"])
         lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
                      f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
-                     f" | {compiled} |")
+                     f" | {compiled} | {per_round} |")
     return "\n".join(lines) + "\n"
 
 
