@@ -220,16 +220,21 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
     found: dict[tuple, int] = {}
     for rows in range(1, max(r for r, _ in table) + 1):
         cfg = gemm_config(rows, table)
-        if cfg is not None:  # triton_gemm._block_m: 16 .. 64 rows per tile
-            found.setdefault((cfg, min(64, max(16, 1 << (rows - 1).bit_length())), int_class(rows)), rows)
+        if cfg is not None:
+            found.setdefault((cfg, _gemm_block_m(rows), int_class(rows)), rows)
     return list(found.values())
+
+
+def _gemm_block_m(rows: int) -> int:
+    """triton_gemm._block_m: 16 .. 64 rows per tile."""
+    return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
 def gemm_keys(rows: int) -> set[tuple]:
     """What launch_gemm at `rows` compiles, keyed no finer than Triton does (so that two launches sharing a
     key never compile concurrently): the split-K partials and gate_up + SiLU per tile height and row class,
     the add + norm over partials per row class."""
-    bm, r = min(64, max(16, 1 << (rows - 1).bit_length())), int_class(rows)  # triton_gemm._block_m
+    bm, r = _gemm_block_m(rows), int_class(rows)
     return {("partials", bm, r), ("gate_up", bm, r), ("norm_partials", r)}
 
 

@@ -72,11 +72,14 @@ class StepPhases:
         ids = self._index([t for w in run for t in w.token_ids])
         return self.model.run_loops(self.model.embed(ids), meta, self.pool, 1, self.total_ut_steps)[-1]
 
+    @property
+    def _fixed_layouts(self) -> list[PrefillLayout]:
+        """The buckets of fixed-shape prefill calls (graphed, or eager with static_prefill); none otherwise."""
+        return self.prefill_layouts if self.graphs is not None or self.static_prefill else []
+
     def _layout(self, num_tokens: int, num_chunks: int) -> PrefillLayout | None:
-        """The bucket of a fixed-shape prefill call (graphed, or eager with static_prefill), or None."""
-        if self.graphs is None and not self.static_prefill:
-            return None
-        return smallest_layout(self.prefill_layouts, num_tokens, num_chunks)
+        """The bucket of a fixed-shape prefill call, or None."""
+        return smallest_layout(self._fixed_layouts, num_tokens, num_chunks)
 
     def _static(self, layout: PrefillLayout, chunks: list[list[int]], starts: list[int], rows: list[int],
                 device_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,10 +100,8 @@ class StepPhases:
         if not (plan.prefills and plan.shallow) or any(
                 w.last_loop != T or w.retain or (w.sample is not None and w.sample.loop != T) for w in plan.shallow):
             return None
-        if self.graphs is None and not self.static_prefill:
-            return None
         run = [w for w in plan.prefills if w.token_ids]
-        return merged_layout(self.prefill_layouts, sum(len(w.token_ids) for w in run), len(run), len(plan.shallow))
+        return merged_layout(self._fixed_layouts, sum(len(w.token_ids) for w in run), len(run), len(plan.shallow))
 
     def _merged(self, plan: StepPlan, layout: PrefillLayout, step: PendingStep) -> list[Readout]:
         """Prefill and full-depth decode rows in one call: each decode row is a chunk of one token after its

@@ -25,6 +25,8 @@ import torch
 
 from scheduler.params import SamplingParams
 
+from .batch import to_device
+
 _M32 = 0xFFFFFFFF
 STREAM_TOKEN = 0  # the draw of a generated token (other streams are reserved for verification)
 
@@ -64,13 +66,6 @@ class SamplerOutput:
     top_logprobs: list[tuple[tuple[int, float], ...] | None]
 
 
-def queued(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`, without waiting for it: built on the host and copied with
-    non_blocking (from pageable memory CUDA stages the bytes and returns). torch.tensor(values, device=cuda)
-    waits for every kernel queued before it, so the sampling pass would stall async scheduling's launch."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
 def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
                        token_indices: list[int] | None = None) -> torch.Tensor:
     """logits: [rows, vocab] -> processed log-probs [rows, vocab] (float32 or float64), -inf when excluded.
@@ -85,22 +80,22 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
         masked = [(i, t) for i, (p, j) in enumerate(zip(params, token_indices))
                   for t in p.masked_token_ids(j) if t < vocab]
         if masked:
-            r, t = queued(masked, torch.int64, dev).T
+            r, t = to_device(masked, torch.int64, dev).T
             z = z.index_put((r, t), torch.full((), float("-inf"), dtype=dtype, device=dev))
-    temps = queued([1.0 if p.is_greedy else p.temperature for p in params], dtype, dev)
+    temps = to_device([1.0 if p.is_greedy else p.temperature for p in params], dtype, dev)
     z = z / temps[:, None]
     neg_inf = torch.full((), float("-inf"), dtype=dtype, device=dev)
 
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         probs = torch.softmax(z, dim=-1)
-        thresh = queued(min_ps, dtype, dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+        thresh = to_device(min_ps, dtype, dev)[:, None] * probs.amax(dim=-1, keepdim=True)
         z = torch.where(probs < thresh, neg_inf, z)
 
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_ks):
         sorted_z = z.sort(dim=-1, descending=True).values
-        kth = sorted_z.gather(1, queued(top_ks, torch.int64, dev)[:, None] - 1)
+        kth = sorted_z.gather(1, to_device(top_ks, torch.int64, dev)[:, None] - 1)
         z = torch.where(z < kth, neg_inf, z)
 
     top_ps = [p.top_p for p in params]
@@ -110,7 +105,7 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
         # defined (the same alone, in any batch, on any device), not left to an unstable sort.
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass ranked strictly before each token
-        keep_sorted = before < queued(top_ps, dtype, dev)[:, None]
+        keep_sorted = before < to_device(top_ps, dtype, dev)[:, None]
         keep_sorted[:, 0] = True
         keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
         z = torch.where(keep, z, neg_inf)
@@ -195,9 +190,9 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], token_i
         return DeviceSample(tokens, lps, num_top)
     logprobs = processed_logprobs(logits, params, token_indices)  # [rows, vocab]
     dev = logprobs.device
-    greedy = queued([p.is_greedy for p in params], torch.bool, dev)
-    seeds = queued([p.seed or 0 for p in params], torch.int64, dev)
-    counters = queued(token_indices, torch.int64, dev)
+    greedy = to_device([p.is_greedy for p in params], torch.bool, dev)
+    seeds = to_device([p.seed or 0 for p in params], torch.int64, dev)
+    counters = to_device(token_indices, torch.int64, dev)
     u = counter_uniforms(seeds, counters, vocab)
     race = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
     drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))  # argmax: the first (lowest id) max
@@ -220,7 +215,7 @@ def _top_rows(logprobs: torch.Tensor, num_top: list[int]) -> tuple[torch.Tensor,
     if not wanted:
         return None
     k_max = min(max(num_top), logprobs.shape[1])
-    rows = logprobs if len(wanted) == len(num_top) else logprobs[queued(wanted, torch.int64, logprobs.device)]
+    rows = logprobs if len(wanted) == len(num_top) else logprobs[to_device(wanted, torch.int64, logprobs.device)]
     vals, ids = rows.sort(dim=-1, descending=True, stable=True)
     return vals[:, :k_max], ids[:, :k_max]
 
