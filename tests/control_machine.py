@@ -144,6 +144,7 @@ class ControlMachine(RuleBasedStateMachine):
     stats(), close_engine(), and `generate_call`."""
 
     checkpoints: tuple = ()  # (a, b) set by the test module
+    tally: dict[str, int] = {}  # the test module's count of examples torn down and settled (checks run)
     async_scheduling = False  # set by subclasses whose engine plans a step while the one before runs
 
     def __init__(self) -> None:
@@ -325,8 +326,11 @@ class ControlMachine(RuleBasedStateMachine):
         assert not self.gate.violations, self.gate.violations
 
     def teardown(self) -> None:
+        tally = type(self).tally
+        tally["teardowns"] = tally.get("teardowns", 0) + 1
         try:
             self._settle()
+            tally["settled"] = tally.get("settled", 0) + 1
         finally:
             self.gate.open()
             self.close_engine()

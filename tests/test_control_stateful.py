@@ -108,5 +108,7 @@ SETTINGS = settings(**stateful_settings(), suppress_health_check=list(HealthChec
 @pytest.mark.parametrize("machine", [SyncMachine, AsyncMachine, AsyncSchedulingSyncMachine, AsyncSchedulingMachine],
                          ids=["SyncEngine", "Engine", "SyncEngine-async-scheduling", "Engine-async-scheduling"])
 def test_control_calls_interleaved_with_steps_in_flight(checkpoints, machine):
-    machine.checkpoints = checkpoints
+    machine.checkpoints, machine.tally = checkpoints, {}
     run_state_machine_as_test(machine, settings=SETTINGS)
+    # the machine's checks (tests/control_machine.py) ran to the end of every example it tore down
+    assert machine.tally["settled"] == machine.tally["teardowns"] >= 1, machine.tally
