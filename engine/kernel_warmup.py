@@ -101,27 +101,46 @@ class KernelReport:
     failures: list[str] = field(default_factory=list)
 
 
-def _tasks(s: KernelShapes, device: torch.device) -> list[list[tuple[str, Callable[[], None]]]]:
-    """Every launch, staged by ``_staged``: (name, launch, the kernels it uses, the specializations it compiles)."""
+@dataclass(frozen=True)
+class Task:
+    """One warm-up launch: the kernels it uses (each builds a per-device cache on its first launch) and the
+    specializations it compiles, the one it exists for first (engine/compile_workers.py shards by that)."""
+
+    name: str  # its family: attention, fused, sampler, gemm
+    launch: Callable[[], None]
+    kernels: frozenset[str]
+    keys: tuple[tuple, ...]
+
+
+def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
+    """Every launch, in a fixed order that depends only on `s` (a compile worker rebuilds the same list)."""
     tasks = []
     for c in sorted(attention_cases(s), key=lambda c: -case_config(s, c).splits):  # a split one first
         paged, combine = attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)
-        kernels, keys = {"paged"}, {("paged",) + paged}
+        kernels, keys = {"paged"}, (("paged",) + paged,)
         if combine is not None:
-            kernels, keys = kernels | {"combine"}, keys | {("combine",) + combine}
-        tasks.append(("attention", lambda c=c: launch_attention(s, c, device), kernels, keys))
+            kernels, keys = kernels | {"combine"}, keys + (("combine",) + combine,)
+        tasks.append(Task("attention", lambda c=c: launch_attention(s, c, device), frozenset(kernels), keys))
     if s.triton_attention:
-        tasks.append(("fused", lambda: launch_fused(s, device), {"fused"}, {("fused",)}))
-    tasks.append(("sampler", lambda: launch_sampler(s, device), {"sampler"}, {("sampler",)}))
-    rows = gemm_rows(s)
-    if rows:
-        zeros = dict(dtype=s.dtype, device=device)
-        weights = {"o": torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
-                   "down": torch.zeros(s.hidden_size, s.intermediate_size, **zeros),
-                   "gate_up": torch.zeros(2 * s.intermediate_size, s.hidden_size, **zeros)}
-        tasks += [("gemm", lambda r=r: launch_gemm(s, r, weights, device), {"partials", "gate_up", "norm_partials"},
-                   gemm_keys(r)) for r in rows]
-    return _staged(tasks)
+        tasks.append(Task("fused", lambda: launch_fused(s, device), frozenset({"fused"}), (("fused",),)))
+    tasks.append(Task("sampler", lambda: launch_sampler(s, device), frozenset({"sampler"}), (("sampler",),)))
+    weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first GEMM launch
+
+    def gemm(rows: int) -> None:
+        if not weights:
+            zeros = dict(dtype=s.dtype, device=device)
+            weights.update(o=torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
+                           down=torch.zeros(s.hidden_size, s.intermediate_size, **zeros),
+                           gate_up=torch.zeros(2 * s.intermediate_size, s.hidden_size, **zeros))
+        launch_gemm(s, rows, weights, device)
+
+    tasks += [Task("gemm", lambda r=r: gemm(r), frozenset({"partials", "gate_up", "norm_partials"}),
+                   tuple(sorted(gemm_keys(r)))) for r in gemm_rows(s)]
+    return tasks
+
+
+def _tasks(s: KernelShapes, device: torch.device) -> list[list[tuple[str, Callable[[], None]]]]:
+    return _staged([(t.name, t.launch, set(t.kernels), set(t.keys)) for t in task_list(s, device)])
 
 
 def _staged(tasks: list[tuple[str, Callable[[], None], set[str], set[tuple]]]) -> list[list[tuple[str, Callable]]]:
