@@ -113,15 +113,27 @@ async def one_round(engine, args, seed: int) -> dict:
     if executor.device.type == "cuda":
         executor.timing = []  # GPU ms per step (CUDA events): is a slower round slower on the device or the host?
     counts0, captures0, stats0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
+    segments0 = _segments(executor.device)
     wall, tokens = await timed_round(engine, prompts, params)
     counts1, captures1, stats1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
+    segments = None if segments0 is None else _segments(executor.device) - segments0
     delta = None if counts0 is None else counts1 - counts0
     steps_ms, executor.timing = executor.timing, None
     return dict(round=seed, wall_s=wall, tokens=tokens, steps=len(steps_ms) if steps_ms is not None else None,
                 gpu_s=sum(steps_ms) / 1e3 if steps_ms else None, slowest_step_ms=max(steps_ms) if steps_ms else None,
                 compiles=None if delta is None else delta.compiled + delta.loaded, captures=captures1 - captures0,
                 prompts_sha1=hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12],
+                new_memory_segments=segments, steps_ms=[round(x, 3) for x in steps_ms] if steps_ms else None,
                 **{k: stats1[k] - stats0[k] for k in ("prefix_cache_hits", "prefill_tokens_computed")})
+
+
+def _segments(device) -> int | None:
+    """cudaMalloc'd segments of the caching allocator so far (a round that adds some paid for the mallocs)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("segment.all.allocated", 0))
 
 
 def _strip(event: dict | None) -> dict | None:
@@ -183,7 +195,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                                           ("weights", "kernels", "graphs", "requests"))
         per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}" for x in r["rounds"])
         cw = r.get("compile_workers")
-        workers = "-" if not cw else f"{cw['workers']}, {f(cw['seconds'])}, {cw['compiled']}"
+        workers = "-" if not cw else (f"{cw['workers']}, {f(cw['seconds'])} (slowest start {f(cw.get('slowest_start_s'))}"
+                                      f", longest task {f(cw.get('longest_task_s'))}), {cw['compiled']}")
         lines.append(f"| {r['config']} | {r.get('workers', 'auto')} | {r['process']} | {f(load.get('weights_total_s'))} | "
                      f"{f(load.get('weights_gb_per_s'))} | {workers} | "
                      f"{f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"

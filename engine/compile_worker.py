@@ -30,15 +30,18 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return dict(tasks=0, seconds=0.0, failures=[f"the task list differs from the parent's ({len(names)} "
                                                     f"tasks here, {len(job['names'])} there)"])
     compiled = _count_compiles()
-    started, failures = time.perf_counter(), []
+    ready = time.time() - job.get("spawned_at", time.time())  # interpreter, imports, the task list
+    started, failures, times = time.perf_counter(), [], []
     for i in job["indices"]:
-        name, _, error = kernel_warmup._run(tasks[i].name, tasks[i].launch, device)
+        name, seconds, error = kernel_warmup._run(tasks[i].name, tasks[i].launch, device)
+        times.append(round(seconds, 3))
         if error is not None:
             failures.append(error)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return dict(tasks=len(job["indices"]), seconds=time.perf_counter() - started, failures=failures,
-                compiled=compiled.get("compiled"), loaded=compiled.get("loaded"))
+                compiled=compiled.get("compiled"), loaded=compiled.get("loaded"), ready_s=round(ready, 3),
+                task_seconds=times)
 
 
 def _count_compiles() -> dict[str, int]:

@@ -78,6 +78,8 @@ class WorkersReport:
     seconds: float = 0.0  # wall time from the first spawn to the last exit
     tasks: int = 0
     compiled: int = 0  # kernels the workers compiled (Triton's listener; 0 where it is missing)
+    ready_s: float = 0.0  # the slowest worker's start (spawn to its first task: interpreter, imports)
+    longest_task_s: float = 0.0  # the slowest single task (its compiles)
     failures: list[str] = field(default_factory=list)
     stopped: bool = False  # should_stop turned true and the workers were killed
 
@@ -94,7 +96,7 @@ def compile_in_workers(shapes, device: str, names: list[str], keys: Sequence[Seq
         procs = []
         try:
             for w, indices in enumerate(shards):
-                job = dict(shapes=shapes, device=device, names=names, indices=indices)
+                job = dict(shapes=shapes, device=device, names=names, indices=indices, spawned_at=time.time())
                 procs.append(_spawn(job, Path(tmp) / f"worker{w}"))
             report.workers = len(procs)
             report.stopped = _wait(procs, should_stop, started + timeout, report)
@@ -163,4 +165,6 @@ def _read(w: int, returncode: int | None, out: Path, report: WorkersReport) -> N
         return
     report.tasks += int(result.get("tasks", 0))
     report.compiled += int(result.get("compiled") or 0)
+    report.ready_s = max(report.ready_s, float(result.get("ready_s") or 0.0))
+    report.longest_task_s = max([report.longest_task_s, *map(float, result.get("task_seconds") or [])])
     report.failures += [f"compile worker {w}: {f}" for f in result.get("failures", [])]

@@ -112,11 +112,11 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     kernel's or None). The split count reaches the paged kernel only as SPLIT (> 1) and its grid, the
     combine kernel as an int argument and its power of two; `tiles` > 0: a graphed prefill's tiled launch."""
     config = case_config(s, AttentionCase(seqs, max_rows, rows, tiles))
-    block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
+    block_m, _ = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
     split = config.splits > 1
     strides = (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)) if split else ()
-    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(m_tiles), tiles > 0)
-    combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
+    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, tiles > 0)  # m_tiles: not specialized
+    combine = (1 << (config.splits - 1).bit_length(),) + strides if split else None  # num_splits: not specialized
     return paged + strides, combine
 
 
@@ -158,8 +158,8 @@ def _untiled_cases(s: KernelShapes) -> list[AttentionCase]:
         cls = tuple(tile <= b for b in bounds)
         if (seqs, cls) not in memo:
             memo[seqs, cls] = (case_config(s, AttentionCase(seqs, max_rows, 1)),)
-        block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
-        return memo[seqs, cls] + (block_m, int_class(m_tiles))
+        block_m, _ = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
+        return memo[seqs, cls] + (block_m,)
 
     def split_class(rows: int) -> tuple[str, str]:  # the partials' strides: rows x heads (x head_dim)
         return int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)
@@ -221,7 +221,7 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
     for rows in range(1, max(r for r, _ in table) + 1):
         cfg = gemm_config(rows, table)
         if cfg is not None:
-            found.setdefault((cfg, _gemm_block_m(rows), int_class(rows)), rows)
+            found.setdefault((cfg, _gemm_block_m(rows)), rows)
     return list(found.values())
 
 
@@ -230,12 +230,14 @@ def _gemm_block_m(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
-def gemm_keys(rows: int) -> set[tuple]:
-    """What launch_gemm at `rows` compiles, keyed no finer than Triton does (so that two launches sharing a
-    key never compile concurrently): the split-K partials and gate_up + SiLU per tile height and row class,
-    the add + norm over partials per row class."""
-    bm, r = _gemm_block_m(rows), int_class(rows)
-    return {("partials", bm, r), ("gate_up", bm, r), ("norm_partials", r)}
+def gemm_keys(rows: int, table=None) -> set[tuple]:
+    """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it (the kernels do not
+    specialize on the row count): the split-K partials and gate_up + SiLU per tile height and tiles, the
+    add + norm over partials per split count (its SPLITS constexpr). Each key's first item names the kernel."""
+    cfg = gemm_config(rows, table)
+    bm, rest = _gemm_block_m(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return ({("partials", bm, cfg.block_n) + rest, ("gate_up", bm, cfg.block_n_gate) + rest}
+            | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
 
 
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,

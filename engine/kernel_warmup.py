@@ -47,46 +47,69 @@ def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device)
                            s.head_dim ** -0.5, tiles)
 
 
+def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
+    """The split launch's combine kernel alone, as `case`'s call would launch it (its split count and rows)."""
+    from .triton_attention import combine_splits
+
+    splits = case_config(s, case).splits
+    part = torch.zeros(splits, case.rows, s.num_heads, s.head_dim, dtype=torch.float32, device=device)
+    lse = torch.zeros(splits, case.rows, s.num_heads, dtype=torch.float32, device=device)
+    combine_splits(part, lse, torch.empty(case.rows, s.num_heads, s.head_dim, dtype=s.dtype, device=device))
+
+
 # ---------------------------------------------------------------------------------------- the other kernels
 
-def launch_fused(s: KernelShapes, device: torch.device) -> None:
-    """triton_fused's four kernels (their ints are the model's shapes: one specialization each)."""
+FUSED = ("add_rms_norm2", "rms_norm", "silu_mul", "rope_store_kv")  # triton_fused's kernels
+
+
+def launch_fused(s: KernelShapes, which: str, device: torch.device) -> None:
+    """One of triton_fused's kernels (their ints are the model's shapes: one specialization each)."""
     from . import triton_fused as fused
 
     H, I, Hq, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
     zeros = dict(dtype=s.dtype, device=device)
     h, w = torch.zeros(1, H, **zeros), torch.ones(H, **zeros)
-    fused.add_rms_norm2(h, torch.zeros(1, H, **zeros), w, w, s.eps)
-    fused.rms_norm(h, w, s.eps)
-    fused.silu_mul(torch.zeros(1, 2 * I, **zeros))
-    plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
-    one = torch.zeros(1, dtype=torch.int64, device=device)
-    inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
-    fused.rope_store_kv(torch.zeros(1, (Hq + 2 * Hkv) * d, **zeros), one, one, inv_freq, plane, plane, Hq, Hkv, d)
+    if which == "add_rms_norm2":
+        fused.add_rms_norm2(h, torch.zeros(1, H, **zeros), w, w, s.eps)
+    elif which == "rms_norm":
+        fused.rms_norm(h, w, s.eps)
+    elif which == "silu_mul":
+        fused.silu_mul(torch.zeros(1, 2 * I, **zeros))
+    else:
+        plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
+        one = torch.zeros(1, dtype=torch.int64, device=device)
+        inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
+        fused.rope_store_kv(torch.zeros(1, (Hq + 2 * Hkv) * d, **zeros), one, one, inv_freq, plane, plane, Hq, Hkv, d)
 
 
-def launch_sampler(s: KernelShapes, device: torch.device) -> None:
-    """The sampler's one-kernel path, at an odd and an even row count (a row view's alignment moves)."""
+def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
+    """The sampler's one-kernel path at `rows` rows (an odd and an even count: a row view's alignment moves)."""
     from scheduler.params import SamplingParams
 
     from .sampler import sample
 
-    for rows in (1, 2):
-        logits = torch.zeros(rows, s.vocab_size, dtype=s.logits_dtype, device=device)
-        params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(rows)]
-        sample(logits, params, [1] * rows)
+    logits = torch.zeros(rows, s.vocab_size, dtype=s.logits_dtype, device=device)
+    sample(logits, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(rows)], [1] * rows)
 
 
-def launch_gemm(s: KernelShapes, rows: int, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
+                device: torch.device) -> None:
+    """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
+    (o_proj's and down_proj's launches), the add + norm over key[1] partials, or gate_up + SiLU."""
     from . import triton_gemm
 
     cfg = gemm_config(rows)
     zeros = dict(dtype=s.dtype, device=device)
-    h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
-    for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
-                              (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
-        triton_gemm.add_rms_norm2_partials(h, triton_gemm.linear_partials(x, weight, splits, cfg), w, w, s.eps)
-    triton_gemm.gate_up_silu(h, weights["gate_up"], cfg)
+    if key[0] == "partials":
+        for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
+                                  (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
+            triton_gemm.linear_partials(x, weight, splits, cfg)
+    elif key[0] == "norm_partials":
+        h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
+        partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)
+        triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
+    else:
+        triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
 
 
 # ---------------------------------------------------------------------------------------- running them
@@ -113,29 +136,41 @@ class Task:
 
 
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
-    """Every launch, in a fixed order that depends only on `s` (a compile worker rebuilds the same list)."""
-    tasks = []
+    """Every launch, in a fixed order that depends only on `s` (a compile worker rebuilds the same list),
+    each compiling one specialization where it can: an attention case only when it compiles a key no
+    earlier one did, a combine-only launch where only the combine kernel's key is new."""
+    tasks, covered = [], set()
     for c in sorted(attention_cases(s), key=lambda c: -case_config(s, c).splits):  # a split one first
         paged, combine = attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)
-        kernels, keys = {"paged"}, (("paged",) + paged,)
-        if combine is not None:
-            kernels, keys = kernels | {"combine"}, keys + (("combine",) + combine,)
-        tasks.append(Task("attention", lambda c=c: launch_attention(s, c, device), frozenset(kernels), keys))
+        paged, combine = ("paged",) + paged, None if combine is None else ("combine",) + combine
+        if paged not in covered:
+            keys = (paged,) if combine is None or combine in covered else (paged, combine)
+            kernels = frozenset({"paged"} | ({"combine"} if combine is not None else set()))
+            tasks.append(Task("attention", lambda c=c: launch_attention(s, c, device), kernels, keys))
+        elif combine is not None and combine not in covered:
+            tasks.append(Task("attention", lambda c=c: launch_combine(s, c, device), frozenset({"combine"}),
+                              (combine,)))
+        covered.update(k for k in (paged, combine) if k is not None)
     if s.triton_attention:
-        tasks.append(Task("fused", lambda: launch_fused(s, device), frozenset({"fused"}), (("fused",),)))
-    tasks.append(Task("sampler", lambda: launch_sampler(s, device), frozenset({"sampler"}), (("sampler",),)))
+        tasks += [Task("fused", lambda k=k: launch_fused(s, k, device), frozenset({f"fused.{k}"}), (("fused", k),))
+                  for k in FUSED]
+    tasks += [Task("sampler", lambda r=r: launch_sampler(s, r, device), frozenset({"sampler"}), (("sampler", r),))
+              for r in (1, 2)]
     weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first GEMM launch
 
-    def gemm(rows: int) -> None:
+    def gemm(rows: int, key: tuple) -> None:
         if not weights:
             zeros = dict(dtype=s.dtype, device=device)
             weights.update(o=torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
                            down=torch.zeros(s.hidden_size, s.intermediate_size, **zeros),
                            gate_up=torch.zeros(2 * s.intermediate_size, s.hidden_size, **zeros))
-        launch_gemm(s, rows, weights, device)
+        launch_gemm(s, rows, key, weights, device)
 
-    tasks += [Task("gemm", lambda r=r: gemm(r), frozenset({"partials", "gate_up", "norm_partials"}),
-                   tuple(sorted(gemm_keys(r)))) for r in gemm_rows(s)]
+    for rows in gemm_rows(s):
+        for key in sorted(gemm_keys(rows)):
+            if key not in covered:
+                covered.add(key)
+                tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0]}), (key,)))
     return tasks
 
 

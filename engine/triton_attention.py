@@ -64,7 +64,7 @@ def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_b
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m_tiles"])  # (only the untiled grid's row stride: no class pays a compile)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, tiles_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
@@ -115,7 +115,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_lse_split + q_row * stride_lse_row + head, lse, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # SPLITS_P2 bounds the loop; the count is only a mask
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits,
     stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,
@@ -177,10 +177,18 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         num_stages=config.num_stages,
     )
     if splits > 1 and rows > 0:
-        _combine_kernel[(rows, heads)](
-            part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
-        )
+        combine_splits(part, lse, out)
+    return out
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The split-K launch's second kernel. part: [splits, rows, heads, d] fp32, lse: [splits, rows, heads]
+    fp32 (base-2 log-sum-exp of each split) -> out: [rows, heads, d], written and returned."""
+    splits, rows, heads, d = part.shape
+    _combine_kernel[(rows, heads)](
+        part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+    )
     return out
 
 

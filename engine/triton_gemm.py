@@ -24,7 +24,7 @@ import triton.language as tl
 from .gemm_dispatch import GemmConfig
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count's class (== 1, % 16) would double the compiles
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -44,7 +44,7 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -69,7 +69,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
                                    SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -147,7 +147,8 @@ def _prefetch(shapes: Callable[[], Any], device: str, triton_dir: str | None, st
         for failure in report.failures:
             log.warning("warmup_kernel_worker_failed", error=failure)
         log.info("warmup_kernels_workers", workers=report.workers, tasks=report.tasks, compiled=report.compiled,
-                 seconds=round(report.seconds, 2), failures=len(report.failures), stopped=report.stopped)
+                 seconds=round(report.seconds, 2), slowest_start_s=round(report.ready_s, 2),
+                 longest_task_s=round(report.longest_task_s, 2), failures=len(report.failures), stopped=report.stopped)
     result = kernel_warmup.warm_kernels(s, dev, should_stop=stopped)
     if marker is not None and not result.failures and not stopped():
         compile_cache.mark_warm(marker)

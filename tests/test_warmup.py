@@ -347,7 +347,7 @@ def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fail
             pass
     assert seen and seen[0].startswith("ourobatch-prefetch") and "kernels" in clock.seconds
     done = [e for e in logs if e["event"] == "warmup_kernels_prefetch"]
-    assert len(done) == 1 and done[0]["launches"] == {"sampler": 1} and done[0]["failures"] == 0
+    assert len(done) == 1 and done[0]["launches"] == {"sampler": 2} and done[0]["failures"] == 0
 
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(RuntimeError, match="load failed"):
@@ -382,11 +382,13 @@ def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
             assert first == i or where[first] < where[i]
 
 
-def test_one_gemm_launch_per_tile_and_row_class():
+def test_one_gemm_launch_per_config_and_tile_height():
+    """The GEMM kernels do not specialize on the row count (do_not_specialize): one launch per table config
+    and tile height (16 / 32 / 64 rows)."""
     table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
     rows = kernel_cases.gemm_rows(shapes(), table)
-    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_cases.int_class(r)) for r in range(1, 49)}
-    assert len(rows) == len(keys) and 1 in rows and 16 in rows and 48 in rows
+    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length()))) for r in range(1, 49)}
+    assert len(rows) == len(keys) == 4 and 1 in rows and 9 in rows and 17 in rows and 33 in rows
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 
 
@@ -399,8 +401,13 @@ for dtype in (torch.float32, torch.bfloat16):
     assert kc.prefill_cases(s)  # the graphed prefill's tiled launches too
     report = kw.warm_kernels(s, torch.device("cpu"), threads=1)  # the interpreter is not thread-safe
     assert not report.failures, report.failures
-    assert report.cases["attention"] == len(kc.attention_cases(s)) and report.cases["fused"] == 1
-    assert report.cases.get("gemm", 0) == len(kc.gemm_rows(s))
+    tasks = kw.task_list(s, torch.device("cpu"))
+    keys = {k for t in tasks for k in t.keys}  # one launch per specialization, every one of them listed
+    assert len(keys) == sum(len(t.keys) for t in tasks)
+    cases = kc.attention_cases(s)
+    assert {("paged",) + kc.attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)[0] for c in cases} <= keys
+    assert report.cases["attention"] == sum(t.name == "attention" for t in tasks) and report.cases["fused"] == 4
+    assert report.cases.get("gemm", 0) == len({k for r in kc.gemm_rows(s) for k in kc.gemm_keys(r)})
 print("ok")
 """
 
