@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -79,6 +79,15 @@ if [ "$what" = serving ]; then  # latency under Poisson arrivals (benchmarks/ser
 fi
 if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
   python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
+fi
+if [ "$what" = pdl ]; then  # the decode harness's floor scenarios with engine/pdl.py off and on, alternated
+  # (OUROBATCH_PDL=0 / 1, PDL_ROUNDS pairs, default 2); each run its own process and folder
+  for r in $(seq 1 "${PDL_ROUNDS:-2}"); do
+    for p in 0 1; do
+      OUROBATCH_PDL=$p python3 benchmarks/throughput.py --out "$OUT/pdl/pdl${p}_r$r" --configs interval1 \
+        --scenarios 8x512x256,64x512x256 "$@" 2>&1 | tee "$OUT/pdl_${p}_r$r.log" | grep '^|' | tail -4
+    done
+  done
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)

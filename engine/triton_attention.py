@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .attention_dispatch import LaunchConfig, choose_config, query_tiling
 
 
@@ -70,8 +71,11 @@ def _paged_attention_kernel(
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
     stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if TILED:  # axis 0 walks a tile map of (sequence, M tile) pairs; padding tiles name a sequence of no rows
         seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
         m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
@@ -119,8 +123,11 @@ def _paged_attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits,
     stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # one program per (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -174,7 +181,7 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
         IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, **pdl.launch_kwargs(q.device),
     )
     if splits > 1 and rows > 0:
         combine_splits(part, lse, out)
@@ -188,6 +195,7 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
     _combine_kernel[(rows, heads)](
         part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+        **pdl.launch_kwargs(part.device),
     )
     return out
 

@@ -15,10 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _add_rms_norm2_kernel(h_ptr, y_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, n_cols, eps,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,7 +41,10 @@ def _add_rms_norm2_kernel(h_ptr, y_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, n_
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -49,7 +57,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _rope_store_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                           qkv_stride, n_q_heads, n_kv_heads, stride_slot, stride_head,
-                          HALF: tl.constexpr):
+                          HALF: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -75,7 +86,10 @@ def _rope_store_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_out_ptr, k
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n_cols
@@ -91,7 +105,7 @@ def add_rms_norm2(h: torch.Tensor, y: torch.Tensor, w_branch: torch.Tensor, w_ne
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     if rows:
         _add_rms_norm2_kernel[(rows,)](h, y.contiguous(), w_branch, w_next, h_out, x_out, n, eps,
-                                       BLOCK=triton.next_power_of_2(n), num_warps=8)
+                                       BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_kwargs(h.device))
     return h_out, x_out
 
 
@@ -99,7 +113,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     rows, n = x.shape
     out = torch.empty_like(x)
     if rows:
-        _rms_norm_kernel[(rows,)](x.contiguous(), w, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
+        _rms_norm_kernel[(rows,)](x.contiguous(), w, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                                  **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -112,7 +127,7 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
     if rows:
         _rope_store_kv_kernel[(rows, n_q_heads + n_kv_heads)](
             qkv, positions, slots, inv_freq, q, k_plane, v_plane, qkv.stride(0), n_q_heads, n_kv_heads,
-            k_plane.stride(0), k_plane.stride(1), HALF=head_dim // 2, num_warps=1)
+            k_plane.stride(0), k_plane.stride(1), HALF=head_dim // 2, num_warps=1, **pdl.launch_kwargs(qkv.device))
     return q
 
 
@@ -122,5 +137,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4,
+                                                        **pdl.launch_kwargs(gate_up.device))
     return out

@@ -21,12 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .gemm_dispatch import GemmConfig
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count's class (== 1, % 16) would double the compiles
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,7 +51,11 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,7 +80,10 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
 
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
-                                   SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -108,7 +120,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
         _linear_partials_kernel[grid](x, w, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
                                       BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -123,7 +135,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
                                    BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -135,5 +147,5 @@ def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: to
     if rows:
         _add_rms_norm2_partials_kernel[(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps,
                                                 SPLITS=partials.shape[0], BLOCK=triton.next_power_of_2(n),
-                                                num_warps=8)
+                                                num_warps=8, **pdl.launch_kwargs(h.device))
     return h_out, x_out

@@ -167,6 +167,7 @@ def warm_marker(triton_dir: str, shapes: Any, device: str) -> Path:
     except ImportError:
         pass
     h.update(f"torch {torch.__version__} cuda {torch.version.cuda} {shapes!r}".encode())
+    h.update(f"pdl {os.environ.get('OUROBATCH_PDL', '')}".encode())  # engine/pdl.py: another build of each kernel
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.device(device))
         h.update(f"{props.name} {props.major}.{props.minor}".encode())

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (Hopper and later).
+
+A decode step is ~800 kernels in a CUDA graph, and between two of them the GPU idles ~1.2-1.8 us while
+the next grid launches (docs/benchmarks.md, "Kernels per decode step"). With PDL a kernel is launched
+while the one before it still runs: its blocks start, wait at ``griddepcontrol.wait`` until the kernel
+before has finished and its writes are visible, then run; and each kernel lets the next one launch as
+soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``). So only the launch
+latency is hidden, never a dependency: every kernel launched with PDL waits before its first load or
+store (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch the compiler drops when off).
+
+Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
+``enabled(device)``: OUROBATCH_PDL=1 turns it on for CUDA devices of compute capability 9.0 and later
+(off below, and by default). Read once per device; ``launch_kwargs`` are a launch's extra arguments.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV_VAR = "OUROBATCH_PDL"
+_ENABLED: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the Triton kernels launched on `device` use PDL (cached per device)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ENABLED:
+        value = os.environ.get(ENV_VAR, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
+        _ENABLED[index] = value == "1" and torch.cuda.get_device_capability(index)[0] >= 9
+    return _ENABLED[index]
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """A PDL-aware kernel's launch arguments: its USE_PDL constexpr, and Triton's launch_pdl when on."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
