@@ -1,0 +1,38 @@
+"""engine/pdl.py's switch (the kernels' PDL prologue runs only on the GPU: tests/gpu/test_gpu_gemm.py and
+test_gpu_attention_kernels.py under OUROBATCH_PDL=1 compare them with the plain-torch references)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import pdl
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+
+
+@pytest.mark.parametrize("value", ["", "0", "1"])
+def test_never_on_a_cpu_tensor(monkeypatch, value):
+    monkeypatch.setenv(pdl.ENV_VAR, value)
+    assert pdl.enabled(torch.device("cpu")) is False
+    assert pdl.launch_kwargs(torch.device("cpu")) == {"USE_PDL": False}  # no launch_pdl: the interpreter's launch
+
+
+def test_on_only_when_asked_and_the_device_is_hopper_or_later(monkeypatch):
+    monkeypatch.setattr(pdl.torch.cuda, "get_device_capability", lambda i: (9, 0) if i == 0 else (8, 0))
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setenv(pdl.ENV_VAR, "1")
+    assert pdl.enabled(dev0) and not pdl.enabled(dev1)
+    assert pdl.launch_kwargs(dev0) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+    monkeypatch.delenv(pdl.ENV_VAR)
+    assert not pdl.enabled(dev0)  # off by default
+
+
+def test_a_bad_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(pdl.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="OUROBATCH_PDL must be 0 .* or 1"):
+        pdl.enabled(torch.device("cuda", 0))
