@@ -16,10 +16,6 @@ For each config (interval1, deferred8 by default), two fresh subprocesses share 
   round 1 over the last round;
 - process 2, the same folder: the same, now loading every kernel from the cache.
 
---workers auto,0 runs each config once per compile-worker setting (engine/compile_workers.py: the cold
-cache's compiles in worker processes; 0: in threads only), each pair of processes with its own empty cache,
-side by side in one run.
-
 Output: cold_start.json (every process's numbers, the capture time of each graph) and cold_start.md.
 
     python benchmarks/cold_start.py --out results/cold                                  # H200
@@ -88,7 +84,6 @@ def child(args) -> dict:
                     kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
                     compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
                     prefetch_kernels=_strip(events.get("warmup_kernels_prefetch")),
-                    compile_workers=_strip(events.get("warmup_kernels_workers")),
                     compiled_during=ev.get("compiled_during"),
                     weights_breakdown={k: v for k, v in ev.items() if k.startswith("weights_") and k != "weights_s"},
                     warmup_requests=_strip(events.get("warmup_requests")),
@@ -140,7 +135,7 @@ def _strip(event: dict | None) -> dict | None:
     return None if event is None else {k: v for k, v in event.items() if k not in ("event", "log_level")}
 
 
-def spawn(args, config: str, cache_dir: str, process: int, workers: str = "auto") -> dict:
+def spawn(args, config: str, cache_dir: str, process: int) -> dict:
     """Run one child process; its JSON line is the last line of its stdout."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--cache-dir", cache_dir,
            "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
@@ -151,14 +146,12 @@ def spawn(args, config: str, cache_dir: str, process: int, workers: str = "auto"
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--no-warmup"] if args.no_warmup else []
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    if workers != "auto":  # engine/compile_workers.py: the compile worker processes of a cold start
-        env["OUROBATCH_COMPILE_WORKERS"] = workers
     t = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if run.returncode != 0:
         raise RuntimeError(f"{config} process {process} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     row = json.loads(run.stdout.strip().splitlines()[-1])
-    row.update(process=process, process_wall_s=time.perf_counter() - t, workers=workers)
+    row.update(process=process, process_wall_s=time.perf_counter() - t)
     return row
 
 
@@ -171,13 +164,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"prefill included), through the async Engine; process 1 starts with an empty compile cache, "
              f"process 2 with the folder process 1 filled. start to ready: from the process's spawn "
              f"(interpreter, imports) to the engine ready; warm = the last round.", "",
-             "| config | workers | process | start to ready s | import s | ready s | weights | KV pool | kernels | graphs | "
+             "| config | process | start to ready s | import s | ready s | weights | KV pool | kernels | graphs | "
              "requests | compiled / loaded | round s | first / warm | compiles, captures per round | "
-             "prefix-cache hits |", "|---" * 16 + "|"]
+             "prefix-cache hits |", "|---" * 15 + "|"]
     for r in rows:
         ph, rounds = r["phases"], r["rounds"]
-        lines.append(f"| {r['config']} | {r.get('workers', 'auto')} | {r['process']} | {f(r.get('start_to_ready_s'))} | "
-                     f"{f(r['import_s'])} | "
+        lines.append(f"| {r['config']} | {r['process']} | {f(r.get('start_to_ready_s'))} | {f(r['import_s'])} | "
                      f"{f(r['ready_s'])} | " + " | ".join(f(ph.get(p)) for p in PHASES)
                      + f" | {f(r['kernels_compiled'], '{}')} / {f(r['kernels_loaded'], '{}')} | "
                      + " / ".join(f(x["wall_s"]) for x in rounds) + f" | {f(r['first_over_warm'])} | "
@@ -186,20 +178,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", "Inside the startup: the weight load itself (engine_ready's weights_total_s), the kernel pass "
               "that compiles beside it (wall and summed seconds), and the kernels compiled during each phase; and "
               "per round, the steps' GPU time (CUDA events; the rest of the round's wall time is the host's).", "",
-              "| config | workers | process | load s | load GB/s | compile workers: processes, s, compiled | "
-              "prefetch pass wall / summed s | compiled here: weights / kernels / graphs / requests | "
-              "steps, GPU s per round |", "|---" * 9 + "|"]
+              "| config | process | load s | load GB/s | prefetch wall / summed s | compiled: weights / kernels / "
+              "graphs / requests | steps, GPU s per round |", "|---" * 7 + "|"]
     for r in rows:
         load, pre, during = r.get("weights_breakdown") or {}, r.get("prefetch_kernels") or {}, r.get("compiled_during")
         compiled = "-" if during is None else " / ".join(str(during.get(p, 0)) for p in
                                                           ("weights", "kernels", "graphs", "requests"))
         per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}" for x in r["rounds"])
-        cw = r.get("compile_workers")
-        workers = "-" if not cw else (f"{cw['workers']}, {f(cw['seconds'])} (slowest start {f(cw.get('slowest_start_s'))}"
-                                      f", longest task {f(cw.get('longest_task_s'))}), {cw['compiled']}")
-        lines.append(f"| {r['config']} | {r.get('workers', 'auto')} | {r['process']} | {f(load.get('weights_total_s'))} | "
-                     f"{f(load.get('weights_gb_per_s'))} | {workers} | "
-                     f"{f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
+        lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
+                     f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
                      f" | {compiled} | {per_round} |")
     return "\n".join(lines) + "\n"
 
@@ -220,9 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=0, help="compile threads of the kernel warm-up (0: its default)")
-    ap.add_argument("--workers", default="auto",
-                    help="comma-separated compile-worker counts to run side by side, each with its own empty cache "
-                         "(auto: the engine's default; 0: threads only), e.g. auto,0")
     ap.add_argument("--no-warmup", action="store_true", help="EngineConfig(warmup=False): the baseline")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process, each with its own prompts (>= 2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
@@ -245,16 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     from throughput import ensure_checkpoint  # noqa: E402
 
     ensure_checkpoint(args)  # written once, before any timed process
-    worker_counts = [w.strip() for w in args.workers.split(",")]
-    for w in worker_counts:
-        if w != "auto" and not (w.isdigit()):
-            ap.error(f"--workers takes auto or whole numbers >= 0, got {w!r}")
     rows = []
-    for name, workers in [(n, w) for n in names for w in worker_counts]:
+    for name in names:
         cache_dir = tempfile.mkdtemp(prefix=f"ourobatch-cold-{name}-")
         try:
             for process in (1, 2):
-                rows.append(spawn(args, name, cache_dir, process, workers))
+                rows.append(spawn(args, name, cache_dir, process))
                 print(json.dumps(rows[-1]), flush=True)
                 meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N,
                             P=args.P, M=args.M, rounds=args.rounds, device_name=rows[-1].get("device_name"),

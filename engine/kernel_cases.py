@@ -29,7 +29,8 @@ import torch
 from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
 from .cuda_graphs import batch_buckets
-from .gemm_dispatch import GEMM_TABLE, gemm_config
+from . import gemm_dispatch
+from .gemm_dispatch import gemm_config
 from .prefill_graph import PrefillLayout, prefill_buckets
 
 
@@ -112,11 +113,11 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     kernel's or None). The split count reaches the paged kernel only as SPLIT (> 1) and its grid, the
     combine kernel as an int argument and its power of two; `tiles` > 0: a graphed prefill's tiled launch."""
     config = case_config(s, AttentionCase(seqs, max_rows, rows, tiles))
-    block_m, _ = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
+    block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
     split = config.splits > 1
     strides = (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)) if split else ()
-    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, tiles > 0)  # m_tiles: not specialized
-    combine = (1 << (config.splits - 1).bit_length(),) + strides if split else None  # num_splits: not specialized
+    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(m_tiles), tiles > 0)
+    combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
     return paged + strides, combine
 
 
@@ -158,8 +159,8 @@ def _untiled_cases(s: KernelShapes) -> list[AttentionCase]:
         cls = tuple(tile <= b for b in bounds)
         if (seqs, cls) not in memo:
             memo[seqs, cls] = (case_config(s, AttentionCase(seqs, max_rows, 1)),)
-        block_m, _ = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
-        return memo[seqs, cls] + (block_m,)
+        block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
+        return memo[seqs, cls] + (block_m, int_class(m_tiles))
 
     def split_class(rows: int) -> tuple[str, str]:  # the partials' strides: rows x heads (x head_dim)
         return int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)
@@ -214,14 +215,14 @@ def _row_counts(case: AttentionCase) -> list[int]:
 
 def gemm_rows(s: KernelShapes, table=None) -> list[int]:
     """One row count per distinct specialization of the skinny GEMMs (gemm_dispatch's table)."""
-    table = GEMM_TABLE if table is None else table
+    table = gemm_dispatch.GEMM_TABLE if table is None else table  # read now: tests swap the table
     if not table or not s.triton_attention or s.dtype not in (torch.bfloat16, torch.float16):
         return []
     found: dict[tuple, int] = {}
     for rows in range(1, max(r for r, _ in table) + 1):
         cfg = gemm_config(rows, table)
         if cfg is not None:
-            found.setdefault((cfg, _gemm_block_m(rows)), rows)
+            found.setdefault((cfg, _gemm_block_m(rows), int_class(rows)), rows)
     return list(found.values())
 
 
@@ -231,13 +232,15 @@ def _gemm_block_m(rows: int) -> int:
 
 
 def gemm_keys(rows: int, table=None) -> set[tuple]:
-    """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it (the kernels do not
-    specialize on the row count): the split-K partials and gate_up + SiLU per tile height and tiles, the
-    add + norm over partials per split count (its SPLITS constexpr). Each key's first item names the kernel."""
+    """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
+    gate_up + SiLU per tile height, tiles and row class, the add + norm over partials per row class and split
+    count (its SPLITS constexpr). Each key's first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
-    bm, rest = _gemm_block_m(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
-    return ({("partials", bm, cfg.block_n) + rest, ("gate_up", bm, cfg.block_n_gate) + rest}
-            | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
+    if cfg is None:
+        return set()
+    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
+            | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
 
 
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,

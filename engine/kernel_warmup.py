@@ -95,7 +95,7 @@ def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
-    (o_proj's and down_proj's launches), the add + norm over key[1] partials, or gate_up + SiLU."""
+    (o_proj's and down_proj's launches), the add + norm over key[2] partials, or gate_up + SiLU."""
     from . import triton_gemm
 
     cfg = gemm_config(rows)
@@ -106,7 +106,7 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
             triton_gemm.linear_partials(x, weight, splits, cfg)
     elif key[0] == "norm_partials":
         h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
-        partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)
+        partials = torch.zeros(key[2], rows, s.hidden_size, dtype=torch.float32, device=device)
         triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
     else:
         triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
@@ -127,7 +127,7 @@ class KernelReport:
 @dataclass(frozen=True)
 class Task:
     """One warm-up launch: the kernels it uses (each builds a per-device cache on its first launch) and the
-    specializations it compiles, the one it exists for first (engine/compile_workers.py shards by that)."""
+    specializations its launch compiles, the one it exists for first."""
 
     name: str  # its family: attention, fused, sampler, gemm
     launch: Callable[[], None]
@@ -136,7 +136,7 @@ class Task:
 
 
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
-    """Every launch, in a fixed order that depends only on `s` (a compile worker rebuilds the same list),
+    """Every launch, in a fixed order that depends only on `s`,
     each compiling one specialization where it can: an attention case only when it compiles a key no
     earlier one did, a combine-only launch where only the combine kernel's key is new."""
     tasks, covered = [], set()
@@ -144,7 +144,7 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
         paged, combine = attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)
         paged, combine = ("paged",) + paged, None if combine is None else ("combine",) + combine
         if paged not in covered:
-            keys = (paged,) if combine is None or combine in covered else (paged, combine)
+            keys = (paged,) if combine is None else (paged, combine)  # all it compiles: _staged orders by them
             kernels = frozenset({"paged"} | ({"combine"} if combine is not None else set()))
             tasks.append(Task("attention", lambda c=c: launch_attention(s, c, device), kernels, keys))
         elif combine is not None and combine not in covered:

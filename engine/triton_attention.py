@@ -65,7 +65,7 @@ def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_b
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["m_tiles"])  # (only the untiled grid's row stride: no class pays a compile)
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, tiles_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
@@ -119,7 +119,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_lse_split + q_row * stride_lse_row + head, lse, mask=m_valid)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # SPLITS_P2 bounds the loop; the count is only a mask
+@triton.jit
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits,
     stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,

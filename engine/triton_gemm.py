@@ -25,7 +25,7 @@ from . import pdl
 from .gemm_dispatch import GemmConfig
 
 
-@triton.jit(do_not_specialize=["M"])  # the row count's class (== 1, % 16) would double the compiles
+@triton.jit
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             USE_PDL: tl.constexpr):
@@ -49,7 +49,7 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -78,7 +78,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit
 def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
                                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch

@@ -191,8 +191,7 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     plan = WarmupPlan.for_engine(config.warmup, config.device)
     shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
     # the kernels compile while the weights load (they need only the config's shapes)
-    triton_dir = compiles.setting.triton_dir if compiles.setting is not None else None
-    with prefetch_kernels(shapes, config.device, clock, should_stop, triton_dir), clock.phase("weights"):
+    with prefetch_kernels(shapes, config.device, clock, should_stop), clock.phase("weights"):
         if model is None:
             model = load_model(config.model, dtype, config.device, should_stop, loading)
             model.fuse_projections()

@@ -147,47 +147,6 @@ def compile_counts() -> CompileCounts | None:
     return _COUNTER.snapshot() if _COUNTER is not None else None
 
 
-MARKER_FOLDER = "ourobatch-warm"  # inside the Triton cache folder: one empty file per warm-up list compiled
-
-
-def warm_marker(triton_dir: str, shapes: Any, device: str) -> Path:
-    """The file saying that this exact warm-up list (`shapes`, engine/kernel_cases.KernelShapes) was compiled
-    into `triton_dir` by this code on this kind of GPU: its name hashes the shapes, the Triton, torch and
-    CUDA versions, the device's name and compute capability and the source of every engine module (an
-    edited kernel is a new list). It only decides whether a startup spawns compile workers
-    (engine/compile_workers.py): a stale one costs a slower cold start, never a wrong kernel."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    try:
-        import triton
-        h.update(f"triton {triton.__version__}".encode())
-    except ImportError:
-        pass
-    h.update(f"torch {torch.__version__} cuda {torch.version.cuda} {shapes!r}".encode())
-    h.update(f"pdl {os.environ.get('OUROBATCH_PDL', '')}".encode())  # engine/pdl.py: another build of each kernel
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(torch.device(device))
-        h.update(f"{props.name} {props.major}.{props.minor}".encode())
-    import engine
-
-    for source in sorted(Path(engine.__file__).resolve().parent.glob("*.py")):
-        h.update(source.name.encode())
-        h.update(source.read_bytes())
-    return Path(triton_dir) / MARKER_FOLDER / f"{h.hexdigest()[:32]}.done"
-
-
-def mark_warm(marker: Path) -> None:
-    """Write the marker (best effort: a read-only cache only loses the shortcut)."""
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError as exc:
-        log.debug("compile_cache_marker_not_written", path=str(marker), error=str(exc))
-
-
 class StartupCompiles:
     """An engine's startup compiles (CUDA): the cache folders set, the counter installed, and one
     ``kernels_compiled`` event at ready: how many kernels were compiled and loaded from the cache, in how long."""

@@ -39,7 +39,6 @@ import torch
 from scheduler.config import SchedulerConfig
 from scheduler.errors import EngineClosedError
 from ourobatch.runtime.engine_core import EngineCore
-from ourobatch import compile_cache
 from ourobatch.log import get_logger
 from scheduler.params import SamplingParams
 
@@ -100,23 +99,26 @@ class StartupClock:
 
 @contextmanager
 def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: StartupClock,
-                     should_stop: Callable[[], bool] | None = None, triton_dir: str | None = None) -> Iterator[None]:
+                     should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
     """Compile every kernel specialization while the block's body (the weight load) runs: `shapes()`
-    (engine/kernel_cases.KernelShapes) needs only the config, and the compiles run beside the load's
-    copies. With a cold cache (no marker in `triton_dir`: ourobatch/compile_cache.warm_marker) they run in worker
-    processes (engine/compile_workers.py), then a pass in threads loads them (and compiles what a worker
-    missed); with the marker present only that pass runs. The wait for the rest at the block's end counts as
-    the "kernels" phase. A body that raises stops it (workers killed, threads after the launches under way);
-    nothing outlives the block. A prefetch that fails only logs a warning: warm_up's kernel pass, after the
-    executor exists, compiles whatever it missed. `shapes` None: nothing to prefetch (CPU, or warmup off)."""
+    (engine/kernel_cases.KernelShapes) needs only the config, and the compiles spend most of their time in
+    LLVM and ptxas, beside the load's copies. The wait for the rest at the block's end counts as the
+    "kernels" phase. A body that raises stops it after the launches under way; no thread outlives the block.
+    A prefetch that fails only logs a warning: warm_up's kernel pass, after the executor exists, compiles
+    whatever it missed. `shapes` None: nothing to prefetch (CPU, or warmup off)."""
     if shapes is None:
         yield
         return
+    from engine import kernel_warmup
+
     stop = threading.Event()
-    stopped = lambda: stop.is_set() or bool(should_stop and should_stop())  # noqa: E731
+
+    def run() -> "kernel_warmup.KernelReport":
+        return kernel_warmup.warm_kernels(shapes(), torch.device(device),
+                                          should_stop=lambda: stop.is_set() or bool(should_stop and should_stop()))
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ourobatch-prefetch") as pool:
-        future = pool.submit(_prefetch, shapes, device, triton_dir, stopped)
+        future = pool.submit(run)
         try:
             yield
         except BaseException:
@@ -130,29 +132,6 @@ def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: Start
         log.warning("warmup_kernels_prefetch_failed", error=f"{type(error).__name__}: {error}")
     else:
         _log_kernels("warmup_kernels_prefetch", future.result())
-
-
-def _prefetch(shapes: Callable[[], Any], device: str, triton_dir: str | None, stopped: Callable[[], bool]):
-    """The prefetch thread: the workers on a cold cache, then the threaded pass; marks the cache warm after
-    a pass without failures."""
-    from engine import compile_workers, kernel_warmup
-
-    s, dev = shapes(), torch.device(device)
-    marker = compile_cache.warm_marker(triton_dir, s, device) if triton_dir is not None else None
-    num_workers = compile_workers.default_num_workers()
-    if marker is not None and num_workers > 0 and not marker.exists():
-        tasks = kernel_warmup.task_list(s, dev)
-        report = compile_workers.compile_in_workers(s, device, [t.name for t in tasks], [t.keys for t in tasks],
-                                                    num_workers, should_stop=stopped)
-        for failure in report.failures:
-            log.warning("warmup_kernel_worker_failed", error=failure)
-        log.info("warmup_kernels_workers", workers=report.workers, tasks=report.tasks, compiled=report.compiled,
-                 seconds=round(report.seconds, 2), slowest_start_s=round(report.ready_s, 2),
-                 longest_task_s=round(report.longest_task_s, 2), failures=len(report.failures), stopped=report.stopped)
-    result = kernel_warmup.warm_kernels(s, dev, should_stop=stopped)
-    if marker is not None and not result.failures and not stopped():
-        compile_cache.mark_warm(marker)
-    return result
 
 
 def warm_up(executor, scheduler_config: SchedulerConfig, plan: WarmupPlan, clock: StartupClock, *,

@@ -40,7 +40,7 @@ def test_a_mode_packs_everything_into_one_tarball_and_a_summary(tmp_path):
     assert members(out) == {"gpu.txt", "cold.log", "cold/cold_start.json", "cold/cold_start.md"}
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# gpu_suite.sh cold: exit 0") and "## cold/cold_start.md" in summary
-    assert "| interval1 | auto | 2 |" in summary
+    assert "| interval1 | 2 |" in summary
 
 
 def test_a_failed_run_and_skipped_stages_are_packed_too(tmp_path):

@@ -382,13 +382,20 @@ def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
             assert first == i or where[first] < where[i]
 
 
-def test_one_gemm_launch_per_config_and_tile_height():
-    """The GEMM kernels do not specialize on the row count (do_not_specialize): one launch per table config
-    and tile height (16 / 32 / 64 rows)."""
+def test_one_gemm_launch_per_tile_and_row_class():
     table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
     rows = kernel_cases.gemm_rows(shapes(), table)
-    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length()))) for r in range(1, 49)}
-    assert len(rows) == len(keys) == 4 and 1 in rows and 9 in rows and 17 in rows and 33 in rows
+    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_cases.int_class(r)) for r in range(1, 49)}
+    assert len(rows) == len(keys) and 1 in rows and 16 in rows and 48 in rows
+    # each kernel's keys at those rows: partials per row (the two configs' block_n differ), gate_up per tile
+    # and row class (their block_n_gate is the same), the norm per row class and split count
+    found = {k for r in rows for k in kernel_cases.gemm_keys(r, table)}
+    assert sum(k[0] == "partials" for k in found) == len(rows)
+    assert sum(k[0] == "gate_up" for k in found) == len({k[1:] for k in keys})
+    # rows 1-8 (splits 2 and 4): classes "1" and ""; rows 9-48 (splits 4): "" and "16"
+    norms = {("1", 2), ("1", 4), ("", 2), ("", 4), ("16", 4)}
+    assert {k for k in found if k[0] == "norm_partials"} == {("norm_partials", c, n) for c, n in norms}
+    assert kernel_cases.gemm_keys(49, table) == set()  # past the table: cuBLAS, nothing to compile
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 
 
@@ -402,8 +409,9 @@ for dtype in (torch.float32, torch.bfloat16):
     report = kw.warm_kernels(s, torch.device("cpu"), threads=1)  # the interpreter is not thread-safe
     assert not report.failures, report.failures
     tasks = kw.task_list(s, torch.device("cpu"))
-    keys = {k for t in tasks for k in t.keys}  # one launch per specialization, every one of them listed
-    assert len(keys) == sum(len(t.keys) for t in tasks)
+    keys = {k for t in tasks for k in t.keys}
+    firsts = [t.keys[0] for t in tasks]  # each launch exists for a specialization no earlier one compiles
+    assert len(set(firsts)) == len(firsts)
     cases = kc.attention_cases(s)
     assert {("paged",) + kc.attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)[0] for c in cases} <= keys
     assert report.cases["attention"] == sum(t.name == "attention" for t in tasks) and report.cases["fused"] == 4
@@ -446,4 +454,4 @@ def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):
             assert x["tokens"] == N * M and x["wall_s"] > 0 and x["captures"] == 0
         assert r["first_round_s"] == rounds[0]["wall_s"] and r["warm_round_s"] == rounds[-1]["wall_s"]
         assert r["first_over_warm"] == r["first_round_s"] / r["warm_round_s"]
-    assert "| interval1 | auto | 2 |" in (tmp_path / "out" / "cold_start.md").read_text()
+    assert "| interval1 | 2 |" in (tmp_path / "out" / "cold_start.md").read_text()

@@ -2,9 +2,7 @@
 (counted by the compilation listener ourobatch/compile_cache.py installs) and captures no CUDA graph
 (GraphCache.num_captures), in every mode, and its tokens equal an engine's without the warm-up; the
 startup's graph captures and request pass compile nothing either (the kernel passes compiled it all); a
-second process with the same compile_cache_dir loads every kernel from the disk cache instead of compiling it,
-and with compile workers the first process itself compiles nothing (the workers' kernels are the ones it
-looks up)."""
+second process with the same compile_cache_dir loads every kernel from the disk cache instead of compiling it."""
 
 from __future__ import annotations
 
@@ -75,20 +73,13 @@ cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verif
                    **json.loads(sys.argv[3]))
 with capture_logs() as logs, SyncEngine(cfg) as engine:
     counts = compile_cache.compile_counts()
-events = {e["event"]: e for e in logs}
-workers = events.get("warmup_kernels_workers")
-print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded, during=events["engine_ready"]["compiled_during"],
-                      workers=workers and {k: workers[k] for k in ("workers", "tasks", "compiled", "failures")})))
+ready = [e for e in logs if e["event"] == "engine_ready"][0]
+print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded, during=ready["compiled_during"])))
 """
 
 
-@pytest.mark.parametrize("workers", ["0", "3"])
-def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_path, workers):
-    """With compile workers (engine/compile_workers.py) the first process compiles nothing itself: every
-    kernel the workers compiled has the key this process looks up. The second finds the warm marker and
-    spawns none."""
+def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    env["OUROBATCH_COMPILE_WORKERS"] = workers
     runs = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tmp_path / "cache"), json.dumps(CONFIG)],
@@ -96,16 +87,10 @@ def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_pat
         assert run.returncode == 0, run.stderr[-3000:]
         runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
     first, second = runs
+    assert first["compiled"] > 0
     # every kernel compiles in the kernel passes (the prefetch beside the weight load, then the check after
     # it), none inside the graph captures or the request pass, where they would compile one at a time
     assert first["during"]["graphs"] == 0 and first["during"]["requests"] == 0, first["during"]
     assert sum(first["during"].values()) == first["compiled"]
-    if workers == "0":
-        assert first["workers"] is None and first["compiled"] > 0
-    else:
-        w = first["workers"]
-        assert w is not None and w["workers"] == 3 and w["failures"] == 0 and w["compiled"] > 0, w
-        assert first["compiled"] == 0 and first["loaded"] > 0, first
-    assert second["workers"] is None  # the marker: a warm cache spawns no worker
-    assert second["compiled"] == 0 and second["loaded"] >= max(first["compiled"], 1)
+    assert second["compiled"] == 0 and second["loaded"] >= first["compiled"] > 0
     assert (tmp_path / "cache" / "triton").is_dir()
