@@ -108,7 +108,7 @@ async def one_round(engine, args, seed: int) -> dict:
     if executor.device.type == "cuda":
         executor.timing = []  # GPU ms per step (CUDA events): is a slower round slower on the device or the host?
     counts0, captures0, stats0 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
-    segments0 = _segments(executor.device)
+    segments0, clock0 = _segments(executor.device), _sm_clock(executor.device)
     wall, tokens = await timed_round(engine, prompts, params)
     counts1, captures1, stats1 = compile_cache.compile_counts(), graphs.num_captures if graphs else 0, core.stats()
     segments = None if segments0 is None else _segments(executor.device) - segments0
@@ -118,7 +118,7 @@ async def one_round(engine, args, seed: int) -> dict:
                 gpu_s=sum(steps_ms) / 1e3 if steps_ms else None, slowest_step_ms=max(steps_ms) if steps_ms else None,
                 compiles=None if delta is None else delta.compiled + delta.loaded, captures=captures1 - captures0,
                 prompts_sha1=hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12],
-                new_memory_segments=segments, steps_ms=[round(x, 3) for x in steps_ms] if steps_ms else None,
+                new_memory_segments=segments, sm_clock_mhz_before=clock0, steps_ms=[round(x, 3) for x in steps_ms] if steps_ms else None,
                 **{k: stats1[k] - stats0[k] for k in ("prefix_cache_hits", "prefill_tokens_computed")})
 
 
@@ -129,6 +129,20 @@ def _segments(device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.memory_stats(device).get("segment.all.allocated", 0))
+
+
+def _sm_clock(device) -> int | None:
+    """The GPU's SM clock now (nvidia-smi; None without it): a first round slower on the device than a
+    warm one, with the same kernels, may start on a clock the idle startup let fall."""
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    index = device.index if device.index is not None else 0
+    run = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    try:
+        return int(run.stdout.strip().splitlines()[0])
+    except (ValueError, IndexError):
+        return None
 
 
 def _strip(event: dict | None) -> dict | None:
@@ -179,12 +193,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "that compiles beside it (wall and summed seconds), and the kernels compiled during each phase; and "
               "per round, the steps' GPU time (CUDA events; the rest of the round's wall time is the host's).", "",
               "| config | process | load s | load GB/s | prefetch wall / summed s | compiled: weights / kernels / "
-              "graphs / requests | steps, GPU s per round |", "|---" * 7 + "|"]
+              "graphs / requests | steps, GPU s, SM MHz at its start, per round |", "|---" * 7 + "|"]
     for r in rows:
         load, pre, during = r.get("weights_breakdown") or {}, r.get("prefetch_kernels") or {}, r.get("compiled_during")
         compiled = "-" if during is None else " / ".join(str(during.get(p, 0)) for p in
                                                           ("weights", "kernels", "graphs", "requests"))
-        per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}" for x in r["rounds"])
+        per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}, {f(x.get('sm_clock_mhz_before'), '{}')}"
+                               for x in r["rounds"])
         lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
                      f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
                      f" | {compiled} | {per_round} |")
