@@ -5,7 +5,9 @@ Theory of operation. A compile spends much of its time in LLVM and ptxas with th
 launches run in threads, in stages (``_staged``): the first launch of each specialization (its compile:
 two threads would both compile it) and of each kernel (it builds the kernel's per-device cache, which two
 threads would race to create) ends before any other launch of it starts, and the very first launch runs
-alone (Triton builds its launcher utilities once). The engine starts this before its weights load
+alone (Triton builds its launcher utilities once). Eight threads reach ~4x (30 s of compiles in 6.5-8.5 s
+on the H200); compile worker processes were tried and lost to their own start-up (4-6 s each: interpreter,
+torch, a CUDA context; docs/benchmarks.md, session 6). The engine starts this before its weights load
 (ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a check that costs only launches, once
 the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the graph captures and a first
 round of requests compile nothing, and that no specialization compiles twice.
@@ -136,9 +138,9 @@ class Task:
 
 
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
-    """Every launch, in a fixed order that depends only on `s`,
-    each compiling one specialization where it can: an attention case only when it compiles a key no
-    earlier one did, a combine-only launch where only the combine kernel's key is new."""
+    """Every launch, in a fixed order that depends only on `s`, each there for one specialization no earlier
+    launch compiles (so the threads share the compiles evenly): an attention case only for a new paged-kernel
+    key, a combine-only launch where only the combine kernel's key is new, each fused and GEMM kernel apart."""
     tasks, covered = [], set()
     for c in sorted(attention_cases(s), key=lambda c: -case_config(s, c).splits):  # a split one first
         paged, combine = attention_key(s, c.seqs, c.max_rows, c.rows, c.tiles)
