@@ -176,33 +176,30 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     return tasks
 
 
-def _tasks(s: KernelShapes, device: torch.device) -> list[list[tuple[str, Callable[[], None]]]]:
-    return _staged([(t.name, t.launch, set(t.kernels), set(t.keys)) for t in task_list(s, device)])
-
-
-def _staged(tasks: list[tuple[str, Callable[[], None], set[str], set[tuple]]]) -> list[list[tuple[str, Callable]]]:
+def _staged(tasks: list[Task]) -> list[list[Task]]:
     """Stages (each runs after the one before ends) in which the first launch of every kernel and of every
     specialization ends before any other launch of it starts (later ones find it compiled and may share a
     stage); the very first launch alone. Greedy, in task order."""
-    stages: list[list[tuple[str, Callable]]] = []
+    stages: list[list[Task]] = []
     first: dict[object, int] = {}  # kernel or specialization -> the stage of its first launch
-    for i, (name, fn, kernels, keys) in enumerate(tasks):
-        stage = 0 if i == 0 else 1 + max((first[k] for k in (*kernels, *keys) if k in first), default=0)
-        for k in (*kernels, *keys):
+    for i, task in enumerate(tasks):
+        names = (*task.kernels, *task.keys)
+        stage = 0 if i == 0 else 1 + max((first[k] for k in names if k in first), default=0)
+        for k in names:
             first.setdefault(k, stage)
         stages += [[] for _ in range(stage + 1 - len(stages))]
-        stages[stage].append((name, fn))
+        stages[stage].append(task)
     return stages
 
 
-def _run(name: str, fn: Callable[[], None], device: torch.device) -> tuple[str, float, str | None]:
+def _run(task: Task, device: torch.device) -> tuple[str, float, str | None]:
     t = time.perf_counter()
     try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode():
-            fn()
+            task.launch()
     except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
-        return name, time.perf_counter() - t, f"{name}: {type(exc).__name__}: {exc}"
-    return name, time.perf_counter() - t, None
+        return task.name, time.perf_counter() - t, f"{task.name}: {type(exc).__name__}: {exc}"
+    return task.name, time.perf_counter() - t, None
 
 
 def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = None,
@@ -210,12 +207,12 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     """Launch one call of every specialization (CUDA only), `threads` at a time (default NUM_THREADS)."""
     report = KernelReport()
     started = time.perf_counter()
-    stages = _tasks(s, device)
+    stages = _staged(task_list(s, device))
     with ThreadPoolExecutor(max_workers=max(1, threads or NUM_THREADS), thread_name_prefix="ourobatch-compile") as pool:
         for stage in stages:
             if should_stop is not None and should_stop():
                 break
-            for name, seconds, error in pool.map(lambda task: _run(*task, device), stage):
+            for name, seconds, error in pool.map(lambda task: _run(task, device), stage):
                 report.cases[name] = report.cases.get(name, 0) + 1
                 report.task_seconds += seconds
                 if error is not None:

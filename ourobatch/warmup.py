@@ -101,8 +101,8 @@ class StartupClock:
 def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: StartupClock,
                      should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
     """Compile every kernel specialization while the block's body (the weight load) runs: `shapes()`
-    (engine/kernel_cases.KernelShapes) needs only the config, and the compiles spend most of their time in
-    LLVM and ptxas, beside the load's copies. The wait for the rest at the block's end counts as the
+    (engine/kernel_cases.KernelShapes) needs only the config, so the compiles (CPU work) run beside the
+    load's copies. The wait for the rest at the block's end counts as the
     "kernels" phase. A body that raises stops it after the launches under way; no thread outlives the block.
     A prefetch that fails only logs a warning: warm_up's kernel pass, after the executor exists, compiles
     whatever it missed. `shapes` None: nothing to prefetch (CPU, or warmup off)."""

@@ -371,14 +371,14 @@ def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
     """kernel_warmup._staged: the first launch alone; the first launch of every specialization and of every
     kernel in an earlier stage than its other launches (two launches of one stage may share one only once
     it is compiled); every launch once, in order."""
-    tasks = [(f"t{i}", i, kernels, keys) for i, (kernels, keys) in enumerate(spec)]
+    tasks = [kernel_warmup.Task(f"t{i}", i, frozenset(kernels), tuple(keys)) for i, (kernels, keys) in enumerate(spec)]
     stages = kernel_warmup._staged(tasks)
-    where = {fn: n for n, stage in enumerate(stages) for _, fn in stage}
-    assert sorted(where) == list(range(len(tasks))) and len(stages[0]) == 1 and stages[0][0][1] == 0
+    where = {t.launch: n for n, stage in enumerate(stages) for t in stage}
+    assert sorted(where) == list(range(len(tasks))) and len(stages[0]) == 1 and stages[0][0].launch == 0
     assert all(stage for stage in stages) and all(where[i] >= 1 for i in range(1, len(tasks)))
-    for i, (_, _, kernels_i, keys_i) in enumerate(tasks):
-        for k in (*kernels_i, *keys_i):
-            first = min(j for j, t in enumerate(tasks) if k in t[2] or k in t[3])
+    for i, task in enumerate(tasks):
+        for k in (*task.kernels, *task.keys):
+            first = min(j for j, t in enumerate(tasks) if k in t.kernels or k in t.keys)
             assert first == i or where[first] < where[i]
 
 
