@@ -1,16 +1,16 @@
 """Every Triton kernel specialization an engine can reach (engine/kernel_cases.py), compiled at startup
 (CUDA) by one launch each on scratch tensors (nothing the engine reads is written), in threads.
 
-Theory of operation. A compile spends much of its time in LLVM and ptxas with the GIL released, so the
-launches run in threads, in stages (``_staged``): the first launch of each specialization (its compile:
-two threads would both compile it) and of each kernel (it builds the kernel's per-device cache, which two
-threads would race to create) ends before any other launch of it starts, and the very first launch runs
-alone (Triton builds its launcher utilities once). Eight threads reach ~4x (30 s of compiles in 6.5-8.5 s
-on the H200); compile worker processes were tried and lost to their own start-up (4-6 s each: interpreter,
-torch, a CUDA context; docs/benchmarks.md, session 6). The engine starts this before its weights load
-(ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a check that costs only launches, once
-the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the graph captures and a first
-round of requests compile nothing, and that no specialization compiles twice.
+Theory of operation. The launches run in threads, in stages (``_staged``): the first launch of each
+specialization (its compile: two threads would both compile it) and of each kernel (it builds the kernel's
+per-device cache, which two threads would race to create) ends before any other launch of it starts, and
+the very first launch runs alone (Triton builds its launcher utilities once). Each thread's compiles run in
+forked child processes (engine/fork_compile.py): a compile holds the GIL for much of its time, so threads
+alone reached ~4x (30 s of compiles in 6.5-8.5 s on the H200), and fresh worker processes lost 4-6 s each
+to their own start-up (docs/benchmarks.md, session 6); a fork starts in milliseconds. The engine starts
+this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a check that
+costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the
+graph captures and a first round of requests compile nothing, and that no specialization compiles twice.
 """
 
 from __future__ import annotations
@@ -24,11 +24,19 @@ from typing import Callable
 
 import torch
 
+from . import fork_compile
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
                            gemm_keys, gemm_rows)
 from .gemm_dispatch import gemm_config
 
-NUM_THREADS = min(8, os.cpu_count() or 1)  # compile threads (benchmarks/cold_start.py --threads sets it)
+NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
+
+
+def default_threads(forking: bool) -> int:
+    """Threads that wait on forked compiles: one per core but one (the weight load runs beside them);
+    threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
+    cores = os.cpu_count() or 1
+    return min(16, max(1, cores - 1)) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -124,6 +132,7 @@ class KernelReport:
     seconds: float = 0.0  # wall time
     task_seconds: float = 0.0  # the launches' times summed (the sequential cost: / seconds = the speed-up)
     failures: list[str] = field(default_factory=list)
+    threads: int = 0  # threads it ran in
 
 
 @dataclass(frozen=True)
@@ -195,7 +204,8 @@ def _staged(tasks: list[Task]) -> list[list[Task]]:
 def _run(task: Task, device: torch.device) -> tuple[str, float, str | None]:
     t = time.perf_counter()
     try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode():
+        with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode(),
+              fork_compile.compiles_in_children(device.type == "cuda")):
             task.launch()
     except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
         return task.name, time.perf_counter() - t, f"{task.name}: {type(exc).__name__}: {exc}"
@@ -208,7 +218,8 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     report = KernelReport()
     started = time.perf_counter()
     stages = _staged(task_list(s, device))
-    with ThreadPoolExecutor(max_workers=max(1, threads or NUM_THREADS), thread_name_prefix="ourobatch-compile") as pool:
+    report.threads = threads or NUM_THREADS or default_threads(device.type == "cuda" and fork_compile.enabled())
+    with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
         for stage in stages:
             if should_stop is not None and should_stop():
                 break

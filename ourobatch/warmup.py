@@ -172,13 +172,15 @@ def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool]
 
 
 def _log_kernels(event: str, report) -> None:
-    from engine import kernel_warmup
+    from engine import fork_compile
 
     for failure in report.failures:
         log.warning("warmup_kernel_failed", error=failure)
+    forks = fork_compile.STATS
     log.info(event, launches=report.cases, seconds=round(report.seconds, 2),
-             sequential_seconds=round(report.task_seconds, 2), threads=kernel_warmup.NUM_THREADS,
-             failures=len(report.failures))
+             sequential_seconds=round(report.task_seconds, 2), threads=report.threads,
+             fork_children=forks.children, fork_compiled=forks.compiled, fork_failed=forks.failed,
+             fork_child_seconds=round(forks.child_seconds, 2), failures=len(report.failures))
 
 
 def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
@@ -240,8 +242,8 @@ def warm_up_requests(executor, scheduler_config: SchedulerConfig, seed: int = 0,
 
 def warmup_rounds(sc: SchedulerConfig, tiny: bool) -> list[list[tuple[list[int], SamplingParams]]]:
     """The request pass's rounds: (prompt, params) pairs. Round 1 samples with temperature only (the
-    sampler's one-kernel path): the step's token budget in prefills of equal length, a prompt sharing the
-    first one's full blocks, n = 2. Round 2 uses every other sampling option (the fallback path)."""
+    sampler's one-kernel path): prefills of equal length that fill a step's token budget exactly, a prompt
+    sharing the first one's full blocks, n = 2. Round 2 uses every other sampling option (the fallback path)."""
     rng = random.Random(0)
     bs, B = sc.block_size, sc.deep_interval
     # deferred and eager: two boundaries; verify: a few checks (a rejection leaves one token per check)
@@ -255,7 +257,12 @@ def warmup_rounds(sc: SchedulerConfig, tiny: bool) -> list[list[tuple[list[int],
         return SamplingParams(max_tokens=M, seed=1000 + i, ignore_eos=True, **kw)
 
     L = min(longest, 2 * bs + 1 if tiny else sc.max_num_batched_tokens)
-    k = 1 if tiny else max(1, min(sc.max_num_batched_tokens // L, sc.max_num_seqs - 3,
+    # enough prompts of whole blocks to fill the first step to exactly the token budget (the last one is
+    # chunked, at a block boundary): a busy engine's prefill steps are that size, and cuBLAS picks (and
+    # lazily loads) its GEMM kernels by the row count; a warm-up step of budget - 2 rows left the first
+    # round's budget-sized steps slower
+    L = L if tiny or L < bs else L // bs * bs
+    k = 1 if tiny else max(1, min(-(-sc.max_num_batched_tokens // L), sc.max_num_seqs - 3,
                                   sc.num_kv_blocks * bs // (4 * (L + M))))
     big = [prompt(L) for _ in range(k)]
     plain = [(p, params(i, temperature=0.0)) for i, p in enumerate(big)]

@@ -455,3 +455,20 @@ def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):
         assert r["first_round_s"] == rounds[0]["wall_s"] and r["warm_round_s"] == rounds[-1]["wall_s"]
         assert r["first_over_warm"] == r["first_round_s"] / r["warm_round_s"]
     assert "| interval1 | 2 |" in (tmp_path / "out" / "cold_start.md").read_text()
+
+
+@pytest.mark.parametrize("budget,max_len,bs", [(8192, 640, 16), (512, 100, 8), (96, 160, 8), (2048, 4096, 16)])
+def test_the_warm_ups_first_step_fills_the_token_budget(budget, max_len, bs):
+    """The request pass's first round, scheduled for real, prefills exactly the step's budget in its first
+    step (rounded down to a block, as a busy engine's chunked steps are)."""
+    from scheduler import Scheduler, SchedulerConfig
+    from ourobatch.warmup import warmup_rounds
+
+    sc = SchedulerConfig(num_kv_blocks=32 * budget // bs, block_size=bs, max_num_seqs=64, max_model_len=max_len,
+                         max_num_batched_tokens=budget, total_ut_steps=4, shallow_loops=2, deep_interval=4,
+                         mode="deferred", vocab_size=50)
+    sched = Scheduler(sc)
+    for i, (prompt, params) in enumerate(warmup_rounds(sc, tiny=False)[0]):
+        sched.add(f"w{i}", prompt, params)
+    plan = sched.schedule()
+    assert sum(len(p.token_ids) for p in plan.prefills) == budget // bs * bs

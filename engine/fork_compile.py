@@ -1,0 +1,179 @@
+"""Triton compiles in forked child processes, for the startup warm-up (engine/kernel_warmup.py).
+
+Theory of operation. A Triton compile holds the GIL for much of its time, so threads reach only ~4x (8
+threads: 30 s of compiles in 6.5-8.5 s on the H200), and fresh worker processes lose 4-6 s each to the
+interpreter, torch and a CUDA context before their first compile (docs/benchmarks.md, session 6). A forked
+child starts in milliseconds with everything imported. Triton (>= 3.5) routes the compiles of a
+thread that is inside ``triton.AsyncCompileMode(executor)`` through ``executor.submit(compile_fn)``;
+`ForkCompiler` is that executor: ``submit`` forks a child that runs ``compile_fn`` (which writes the
+kernel into Triton's on-disk cache) and builds the kernel's launcher module (gcc, cached on disk too),
+waits for it (the GIL is free while it waits), then runs ``compile_fn`` itself, which now finds the
+kernel on disk and only loads it (milliseconds). The child never touches CUDA: a compile needs only the
+target, which the parent's Triton already resolved, and the child leaves with ``os._exit`` (no
+finalizers, no CUDA teardown). It runs with the garbage collector and Triton's compilation listener off,
+so it takes no lock a parent thread may have held at the fork. A child that fails or outlives
+`CHILD_TIMEOUT_S` only costs the compile in the parent, as before.
+
+Counting: the parent's re-run is a disk-cache hit, so ourobatch/compile_cache.py's counter asks
+`child_result()` and counts a kernel its child compiled as compiled (with the child's time).
+
+``OUROBATCH_FORK_COMPILE=0`` turns it off (threads only). Nothing here imports Triton or torch until
+`compiles_in_children` is entered with it on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import select
+import signal
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+ENV = "OUROBATCH_FORK_COMPILE"
+CHILD_TIMEOUT_S = 300.0  # a compile past this is stuck: killed, and compiled in the parent instead
+
+_FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
+_LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled
+
+
+@dataclass
+class ForkStats:
+    """What the children did in this process."""
+
+    children: int = 0  # forked
+    compiled: int = 0  # children that compiled their kernel (the others found it on disk)
+    failed: int = 0  # children that raised, died or timed out (the parent compiled instead)
+    child_seconds: float = 0.0  # the children's compile time summed
+
+
+STATS = ForkStats()
+_STATS_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    """Fork compiles where the OS can fork and the user did not turn them off."""
+    return hasattr(os, "fork") and os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def child_result() -> tuple[bool, float] | None:
+    """(the child compiled it, its seconds) while this thread loads a kernel its child compiled, else None."""
+    return getattr(_LOCAL, "child", None)
+
+
+def triton_child(fn: Callable[[], Any]) -> bool:
+    """A Triton compile in the child: run it, build its launcher (gcc; cached on disk too); whether it
+    compiled (False: it was on disk already). Triton's listener is replaced: the parent's counter has a
+    lock a parent thread may have held at the fork."""
+    import triton
+
+    hits: list[bool] = []
+    triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw.get("cache_hit")))
+    kernel = fn()
+    triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+    return bool(hits) and not all(hits)
+
+
+def _child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool], write_fd: int) -> None:
+    """In the child: in_child(fn), report "<compiled> <seconds>", leave. Never returns."""
+    code = 1
+    try:
+        gc.disable()  # a finalizer could take a lock (the CUDA allocator's) a parent thread held at the fork
+        started = time.perf_counter()
+        compiled = in_child(fn)
+        os.write(write_fd, f"{int(compiled)} {time.perf_counter() - started:.6f}".encode())
+        code = 0
+    except BaseException:  # noqa: BLE001 - the parent compiles it instead
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _wait(pid: int, read_fd: int, timeout: float) -> str | None:
+    """The child's report, or None when it failed or timed out (then it is killed); always reaped."""
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return None
+            chunk = os.read(read_fd, 256)
+            if not chunk:  # EOF: the child has exited
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        os.waitpid(pid, 0)
+    return b"".join(chunks).decode() or None
+
+
+def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool] = triton_child,
+                     timeout: float = CHILD_TIMEOUT_S) -> Any:
+    """in_child(fn) in a forked child (for fn's side effects on disk; it returns whether fn compiled), then
+    fn() here; returns the latter. A child that fails or times out: fn() here all the same."""
+    # Under the lock from the pipe to closing its write end here: a child forked by another thread in
+    # between would inherit that write end and hold this child's EOF until it exits too.
+    with _FORK_LOCK, warnings.catch_warnings():
+        # Python 3.12 warns on fork in a threaded process: the child runs no other thread's code
+        warnings.simplefilter("ignore", DeprecationWarning)
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _child(fn, in_child, write_fd)
+        os.close(write_fd)
+    report = _wait(pid, read_fd, timeout)
+    with _STATS_LOCK:
+        STATS.children += 1
+        if report is None:
+            STATS.failed += 1
+    if report is None:
+        return fn()  # compiled here instead
+    compiled, seconds = report.split()
+    result = (compiled == "1", float(seconds))
+    with _STATS_LOCK:
+        STATS.compiled += result[0]
+        STATS.child_seconds += result[1]
+    _LOCAL.child = result
+    try:
+        return fn()  # a disk-cache hit now
+    finally:
+        _LOCAL.child = None
+
+
+class ForkCompiler:
+    """The executor triton.AsyncCompileMode takes: ``submit(fn)`` returns a finished Future (the calling
+    thread waits for its child; each warm-up thread compiles one kernel at a time)."""
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(compile_in_child(fn))
+        except BaseException as exc:  # noqa: BLE001 - handed to the launch that waits on it
+            future.set_exception(exc)
+        return future
+
+
+@contextlib.contextmanager
+def compiles_in_children(on: bool = True) -> Iterator[bool]:
+    """Within the block, this thread's Triton compiles run in forked children (yields whether they do:
+    not where it is off, the OS cannot fork, or Triton has no AsyncCompileMode)."""
+    mode = None
+    if on and enabled():
+        try:
+            import triton
+
+            mode = triton.AsyncCompileMode(ForkCompiler())
+        except (ImportError, AttributeError):
+            mode = None
+    if mode is None:
+        yield False
+        return
+    with mode:
+        yield True

@@ -1,0 +1,124 @@
+"""engine/fork_compile.py on the CPU: a forked child runs the compile first (for what it leaves on disk),
+the parent runs it again; a child that fails or hangs costs only the parent's own run; children forked
+from several threads at once all report; the compile counter counts a kernel a child compiled as compiled.
+The Triton side (AsyncCompileMode routing real compiles through it) runs in tests/gpu/test_gpu_warmup.py."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine import fork_compile
+from ourobatch.compile_cache import CompileCounter
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def recorder(path: Path):
+    """fn: appends this process's pid to `path` and returns it."""
+    def fn() -> int:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return os.getpid()
+    return fn
+
+
+def compiled_true(fn) -> bool:
+    fn()
+    return True
+
+
+def pids(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split()]
+
+
+def test_the_child_runs_it_first_then_the_parent(tmp_path):
+    before = fork_compile.STATS.children
+    out = fork_compile.compile_in_child(recorder(tmp_path / "log"), in_child=compiled_true)
+    first, second = pids(tmp_path / "log")
+    assert out == second == os.getpid() and first != os.getpid()
+    assert fork_compile.STATS.children == before + 1
+    assert fork_compile.child_result() is None  # only while the parent's run is under way
+
+
+def test_a_failing_child_costs_only_the_parents_run(tmp_path):
+    parent = os.getpid()
+
+    def fn() -> str:
+        if os.getpid() != parent:
+            raise RuntimeError("compile failed in the child")
+        return "compiled here"
+
+    failed = fork_compile.STATS.failed
+    assert fork_compile.compile_in_child(fn, in_child=compiled_true) == "compiled here"
+    assert fork_compile.STATS.failed == failed + 1
+
+
+def test_a_hung_child_is_killed_after_the_timeout(tmp_path):
+    parent = os.getpid()
+    log = recorder(tmp_path / "log")
+
+    def fn() -> int:
+        if os.getpid() != parent:
+            select.select([], [], [])  # blocks forever
+        return log()
+
+    failed = fork_compile.STATS.failed
+    assert fork_compile.compile_in_child(fn, in_child=compiled_true, timeout=0.5) == parent
+    assert pids(tmp_path / "log") == [parent] and fork_compile.STATS.failed == failed + 1
+
+
+def test_children_forked_from_several_threads_all_report(tmp_path):
+    results: dict[int, int] = {}
+
+    def run(i: int) -> None:
+        results[i] = fork_compile.compile_in_child(recorder(tmp_path / f"log{i}"), in_child=compiled_true)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {i: os.getpid() for i in range(6)}
+    for i in range(6):
+        child, parent = pids(tmp_path / f"log{i}")
+        assert parent == os.getpid() and child != parent
+
+
+@pytest.mark.parametrize("child_compiled", [True, False])
+def test_the_counter_counts_what_a_child_compiled_as_compiled(child_compiled):
+    counter = CompileCounter()
+
+    class Times:
+        total = 1_000  # us: the parent's load
+
+    def fn() -> None:  # Triton's listener call for this kernel, in the child's copy and then here
+        counter(src=None, times=Times(), cache_hit=os.getpid() == parent)
+
+    parent = os.getpid()
+    fork_compile.compile_in_child(fn, in_child=lambda f: (f(), child_compiled)[1])
+    counts = counter.snapshot()
+    assert (counts.compiled, counts.loaded) == ((1, 0) if child_compiled else (0, 1))
+    assert counts.seconds >= 0.001  # the parent's load (plus the child's compile time when it compiled)
+
+
+def test_off_by_env_or_flag(monkeypatch):
+    with fork_compile.compiles_in_children(False) as on:
+        assert on is False
+    monkeypatch.setenv(fork_compile.ENV, "0")
+    assert not fork_compile.enabled()
+    with fork_compile.compiles_in_children(True) as on:
+        assert on is False
+    monkeypatch.setenv(fork_compile.ENV, "1")
+    assert fork_compile.enabled()
+    try:
+        import triton
+        has_mode = hasattr(triton, "AsyncCompileMode")
+    except ImportError:
+        has_mode = False
+    with fork_compile.compiles_in_children(True) as on:
+        assert on is has_mode
