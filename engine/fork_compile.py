@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 ENV = "OUROBATCH_FORK_COMPILE"
-CHILD_TIMEOUT_S = 300.0  # a compile past this is stuck: killed, and compiled in the parent instead
+CHILD_TIMEOUT_S = 120.0  # a compile past this is stuck: killed, and compiled in the parent instead
 
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
 _LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled
