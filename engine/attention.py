@@ -22,6 +22,21 @@ from .batch import MAX_KERNEL_HISTORY_ROWS, BatchMeta, SeqSpan, SpanRead  # noqa
 if TYPE_CHECKING:
     from .kv_cache import KVPool
 
+# The SDPA backends prefill may use: not cuDNN's, which torch (>= 2.10 with cuDNN >= 9.15, sm90 and up) puts
+# first, and which builds a plan for every new shape on its first call: the first prefill step of each
+# new (chunks, length) group cost 50-620 ms more on the H200 (a first round's steps, session 7), in a
+# step that decode rows wait for. Flash attention has no per-shape build.
+_PREFILL_SDPA = None
+
+
+def _prefill_sdpa_backends():
+    global _PREFILL_SDPA
+    if _PREFILL_SDPA is None:
+        from torch.nn.attention import SDPBackend
+
+        _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return _PREFILL_SDPA
+
 
 def paged_attention(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, spans: list[SeqSpan],
                     scale: float, reads: list[SpanRead] | None = None, zero_rest: bool = False) -> torch.Tensor:
@@ -81,6 +96,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         k_blocks, v_blocks = pool.block_plane(loop, layer)
         pieces.append((h.rows, triton_paged_attention(q.index_select(0, h.rows), k_blocks, v_blocks, h.block_tables,
                                                       h.context_lens, h.query_start, h.max_rows, scale)))
+    if plan.fresh or plan.gathered:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(_prefill_sdpa_backends()):
+            pieces += _sdpa_pieces(q, k, v, k_plane, v_plane, plan, groups, scale)
+    return _assemble(q, pieces, plan.whole)
+
+
+def _sdpa_pieces(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_plane: torch.Tensor,
+                 v_plane: torch.Tensor, plan, groups: int, scale: float) -> list[tuple[slice | torch.Tensor, torch.Tensor]]:
+    """prefill_attention's SDPA calls: fresh chunk groups batched, chunks that gather their history."""
+    pieces: list[tuple[slice | torch.Tensor, torch.Tensor]] = []
     if plan.fresh and k is None:  # every fresh group's keys in one gather (views of it per group)
         k_fresh, v_fresh = k_plane.index_select(0, plan.fresh_slots), v_plane.index_select(0, plan.fresh_slots)
     for g in plan.fresh:
@@ -109,7 +136,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         o = F.scaled_dot_product_attention(qs, kh.transpose(0, 1)[None].to(qs.dtype),
                                            vh.transpose(0, 1)[None].to(qs.dtype), attn_mask=c.mask, scale=scale)
         pieces.append((c.rows, o[0].transpose(0, 1)))
-    return _assemble(q, pieces, plan.whole)
+    return pieces
 
 
 def _assemble(q: torch.Tensor, pieces: list[tuple[slice | torch.Tensor, torch.Tensor]], whole: bool) -> torch.Tensor:

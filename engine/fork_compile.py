@@ -50,10 +50,13 @@ class ForkStats:
     compiled: int = 0  # children that compiled their kernel (the others found it on disk)
     failed: int = 0  # children that raised, died or timed out (the parent compiled instead)
     child_seconds: float = 0.0  # the children's compile time summed
+    fork_seconds: float = 0.0  # the forks themselves (serialized: one at a time)
+    on_disk: int = 0  # compiles that found the kernel on disk already: loaded here, no child
 
 
 STATS = ForkStats()
 _STATS_LOCK = threading.Lock()
+_IN_FLIGHT: dict[str, threading.Event] = {}  # cache key -> set when the thread compiling it is done (_STATS_LOCK)
 
 
 def enabled() -> bool:
@@ -123,14 +126,17 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
         # Python 3.12 warns on fork in a threaded process: the child runs no other thread's code
         warnings.simplefilter("ignore", DeprecationWarning)
         read_fd, write_fd = os.pipe()
+        forked = time.perf_counter()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             _child(fn, in_child, write_fd)
+        forked = time.perf_counter() - forked
         os.close(write_fd)
     report = _wait(pid, read_fd, timeout)
     with _STATS_LOCK:
         STATS.children += 1
+        STATS.fork_seconds += forked
         if report is None:
             STATS.failed += 1
     if report is None:
@@ -151,13 +157,74 @@ class ForkCompiler:
     """The executor triton.AsyncCompileMode takes: ``submit(fn)`` returns a finished Future (the calling
     thread waits for its child; each warm-up thread compiles one kernel at a time)."""
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], Any], fork: bool = True) -> Future:
         future: Future = Future()
         try:
-            future.set_result(compile_in_child(fn))
+            future.set_result(compile_in_child(fn) if fork else fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the launch that waits on it
             future.set_exception(exc)
         return future
+
+
+def on_disk(cache_key: str) -> bool:
+    """Whether Triton's file cache holds the kernel of `cache_key` (Triton's key before hashing, as
+    compile() and AsyncCompileMode.submit get it): its group file, written last, is there. False where the
+    cache is not the file cache (a remote one): then a child compiles it (or loads it) all the same."""
+    import hashlib
+
+    from triton.runtime.cache import FileCacheManager, get_cache_manager
+
+    manager = get_cache_manager(hashlib.sha256(cache_key.encode("utf-8")).hexdigest())
+    folder = getattr(manager, "cache_dir", None)
+    if not isinstance(manager, FileCacheManager) or not folder or not os.path.isdir(folder):
+        return False
+    return any(name.startswith("__grp__") for name in os.listdir(folder))
+
+
+@contextlib.contextmanager
+def one_at_a_time(key: str) -> Iterator[None]:
+    """The block runs for one thread per `key` at a time (a kernel compiles once across the threads: the
+    next one then finds it on disk). A holder stuck past CHILD_TIMEOUT_S is no longer waited for."""
+    while True:
+        with _STATS_LOCK:
+            other = _IN_FLIGHT.get(key)
+            if other is None:
+                _IN_FLIGHT[key] = mine = threading.Event()
+                break
+        if not other.wait(CHILD_TIMEOUT_S):
+            break  # run beside it
+    try:
+        yield
+    finally:
+        if other is None:
+            with _STATS_LOCK:
+                del _IN_FLIGHT[key]
+            mine.set()
+
+
+def _fork_mode() -> Any:
+    """triton.AsyncCompileMode over a ForkCompiler that loads a kernel already on disk without a child."""
+    import triton
+
+    class ForkCompileMode(triton.AsyncCompileMode):
+        def submit(self, key, compile_fn, finalize_fn):  # Triton's signature (3.5, 3.6)
+            if key in self.future_kernels:
+                return self.future_kernels[key]
+            with one_at_a_time(key):  # a second thread with this kernel waits, then loads it from disk
+                try:
+                    fork = not on_disk(key)
+                except Exception:  # noqa: BLE001 - a cache layout we do not know: the child finds out
+                    fork = True
+                if not fork:
+                    with _STATS_LOCK:
+                        STATS.on_disk += 1
+                future = self.executor.submit(compile_fn, fork=fork)
+            future._key = key
+            self.raw_futures.append(future)
+            self.future_kernels[key] = kernel = triton.FutureKernel(finalize_fn, future)
+            return kernel
+
+    return ForkCompileMode(ForkCompiler())
 
 
 @contextlib.contextmanager
@@ -167,9 +234,7 @@ def compiles_in_children(on: bool = True) -> Iterator[bool]:
     mode = None
     if on and enabled():
         try:
-            import triton
-
-            mode = triton.AsyncCompileMode(ForkCompiler())
+            mode = _fork_mode()
         except (ImportError, AttributeError):
             mode = None
     if mode is None:

@@ -33,10 +33,11 @@ NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benc
 
 
 def default_threads(forking: bool) -> int:
-    """Threads that wait on forked compiles: one per core but one (the weight load runs beside them);
-    threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
+    """Threads that wait on forked compiles: one per core (the children share the cores with the weight
+    load, which mostly waits on copies); threads that compile themselves: 8 at most (past that the GIL
+    gains nothing)."""
     cores = os.cpu_count() or 1
-    return min(16, max(1, cores - 1)) if forking else min(8, cores)
+    return min(32, cores) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -188,7 +189,8 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
 def _staged(tasks: list[Task]) -> list[list[Task]]:
     """Stages (each runs after the one before ends) in which the first launch of every kernel and of every
     specialization ends before any other launch of it starts (later ones find it compiled and may share a
-    stage); the very first launch alone. Greedy, in task order."""
+    stage); the very first launch alone. Greedy, in task order. (Forked compiles need none of it: `_prepare`
+    and fork_compile's per-key claim guard the same.)"""
     stages: list[list[Task]] = []
     first: dict[object, int] = {}  # kernel or specialization -> the stage of its first launch
     for i, task in enumerate(tasks):
@@ -201,11 +203,32 @@ def _staged(tasks: list[Task]) -> list[list[Task]]:
     return stages
 
 
-def _run(task: Task, device: torch.device) -> tuple[str, float, str | None]:
+def _prepare(device: torch.device) -> bool:
+    """Triton's driver utilities and every kernel's per-device cache (its binder), made here before the
+    threads start, so two first launches of one kernel cannot race to make it (the loser's compiled kernel
+    would land in a cache nobody reads). False where Triton's internals differ: staged threads then."""
+    try:
+        import triton
+        from triton.runtime.jit import JITFunction
+
+        from . import triton_attention, triton_fused, triton_gemm, triton_sampler
+
+        with torch.cuda.device(device):
+            index = triton.runtime.driver.active.get_current_device()
+            for module in (triton_attention, triton_fused, triton_gemm, triton_sampler):
+                for kernel in vars(module).values():
+                    if isinstance(kernel, JITFunction):
+                        kernel.device_caches[index]  # noqa: B018 - the defaultdict makes it
+        return True
+    except Exception:  # noqa: BLE001 - an optimization only
+        return False
+
+
+def _run(task: Task, device: torch.device, forking: bool = False) -> tuple[str, float, str | None]:
     t = time.perf_counter()
     try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
         with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode(),
-              fork_compile.compiles_in_children(device.type == "cuda")):
+              fork_compile.compiles_in_children(forking)):
             task.launch()
     except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
         return task.name, time.perf_counter() - t, f"{task.name}: {type(exc).__name__}: {exc}"
@@ -217,13 +240,15 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     """Launch one call of every specialization (CUDA only), `threads` at a time (default NUM_THREADS)."""
     report = KernelReport()
     started = time.perf_counter()
-    stages = _staged(task_list(s, device))
-    report.threads = threads or NUM_THREADS or default_threads(device.type == "cuda" and fork_compile.enabled())
+    forking = device.type == "cuda" and fork_compile.enabled() and _prepare(device)
+    tasks = task_list(s, device)
+    stages = [tasks] if forking else _staged(tasks)
+    report.threads = threads or NUM_THREADS or default_threads(forking)
     with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
         for stage in stages:
             if should_stop is not None and should_stop():
                 break
-            for name, seconds, error in pool.map(lambda task: _run(task, device), stage):
+            for name, seconds, error in pool.map(lambda task: _run(task, device, forking), stage):
                 report.cases[name] = report.cases.get(name, 0) + 1
                 report.task_seconds += seconds
                 if error is not None:

@@ -122,3 +122,28 @@ def test_off_by_env_or_flag(monkeypatch):
         has_mode = False
     with fork_compile.compiles_in_children(True) as on:
         assert on is has_mode
+
+
+def test_one_thread_per_key_at_a_time():
+    """fork_compile.one_at_a_time: threads with one key never overlap in the block; another key runs beside."""
+    events: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def run(i: int) -> None:
+        barrier.wait(timeout=30)
+        with fork_compile.one_at_a_time("same key"):
+            with lock:
+                events.append("in")
+            with fork_compile.one_at_a_time("another key"):  # not blocked by the key held
+                pass
+            with lock:
+                events.append("out")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert events == ["in", "out"] * 8
+    assert not fork_compile._IN_FLIGHT
