@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from .kv_cache import KVPool
 
 # The SDPA backends prefill may use: not cuDNN's, which torch (>= 2.10 with cuDNN >= 9.15, sm90 and up) puts
-# first, and which builds a plan for every new shape on its first call: the first prefill step of each
-# new (chunks, length) group cost 50-620 ms more on the H200 (a first round's steps, session 7), in a
-# step that decode rows wait for. Flash attention has no per-shape build.
+# first, and which builds a plan for every new shape on its first call. On the H200 (torch 2.11, cuDNN
+# 9.19) a new [chunks, 16 heads, length, 128] shape's first call took 44-1,007 ms with cuDNN and 0.14-0.33
+# ms with flash; a first round's first prefill steps ran 46-616 ms longer than the same steps warm (a
+# step decode rows wait for). Steady, flash takes ~2x cuDNN's time on these calls (0.10 vs 0.055 ms at 16 x
+# 512), ~4 ms of a ~160 ms 8,192-token step (docs/benchmarks.md, session 7).
 _PREFILL_SDPA = None
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 ENV = "OUROBATCH_FORK_COMPILE"
 CHILD_TIMEOUT_S = 120.0  # a compile past this is stuck: killed, and compiled in the parent instead
+CHILD_NICENESS = 5  # children yield the cores to the parent (its weight load runs beside them)
 
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
 _LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled
@@ -87,6 +88,7 @@ def _child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool],
     code = 1
     try:
         gc.disable()  # a finalizer could take a lock (the CUDA allocator's) a parent thread held at the fork
+        os.nice(CHILD_NICENESS)  # the parent's weight load first
         started = time.perf_counter()
         compiled = in_child(fn)
         os.write(write_fd, f"{int(compiled)} {time.perf_counter() - started:.6f}".encode())

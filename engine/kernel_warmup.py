@@ -33,11 +33,11 @@ NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benc
 
 
 def default_threads(forking: bool) -> int:
-    """Threads that wait on forked compiles: one per core (the children share the cores with the weight
-    load, which mostly waits on copies); threads that compile themselves: 8 at most (past that the GIL
-    gains nothing)."""
+    """Threads that wait on forked compiles: 10 at most, two cores left to the weight load beside them
+    (16 children on the H200's 16 cores slowed the load 3x, and 16 threads loading cached kernels slowed it
+    through the GIL); threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
     cores = os.cpu_count() or 1
-    return min(32, cores) if forking else min(8, cores)
+    return max(1, min(10, cores - 2)) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:

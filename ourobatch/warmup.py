@@ -180,7 +180,8 @@ def _log_kernels(event: str, report) -> None:
     log.info(event, launches=report.cases, seconds=round(report.seconds, 2),
              sequential_seconds=round(report.task_seconds, 2), threads=report.threads,
              fork_children=forks.children, fork_compiled=forks.compiled, fork_failed=forks.failed,
-             fork_child_seconds=round(forks.child_seconds, 2), failures=len(report.failures))
+             fork_child_seconds=round(forks.child_seconds, 2), fork_seconds=round(forks.fork_seconds, 3),
+             fork_on_disk=forks.on_disk, failures=len(report.failures))
 
 
 def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
