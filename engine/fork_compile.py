@@ -40,7 +40,8 @@ CHILD_TIMEOUT_S = 120.0  # a compile past this is stuck: killed, and compiled in
 CHILD_NICENESS = 5  # children yield the cores to the parent (its weight load runs beside them)
 
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
-_LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled
+_LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled;
+# .slot: the semaphore this thread holds for its work in the parent (parent_slot), let go while a child runs
 
 
 @dataclass
@@ -135,7 +136,14 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
             _child(fn, in_child, write_fd)
         forked = time.perf_counter() - forked
         os.close(write_fd)
-    report = _wait(pid, read_fd, timeout)
+    slot = getattr(_LOCAL, "slot", None)
+    if slot is not None:  # the wait costs the parent nothing: another thread may work meanwhile
+        slot.release()
+    try:
+        report = _wait(pid, read_fd, timeout)
+    finally:
+        if slot is not None:
+            slot.acquire()
     with _STATS_LOCK:
         STATS.children += 1
         STATS.fork_seconds += forked
@@ -181,6 +189,22 @@ def on_disk(cache_key: str) -> bool:
     if not isinstance(manager, FileCacheManager) or not folder or not os.path.isdir(folder):
         return False
     return any(name.startswith("__grp__") for name in os.listdir(folder))
+
+
+@contextlib.contextmanager
+def parent_slot(slots: threading.Semaphore | None) -> Iterator[None]:
+    """Hold one of `slots` for the block's work in this process, except while a child compiles for it
+    (compile_in_child lets it go): many threads can wait on children while few run Python here, where
+    they would slow each other and the weight load through the GIL. None: no limit."""
+    if slots is None:
+        yield
+        return
+    with slots:
+        _LOCAL.slot = slots
+        try:
+            yield
+        finally:
+            _LOCAL.slot = None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,12 +33,15 @@ from .gemm_dispatch import gemm_config
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
 
 
+PARENT_SLOTS = 4  # forked compiles: threads working in this process at once (fork_compile.parent_slot)
+
+
 def default_threads(forking: bool) -> int:
-    """Threads that wait on forked compiles: 10 at most, two cores left to the weight load beside them
-    (16 children on the H200's 16 cores slowed the load 3x, and 16 threads loading cached kernels slowed it
-    through the GIL); threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
+    """Threads that wait on forked compiles: one per core but two (the children are niced below the weight
+    load beside them; only PARENT_SLOTS threads run here at once: 16 threads loading cached kernels slowed
+    the load through the GIL); threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
     cores = os.cpu_count() or 1
-    return max(1, min(10, cores - 2)) if forking else min(8, cores)
+    return max(1, min(14, cores - 2)) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -224,11 +228,11 @@ def _prepare(device: torch.device) -> bool:
         return False
 
 
-def _run(task: Task, device: torch.device, forking: bool = False) -> tuple[str, float, str | None]:
+def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None) -> tuple[str, float, str | None]:
     t = time.perf_counter()
     try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
-        with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode(),
-              fork_compile.compiles_in_children(forking)):
+        with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
+              torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode()):
             task.launch()
     except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
         return task.name, time.perf_counter() - t, f"{task.name}: {type(exc).__name__}: {exc}"
@@ -243,12 +247,13 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     forking = device.type == "cuda" and fork_compile.enabled() and _prepare(device)
     tasks = task_list(s, device)
     stages = [tasks] if forking else _staged(tasks)
+    slots = threading.Semaphore(PARENT_SLOTS) if forking else None
     report.threads = threads or NUM_THREADS or default_threads(forking)
     with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
         for stage in stages:
             if should_stop is not None and should_stop():
                 break
-            for name, seconds, error in pool.map(lambda task: _run(task, device, forking), stage):
+            for name, seconds, error in pool.map(lambda task: _run(task, device, slots), stage):
                 report.cases[name] = report.cases.get(name, 0) + 1
                 report.task_seconds += seconds
                 if error is not None:

@@ -147,3 +147,41 @@ def test_one_thread_per_key_at_a_time():
         t.join(timeout=60)
     assert events == ["in", "out"] * 8
     assert not fork_compile._IN_FLIGHT
+
+
+def test_a_parent_slot_is_let_go_while_the_child_compiles(tmp_path):
+    """Two threads, one slot: while one waits on its child the other runs in the slot (it would wait
+    for the first thread's whole compile otherwise); the child's run blocks until the second thread has
+    been inside its slot."""
+    slots = threading.Semaphore(1)
+    inside = threading.Event()
+    parent = os.getpid()
+    read_fd, write_fd = os.pipe()  # the child blocks on this until the test writes to it
+    started_r, started_w = os.pipe()  # the child says it runs (so the first thread holds a slot no more)
+
+    def fn() -> int:
+        if os.getpid() != parent:
+            os.write(started_w, b"1")
+            select.select([read_fd], [], [], 30)
+        return os.getpid()
+
+    def first() -> None:
+        with fork_compile.parent_slot(slots):
+            fork_compile.compile_in_child(fn, in_child=compiled_true, timeout=60)
+
+    def second() -> None:
+        with fork_compile.parent_slot(slots):
+            inside.set()
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert select.select([started_r], [], [], 30)[0]
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert inside.wait(timeout=30)  # got the slot while the first thread's child still runs
+    os.write(write_fd, b"go")
+    t1.join(timeout=60)
+    t2.join(timeout=60)
+    for fd in (read_fd, write_fd, started_r, started_w):
+        os.close(fd)
+    assert not t1.is_alive() and not t2.is_alive()
