@@ -136,14 +136,8 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
             _child(fn, in_child, write_fd)
         forked = time.perf_counter() - forked
         os.close(write_fd)
-    slot = getattr(_LOCAL, "slot", None)
-    if slot is not None:  # the wait costs the parent nothing: another thread may work meanwhile
-        slot.release()
-    try:
+    with _slot_let_go():  # the wait costs the parent nothing: another thread may work meanwhile
         report = _wait(pid, read_fd, timeout)
-    finally:
-        if slot is not None:
-            slot.acquire()
     with _STATS_LOCK:
         STATS.children += 1
         STATS.fork_seconds += forked
@@ -208,16 +202,33 @@ def parent_slot(slots: threading.Semaphore | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _slot_let_go() -> Iterator[None]:
+    """This thread's parent slot (if it holds one) let go for the block, taken back after it."""
+    slot = getattr(_LOCAL, "slot", None)
+    if slot is not None:
+        slot.release()
+    try:
+        yield
+    finally:
+        if slot is not None:
+            slot.acquire()
+
+
+@contextlib.contextmanager
 def one_at_a_time(key: str) -> Iterator[None]:
     """The block runs for one thread per `key` at a time (a kernel compiles once across the threads: the
-    next one then finds it on disk). A holder stuck past CHILD_TIMEOUT_S is no longer waited for."""
+    next one then finds it on disk). A holder stuck past CHILD_TIMEOUT_S is no longer waited for. A waiting
+    thread lets its parent slot go: the holder may need one to finish (after its child), and threads that
+    held every slot while waiting would wait for it forever."""
     while True:
         with _STATS_LOCK:
             other = _IN_FLIGHT.get(key)
             if other is None:
                 _IN_FLIGHT[key] = mine = threading.Event()
                 break
-        if not other.wait(CHILD_TIMEOUT_S):
+        with _slot_let_go():
+            done = other.wait(CHILD_TIMEOUT_S)
+        if not done:
             break  # run beside it
     try:
         yield

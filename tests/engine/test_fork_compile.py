@@ -185,3 +185,45 @@ def test_a_parent_slot_is_let_go_while_the_child_compiles(tmp_path):
     for fd in (read_fd, write_fd, started_r, started_w):
         os.close(fd)
     assert not t1.is_alive() and not t2.is_alive()
+
+
+def test_a_thread_waiting_for_a_kernel_lets_its_slot_go(monkeypatch):
+    """One slot, one kernel: B compiles it (its child blocked), A holds the slot and waits for the kernel;
+    when B's child ends, B needs the slot back to finish. A must have let it go while it waits (else both
+    wait until the 120 s timeout)."""
+    monkeypatch.setattr(fork_compile, "CHILD_TIMEOUT_S", 600.0)
+    slots = threading.Semaphore(1)
+    parent = os.getpid()
+    go_r, go_w = os.pipe()
+    started_r, started_w = os.pipe()
+    a_in_slot, done = threading.Event(), []
+
+    def fn() -> int:
+        if os.getpid() != parent:
+            os.write(started_w, b"1")
+            select.select([go_r], [], [], 60)
+        return os.getpid()
+
+    def b() -> None:
+        with fork_compile.parent_slot(slots), fork_compile.one_at_a_time("K"):
+            fork_compile.compile_in_child(fn, in_child=compiled_true, timeout=60)
+        done.append("b")
+
+    def a() -> None:
+        with fork_compile.parent_slot(slots):
+            a_in_slot.set()
+            with fork_compile.one_at_a_time("K"):
+                done.append("a")
+
+    tb = threading.Thread(target=b, daemon=True)
+    tb.start()
+    assert select.select([started_r], [], [], 30)[0]  # B owns K and waits on its child, slot let go
+    ta = threading.Thread(target=a, daemon=True)
+    ta.start()
+    assert a_in_slot.wait(timeout=30)
+    os.write(go_w, b"go")
+    tb.join(timeout=30)
+    ta.join(timeout=30)
+    for fd in (go_r, go_w, started_r, started_w):
+        os.close(fd)
+    assert sorted(done) == ["a", "b"]
