@@ -1,16 +1,20 @@
 """Every Triton kernel specialization an engine can reach (engine/kernel_cases.py), compiled at startup
 (CUDA) by one launch each on scratch tensors (nothing the engine reads is written), in threads.
 
-Theory of operation. The launches run in threads, in stages (``_staged``): the first launch of each
-specialization (its compile: two threads would both compile it) and of each kernel (it builds the kernel's
-per-device cache, which two threads would race to create) ends before any other launch of it starts, and
-the very first launch runs alone (Triton builds its launcher utilities once). Each thread's compiles run in
-forked child processes (engine/fork_compile.py): a compile holds the GIL for much of its time, so threads
-alone reached ~4x (30 s of compiles in 6.5-8.5 s on the H200), and fresh worker processes lost 4-6 s each
-to their own start-up (docs/benchmarks.md, session 6); a fork starts in milliseconds. The engine starts
-this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a check that
-costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the
-graph captures and a first round of requests compile nothing, and that no specialization compiles twice.
+Theory of operation. A compile holds the GIL for much of its time, so threads alone reached ~4x (30 s of
+compiles in 6.5-8.5 s on the H200), and fresh worker processes lost 4-6 s each to their own start-up
+(docs/benchmarks.md, session 6). So each thread's compiles run in forked child processes
+(engine/fork_compile.py; a fork starts in ~10 ms): every launch starts at once, 14 threads wait on their
+children, at most PARENT_SLOTS of them work in this process at a time, `_prepare` makes Triton's driver and
+each kernel's per-device cache first, and fork_compile compiles each kernel once across threads. Without
+fork (``OUROBATCH_FORK_COMPILE=0``, or a Triton without AsyncCompileMode) 8 threads compile themselves, in
+stages (``_staged``): the first launch of each specialization (two threads would both compile it) and of
+each kernel (it builds the kernel's per-device cache, which two threads would race to create) ends before
+any other launch of it starts, and the very first launch runs alone (Triton builds its launcher utilities
+once). The engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs
+it again, as a check that costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py
+checks on the GPU that the graph captures and a first round of requests compile nothing, and that a
+second process compiles nothing.
 """
 
 from __future__ import annotations
@@ -241,7 +245,8 @@ def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = N
 
 def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = None,
                  should_stop: Callable[[], bool] | None = None) -> KernelReport:
-    """Launch one call of every specialization (CUDA only), `threads` at a time (default NUM_THREADS)."""
+    """Launch one call of every specialization (CUDA only), `threads` at a time (default: NUM_THREADS, else
+    default_threads), their compiles in forked children where fork_compile is on."""
     report = KernelReport()
     started = time.perf_counter()
     forking = device.type == "cuda" and fork_compile.enabled() and _prepare(device)

@@ -15,7 +15,8 @@ set, never what the user set. Triton's default is ``$TRITON_HOME/.triton/cache``
 ``install_compile_counter()`` chains a listener onto ``triton.knobs.compilation.listener`` (Triton >=
 3.4), which Triton calls for every kernel it had not in memory: ``cache_hit`` says whether the binary came
 from the disk cache or was compiled; a kernel a forked child compiled for this process
-(engine/fork_compile.py) reaches it as a cache hit and is counted as compiled. Nothing here imports Triton unless asked (CUDA engines only).
+(engine/fork_compile.py) reaches it as a cache hit and is counted as compiled. Nothing here imports Triton
+unless asked (CUDA engines only).
 """
 
 from __future__ import annotations

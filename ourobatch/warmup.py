@@ -259,9 +259,9 @@ def warmup_rounds(sc: SchedulerConfig, tiny: bool) -> list[list[tuple[list[int],
 
     L = min(longest, 2 * bs + 1 if tiny else sc.max_num_batched_tokens)
     # enough prompts of whole blocks to fill the first step to exactly the token budget (the last one is
-    # chunked, at a block boundary): a busy engine's prefill steps are that size, and cuBLAS picks (and
-    # lazily loads) its GEMM kernels by the row count; a warm-up step of budget - 2 rows left the first
-    # round's budget-sized steps slower
+    # chunked, at a block boundary): the size a busy engine's prefill steps have, so the GEMM kernels
+    # cuBLAS picks for that row count are loaded before the first requests (the first round's extra time
+    # measured in sessions 5-6 was cuDNN's attention plans, not this: engine/attention.py)
     L = L if tiny or L < bs else L // bs * bs
     k = 1 if tiny else max(1, min(-(-sc.max_num_batched_tokens // L), sc.max_num_seqs - 3,
                                   sc.num_kv_blocks * bs // (4 * (L + M))))
