@@ -66,6 +66,17 @@ def enabled() -> bool:
     return hasattr(os, "fork") and os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def available() -> bool:
+    """enabled(), and this Triton routes compiles through AsyncCompileMode (3.5 and later)."""
+    if not enabled():
+        return False
+    try:
+        import triton
+    except ImportError:
+        return False
+    return hasattr(triton, "AsyncCompileMode") and hasattr(triton, "FutureKernel")
+
+
 def child_result() -> tuple[bool, float] | None:
     """(the child compiled it, its seconds) while this thread loads a kernel its child compiled, else None."""
     return getattr(_LOCAL, "child", None)
@@ -269,7 +280,7 @@ def compiles_in_children(on: bool = True) -> Iterator[bool]:
     """Within the block, this thread's Triton compiles run in forked children (yields whether they do:
     not where it is off, the OS cannot fork, or Triton has no AsyncCompileMode)."""
     mode = None
-    if on and enabled():
+    if on and available():
         try:
             mode = _fork_mode()
         except (ImportError, AttributeError):

@@ -249,7 +249,7 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     default_threads), their compiles in forked children where fork_compile is on."""
     report = KernelReport()
     started = time.perf_counter()
-    forking = device.type == "cuda" and fork_compile.enabled() and _prepare(device)
+    forking = device.type == "cuda" and fork_compile.available() and _prepare(device)
     tasks = task_list(s, device)
     stages = [tasks] if forking else _staged(tasks)
     slots = threading.Semaphore(PARENT_SLOTS) if forking else None

@@ -122,6 +122,9 @@ def test_off_by_env_or_flag(monkeypatch):
         has_mode = False
     with fork_compile.compiles_in_children(True) as on:
         assert on is has_mode
+    assert fork_compile.available() is has_mode
+    monkeypatch.setenv(fork_compile.ENV, "off")
+    assert not fork_compile.available()
 
 
 def test_one_thread_per_key_at_a_time():
