@@ -1,16 +1,17 @@
 """The fused skinny GEMMs of engine/triton_gemm.py against the cuBLAS path, per rows count, on one GPU.
 
-For each rows count M and each of a layer's three fused ops, at the Ouro-1.4B shapes, over 24 distinct
+For each rows count M and each of a layer's fused ops, at the Ouro-1.4B shapes, over 24 distinct
 weight copies (so the L2 cache holds none of them), replayed in a CUDA graph:
 - ``o``: F.linear(a, w_o) + add_rms_norm2   vs  linear_partials(splits) + add_rms_norm2_partials
 - ``down``: F.linear(m, w_down) + add_rms_norm2   vs  the same pair at K = intermediate
 - ``gate``: F.linear(x, w_gate_up) + silu_mul   vs  gate_up_silu
+- ``qkv``: F.linear(x, w_qkv) + rope_store_kv   vs  qkv_rope_store (block_d_qkv, block_k, warps)
 every tile config (block_n, block_k, splits) is timed; the best per (op, M) is printed with its ratio to
 cuBLAS, and the GEMM_TABLE rows for engine/gemm_dispatch.py. With --inductor, the whole stretch between
 two attention calls (o_proj .. next qkv) compiled by torch.compile (Inductor, default mode) is timed
 beside the current fused path and the Triton-GEMM path at M = 8 and 64.
 
-    python benchmarks/gemm_sweep.py --out DIR [--rows 1,8,16,32,64,128] [--inductor]
+    python benchmarks/gemm_sweep.py --out DIR [--rows 1,8,16,32,64,128] [--ops o,down,gate,qkv] [--inductor]
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
 
 
 def configs(op: str):
+    if op == "qkv":
+        for bd, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
+            yield GemmConfig(block_d_qkv=bd, block_k=bk, num_warps=w), 1
+        return
     if op == "gate":
         for bn, bk in itertools.product((16, 32, 64), (64, 128, 256)):
             yield GemmConfig(block_n_gate=bn, block_k=bk), 1
@@ -63,13 +68,21 @@ def configs(op: str):
 
 
 def sweep_op(op: str, M: int) -> dict:
-    k = {"o": Q, "down": I, "gate": H}[op]
-    ws = weights(2 * I, H) if op == "gate" else weights(H, k)
+    k = {"o": Q, "down": I, "gate": H, "qkv": H}[op]
+    ws = weights(2 * I, H) if op == "gate" else weights(Q + 2 * KV, H) if op == "qkv" else weights(H, k)
     x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     wa, wb = (torch.ones(H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    # qkv: positions, slots (M distinct ones), inv_freq and the K / V planes of the Ouro-1.4B heads (d = 128)
+    pos = torch.arange(M, device="cuda") + 500
+    slots = torch.arange(M, device="cuda") * 3
+    inv_freq = 10000.0 ** (-torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128)
+    kp, vp = (torch.zeros(3 * M, KV // 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if op == "gate":
         base = timed(lambda: [fused.silu_mul(F.linear(x, w)) for w in ws])
+    elif op == "qkv":
+        base = timed(lambda: [fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, kp, vp, Q // 128, KV // 128, 128)
+                              for w in ws])
     else:
         base = timed(lambda: [fused.add_rms_norm2(h, F.linear(x, w), wa, wb, EPS) for w in ws])
     rows = []
@@ -77,6 +90,9 @@ def sweep_op(op: str, M: int) -> dict:
         try:
             if op == "gate":
                 us = timed(lambda: [tg.gate_up_silu(x, w, cfg) for w in ws])
+            elif op == "qkv":
+                us = timed(lambda: [tg.qkv_rope_store(x, w, pos, slots, inv_freq, kp, vp, Q // 128, KV // 128, 128, cfg)
+                                    for w in ws])
             else:
                 us = timed(lambda: [tg.add_rms_norm2_partials(h, tg.linear_partials(x, w, splits, cfg), wa, wb, EPS)
                                     for w in ws])
@@ -148,7 +164,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,8,16,32,64,128")
-    ap.add_argument("--ops", default="o,down,gate")
+    ap.add_argument("--ops", default="o,down,gate,qkv")
     ap.add_argument("--inductor", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -19,6 +19,9 @@ class GemmConfig:
     splits_o: int = 4  # K splits of o_proj (K = heads x head_dim)
     splits_down: int = 4  # K splits of down_proj (K = intermediate)
     block_n_gate: int = 32  # intermediate columns per program of gate_up_silu
+    # qkv_rope_store: dims of a head's first half per program (with their RoPE partners); 0: the qkv GEMM
+    # stays cuBLAS + triton_fused.rope_store_kv (the table's rows until the H200 measures it)
+    block_d_qkv: int = 0
     num_warps: int = 4
     num_stages: int = 4
 
@@ -38,3 +41,14 @@ def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = No
         if rows <= max_rows:
             return cfg
     return None
+
+
+def qkv_block_d(cfg: GemmConfig | None, head_dim: int) -> int:
+    """triton_gemm.qkv_rope_store's dims per program for this head size, or 0: the qkv GEMM stays cuBLAS and
+    RoPE + the K / V store its own kernel (off in the config, an odd head size, or a half under 16, which
+    tl.dot cannot tile, or not split evenly by a power of two)."""
+    if cfg is None or cfg.block_d_qkv <= 0 or head_dim % 2:
+        return 0
+    half = head_dim // 2
+    block = min(cfg.block_d_qkv, half)
+    return block if block >= 16 and block & (block - 1) == 0 and half % block == 0 else 0

@@ -30,7 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gemm_config
+from .gemm_dispatch import gemm_config, qkv_block_d
 from .prefill_graph import PrefillLayout, prefill_buckets
 
 
@@ -231,16 +231,21 @@ def _gemm_block_m(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
-def gemm_keys(rows: int, table=None) -> set[tuple]:
+def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
     gate_up + SiLU per tile height, tiles and row class, the add + norm over partials per row class and split
-    count (its SPLITS constexpr). Each key's first item names the kernel; no key for a call cuBLAS runs."""
+    count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per
+    tile height, tiles and row class. Each key's first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
     bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
-    return ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
+    keys = ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
+    block_d = qkv_block_d(cfg, head_dim)
+    if block_d:
+        keys.add(("qkv", bm, r, block_d) + rest)
+    return keys
 
 
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,

@@ -114,12 +114,20 @@ def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
-    (o_proj's and down_proj's launches), the add + norm over key[2] partials, or gate_up + SiLU."""
+    (o_proj's and down_proj's launches), the add + norm over key[2] partials, gate_up + SiLU, or qkv + RoPE
+    + store."""
     from . import triton_gemm
 
     cfg = gemm_config(rows)
     zeros = dict(dtype=s.dtype, device=device)
-    if key[0] == "partials":
+    if key[0] == "qkv":
+        Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
+        index = torch.zeros(rows, dtype=torch.int64, device=device)  # positions and slots (slot 0)
+        inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
+        triton_gemm.qkv_rope_store(torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq,
+                                   plane, plane, Hq, Hkv, d, cfg)
+    elif key[0] == "partials":
         for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
                                   (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
             triton_gemm.linear_partials(x, weight, splits, cfg)
@@ -181,13 +189,14 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     def gemm(rows: int, key: tuple) -> None:
         if not weights:
             zeros = dict(dtype=s.dtype, device=device)
-            weights.update(o=torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
+            weights.update(qkv=torch.zeros((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size, **zeros),
+                           o=torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
                            down=torch.zeros(s.hidden_size, s.intermediate_size, **zeros),
                            gate_up=torch.zeros(2 * s.intermediate_size, s.hidden_size, **zeros))
         launch_gemm(s, rows, key, weights, device)
 
     for rows in gemm_rows(s):
-        for key in sorted(gemm_keys(rows)):
+        for key in sorted(gemm_keys(rows, head_dim=s.head_dim)):
             if key not in covered:
                 covered.add(key)
                 tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0]}), (key,)))

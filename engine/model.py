@@ -17,7 +17,7 @@ from torch import nn
 from .attention import attend
 from .batch import BatchMeta
 from .config import OuroConfig
-from .gemm_dispatch import GemmConfig, gemm_config
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
 
 
@@ -50,6 +50,20 @@ def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm:
     splits = gemm.splits_o if which == "o" else gemm.splits_down
     partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
     return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
+
+
+def _qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_freq: torch.Tensor,
+                    k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
+                    gemm: GemmConfig | None) -> torch.Tensor:
+    """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so."""
+    if qkv_block_d(gemm, d):
+        from . import triton_gemm
+
+        return triton_gemm.qkv_rope_store(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane, v_plane,
+                                          Hq, Hkv, d, gemm)
+    from . import triton_fused as fused
+
+    return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)
 
 
 def _gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None) -> torch.Tensor:
@@ -295,8 +309,7 @@ class OuroForCausalLM(nn.Module):
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
                 k_plane, v_plane = pool.plane(loop, layer.layer)
-                q = fused.rope_store_kv(F.linear(x, attn.qkv_weight), meta.positions, meta.slots, self._inv_freq,
-                                        k_plane, v_plane, Hq, Hkv, d)
+                q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
                 a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
                 h, x = _linear_add_norm(h, a.reshape(rows, Hq * d), attn.o_proj.weight, gemm, "o",
                                         layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)

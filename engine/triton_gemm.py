@@ -2,12 +2,15 @@
 
 At a few dozen rows a layer's GEMMs stream their weights and little else, and cuBLAS launches too few
 programs for the small ones (o_proj: 2048 x 2048 in 32 tiles on 132 SMs). Two kernels replace three
-GEMMs and two elementwise kernels of a layer (engine/model.py `_run_loops_fused`):
+GEMMs and two elementwise kernels of a layer (engine/model.py `_run_loops_fused`), and a third, where the
+table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
 - `linear_partials` (o_proj, down_proj): x @ w.T split over K into fp32 partial sums [splits, rows, n],
   reduced by the add + norm kernel that reads the GEMM's output anyway (`add_rms_norm2_partials`): no
   separate split-K reduce kernel and no bf16 round trip of the GEMM output through memory.
 - `gate_up_silu` (gate_up_proj + SiLU x up): both halves accumulated in one program, the product written
   once (half the output of the fused gate_up GEMM, and no silu_mul kernel).
+- `qkv_rope_store` (qkv_proj + RoPE + the K / V store): a program holds dims of a head's first half and
+  their rotation partners, so RoPE runs on its accumulators; q goes out, k and v go to their pool slots.
 Rounding follows the reference path: each GEMM output is rounded to the model dtype before the norm or
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm_dispatch import GemmConfig
+from .gemm_dispatch import GemmConfig, qkv_block_d
 
 
 @triton.jit
@@ -103,6 +106,56 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
     tl.store(x_out_ptr + row * n_cols + cols, hnorm.to(wb.dtype) * wb, mask=mask)
 
 
+@triton.jit
+def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                           M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
+                           HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_c, pid_m = tl.program_id(0), tl.program_id(1)
+    head = pid_c // (HALF // BLOCK_D)
+    d = (pid_c % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rm < M
+    w1 = w_ptr + (head * 2 * HALF + d)[:, None].to(tl.int64) * stride_wn
+    w2 = w1 + HALF * stride_wn
+    acc1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc1 += tl.dot(a, tl.trans(tl.load(w1 + rk[None, :], mask=kmask[None, :], other=0.0)))
+        acc2 += tl.dot(a, tl.trans(tl.load(w2 + rk[None, :], mask=kmask[None, :], other=0.0)))
+    dtype = q_ptr.dtype.element_ty
+    x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
+    x2 = acc2.to(dtype).to(tl.float32)
+    if head < n_q_heads + n_kv_heads:  # q and k heads: RoPE, as triton_fused.rope_store_kv computes it
+        pos = tl.load(pos_ptr + rm, mask=rmask, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(inv_freq_ptr + d)[None, :]
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    mask = rmask[:, None]
+    if head < n_q_heads:
+        out = q_ptr + (rm[:, None].to(tl.int64) * n_q_heads + head) * 2 * HALF + d[None, :]
+        tl.store(out, x1.to(dtype), mask=mask)
+        tl.store(out + HALF, x2.to(dtype), mask=mask)
+    else:
+        kv_head = (head - n_q_heads) % n_kv_heads
+        slot = tl.load(slot_ptr + rm, mask=rmask, other=0).to(tl.int64)
+        dst = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
+        if head < n_q_heads + n_kv_heads:
+            tl.store(k_cache_ptr + dst, x1.to(dtype), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
+        else:
+            tl.store(v_cache_ptr + dst, x1.to(dtype), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
+
+
 def _block_m(rows: int) -> int:
     # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
     return min(64, max(16, triton.next_power_of_2(rows)))
@@ -149,3 +202,25 @@ def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: to
                                                 SPLITS=partials.shape[0], BLOCK=triton.next_power_of_2(n),
                                                 num_warps=8, **pdl.launch_kwargs(h.device))
     return h_out, x_out
+
+
+def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   inv_freq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, n_q_heads: int,
+                   n_kv_heads: int, head_dim: int, cfg: GemmConfig) -> torch.Tensor:
+    """triton_fused.rope_store_kv(F.linear(x, w_qkv), ...) in one kernel: the qkv GEMM with RoPE and the K / V
+    store in its epilogue. x: [rows, hidden], w_qkv: [(q + 2 kv heads) x d, hidden]; k_plane, v_plane:
+    [slots, kv_heads, d] -> q after RoPE [rows, heads, d]. For the head sizes gemm_dispatch.qkv_block_d allows."""
+    block_d = qkv_block_d(cfg, head_dim)
+    if not block_d:
+        raise ValueError(f"qkv_rope_store: no tile for head_dim={head_dim} with block_d_qkv={cfg.block_d_qkv}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, K = x.shape
+    q = torch.empty(rows, n_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    if rows:
+        half, bm = head_dim // 2, _block_m(rows)
+        grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
+        _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
+                                     w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
+                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+    return q

@@ -52,19 +52,48 @@ def test_fused_gemms_match_the_cublas_path(rows, hidden, inter, kdim, cfg):
         assert rel_err(got_h, ref_h) < 1e-2 and rel_err(got_x, ref_x) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
+@pytest.mark.parametrize("Hq,Hkv,d,hidden", [(16, 16, 128, 2048), (4, 2, 64, 256), (8, 1, 32, 96)])
+@pytest.mark.parametrize("block_d", [16, 32, 64])
+def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_d):
+    from engine import triton_fused as fused
+    from engine import triton_gemm as tg
+
+    assert gemm_dispatch.qkv_block_d(GemmConfig(block_d_qkv=block_d), d)  # capped at the half head: always a tile
+    g = torch.Generator(device="cuda").manual_seed(rows * 11 + d + block_d)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=g, **bf)
+    w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g, **bf) / hidden**0.5
+    n_slots = 3 * rows + 16
+    pos = torch.randint(0, 8000, (rows,), generator=g, device="cuda")
+    slots = torch.randperm(n_slots, generator=g, device="cuda")[:rows]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    planes = {name: torch.zeros(n_slots, Hkv, d, **bf) for name in ("k_ref", "v_ref", "k", "v")}
+    ref = fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, planes["k_ref"], planes["v_ref"], Hq, Hkv, d)
+    got = tg.qkv_rope_store(x, w, pos, slots, inv_freq, planes["k"], planes["v"], Hq, Hkv, d,
+                            GemmConfig(block_d_qkv=block_d))
+    assert rel_err(got, ref) < 1e-2
+    assert rel_err(planes["k"][slots], planes["k_ref"][slots]) < 1e-2
+    assert rel_err(planes["v"][slots], planes["v_ref"][slots]) < 1e-2
+    rest = torch.ones(n_slots, dtype=torch.bool, device="cuda")
+    rest[slots] = False
+    assert not planes["k"][rest].any() and not planes["v"][rest].any()
+
+
 def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     ckpt = make_tiny_checkpoint(tmp_path / "m", seed=5, eos_token_id=None, hidden_size=256, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=64, intermediate_size=704, vocab_size=301)
     prompts = [[(7 * i + j) % 301 for j in range(3 + 5 * i)] for i in range(6)]
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True) for _ in prompts]
     outs = {}
-    for name, table in (("triton", ((64, GemmConfig()),)), ("cublas", ())):
+    tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)), ("cublas", ()))
+    for name, table in tables:
         monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
         cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
                            max_num_seqs=8, logprobs_mode="raw")
         with SyncEngine(cfg) as llm:
             outs[name] = llm.generate_batch(prompts, params)
-    for a, b in zip(outs["triton"], outs["cublas"]):
+    for a, b in [*zip(outs["triton"], outs["cublas"]), *zip(outs["triton_qkv"], outs["cublas"])]:
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))
         assert n >= 3, (ta, tb)  # bf16 rounding may flip a near-tie late, never from the start
