@@ -112,20 +112,24 @@ def _child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool],
 
 
 def _wait(pid: int, read_fd: int, timeout: float) -> str | None:
-    """The child's report, or None when it failed or timed out (then it is killed); always reaped."""
-    chunks, deadline = [], time.monotonic() + timeout
+    """The child's report, or None when it failed or timed out; always reaped (killed first unless it
+    closed its end: a wait that ends any other way, an error included, never blocks on a stuck child)."""
+    chunks, deadline, closed = [], time.monotonic() + timeout, False
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([read_fd], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
                 return None
             chunk = os.read(read_fd, 256)
-            if not chunk:  # EOF: the child has exited
+            if not chunk:  # EOF: the child has exited (or is exiting)
+                closed = True
                 break
             chunks.append(chunk)
     finally:
         os.close(read_fd)
+        if not closed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     return b"".join(chunks).decode() or None
 
@@ -141,14 +145,22 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
         warnings.simplefilter("ignore", DeprecationWarning)
         read_fd, write_fd = os.pipe()
         forked = time.perf_counter()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had (memory, limits): compile here
+            os.close(read_fd)
+            os.close(write_fd)
+            pid = -1
         if pid == 0:
             os.close(read_fd)
             _child(fn, in_child, write_fd)
         forked = time.perf_counter() - forked
-        os.close(write_fd)
-    with _slot_let_go():  # the wait costs the parent nothing: another thread may work meanwhile
-        report = _wait(pid, read_fd, timeout)
+        if pid > 0:
+            os.close(write_fd)
+    report = None
+    if pid > 0:
+        with _slot_let_go():  # the wait costs the parent nothing: another thread may work meanwhile
+            report = _wait(pid, read_fd, timeout)
     with _STATS_LOCK:
         STATS.children += 1
         STATS.fork_seconds += forked

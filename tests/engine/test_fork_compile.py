@@ -230,3 +230,15 @@ def test_a_thread_waiting_for_a_kernel_lets_its_slot_go(monkeypatch):
     for fd in (go_r, go_w, started_r, started_w):
         os.close(fd)
     assert sorted(done) == ["a", "b"]
+
+
+def test_no_fork_to_be_had_compiles_here(monkeypatch, tmp_path):
+    """os.fork failing (memory, process limits): fn() runs here, counted as failed, nothing left open."""
+    def refuse():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(fork_compile.os, "fork", refuse)
+    failed, fds = fork_compile.STATS.failed, len(os.listdir("/proc/self/fd"))
+    assert fork_compile.compile_in_child(recorder(tmp_path / "log"), in_child=compiled_true) == os.getpid()
+    assert pids(tmp_path / "log") == [os.getpid()]
+    assert fork_compile.STATS.failed == failed + 1 and len(os.listdir("/proc/self/fd")) == fds
