@@ -10,12 +10,14 @@ pure-decode state, then:
   replayed in a CUDA graph: us per call and GB/s against the 4.3 TB/s copy bandwidth.
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
+        [--gemm table|off|both|qkv] [--block-d-qkv 64]     # 'qkv': the fused qkv + RoPE + store beside the table
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import random
 import sys
@@ -34,7 +36,8 @@ from engine.loader import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
-GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvjet", "linear_partials", "gate_up_silu")),
+GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvjet", "linear_partials", "gate_up_silu",
+                   "qkv_rope_store")),
           ("attention", ("paged_attn", "_attn", "attention", "combine")),
           ("fused", ("rms_norm", "rope", "silu", "add_rms")),
           ("sampling", ("sample", "softmax", "gumbel", "argmax", "log_softmax", "topk", "sort")))
@@ -168,9 +171,11 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
-                         "side ('both': the table if it has rows, else GemmConfig() up to 64 rows)")
+                         "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
+                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
+    ap.add_argument("--block-d-qkv", type=int, default=64, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -184,8 +189,10 @@ def main(argv=None) -> int:
         print(f"gemm M={r['M']:4d} {r['gemm']:8s} {r['us']:7.1f} us  {r['gb_per_s']:6.0f} GB/s  "
               f"floor {r['floor_us']:.1f} us", flush=True)
     table = gemm_dispatch.GEMM_TABLE
-    variants = {"table": [("", table)], "off": [("", ())],
-                "both": [("", ()), ("+tg", table or ((64, GemmConfig()),))]}[args.gemm]
+    base = table or ((64, GemmConfig()),)
+    qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv)) for rows, cfg in base)
+    variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
+                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))
