@@ -184,15 +184,18 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
                   for k in FUSED]
     tasks += [Task("sampler", lambda r=r: launch_sampler(s, r, device), frozenset({"sampler"}), (("sampler", r),))
               for r in (1, 2)]
-    weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first GEMM launch
+    weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first launch that needs them
+    made = threading.Lock()  # launches run in threads
+    shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
+              "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
+              "gate_up": (2 * s.intermediate_size, s.hidden_size)}
+    uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "norm_partials": ()}
 
     def gemm(rows: int, key: tuple) -> None:
-        if not weights:
-            zeros = dict(dtype=s.dtype, device=device)
-            weights.update(qkv=torch.zeros((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size, **zeros),
-                           o=torch.zeros(s.hidden_size, s.num_heads * s.head_dim, **zeros),
-                           down=torch.zeros(s.hidden_size, s.intermediate_size, **zeros),
-                           gate_up=torch.zeros(2 * s.intermediate_size, s.hidden_size, **zeros))
+        with made:
+            for name in uses[key[0]]:
+                if name not in weights:
+                    weights[name] = torch.zeros(shapes[name], dtype=s.dtype, device=device)
         launch_gemm(s, rows, key, weights, device)
 
     for rows in gemm_rows(s):
