@@ -28,6 +28,8 @@ from ourobatch.runtime.engine_core import request_seed
 from ourobatch.testing import make_tiny_checkpoint
 from ourobatch.warmup import WarmupPlan, warm_up_requests
 
+from .interpreter import run_interpreted
+
 SHAPES = {
     "gqa": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, total_ut_steps=4),
     "mha-T3": dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, total_ut_steps=3,
@@ -426,12 +428,7 @@ print("ok")
 
 def test_every_launch_runs_in_tritons_interpreter():
     """The launches' shapes and arguments, on CPU tensors (TRITON_INTERPRET=1), where Triton is installed."""
-    pytest.importorskip("triton")
-    import os
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    run_interpreted(INTERPRETED)
 
 
 def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):

@@ -6,12 +6,10 @@ the dispatch rule that decides where it runs (gemm_dispatch.qkv_block_d). On the
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from engine.gemm_dispatch import GemmConfig, qkv_block_d
+from tests.interpreter import run_interpreted
 
 
 @pytest.mark.parametrize("block_d,head_dim,expected", [
@@ -63,9 +61,4 @@ print("ok")
 
 
 def test_the_kernel_matches_a_float64_reference_in_tritons_interpreter():
-    pytest.importorskip("triton")
-    import os
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    run_interpreted(INTERPRETED)
