@@ -36,3 +36,22 @@ def test_a_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(pdl.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="OUROBATCH_PDL must be 0 .* or 1"):
         pdl.enabled(torch.device("cuda", 0))
+
+
+def test_gemm_launch_kwargs(monkeypatch):
+    """PREFETCH only with PDL on, the switch on, and the bulk prefetch's 16-byte alignment."""
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+    monkeypatch.setattr(pdl, "_PREFETCH", {})
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert pdl.gemm_launch_kwargs(w) == {"USE_PDL": False, "PREFETCH": False}  # CPU: no PDL
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    assert pdl.gemm_launch_kwargs(w)["PREFETCH"] is True
+    assert pdl.gemm_launch_kwargs(torch.zeros(8, 60, dtype=torch.bfloat16))["PREFETCH"] is False  # 120-byte rows
+    assert pdl.gemm_launch_kwargs(w[:, 1:])["PREFETCH"] is False  # base 2 bytes in
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "0")
+    monkeypatch.setattr(pdl, "_PREFETCH", {})
+    assert pdl.gemm_launch_kwargs(w) == {"USE_PDL": True, "launch_pdl": True, "PREFETCH": False}
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "maybe")
+    monkeypatch.setattr(pdl, "_PREFETCH", {})
+    with pytest.raises(ValueError, match="OUROBATCH_PDL_PREFETCH must be 0 .* or 1"):
+        pdl.gemm_launch_kwargs(w)
