@@ -57,7 +57,7 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
 def configs(op: str):
     if op == "qkv":
         for bd, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
-            yield GemmConfig(block_d_qkv=bd, block_k=bk, num_warps=w), 1
+            yield GemmConfig(block_d_qkv=bd, block_k_qkv=bk, num_warps=w), 1
         return
     if op == "gate":
         for bn, bk in itertools.product((16, 32, 64), (64, 128, 256)):

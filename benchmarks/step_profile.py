@@ -10,7 +10,8 @@ pure-decode state, then:
   replayed in a CUDA graph: us per call and GB/s against the 4.3 TB/s copy bandwidth.
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
-        [--gemm table|off|both|qkv] [--block-d-qkv 64]     # 'qkv': the fused qkv + RoPE + store beside the table
+        [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
+        # + store in every bucket, beside the table
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
-    ap.add_argument("--block-d-qkv", type=int, default=64, help="GemmConfig.block_d_qkv of the 'qkv' variant")
+    ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
+    ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
               f"floor {r['floor_us']:.1f} us", flush=True)
     table = gemm_dispatch.GEMM_TABLE
     base = table or ((64, GemmConfig()),)
-    qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv)) for rows, cfg in base)
+    qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
+                for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
                 "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):

@@ -22,14 +22,20 @@ class GemmConfig:
     # qkv_rope_store: dims of a head's first half per program (with their RoPE partners); 0: the qkv GEMM
     # stays cuBLAS + triton_fused.rope_store_kv (the table's rows until the H200 measures it)
     block_d_qkv: int = 0
+    block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     num_warps: int = 4
     num_stages: int = 4
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
 # Each op ran 1.08-1.15x faster than its cuBLAS path (GEMM + the elementwise kernel after it) up to 64 rows
-# and 0.88-1.0x at 128, so calls past 64 rows keep cuBLAS.
+# and 0.88-1.0x at 128, so calls past 64 rows keep cuBLAS. The fused qkv + RoPE + store (session 8's sweep,
+# docs/benchmarks/h200_session8_2026-12-03/gemm_sweep_qkv.json) ran 9.3-9.5 us against 10.6-11.5 us for
+# cuBLAS + rope_store_kv at 1-16 rows (block_d 32, block_k 256), and lost at 32 (13.8 vs 12.0) and at 64
+# (12.0 vs 11.9): it runs in the first bucket only.
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
+    (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
+                    block_k_qkv=256)),
     (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
     (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
 )

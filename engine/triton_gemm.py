@@ -247,6 +247,6 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
-                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k,
+                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.gemm_launch_kwargs(w_qkv))
     return q

@@ -44,7 +44,7 @@ for Hq, Hkv, d, hidden, rows, block_d, block_k in [(4, 2, 32, 96, 5, 16, 64), (2
     inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
     k_plane = torch.zeros(n_slots, Hkv, d)
     v_plane = torch.zeros(n_slots, Hkv, d)
-    cfg = GemmConfig(block_d_qkv=block_d, block_k=block_k)
+    cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k)
     q = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg)
     qkv = (x.double() @ w.double().T)
     q_ref = rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)
