@@ -36,7 +36,10 @@ def _ptx(name: str, use_pdl: bool, prefetch: bool) -> list[str]:
     fn, types, constexprs = KERNELS[name]
     constexprs = {**constexprs, "USE_PDL": use_pdl, "PREFETCH": prefetch}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
-    compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
+    names = list(signature)  # as at the decode shapes, Triton knows the pointers and K, N, strides are 16-aligned
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
+             if t.startswith("*") or n in ("N", "K", "k_per_split") or n.startswith("stride")}
+    compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]  # ptxas accepted it
     return [line.strip() for line in compiled.asm["ptx"].splitlines()]
