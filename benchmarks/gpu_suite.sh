@@ -80,14 +80,12 @@ fi
 if [ "$what" = sweep ]; then  # launch configs of the paged attention kernel (benchmarks/attention_sweep.py)
   python3 benchmarks/attention_sweep.py --out "$OUT/sweep" "$@" 2>&1 | tee "$OUT/sweep.log" | tail -30
 fi
-if [ "$what" = pdl ]; then  # the decode harness's floor scenarios with engine/pdl.py off, on, and on with the
-  # GEMMs' weight prefetch, alternated (PDL_VARIANTS, default "off on prefetch"; PDL_ROUNDS rounds, default 2);
-  # each run its own process and folder
+if [ "$what" = pdl ]; then  # the decode harness's floor scenarios with engine/pdl.py off and on, alternated
+  # (OUROBATCH_PDL=0 / 1, PDL_ROUNDS pairs, default 2); each run its own process and folder
   for r in $(seq 1 "${PDL_ROUNDS:-2}"); do
-    for v in ${PDL_VARIANTS:-off on prefetch}; do
-      case $v in off) p=0 f=0;; on) p=1 f=0;; prefetch) p=1 f=1;; *) echo "PDL_VARIANTS: off, on or prefetch, not $v"; exit 2;; esac
-      OUROBATCH_PDL=$p OUROBATCH_PDL_PREFETCH=$f python3 benchmarks/throughput.py --out "$OUT/pdl/${v}_r$r" \
-        --configs interval1 --scenarios 8x512x256,64x512x256 "$@" 2>&1 | tee "$OUT/pdl_${v}_r$r.log" | grep '^|' | tail -4
+    for p in 0 1; do
+      OUROBATCH_PDL=$p python3 benchmarks/throughput.py --out "$OUT/pdl/pdl${p}_r$r" --configs interval1 \
+        --scenarios 8x512x256,64x512x256 "$@" 2>&1 | tee "$OUT/pdl_${p}_r$r.log" | grep '^|' | tail -4
     done
   done
 fi

@@ -8,14 +8,13 @@ soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``
 latency is hidden, never a dependency: every kernel launched with PDL waits before its first load or
 store (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch the compiler drops when off).
 
-The skinny GEMMs (engine/triton_gemm.py) do one thing before they wait: they prefetch their program's
-weight rows into L2 (Hopper's bulk prefetch), since weights never depend on the kernel before. So the
-weight stream of the next GEMM starts while the norm or the attention before it still runs, as CUTLASS's
-"GEMM with L2 weight prefetch" does. ``OUROBATCH_PDL_PREFETCH=0`` keeps PDL without the prefetch.
-
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
-``enabled(device)``: OUROBATCH_PDL=1 turns it on for CUDA devices of compute capability 9.0 and later
-(off below, and by default). Read once per device; ``launch_kwargs`` are a launch's extra arguments.
+``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0
+turns it off. Read once per device; ``launch_kwargs`` are a launch's extra arguments. On the H200 it took
+the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
+at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton kernel too. Prefetching
+each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
+and made both slower (7.75-7.82 / 13.28-13.37 ms), so the kernels do nothing before their wait.
 """
 
 from __future__ import annotations
@@ -25,16 +24,7 @@ import os
 import torch
 
 ENV_VAR = "OUROBATCH_PDL"
-PREFETCH_ENV_VAR = "OUROBATCH_PDL_PREFETCH"
 _ENABLED: dict[int, bool] = {}
-_PREFETCH: dict[str, bool] = {}
-
-
-def _switch(name: str, default: str) -> bool:
-    value = os.environ.get(name, "").strip() or default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 (off) or 1 (on), got {value!r}")
-    return value == "1"
 
 
 def enabled(device: torch.device) -> bool:
@@ -43,28 +33,13 @@ def enabled(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ENABLED:
-        _ENABLED[index] = _switch(ENV_VAR, "0") and torch.cuda.get_device_capability(index)[0] >= 9
+        value = os.environ.get(ENV_VAR, "").strip() or "1"
+        if value not in ("0", "1"):
+            raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
+        _ENABLED[index] = value == "1" and torch.cuda.get_device_capability(index)[0] >= 9
     return _ENABLED[index]
-
-
-def prefetch_enabled() -> bool:
-    """Whether PDL's GEMMs prefetch their weights before they wait (OUROBATCH_PDL_PREFETCH, default 1; cached)."""
-    if "on" not in _PREFETCH:
-        _PREFETCH["on"] = _switch(PREFETCH_ENV_VAR, "1")
-    return _PREFETCH["on"]
 
 
 def launch_kwargs(device: torch.device) -> dict:
     """A PDL-aware kernel's launch arguments: its USE_PDL constexpr, and Triton's launch_pdl when on."""
     return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
-
-
-def gemm_launch_kwargs(w: torch.Tensor) -> dict:
-    """launch_kwargs for a skinny GEMM over weight `w` [N, K], plus its PREFETCH constexpr: on with PDL and
-    OUROBATCH_PDL_PREFETCH, where the bulk prefetch's 16-byte alignment holds (the base, a row's stride and
-    a row's bytes), so a split's segment [k_start, k_end) of a row is aligned too (k_start: whole K blocks)."""
-    kwargs = launch_kwargs(w.device)
-    row_bytes, size = w.stride(0) * w.element_size(), w.shape[-1] * w.element_size()
-    aligned = w.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and size % 16 == 0
-    kwargs["PREFETCH"] = bool(kwargs["USE_PDL"] and prefetch_enabled() and aligned)
-    return kwargs

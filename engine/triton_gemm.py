@@ -29,32 +29,16 @@ from .gemm_dispatch import GemmConfig, qkv_block_d
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, nbytes):
-    # one bulk L2 prefetch per weight row segment (Hopper's cp.async.bulk.prefetch: 16-byte aligned address and
-    # size), issued before the PDL wait: the weights never depend on the kernel before, so their stream starts
-    # while it finishes; the loads after the wait then hit L2. The asm's dummy result keeps it an elementwise op.
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [row_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-
-@triton.jit
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                            USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split  # k_per_split is a multiple of BLOCK_K: no block crosses two splits
-    if USE_PDL:  # engine/pdl.py: (prefetch this program's weights,) wait for the kernel before, let the next launch
-        if PREFETCH:
-            span = tl.minimum(k_per_split, K - k_start)  # an empty last split prefetches its row's first 16 bytes
-            start = tl.where(span > 0, k_start, 0)
-            nbytes = tl.maximum(span * w_ptr.dtype.element_ty.primitive_bitwidth // 8, 16)
-            rows = tl.minimum(rn, N - 1).to(tl.int64)
-            _prefetch_rows_l2(w_ptr + rows * stride_wn + start, tl.full((BLOCK_N,), 0, tl.int32) + nbytes)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
         rk = k_start + k + tl.arange(0, BLOCK_K)
@@ -71,18 +55,13 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if USE_PDL:  # engine/pdl.py: (prefetch this program's gate and up rows,) wait for the kernel before, ...
-        if PREFETCH:
-            rows = tl.minimum(rn, N - 1).to(tl.int64)
-            nbytes = tl.full((BLOCK_N,), 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_rows_l2(w_ptr + rows * stride_wn, nbytes)
-            _prefetch_rows_l2(w_ptr + (rows + N) * stride_wn, nbytes)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -131,22 +110,17 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
 def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
                            HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                           USE_PDL: tl.constexpr):
     # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_c, pid_m = tl.program_id(0), tl.program_id(1)
     head = pid_c // (HALF // BLOCK_D)
     d = (pid_c % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < M
-    rows1 = w_ptr + (head * 2 * HALF + d).to(tl.int64) * stride_wn
-    if USE_PDL:  # engine/pdl.py: (prefetch this program's weight rows,) wait for the kernel before, ...
-        if PREFETCH:
-            nbytes = tl.full((BLOCK_D,), 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_rows_l2(rows1, nbytes)
-            _prefetch_rows_l2(rows1 + HALF * stride_wn, nbytes)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    w1 = rows1[:, None]
+    w1 = w_ptr + (head * 2 * HALF + d)[:, None].to(tl.int64) * stride_wn
     w2 = w1 + HALF * stride_wn
     acc1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -199,7 +173,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
         _linear_partials_kernel[grid](x, w, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
                                       BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.gemm_launch_kwargs(w))
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -214,7 +188,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
                                    BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.gemm_launch_kwargs(w_gate_up))
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -248,5 +222,5 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
                                      HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.gemm_launch_kwargs(w_qkv))
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q

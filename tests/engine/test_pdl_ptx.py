@@ -1,8 +1,8 @@
-"""The skinny GEMMs' PDL prologue (engine/triton_gemm.py, engine/pdl.py) compiled for sm90 on the CPU: Triton
-builds the PTX and ptxas the cubin without a GPU (where Triton is installed; CI has none). With PREFETCH
-each program issues its weight rows' bulk L2 prefetches before ``griddepcontrol.wait``, and only then
-loads; without it, or without PDL, there is no prefetch at all. The kernels' results with PDL on are
-compared with the torch references on the H200 (tests/gpu/test_gpu_gemm.py under OUROBATCH_PDL=1)."""
+"""The PDL prologue of the decode step's Triton kernels (engine/pdl.py), compiled for sm90 on the CPU: Triton
+builds the PTX and ptxas the cubin without a GPU (where Triton is installed; CI has none). With USE_PDL a
+kernel waits (``griddepcontrol.wait``) before its first global load, and lets the next kernel launch only
+after that; without it there is no griddepcontrol at all. The kernels' results with PDL on are compared
+with the torch references on the H200 (tests/gpu/test_gpu_gemm.py, test_gpu_attention_kernels.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, use_pdl: bool, prefetch: bool) -> list[str]:
+def _ptx(name: str, use_pdl: bool) -> list[str]:
     fn, types, constexprs = KERNELS[name]
-    constexprs = {**constexprs, "USE_PDL": use_pdl, "PREFETCH": prefetch}
+    constexprs = {**constexprs, "USE_PDL": use_pdl}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
     names = list(signature)  # as at the decode shapes, Triton knows the pointers and K, N, strides are 16-aligned
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
@@ -50,21 +50,14 @@ def _first(lines: list[str], token: str) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_prefetch_comes_before_the_wait_and_the_loads(name):
-    lines = _ptx(name, use_pdl=True, prefetch=True)
-    prefetch, wait = _first(lines, "cp.async.bulk.prefetch.L2.global"), _first(lines, "griddepcontrol.wait")
-    launch = _first(lines, "griddepcontrol.launch_dependents")
-    loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async.c" in line]  # maybe predicated
-    assert loads
-    assert 0 <= prefetch < wait < launch, (prefetch, wait, launch)
+def test_the_wait_comes_before_every_load(name):
+    lines = _ptx(name, use_pdl=True)
+    wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]  # maybe predicated
+    assert loads and 0 <= wait < launch, (wait, launch)
     assert wait < loads[0]  # nothing the kernel before writes is read before the wait
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_no_prefetch_without_it(name):
-    with_pdl = _ptx(name, use_pdl=True, prefetch=False)
-    assert _first(with_pdl, "griddepcontrol.wait") >= 0
-    assert _first(with_pdl, "prefetch") < 0
-    plain = _ptx(name, use_pdl=False, prefetch=False)
-    assert _first(plain, "griddepcontrol") < 0 and _first(plain, "prefetch") < 0
-
+def test_no_griddepcontrol_without_pdl(name):
+    assert _first(_ptx(name, use_pdl=False), "griddepcontrol") < 0
