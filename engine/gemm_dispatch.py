@@ -31,13 +31,15 @@ class GemmConfig:
 # Each op ran 1.08-1.15x faster than its cuBLAS path (GEMM + the elementwise kernel after it) up to 64 rows
 # and 0.88-1.0x at 128, so calls past 64 rows keep cuBLAS. The fused qkv + RoPE + store (session 8's sweep,
 # docs/benchmarks/h200_session8_2026-12-03/gemm_sweep_qkv.json) ran 9.3-9.5 us against 10.6-11.5 us for
-# cuBLAS + rope_store_kv at 1-16 rows (block_d 32, block_k 256), and lost at 32 (13.8 vs 12.0) and at 64
-# (12.0 vs 11.9): it runs in the first bucket only.
+# cuBLAS + rope_store_kv at 1-16 rows (block_d 32, block_k 256), lost at 32 (13.8 vs 12.0) and tied at 64
+# (12.0 vs 11.9) on its own; but with PDL on (engine/pdl.py) the N = 64 graphed step ran 13.15 ms with it
+# against 13.56 ms without (the whole layer chained, no cuBLAS launch), so it runs at 64 rows too. The
+# 17-32 row bucket, not measured in a step, keeps cuBLAS.
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
                     block_k_qkv=256)),
     (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
-    (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
+    (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=16)),
 )
 
 
