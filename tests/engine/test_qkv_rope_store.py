@@ -35,7 +35,7 @@ def rope(t, pos, inv_freq):  # t: [rows, heads, d]; the halves rotate by pos * i
 
 g = torch.Generator().manual_seed(0)
 for Hq, Hkv, d, hidden, rows, block_d, block_k in [(4, 2, 32, 96, 5, 16, 64), (2, 2, 64, 64, 17, 32, 128),
-                                                  (4, 1, 32, 80, 70, 16, 32)]:
+                                                  (4, 1, 32, 80, 70, 16, 32), (2, 1, 64, 320, 9, 32, 256)]:
     n_slots = 3 * rows + 8
     x = torch.randn(rows, hidden, generator=g)
     w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g) / hidden ** 0.5
