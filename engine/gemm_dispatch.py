@@ -23,8 +23,17 @@ class GemmConfig:
     # stays cuBLAS + triton_fused.rope_store_kv (the table's rows until the H200 measures it)
     block_d_qkv: int = 0
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
+    # weight blocks (of block_k) each program loads before its PDL wait (engine/pdl.py), while the kernel
+    # before still runs: 0-2 for o_proj / down_proj, at most 1 for gate_up and qkv (two tiles a block). Not
+    # measured on the H200 yet, so 0 in the table (benchmarks/step_profile.py --gemm preload)
+    preload: int = 0
     num_warps: int = 4
     num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.preload not in (0, 1, 2):
+            raise ValueError(f"GemmConfig.preload must be 0, 1 or 2 (weight blocks loaded before the PDL wait), "
+                             f"got {self.preload!r}")
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
