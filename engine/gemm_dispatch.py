@@ -20,7 +20,7 @@ class GemmConfig:
     splits_down: int = 4  # K splits of down_proj (K = intermediate)
     block_n_gate: int = 32  # intermediate columns per program of gate_up_silu
     # qkv_rope_store: dims of a head's first half per program (with their RoPE partners); 0: the qkv GEMM
-    # stays cuBLAS + triton_fused.rope_store_kv (the table's rows until the H200 measures it)
+    # stays cuBLAS + triton_fused.rope_store_kv (the table's 17-32 row bucket)
     block_d_qkv: int = 0
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     # weight blocks (of block_k) each program loads before its PDL wait (engine/pdl.py), while the kernel

@@ -5,8 +5,10 @@ the next grid launches (docs/benchmarks.md, "Kernels per decode step"). With PDL
 while the one before it still runs: its blocks start, wait at ``griddepcontrol.wait`` until the kernel
 before has finished and its writes are visible, then run; and each kernel lets the next one launch as
 soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``). So only the launch
-latency is hidden, never a dependency: every kernel launched with PDL waits before its first load or
-store (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch the compiler drops when off).
+latency is hidden, never a dependency: every kernel launched with PDL waits before it stores anything or
+loads anything a kernel before it writes (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch
+the compiler drops when off). Only weights, which no kernel of a step writes, may be loaded before the
+wait: the skinny GEMMs' first blocks where ``GemmConfig.preload`` asks for it (0 in the table so far).
 
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
 ``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0
@@ -14,7 +16,7 @@ turns it off. Read once per device; ``launch_kwargs`` are a launch's extra argum
 the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
 at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton kernel too. Prefetching
 each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
-and made both slower (7.75-7.82 / 13.28-13.37 ms), so the kernels do nothing before their wait.
+and made both slower (7.75-7.82 / 13.28-13.37 ms); it is gone.
 """
 
 from __future__ import annotations
