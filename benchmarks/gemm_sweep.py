@@ -7,16 +7,19 @@ weight copies (so the L2 cache holds none of them), replayed in a CUDA graph:
 - ``gate``: F.linear(x, w_gate_up) + silu_mul   vs  gate_up_silu
 - ``qkv``: F.linear(x, w_qkv) + rope_store_kv   vs  qkv_rope_store (block_d_qkv, block_k, warps)
 every tile config (block_n, block_k, splits) is timed; the best per (op, M) is printed with its ratio to
-cuBLAS, and the GEMM_TABLE rows for engine/gemm_dispatch.py. With --inductor, the whole stretch between
-two attention calls (o_proj .. next qkv) compiled by torch.compile (Inductor, default mode) is timed
-beside the current fused path and the Triton-GEMM path at M = 8 and 64.
+cuBLAS, and the GEMM_TABLE rows for engine/gemm_dispatch.py. With --around-table, only the table's own tile
+for M is timed, at warps 4 / 8 x stages 2-6 (which the tile grid keeps at 4 / 4), for a row the table covers.
+With --inductor, the whole stretch between two attention calls (o_proj .. next qkv) compiled by
+torch.compile (Inductor, default mode) is timed beside the current fused path and the Triton-GEMM path at M = 8 and 64.
 
     python benchmarks/gemm_sweep.py --out DIR [--rows 1,8,16,32,64,128] [--ops o,down,gate,qkv] [--inductor]
+        [--around-table]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from engine import triton_fused as fused
 from engine import triton_gemm as tg
-from engine.gemm_dispatch import GemmConfig
+from engine.gemm_dispatch import GemmConfig, gemm_config
 
 H, I, Q, KV = 2048, 5632, 2048, 2048  # hidden, intermediate, q dim, kv dim (Ouro-1.4B)
 COPIES, REPS, EPS = 24, 20, 1e-6
@@ -54,6 +57,13 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
 
 
+def around(op: str, cfg: GemmConfig):
+    """The table's tile for one op at warps 4 / 8 x stages 2-6 (its split count for o / down)."""
+    splits = {"o": cfg.splits_o, "down": cfg.splits_down}.get(op, 1)
+    for w, s in itertools.product((4, 8), (2, 3, 4, 5, 6)):
+        yield dataclasses.replace(cfg, num_warps=w, num_stages=s), splits
+
+
 def configs(op: str):
     if op == "qkv":
         for bd, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
@@ -67,7 +77,7 @@ def configs(op: str):
             yield GemmConfig(block_n=bn, block_k=bk), s
 
 
-def sweep_op(op: str, M: int) -> dict:
+def sweep_op(op: str, M: int, around_table: bool = False) -> dict:
     k = {"o": Q, "down": I, "gate": H, "qkv": H}[op]
     ws = weights(2 * I, H) if op == "gate" else weights(Q + 2 * KV, H) if op == "qkv" else weights(H, k)
     x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
@@ -86,7 +96,9 @@ def sweep_op(op: str, M: int) -> dict:
     else:
         base = timed(lambda: [fused.add_rms_norm2(h, F.linear(x, w), wa, wb, EPS) for w in ws])
     rows = []
-    for cfg, splits in configs(op):
+    table_cfg = gemm_config(M)
+    candidates = around(op, table_cfg) if around_table and table_cfg is not None else configs(op)
+    for cfg, splits in candidates:
         try:
             if op == "gate":
                 us = timed(lambda: [tg.gate_up_silu(x, w, cfg) for w in ws])
@@ -166,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,16,32,64,128")
     ap.add_argument("--ops", default="o,down,gate,qkv")
     ap.add_argument("--inductor", action="store_true")
+    ap.add_argument("--around-table", action="store_true",
+                    help="time only GEMM_TABLE's tile per M, at warps 4 / 8 x stages 2-6 (rows the table covers)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +187,9 @@ def main(argv=None) -> int:
     print("checks", result["checks"], flush=True)
     for M in (int(m) for m in args.rows.split(",")):
         for op in args.ops.split(","):
-            r = sweep_op(op, M)
+            if args.around_table and (gemm_config(M) is None or (op == "qkv" and not gemm_config(M).block_d_qkv)):
+                continue  # cuBLAS at this M (or its qkv): no tile of the table to vary
+            r = sweep_op(op, M, args.around_table)
             result["sweep"].append(r)
             b = r["best"]
             print(f"M={M:4d} {op:5s} cuBLAS path {r['cublas_us']:6.1f} us  best {b['us'] if b else float('nan'):6.1f} us "
