@@ -35,6 +35,11 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.preload must be 0, 1 or 2 (weight blocks loaded before the PDL wait), "
                              f"got {self.preload!r}")
 
+    @property
+    def preload_pair(self) -> int:
+        """`preload` of gate_up and qkv, whose block is two weight tiles: at most 1."""
+        return min(self.preload, 1)
+
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
 # Each op ran 1.08-1.15x faster than its cuBLAS path (GEMM + the elementwise kernel after it) up to 64 rows

@@ -40,6 +40,30 @@ def _tile(ptr, rows, n_rows, stride, k0, k_end, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves),
+    with the PDL prologue: PRELOAD (0 or 1) loads both first weight blocks before the wait, x only after."""
+    if PRELOAD >= 1:
+        a_w0 = _tile(w_a, rows, n_rows, stride_wn, 0, K, BLOCK_K)
+        b_w0 = _tile(w_b, rows, n_rows, stride_wn, 0, K, BLOCK_K)
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PRELOAD >= 1:
+        x0 = _tile(x_ptr, rm, M, stride_xm, 0, K, BLOCK_K)
+        acc_a += tl.dot(x0, tl.trans(a_w0))
+        acc_b += tl.dot(x0, tl.trans(b_w0))
+    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        x = _tile(x_ptr, rm, M, stride_xm, k, K, BLOCK_K)
+        acc_a += tl.dot(x, tl.trans(_tile(w_a, rows, n_rows, stride_wn, k, K, BLOCK_K)))
+        acc_b += tl.dot(x, tl.trans(_tile(w_b, rows, n_rows, stride_wn, k, K, BLOCK_K)))
+    return acc_a, acc_b
+
+
+@triton.jit
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
@@ -81,28 +105,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PRELOAD >= 1:  # the first weight block (gate and up) before the PDL wait, as in _linear_partials_kernel
-        g0 = _tile(w_ptr, rn, N, stride_wn, 0, K, BLOCK_K)
-        u0 = _tile(w_ptr + N * stride_wn, rn, N, stride_wn, 0, K, BLOCK_K)
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRELOAD >= 1:
-        a0 = _tile(x_ptr, rm, M, stride_xm, 0, K, BLOCK_K)
-        acc_g += tl.dot(a0, tl.trans(g0))
-        acc_u += tl.dot(a0, tl.trans(u0))
-    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        kmask = rk < K
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        wmask = (rn[:, None] < N) & kmask[None, :]
-        g = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=wmask, other=0.0)
-        u = tl.load(w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn + rk[None, :], mask=wmask, other=0.0)
-        acc_g += tl.dot(a, tl.trans(g))
-        acc_u += tl.dot(a, tl.trans(u))
+    acc_g, acc_u = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + N * stride_wn, rn, N, stride_wn, K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, PRELOAD, USE_PDL)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
     up = acc_u.to(dtype).to(tl.float32)
@@ -147,28 +151,9 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < M
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
-    if PRELOAD >= 1:  # the first weight block before the PDL wait, as in _linear_partials_kernel
-        n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
-        b1 = _tile(w_ptr, w_rows, n_rows, stride_wn, 0, K, BLOCK_K)
-        b2 = _tile(w_ptr + HALF * stride_wn, w_rows, n_rows, stride_wn, 0, K, BLOCK_K)
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    w1 = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn
-    w2 = w1 + HALF * stride_wn
-    acc1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if PRELOAD >= 1:
-        a0 = _tile(x_ptr, rm, M, stride_xm, 0, K, BLOCK_K)
-        acc1 += tl.dot(a0, tl.trans(b1))
-        acc2 += tl.dot(a0, tl.trans(b2))
-    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        kmask = rk < K
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc1 += tl.dot(a, tl.trans(tl.load(w1 + rk[None, :], mask=kmask[None, :], other=0.0)))
-        acc2 += tl.dot(a, tl.trans(tl.load(w2 + rk[None, :], mask=kmask[None, :], other=0.0)))
+    n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
+    acc1, acc2 = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + HALF * stride_wn, w_rows, n_rows, stride_wn, K,
+                           BLOCK_M, BLOCK_D, BLOCK_K, PRELOAD, USE_PDL)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
     x2 = acc2.to(dtype).to(tl.float32)
@@ -226,7 +211,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
                                    BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
-                                   PRELOAD=min(cfg.preload, 1),
+                                   PRELOAD=cfg.preload_pair,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
@@ -261,6 +246,6 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
                                      HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     PRELOAD=min(cfg.preload, 1),
+                                     PRELOAD=cfg.preload_pair,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q

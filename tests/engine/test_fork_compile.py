@@ -36,6 +36,30 @@ def pids(path: Path) -> list[int]:
     return [int(line) for line in path.read_text().split()]
 
 
+class GatedChild:
+    """fn for compile_in_child whose child says it started (`started`: readable then) and blocks until
+    `release()`; in the parent it returns at once. `close()` closes the pipes."""
+
+    def __init__(self, block_s: float) -> None:
+        self.parent = os.getpid()
+        self.go_r, self.go_w = os.pipe()
+        self.started, self.started_w = os.pipe()
+        self.block_s = block_s
+
+    def fn(self) -> int:
+        if os.getpid() != self.parent:
+            os.write(self.started_w, b"1")
+            select.select([self.go_r], [], [], self.block_s)
+        return os.getpid()
+
+    def release(self) -> None:
+        os.write(self.go_w, b"go")
+
+    def close(self) -> None:
+        for fd in (self.go_r, self.go_w, self.started, self.started_w):
+            os.close(fd)
+
+
 def test_the_child_runs_it_first_then_the_parent(tmp_path):
     before = fork_compile.STATS.children
     out = fork_compile.compile_in_child(recorder(tmp_path / "log"), in_child=compiled_true)
@@ -158,19 +182,11 @@ def test_a_parent_slot_is_let_go_while_the_child_compiles(tmp_path):
     been inside its slot."""
     slots = threading.Semaphore(1)
     inside = threading.Event()
-    parent = os.getpid()
-    read_fd, write_fd = os.pipe()  # the child blocks on this until the test writes to it
-    started_r, started_w = os.pipe()  # the child says it runs (so the first thread holds a slot no more)
-
-    def fn() -> int:
-        if os.getpid() != parent:
-            os.write(started_w, b"1")
-            select.select([read_fd], [], [], 30)
-        return os.getpid()
+    child = GatedChild(block_s=30)  # once it has started, the first thread holds a slot no more
 
     def first() -> None:
         with fork_compile.parent_slot(slots):
-            fork_compile.compile_in_child(fn, in_child=compiled_true, timeout=60)
+            fork_compile.compile_in_child(child.fn, in_child=compiled_true, timeout=60)
 
     def second() -> None:
         with fork_compile.parent_slot(slots):
@@ -178,15 +194,14 @@ def test_a_parent_slot_is_let_go_while_the_child_compiles(tmp_path):
 
     t1 = threading.Thread(target=first)
     t1.start()
-    assert select.select([started_r], [], [], 30)[0]
+    assert select.select([child.started], [], [], 30)[0]
     t2 = threading.Thread(target=second)
     t2.start()
     assert inside.wait(timeout=30)  # got the slot while the first thread's child still runs
-    os.write(write_fd, b"go")
+    child.release()
     t1.join(timeout=60)
     t2.join(timeout=60)
-    for fd in (read_fd, write_fd, started_r, started_w):
-        os.close(fd)
+    child.close()
     assert not t1.is_alive() and not t2.is_alive()
 
 
@@ -196,20 +211,12 @@ def test_a_thread_waiting_for_a_kernel_lets_its_slot_go(monkeypatch):
     wait until the 120 s timeout)."""
     monkeypatch.setattr(fork_compile, "CHILD_TIMEOUT_S", 600.0)
     slots = threading.Semaphore(1)
-    parent = os.getpid()
-    go_r, go_w = os.pipe()
-    started_r, started_w = os.pipe()
+    child = GatedChild(block_s=60)
     a_in_slot, done = threading.Event(), []
-
-    def fn() -> int:
-        if os.getpid() != parent:
-            os.write(started_w, b"1")
-            select.select([go_r], [], [], 60)
-        return os.getpid()
 
     def b() -> None:
         with fork_compile.parent_slot(slots), fork_compile.one_at_a_time("K"):
-            fork_compile.compile_in_child(fn, in_child=compiled_true, timeout=60)
+            fork_compile.compile_in_child(child.fn, in_child=compiled_true, timeout=60)
         done.append("b")
 
     def a() -> None:
@@ -220,15 +227,14 @@ def test_a_thread_waiting_for_a_kernel_lets_its_slot_go(monkeypatch):
 
     tb = threading.Thread(target=b, daemon=True)
     tb.start()
-    assert select.select([started_r], [], [], 30)[0]  # B owns K and waits on its child, slot let go
+    assert select.select([child.started], [], [], 30)[0]  # B owns K and waits on its child, slot let go
     ta = threading.Thread(target=a, daemon=True)
     ta.start()
     assert a_in_slot.wait(timeout=30)
-    os.write(go_w, b"go")
+    child.release()
     tb.join(timeout=30)
     ta.join(timeout=30)
-    for fd in (go_r, go_w, started_r, started_w):
-        os.close(fd)
+    child.close()
     assert sorted(done) == ["a", "b"]
 
 
