@@ -12,7 +12,7 @@ pure-decode state, then:
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
         [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
         # + store in every bucket, beside the table; [--gemm preload --preload 1|2]: the weight blocks loaded before
-        # the PDL wait (GemmConfig.preload), beside the table
+        # the PDL wait (GemmConfig.preload, and preload_qkv where block_k_qkv <= 128), beside the table
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
-    preload = tuple((rows, dataclasses.replace(cfg, preload=args.preload)) for rows, cfg in base)
+    # qkv preloads only where its pipeline leaves the room (GemmConfig.preload_qkv: not at block_k_qkv 256)
+    preload = tuple((rows, dataclasses.replace(cfg, preload=args.preload, preload_qkv=int(cfg.block_k_qkv <= 128)))
+                    for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
                 "qkv": [("", base), ("+qkv", qkv)],
                 "preload": [("", base), (f"+preload{args.preload}", preload)]}[args.gemm]

@@ -24,9 +24,13 @@ class GemmConfig:
     block_d_qkv: int = 0
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     # weight blocks (of block_k) each program loads before its PDL wait (engine/pdl.py), while the kernel
-    # before still runs: 0-2 for o_proj / down_proj, at most 1 for gate_up and qkv (two tiles a block). Not
+    # before still runs: 0-2 for o_proj / down_proj, at most 1 for gate_up (two tiles a block). Not
     # measured on the H200 yet, so 0 in the table (benchmarks/step_profile.py --gemm preload)
     preload: int = 0
+    # the same for qkv_rope_store (0 or 1), on its own: its preloaded pair of block_k_qkv tiles comes on top of
+    # its pipeline's shared memory, which at block_k_qkv 256 and 4 stages leaves no room for it (240 KiB of
+    # the H200's 227)
+    preload_qkv: int = 0
     num_warps: int = 4
     num_stages: int = 4
 
@@ -34,10 +38,13 @@ class GemmConfig:
         if self.preload not in (0, 1, 2):
             raise ValueError(f"GemmConfig.preload must be 0, 1 or 2 (weight blocks loaded before the PDL wait), "
                              f"got {self.preload!r}")
+        if self.preload_qkv not in (0, 1):
+            raise ValueError(f"GemmConfig.preload_qkv must be 0 or 1 (qkv weight blocks loaded before the PDL "
+                             f"wait), got {self.preload_qkv!r}")
 
     @property
     def preload_pair(self) -> int:
-        """`preload` of gate_up and qkv, whose block is two weight tiles: at most 1."""
+        """`preload` of gate_up, whose block is two weight tiles: at most 1."""
         return min(self.preload, 1)
 
 

@@ -246,7 +246,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.preload_pair))
+        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.preload_qkv))
     return keys
 
 

@@ -11,8 +11,8 @@ table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
   once (half the output of the fused gate_up GEMM, and no silu_mul kernel).
 - `qkv_rope_store` (qkv_proj + RoPE + the K / V store): a program holds dims of a head's first half and
   their rotation partners, so RoPE runs on its accumulators; q goes out, k and v go to their pool slots.
-With PDL (engine/pdl.py) a program can load its first `GemmConfig.preload` weight blocks before it waits
-for the kernel before (weights never depend on it), and the activations only after.
+With PDL (engine/pdl.py) a program can load its first `GemmConfig.preload` (qkv: `preload_qkv`) weight
+blocks before it waits for the kernel before (weights never depend on it), and the activations only after.
 Rounding follows the reference path: each GEMM output is rounded to the model dtype before the norm or
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
@@ -246,6 +246,6 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
                                      HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     PRELOAD=cfg.preload_pair,
+                                     PRELOAD=cfg.preload_qkv,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q

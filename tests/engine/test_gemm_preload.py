@@ -19,6 +19,9 @@ def test_preload_is_0_1_or_2():
     for bad in (-1, 3, 1.5):
         with pytest.raises(ValueError, match="GemmConfig.preload must be 0, 1 or 2"):
             GemmConfig(preload=bad)
+    for bad in (-1, 2, 0.5):
+        with pytest.raises(ValueError, match="GemmConfig.preload_qkv must be 0 or 1"):
+            GemmConfig(preload_qkv=bad)
 
 
 INTERPRETED = """
@@ -64,7 +67,7 @@ for Hq, Hkv, d, hidden, rows, block_k in [(4, 2, 32, 96, 5, 64), (2, 1, 32, 40, 
     v_ref = qkv[:, (Hq + Hkv) * d:].view(rows, Hkv, d)
     for preload in (0, 1):
         k_plane, v_plane = torch.zeros(3 * rows, Hkv, d), torch.zeros(3 * rows, Hkv, d)
-        cfg = GemmConfig(block_d_qkv=16, block_k_qkv=block_k, preload=preload)
+        cfg = GemmConfig(block_d_qkv=16, block_k_qkv=block_k, preload_qkv=preload)
         q = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg)
         # RoPE's fp32 angles at positions up to 4000 cost ~5e-5 of q and k (the same at preload 0)
         assert err(q, q_ref) < 2e-4 and err(k_plane[slots], k_ref) < 2e-4 and err(v_plane[slots], v_ref) < 1e-5
