@@ -179,6 +179,7 @@ def main(argv=None) -> int:
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
                          "'preload': the table, and beside it the table with GemmConfig.preload = --preload")
     ap.add_argument("--preload", type=int, default=1, help="GemmConfig.preload of the 'preload' variant (1, 2)")
+    ap.add_argument("--preload-max-rows", type=int, default=16, help="the 'preload' variant's largest rows bucket")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -197,9 +198,10 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
-    # qkv preloads only where its pipeline leaves the room (GemmConfig.preload_qkv: not at block_k_qkv 256)
-    preload = tuple((rows, dataclasses.replace(cfg, preload=args.preload, preload_qkv=int(cfg.block_k_qkv <= 128)))
-                    for rows, cfg in base)
+    # only in buckets up to --preload-max-rows (16: the N = 8 decode): a 64-row tile's pipeline leaves no shared
+    # memory for gate_up's preloaded pair (240 KiB of 227), nor a 256-wide qkv block for qkv's (preload_qkv)
+    preload = tuple((rows, dataclasses.replace(cfg, preload=args.preload, preload_qkv=int(cfg.block_k_qkv <= 128))
+                     if rows <= args.preload_max_rows else cfg) for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
                 "qkv": [("", base), ("+qkv", qkv)],
                 "preload": [("", base), (f"+preload{args.preload}", preload)]}[args.gemm]

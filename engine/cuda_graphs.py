@@ -3,9 +3,11 @@ the prefill, captured per bucket of tokens (engine/prefill_graph.py).
 
 The engine captures every bucket of the calls its mode makes at startup (``capture_all``, vLLM-style,
 logged as ``cuda_graphs_captured`` with its time); any other (call, loops, rows-per-request, bucket) is
-captured lazily the first time it is needed. A capture runs the call once eagerly on a side stream
-(cuBLAS's lazy set-up; the startup's kernel warm-up has compiled every Triton specialization by then, and
-a lazy capture compiles its own in that run), then captures. Replays copy the
+captured lazily the first time it is needed. A lazy capture runs the call once eagerly on a side stream
+first (it may need a Triton specialization compiled, cuBLAS's lazy set-up), then captures. At startup
+only the first (largest) bucket of each call gets that eager run: the kernel warm-up has compiled every
+specialization by then, and the eager run was the larger half of each capture's time (Python launching
+the whole forward); OUROBATCH_CAPTURE_WARMUP=all runs it before every startup capture. Replays copy the
 step's small index vectors (token ids, table rows, positions, retained-row slots) into the graph's
 static inputs; padding entries point at the scratch table row, whose blocks are the scratch block, so
 they write nowhere that matters. Fed token ids that a step not yet read back sampled (async scheduling)
@@ -16,6 +18,7 @@ retained rows) is idempotent, so capturing mid-generation is safe.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,7 +35,13 @@ from .prefill_graph import PrefillLayout
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-WARMUP_RUNS = 1  # eager runs before a capture: cuBLAS's lazy set-up (every Triton kernel is compiled by then)
+WARMUP_RUNS = 1  # eager runs before a lazy capture, and before the first capture of each call at startup
+WARMUP_ENV = "OUROBATCH_CAPTURE_WARMUP"  # "all": the eager runs before every startup capture too
+
+
+def warm_every_capture() -> bool:
+    """OUROBATCH_CAPTURE_WARMUP=all: an eager run before every startup capture (default: the first of each call)."""
+    return os.environ.get(WARMUP_ENV, "").strip().lower() == "all"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -62,6 +71,7 @@ class GraphCache:
         self.graphs: dict[tuple[GraphCall, int], _Graph] = {}  # (call, bucket) -> graph
         self.mempool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
+        self.warmup_runs = WARMUP_RUNS  # capture_all lowers it to 0 past each call's first bucket
 
     def close(self) -> None:
         """Drop every captured graph, the memory pool they share and the model and buffers (sleep, close)."""
@@ -105,7 +115,7 @@ class GraphCache:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            for _ in range(self.warmup_runs):
                 build(inputs)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.mempool):
@@ -118,31 +128,41 @@ class GraphCache:
         """Capture every bucket of each call in `calls`. The dummy inputs all point at the scratch table
         row, so the runs write only the scratch block and the scratch row's retained rows. Returns the
         graphs captured. The largest bucket goes first, so the smaller ones reuse its memory in the shared
-        pool (vLLM's order); `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks)."""
+        pool (vLLM's order), and only it gets the eager warm-up run (module docstring);
+        `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks)."""
         before = self.num_captures
         self.capture_seconds: dict[tuple[GraphCall, int], float] = {}
         scratch = self.tables.scratch_row
-        for layout in reversed(self.prefill_layouts):  # largest first, like the decode buckets
-            if should_stop is not None and should_stop():
-                return self.num_captures - before
-            started = time.perf_counter()
-            self.prefill(layout, [[0]], [0], [scratch])  # one token at position 0 of the scratch row
-            torch.cuda.synchronize(self.device)
-            self.capture_seconds[PrefillCall(), layout.tokens] = time.perf_counter() - started
-        for call in calls:
-            for bucket in reversed(self.buckets):
+        every = warm_every_capture()
+        try:
+            for i, layout in enumerate(reversed(self.prefill_layouts)):  # largest first, like the decode buckets
                 if should_stop is not None and should_stop():
                     return self.num_captures - before
+                self.warmup_runs = WARMUP_RUNS if every or i == 0 else 0
                 started = time.perf_counter()
-                rows = [self.tables.scratch_row] * bucket
-                if isinstance(call, ShallowCall):
-                    self.shallow([0] * bucket, rows, [0] * bucket, [0] * bucket if call.retain else None,
-                                 call.last_loop)
-                else:
-                    self.deep(rows, [0] * bucket, call.rows_per_request, call.first_loop)
+                self.prefill(layout, [[0]], [0], [scratch])  # one token at position 0 of the scratch row
                 torch.cuda.synchronize(self.device)
-                self.capture_seconds[call, bucket] = time.perf_counter() - started
+                self.capture_seconds[PrefillCall(), layout.tokens] = time.perf_counter() - started
+            for call in calls:
+                for i, bucket in enumerate(reversed(self.buckets)):
+                    if should_stop is not None and should_stop():
+                        return self.num_captures - before
+                    self.warmup_runs = WARMUP_RUNS if every or i == 0 else 0
+                    started = time.perf_counter()
+                    self._capture_decode(call, bucket)
+                    torch.cuda.synchronize(self.device)
+                    self.capture_seconds[call, bucket] = time.perf_counter() - started
+        finally:
+            self.warmup_runs = WARMUP_RUNS  # lazy captures later always warm up
         return self.num_captures - before
+
+    def _capture_decode(self, call: GraphCall, bucket: int) -> None:
+        """One dummy run of a shallow or deep call at `bucket` requests, all on the scratch row."""
+        rows = [self.tables.scratch_row] * bucket
+        if isinstance(call, ShallowCall):
+            self.shallow([0] * bucket, rows, [0] * bucket, [0] * bucket if call.retain else None, call.last_loop)
+        else:
+            self.deep(rows, [0] * bucket, call.rows_per_request, call.first_loop)
 
     def shallow(self, token_ids: list[int], rows: list[int], positions: list[int],
                 retain_slots: list[int] | None, last_loop: int,
