@@ -11,8 +11,7 @@ pure-decode state, then:
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
         [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
-        # + store in every bucket, beside the table; [--gemm preload --preload 1|2]: the weight blocks loaded before
-        # the PDL wait (GemmConfig.preload, and preload_qkv where block_k_qkv <= 128), beside the table
+        # + store in every bucket, beside the table
 """
 
 from __future__ import annotations
@@ -173,13 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "preload"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
-                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
-                         "'preload': the table, and beside it the table with GemmConfig.preload = --preload")
-    ap.add_argument("--preload", type=int, default=1, help="GemmConfig.preload of the 'preload' variant (1, 2)")
-    ap.add_argument("--preload-max-rows", type=int, default=16, help="the 'preload' variant's largest rows bucket")
+                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -198,13 +194,8 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
-    # only in buckets up to --preload-max-rows (16: the N = 8 decode): a 64-row tile's pipeline leaves no shared
-    # memory for gate_up's preloaded pair (240 KiB of 227), nor a 256-wide qkv block for qkv's (preload_qkv)
-    preload = tuple((rows, dataclasses.replace(cfg, preload=args.preload, preload_qkv=int(cfg.block_k_qkv <= 128))
-                     if rows <= args.preload_max_rows else cfg) for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)],
-                "preload": [("", base), (f"+preload{args.preload}", preload)]}[args.gemm]
+                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))

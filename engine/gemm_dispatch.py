@@ -23,29 +23,8 @@ class GemmConfig:
     # stays cuBLAS + triton_fused.rope_store_kv (the table's 17-32 row bucket)
     block_d_qkv: int = 0
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
-    # weight blocks (of block_k) each program loads before its PDL wait (engine/pdl.py), while the kernel
-    # before still runs: 0-2 for o_proj / down_proj, at most 1 for gate_up (two tiles a block). Not
-    # measured on the H200 yet, so 0 in the table (benchmarks/step_profile.py --gemm preload)
-    preload: int = 0
-    # the same for qkv_rope_store (0 or 1), on its own: its preloaded pair of block_k_qkv tiles comes on top of
-    # its pipeline's shared memory, which at block_k_qkv 256 and 4 stages leaves no room for it (240 KiB of
-    # the H200's 227)
-    preload_qkv: int = 0
     num_warps: int = 4
     num_stages: int = 4
-
-    def __post_init__(self) -> None:
-        if self.preload not in (0, 1, 2):
-            raise ValueError(f"GemmConfig.preload must be 0, 1 or 2 (weight blocks loaded before the PDL wait), "
-                             f"got {self.preload!r}")
-        if self.preload_qkv not in (0, 1):
-            raise ValueError(f"GemmConfig.preload_qkv must be 0 or 1 (qkv weight blocks loaded before the PDL "
-                             f"wait), got {self.preload_qkv!r}")
-
-    @property
-    def preload_pair(self) -> int:
-        """`preload` of gate_up, whose block is two weight tiles: at most 1."""
-        return min(self.preload, 1)
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -55,7 +34,10 @@ class GemmConfig:
 # cuBLAS + rope_store_kv at 1-16 rows (block_d 32, block_k 256), lost at 32 (13.8 vs 12.0) and tied at 64
 # (12.0 vs 11.9) on its own; but with PDL on (engine/pdl.py) the N = 64 graphed step ran 13.15 ms with it
 # against 13.56 ms without (the whole layer chained, no cuBLAS launch), so it runs at 64 rows too. The
-# 17-32 row bucket, not measured in a step, keeps cuBLAS.
+# 17-32 row bucket, not measured in a step, keeps cuBLAS. Session 9 (gemm_sweep --around-table): these tiles
+# at warps 4 / 8 x stages 2-6 came within 1-2% of the best, so they stay; and loading each program's first
+# weight blocks before the PDL wait measured no gain (N = 8 step 6.15 -> 6.19 ms with one, 6.11 -> 6.36 with
+# two) and is gone.
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
                     block_k_qkv=256)),

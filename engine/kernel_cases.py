@@ -235,18 +235,16 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
     gate_up + SiLU per tile height, tiles and row class, the add + norm over partials per row class and split
     count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per
-    tile height, tiles and row class; the GEMMs' keys end with their PRELOAD. Each key's first item names the
-    kernel; no key for a call cuBLAS runs."""
+    tile height, tiles and row class. Each key's first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
     bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
-    keys = ({("partials", bm, r, cfg.block_n) + rest + (cfg.preload,),
-             ("gate_up", bm, r, cfg.block_n_gate) + rest + (cfg.preload_pair,)}
+    keys = ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.preload_qkv))
+        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages))
     return keys
 
 

@@ -7,8 +7,9 @@ before has finished and its writes are visible, then run; and each kernel lets t
 soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``). So only the launch
 latency is hidden, never a dependency: every kernel launched with PDL waits before it stores anything or
 loads anything a kernel before it writes (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch
-the compiler drops when off). Only weights, which no kernel of a step writes, may be loaded before the
-wait: the skinny GEMMs' first blocks where ``GemmConfig.preload`` asks for it (0 in the table so far).
+the compiler drops when off). Loading weights (which no kernel of a step writes) before the wait was
+measured twice on the H200 and lost both times: an L2 prefetch (session 8) and the first blocks into
+registers (session 9, docs/benchmarks.md).
 
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
 ``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0

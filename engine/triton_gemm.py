@@ -11,8 +11,6 @@ table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
   once (half the output of the fused gate_up GEMM, and no silu_mul kernel).
 - `qkv_rope_store` (qkv_proj + RoPE + the K / V store): a program holds dims of a head's first half and
   their rotation partners, so RoPE runs on its accumulators; q goes out, k and v go to their pool slots.
-With PDL (engine/pdl.py) a program can load its first `GemmConfig.preload` (qkv: `preload_qkv`) weight
-blocks before it waits for the kernel before (weights never depend on it), and the activations only after.
 Rounding follows the reference path: each GEMM output is rounded to the model dtype before the norm or
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
@@ -32,8 +30,7 @@ from .gemm_dispatch import GemmConfig, qkv_block_d
 
 @triton.jit
 def _tile(ptr, rows, n_rows, stride, k0, k_end, BLOCK_K: tl.constexpr):
-    """rows x [k0, k0 + BLOCK_K) of a row-major matrix, zero past n_rows and past k_end (a preloaded block
-    beyond a short split or K)."""
+    """rows x [k0, k0 + BLOCK_K) of a row-major matrix, zero past n_rows and past k_end (a split's or K's end)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     return tl.load(ptr + rows[:, None].to(tl.int64) * stride + rk[None, :],
                    mask=(rows[:, None] < n_rows) & (rk < k_end)[None, :], other=0.0)
@@ -41,22 +38,14 @@ def _tile(ptr, rows, n_rows, stride, k0, k_end, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
-    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves),
-    with the PDL prologue: PRELOAD (0 or 1) loads both first weight blocks before the wait, x only after."""
-    if PRELOAD >= 1:
-        a_w0 = _tile(w_a, rows, n_rows, stride_wn, 0, K, BLOCK_K)
-        b_w0 = _tile(w_b, rows, n_rows, stride_wn, 0, K, BLOCK_K)
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves)."""
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRELOAD >= 1:
-        x0 = _tile(x_ptr, rm, M, stride_xm, 0, K, BLOCK_K)
-        acc_a += tl.dot(x0, tl.trans(a_w0))
-        acc_b += tl.dot(x0, tl.trans(b_w0))
-    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         x = _tile(x_ptr, rm, M, stride_xm, k, K, BLOCK_K)
         acc_a += tl.dot(x, tl.trans(_tile(w_a, rows, n_rows, stride_wn, k, K, BLOCK_K)))
         acc_b += tl.dot(x, tl.trans(_tile(w_b, rows, n_rows, stride_wn, k, K, BLOCK_K)))
@@ -66,33 +55,18 @@ def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, BLO
 @triton.jit
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+                            USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split  # k_per_split is a multiple of BLOCK_K: no block crosses two splits
-    k_end = tl.minimum(k_start + k_per_split, K)
-    # PRELOAD (GemmConfig.preload): the first weight blocks are loaded before the PDL wait (weights never
-    # depend on the kernel before), the activations only after it
-    if PRELOAD >= 1:
-        b0 = _tile(w_ptr, rn, N, stride_wn, k_start, k_end, BLOCK_K)
-    if PRELOAD >= 2:
-        b1 = _tile(w_ptr, rn, N, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K)
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRELOAD >= 1:
-        acc += tl.dot(_tile(x_ptr, rm, M, stride_xm, k_start, k_end, BLOCK_K), tl.trans(b0))
-    if PRELOAD >= 2:
-        acc += tl.dot(_tile(x_ptr, rm, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K), tl.trans(b1))
-    for k in range(PRELOAD * BLOCK_K, k_per_split, BLOCK_K):
-        rk = k_start + k + tl.arange(0, BLOCK_K)
-        kmask = rk < K
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & kmask[None, :], other=0.0)
+    for k in range(0, k_per_split, BLOCK_K):
+        a = _tile(x_ptr, rm, M, stride_xm, k_start + k, K, BLOCK_K)
+        b = _tile(w_ptr, rn, N, stride_wn, k_start + k, K, BLOCK_K)
         acc += tl.dot(a, tl.trans(b))
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -101,12 +75,12 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc_g, acc_u = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + N * stride_wn, rn, N, stride_wn, K,
-                             BLOCK_M, BLOCK_N, BLOCK_K, PRELOAD, USE_PDL)
+                             BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
     up = acc_u.to(dtype).to(tl.float32)
@@ -143,7 +117,7 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
 def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
                            HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr):
     # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
     pid_c, pid_m = tl.program_id(0), tl.program_id(1)
     head = pid_c // (HALF // BLOCK_D)
@@ -153,7 +127,7 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
     acc1, acc2 = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + HALF * stride_wn, w_rows, n_rows, stride_wn, K,
-                           BLOCK_M, BLOCK_D, BLOCK_K, PRELOAD, USE_PDL)
+                           BLOCK_M, BLOCK_D, BLOCK_K, USE_PDL)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
     x2 = acc2.to(dtype).to(tl.float32)
@@ -195,7 +169,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
         bm = _block_m(rows)
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
         _linear_partials_kernel[grid](x, w, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
-                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRELOAD=cfg.preload,
+                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
@@ -211,7 +185,6 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
                                    BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
-                                   PRELOAD=cfg.preload_pair,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
@@ -246,6 +219,5 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
                                      HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     PRELOAD=cfg.preload_qkv,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q

@@ -405,11 +405,9 @@ INTERPRETED = """
 import dataclasses
 import torch
 from engine import gemm_dispatch, kernel_cases as kc, kernel_warmup as kw
-# the table with qkv + RoPE + store in every bucket (the shipped one skips 17-32 rows) and the weights
-# preloaded before the PDL wait (not in the shipped table yet), so every kernel variant launches here
-gemm_dispatch.GEMM_TABLE = tuple((r, dataclasses.replace(c, block_d_qkv=16, preload=1 + (r > 16),
-                                                         preload_qkv=int(r > 16)))
-                                 for r, c in gemm_dispatch.GEMM_TABLE)
+# the table with qkv + RoPE + store in every bucket (the shipped one skips 17-32 rows), so every kernel
+# variant launches here
+gemm_dispatch.GEMM_TABLE = tuple((r, dataclasses.replace(c, block_d_qkv=16)) for r, c in gemm_dispatch.GEMM_TABLE)
 for dtype in (torch.float32, torch.bfloat16):
     s = kc.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
                         (1, 2, 4), True, (16, 24))

@@ -1,8 +1,7 @@
 """The PDL prologue of the decode step's Triton kernels (engine/pdl.py), compiled for sm90 on the CPU: Triton
 builds the PTX and ptxas the cubin without a GPU (where Triton is installed; CI has none). With USE_PDL a
 kernel waits (``griddepcontrol.wait``) before its first global load, and lets the next kernel launch only
-after that; without it there is no griddepcontrol at all. With PRELOAD (GemmConfig.preload) the weight
-block's loads come before the wait and the activations' after it. The kernels' results with PDL on are compared
+after that; without it there is no griddepcontrol at all. The kernels' results with PDL on are compared
 with the torch references on the H200 (tests/gpu/test_gpu_gemm.py, test_gpu_attention_kernels.py)."""
 
 from __future__ import annotations
@@ -33,9 +32,9 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, use_pdl: bool, preload: int = 0) -> list[str]:
+def _ptx(name: str, use_pdl: bool) -> list[str]:
     fn, types, constexprs = KERNELS[name]
-    constexprs = {**constexprs, "USE_PDL": use_pdl, "PRELOAD": preload}
+    constexprs = {**constexprs, "USE_PDL": use_pdl}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
     names = list(signature)  # as at the decode shapes, Triton knows the pointers and K, N, strides are 16-aligned
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
@@ -57,21 +56,6 @@ def test_the_wait_comes_before_every_load(name):
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]  # maybe predicated
     assert loads and 0 <= wait < launch, (wait, launch)
     assert wait < loads[0]  # nothing the kernel before writes is read before the wait
-
-
-def _loads(lines: list[str]) -> list[int]:
-    return [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]
-
-
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_preloaded_weights_are_loaded_before_the_wait(name):
-    plain, preloaded = _ptx(name, use_pdl=True), _ptx(name, use_pdl=True, preload=1)
-    wait = _first(preloaded, "griddepcontrol.wait")
-    before = [i for i in _loads(preloaded) if i < wait]
-    after = [i for i in _loads(preloaded) if i > wait]
-    assert before and after  # weights before, the activations (and later weight blocks) after
-    assert _first(preloaded, "griddepcontrol.launch_dependents") > wait
-    assert not [i for i in _loads(plain) if i < _first(plain, "griddepcontrol.wait")]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -20,8 +20,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CONFIGS = [GemmConfig(), GemmConfig(block_n=32, block_k=64, splits_o=1, splits_down=8, block_n_gate=16),
-           GemmConfig(preload=1), GemmConfig(block_n=32, block_k=64, splits_o=8, preload=2),  # weights before the wait
-           *(cfg for _, cfg in gemm_dispatch.GEMM_TABLE)]
+           GemmConfig(block_n=32, block_k=64, splits_o=8), *(cfg for _, cfg in gemm_dispatch.GEMM_TABLE)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
@@ -56,12 +55,12 @@ def test_fused_gemms_match_the_cublas_path(rows, hidden, inter, kdim, cfg):
 # block_k 256 only at <= 16 rows (a 16-row tile), as the table has it: a 64-row tile's 4 stages of 256-wide
 # blocks need 256 KiB of shared memory, more than the H200's 227
 QKV_CASES = [(rows, *cfg) for rows in (1, 5, 16, 33, 64, 100)
-             for cfg in [(16, 128, 0), (32, 128, 0), (64, 128, 0), (16, 128, 1)] + [(32, 256, 0)] * (rows <= 16)]
+             for cfg in [(16, 128), (32, 128), (64, 128)] + [(32, 256)] * (rows <= 16)]
 
 
 @pytest.mark.parametrize("Hq,Hkv,d,hidden", [(16, 16, 128, 2048), (4, 2, 64, 256), (8, 1, 32, 96)])
-@pytest.mark.parametrize("rows,block_d,block_k,preload", QKV_CASES)
-def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_d, block_k, preload):
+@pytest.mark.parametrize("rows,block_d,block_k", QKV_CASES)
+def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_d, block_k):
     from engine import triton_fused as fused
     from engine import triton_gemm as tg
 
@@ -77,7 +76,7 @@ def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_
     planes = {name: torch.zeros(n_slots, Hkv, d, **bf) for name in ("k_ref", "v_ref", "k", "v")}
     ref = fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, planes["k_ref"], planes["v_ref"], Hq, Hkv, d)
     got = tg.qkv_rope_store(x, w, pos, slots, inv_freq, planes["k"], planes["v"], Hq, Hkv, d,
-                            GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, preload_qkv=preload))
+                            GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k))
     assert rel_err(got, ref) < 1e-2
     assert rel_err(planes["k"][slots], planes["k_ref"][slots]) < 1e-2
     assert rel_err(planes["v"][slots], planes["v_ref"][slots]) < 1e-2
