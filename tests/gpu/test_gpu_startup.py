@@ -1,5 +1,6 @@
 """Startup graph capture (GPU): every bucket of the mode's calls is captured before the first request,
-and the graphs captured at startup give the same tokens as an engine without graphs."""
+and the graphs captured at startup give the same tokens as an engine without graphs, whether only each
+call's first bucket gets an eager warm-up run (the default) or every bucket (OUROBATCH_CAPTURE_WARMUP=all)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def ckpt(tmp_path_factory):
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
-@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("eager", 4), ("verify", 4)])
-def test_startup_captures_every_bucket_and_requests_capture_nothing(ckpt, mode, B):
+@pytest.mark.parametrize("mode,B,warmup", [("deferred", 1, ""), ("deferred", 4, ""), ("eager", 4, ""),
+                                           ("verify", 4, ""), ("deferred", 4, "all")])
+def test_startup_captures_every_bucket_and_requests_capture_nothing(ckpt, mode, B, warmup, monkeypatch):
+    monkeypatch.setenv("OUROBATCH_CAPTURE_WARMUP", warmup)
     prompts = [[1 + (7 * i) % 200, 2, 3 + i % 5] for i in range(11)]
     params = SamplingParams(max_tokens=13, ignore_eos=True, temperature=0.0)
     cfg = dict(model=str(ckpt), device="cuda", dtype="float32", mode=mode, deep_interval=B, max_num_seqs=16,
