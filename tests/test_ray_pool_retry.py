@@ -268,3 +268,37 @@ async def test_replica_restarted_after_sleep2_and_wake_up_is_missing_its_weights
     for g in got:
         assert g.outputs[0].token_ids == want.outputs[0].token_ids
         assert g.outputs[0].weight_versions == [version] * 5
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_with_no_replica_ready_the_pool_answers_as_its_replicas_would(fresh, ckpt):
+    """Asleep at level 2 with both replicas restarting, a broadcast reaches nobody: the pool answers from its
+    record as each replica would. sleep(1) and a weight update raise EngineAsleepError and change nothing,
+    a request raises InconsistentWeightsError at once (it does not wait for a replica), and the replicas
+    come back asleep at level 2, so after wake_up none serves until a full load. A sleep(1) that once
+    succeeded on nobody made the restarted replicas sleep at level 1 with their checkpoint's weights
+    (tests/test_ray_pool_stateful.py found it: a request queued there while the pool held no weights)."""
+    from ourobatch.ray.replica import ReplicaState
+    from scheduler.errors import EngineAsleepError, InconsistentWeightsError
+
+    pool = fresh
+    await asyncio.wait_for(pool.sleep(2), LIMIT)
+    for index in (0, 1):
+        ray.kill(pool.actors[index], no_restart=False)
+    await until(lambda: all(r.state != ReplicaState.READY for r in pool.replicas))  # both seen down
+    with pytest.raises(EngineAsleepError, match="asleep at level 2"):
+        await asyncio.wait_for(pool.sleep(1), LIMIT)
+    with pytest.raises(EngineAsleepError):
+        await asyncio.wait_for(pool.load_weights(ckpt), LIMIT)
+    with pytest.raises(InconsistentWeightsError):
+        await asyncio.wait_for(pool.generate(PROMPT, sp(5, seed=12), request_id="asleep2"), LIMIT)
+    await pool.wait_ready(2 * LIMIT)
+    assert [r["control_state"] for r in pool.stats()["replicas"]] == ["asleep", "asleep"]  # caught up at level 2
+    await asyncio.wait_for(pool.wake_up(), LIMIT)
+    assert [r["control_state"] for r in pool.stats()["replicas"]] == ["weights_missing"] * 2
+    for request_id in ("woken0", "woken1"):  # both idle: one to each replica, both restarted
+        with pytest.raises(InconsistentWeightsError):
+            await asyncio.wait_for(pool.generate(PROMPT, sp(5, seed=12), request_id=request_id), LIMIT)
+    version = await asyncio.wait_for(pool.load_weights(ckpt), LIMIT)
+    out = await asyncio.wait_for(pool.generate(PROMPT, sp(5, seed=12), request_id="loaded"), LIMIT)
+    assert out.outputs[0].weight_versions == [version] * 5

@@ -8,6 +8,11 @@ broadcast or replays it: never neither. The catch-up log holds the weight update
 an update whose tensor names later updates all overwrite is dropped from the log; a wake_up after
 sleep(2), which leaves the weights missing until a full load, is an entry too, replayed as sleep(2) +
 wake_up) and the pause and sleep state, so a restarted replica serves exactly what the others serve.
+
+The pool answers from that record too where every replica's answer is certain (``refusal``,
+``weights_missing``): a broadcast reaches only the ready replicas, and with none ready it would otherwise
+succeed on nobody and change the record the way no replica would (sleep(1) while asleep at level 2 once
+made restarted replicas sleep at level 1 with their checkpoint's weights, serving while the pool had none).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ourobatch.log import get_logger
+from scheduler.errors import EngineAsleepError, InconsistentWeightsError
 
 from .actor import BROADCAST_METHODS
 from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failure
@@ -73,6 +79,30 @@ class Control:
     def asleep(self) -> bool:
         return self._asleep is not None
 
+    @property
+    def weights_missing(self) -> bool:
+        """No replica serves weights: asleep at level 2, or woken from it with no update since."""
+        return self.sleep_level == 2 or self._woken_without_weights
+
+    @property
+    def _woken_without_weights(self) -> bool:
+        return not self.asleep and bool(self._log) and self._log[-1].method == DROP
+
+    def refusal(self, method: str, args: tuple, kwargs: dict) -> Exception | None:
+        """The error every replica would refuse `method` with, by the engine's table
+        (ourobatch/runtime/control.py) applied to the state this record holds; None where it would not."""
+        level = self.sleep_level
+        want = (args[0] if args else kwargs.get("level", 1)) if method == "sleep" else level
+        if level and want != level:
+            return EngineAsleepError(f"sleep({want}): the pool is already asleep at level {level}; call "
+                                     f"wake_up() first to change the level")
+        if method in VERSIONED and level:
+            return EngineAsleepError(f"{method}: the pool is asleep (level {level}); call wake_up() first")
+        if method == "resume" and self._woken_without_weights:
+            return InconsistentWeightsError("resume: the pool's replicas hold no weights since sleep(2); "
+                                            "update_weights / load_weights restores them")
+        return None
+
     async def call(self, replica: Replica, method: str, *args: Any, **kwargs: Any) -> Any:
         """Engine.<method> on one replica, bounded by timeout_s; the actor's own exception is raised."""
         try:
@@ -97,6 +127,9 @@ class Control:
             return await self._broadcast_locked(list(replicas), method, args, kwargs)
 
     async def _broadcast_locked(self, replicas: list[Replica], method: str, args: tuple, kwargs: dict) -> list[Any]:
+        refused = self.refusal(method, args, kwargs)
+        if refused is not None:
+            raise refused
         targets = [r for r in replicas if r.state == ReplicaState.READY]
         outcomes = await asyncio.gather(*(self.call(r, method, *args, **kwargs) for r in targets),
                                         return_exceptions=True)

@@ -70,6 +70,9 @@ class Dispatch:
             if self.control.inconsistent:
                 raise InconsistentWeightsError(f"the pool's replicas hold different weights ({self.control.inconsistent}); "
                                                f"a complete update_weights / load_weights restores service")
+            if self.control.weights_missing:  # as every replica would answer, ready or not (control.py)
+                raise InconsistentWeightsError("generate: the pool's replicas hold no weights since sleep(2); "
+                                               "update_weights / load_weights restores them")
             loads = [r.load if r.state == ReplicaState.READY else None for r in self.replicas]
             index = self.router.choose(sub.prompt_token_ids, loads)
             if index is not None:
