@@ -321,9 +321,13 @@ class Scheduler:
         return sum(r.num_preemptions > 0 for r in self.waiting)
 
     def needs_flush(self) -> bool:
-        """Deep work is pending: a decoding request has positions whose deep loops have not run."""
-        return any(r.status == RequestStatus.DECODING and r.feed_position > r.num_deep_positions
-                   for r in self.requests.values())
+        """Deep work is pending: a decoding request has positions whose deep loops have not run. In eager
+        mode, whose deep loops run at once, a decoding request mid-block (its newest token read from a
+        loop below T) counts too: the flush's forced boundary then gives eager deferred's readout schedule."""
+        eager, T = self.config.mode == "eager", self.config.total_ut_steps
+        return any(r.status == RequestStatus.DECODING and (
+            r.feed_position > r.num_deep_positions or eager and bool(r.readout_loops) and r.readout_loops[-1] < T)
+            for r in self.requests.values())
 
     def force_boundary(self) -> None:
         """Make the next step every cohort's boundary (deep work flushed, next token from loop T), so no

@@ -144,7 +144,8 @@ async def test_update_while_requests_run_needs_a_pause(ckpts):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("mode,B,held", [(m, b, 3) for m, b in MODES] + [("deferred", 4, 4), ("verify", 3, 2)])
+@pytest.mark.parametrize("mode,B,held", [(m, b, 3) for m, b in MODES]
+                         + [("deferred", 4, 4), ("verify", 3, 2), ("eager", 3, 1), ("deferred", 3, 1)])
 async def test_pause_modes_mid_block(ckpts, mode, B, held):
     a, b = ckpts
     async with Engine(config(a, mode, B)) as engine:
@@ -152,7 +153,9 @@ async def test_pause_modes_mid_block(ckpts, mode, B, held):
         gate = GatedExecutor(core.executor)
         core.executor = gate
         # held=3: prefill + 2 decode steps run, the 3rd decode step (mid-block, verify: drafts pending) is in
-        # flight when pause() is called; held=4 with B=4: the step in flight is the cohort's boundary
+        # flight when pause() is called; held=4 with B=4: the step in flight is the cohort's boundary;
+        # held=1 with B=3: the 1st decode step, mid-block, where eager (no deep work pending) must flush
+        # as deferred does, or its last token before the update reads loop s
         gate.hold(held)
         running = [engine.stream(p, sp(i, 24)) for i, p in enumerate(PROMPTS)]
         await gate.wait_entered()
@@ -165,6 +168,8 @@ async def test_pause_modes_mid_block(ckpts, mode, B, held):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(pauser)
+            while core.control.state == "running":  # the pause lands while the held step is in flight
+                await anyio.lowlevel.checkpoint()
             gate.open()
         assert engine.is_paused and not core.scheduler.needs_flush()
         frozen = {r.request_id: r.num_output_tokens for r in core.scheduler.requests.values()}

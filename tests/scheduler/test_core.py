@@ -348,3 +348,32 @@ def test_verify_counters_count_tested_drafts():
     assert c.accepted_tokens == sum(acc for _, acc in calls)
     assert c.tested_drafts == c.accepted_tokens + rejected_blocks
     assert c.drafted_tokens >= sum(n for n, _ in calls) >= c.tested_drafts
+
+
+@pytest.mark.parametrize("pause_at", range(1, 12))
+def test_a_flush_gives_eager_the_readout_schedule_of_deferred(pause_at):
+    """pause("keep") flushes where needs_flush() says so (EngineControl.poll): the next step is every
+    cohort's boundary. Eager runs the deep loops at once, so it has no deep work pending, yet it must flush
+    where deferred does, or the two modes' readout loops (and so tokens) part after a pause mid-block."""
+    B = 3
+    loops, flushed = {}, {}
+    for mode in ("deferred", "eager"):
+        sched, ex = make_scheduler(deep_interval=B, mode=mode), FakeExecutor()
+        sched.add("r", [1, 2, 3], params(14, ignore_eos=True))
+        for step in range(40):  # step 0 is the prefill (token 1), step k samples token k + 1
+            if step == pause_at:
+                flushed[mode] = sched.needs_flush()
+                if flushed[mode]:
+                    sched.force_boundary()
+            _, updates = run_step(sched, ex)
+            done = [u.request for u in updates if u.finished]
+            if done:
+                loops[mode] = done[0].readout_loops
+                break
+    assert loops["eager"] == loops["deferred"] and flushed["eager"] == flushed["deferred"], (loops, flushed)
+    natural = [4 if j == 1 or (j - 1) % B == 0 else 2 for j in range(1, 15)]
+    assert flushed["eager"] == (natural[pause_at - 1] == 2)  # mid-block: the token before read loop s
+    if flushed["eager"]:
+        assert loops["eager"][pause_at] == 4  # the forced boundary's token reads loop T
+    else:
+        assert loops["eager"] == natural
