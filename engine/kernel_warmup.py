@@ -242,11 +242,11 @@ def _prepare(device: torch.device) -> bool:
         import triton
         from triton.runtime.jit import JITFunction
 
-        from . import triton_attention, triton_fused, triton_gemm, triton_norm_gemm, triton_sampler
+        from . import triton_attention, triton_fused, triton_gemm, triton_sampler
 
         with torch.cuda.device(device):
             index = triton.runtime.driver.active.get_current_device()
-            for module in (triton_attention, triton_fused, triton_gemm, triton_norm_gemm, triton_sampler):
+            for module in (triton_attention, triton_fused, triton_gemm, triton_sampler):
                 for kernel in vars(module).values():
                     if isinstance(kernel, JITFunction):
                         kernel.device_caches[index]  # noqa: B018 - the defaultdict makes it

@@ -2,7 +2,7 @@
 
 At a few dozen rows a layer's GEMMs stream their weights and little else, and cuBLAS launches too few
 programs for the small ones (o_proj: 2048 x 2048 in 32 tiles on 132 SMs). Two kernels replace three
-GEMMs and two elementwise kernels of a layer (engine/fused_loops.py), and a third, where the
+GEMMs and two elementwise kernels of a layer (engine/model.py `_run_loops_fused`), and a third, where the
 table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
 - `linear_partials` (o_proj, down_proj): x @ w.T split over K into fp32 partial sums [splits, rows, n],
   reduced by the add + norm kernel that reads the GEMM's output anyway (`add_rms_norm2_partials`): no
@@ -11,8 +11,6 @@ table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
   once (half the output of the fused gate_up GEMM, and no silu_mul kernel).
 - `qkv_rope_store` (qkv_proj + RoPE + the K / V store): a program holds dims of a head's first half and
   their rotation partners, so RoPE runs on its accumulators; q goes out, k and v go to their pool slots.
-gate_up + SiLU and qkv also take a triton_norm_gemm.PendingNorm as input (`*_normed`): the add + norm
-after the GEMM before, computed block by block as they read it, instead of an add + norm kernel.
 Rounding follows the reference path: each GEMM output is rounded to the model dtype before the norm or
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
@@ -199,7 +197,8 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
 
 def gate_up_silu_normed(x: PendingNorm, w_gate_up: torch.Tensor, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_silu of x's norm, computed as the kernel reads it -> (the product [rows, I], x's h')."""
-    return _gate_up_silu(x, w_gate_up, cfg)
+    out, h_new = _gate_up_silu(x, w_gate_up, cfg)
+    return out, h_new
 
 
 def _gate_up_silu(x: torch.Tensor | PendingNorm, w_gate_up: torch.Tensor, cfg: GemmConfig):
@@ -242,8 +241,9 @@ def qkv_rope_store_normed(x: PendingNorm, w_qkv: torch.Tensor, positions: torch.
                           inv_freq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, n_q_heads: int,
                           n_kv_heads: int, head_dim: int, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv_rope_store of x's norm, computed as the kernel reads it -> (q after RoPE, x's h')."""
-    return _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads,
-                           head_dim, cfg)
+    q, h_new = _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads,
+                               head_dim, cfg)
+    return q, h_new
 
 
 def _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads, head_dim, cfg):
