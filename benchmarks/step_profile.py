@@ -10,9 +10,8 @@ pure-decode state, then:
   replayed in a CUDA graph: us per call and GB/s against the 4.3 TB/s copy bandwidth.
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
-        [--gemm table|off|both|qkv|defer] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the
-        # fused qkv + RoPE + store in every bucket, beside the table; 'defer': the table with and without
-        # defer_norm (engine/fused_loops.py) in each bucket that fuses qkv, twice in turn
+        [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
+        # + store in every bucket, beside the table
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
 
 GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvjet", "linear_partials", "gate_up_silu",
-                   "qkv_rope_store", "linear_stats")),
+                   "qkv_rope_store")),
           ("attention", ("paged_attn", "_attn", "attention", "combine")),
           ("fused", ("rms_norm", "rope", "silu", "add_rms")),
           ("sampling", ("sample", "softmax", "gumbel", "argmax", "log_softmax", "topk", "sort")))
@@ -173,11 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "defer"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
-                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
-                         "'defer': the table with and without defer_norm, twice in turn")
+                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -196,11 +194,8 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
-    plain = tuple((rows, dataclasses.replace(cfg, defer_norm=False)) for rows, cfg in base)
-    defer = tuple((rows, dataclasses.replace(cfg, defer_norm=cfg.block_d_qkv > 0)) for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)],
-                "defer": [("", plain), ("+defer", defer), ("#2", plain), ("+defer#2", defer)]}[args.gemm]
+                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))

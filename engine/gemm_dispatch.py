@@ -23,9 +23,6 @@ class GemmConfig:
     # stays cuBLAS + triton_fused.rope_store_kv (the table's 17-32 row bucket)
     block_d_qkv: int = 0
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
-    # o_proj's and down_proj's add + norm carried into the GEMM after them (triton_norm_gemm.py): no add + norm
-    # kernel of its own; down_proj's only where qkv_rope_store reads it (block_d_qkv), and never at a loop's end
-    defer_norm: bool = False
     num_warps: int = 4
     num_stages: int = 4
 

@@ -235,23 +235,17 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
     gate_up + SiLU per tile height, tiles and row class, the add + norm over partials per row class and split
     count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per
-    tile height, tiles and row class. With `defer_norm` (engine/fused_loops.py): o_proj and down_proj's
-    linear_stats per split count and the consumers' normed variants; the split-K partials and their add +
-    norm only for down_proj at a loop's end, gate_up only normed. Each key's first item names the kernel; no
-    key for a call cuBLAS runs."""
+    tile height, tiles and row class. Each key's first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
     bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
+    keys = ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
+            | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
-    qkv = ("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages)
-    keys = {("partials", bm, r, cfg.block_n) + rest} | ({qkv} if block_d else set())
-    if not cfg.defer_norm:
-        return keys | {("gate_up", bm, r, cfg.block_n_gate) + rest} | {
-            ("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)}
-    keys |= {("stats", bm, r, cfg.block_n, n) + rest for n in (cfg.splits_o, cfg.splits_down)}
-    keys |= {("gate_up_normed", bm, r, cfg.block_n_gate) + rest, ("norm_partials", r, cfg.splits_down)}
-    return keys | ({("qkv_normed",) + qkv[1:]} if block_d else set())
+    if block_d:
+        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages))
+    return keys
 
 
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,

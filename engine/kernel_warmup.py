@@ -114,39 +114,29 @@ def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
-    (o_proj's and down_proj's launches), the add + norm over key[2] partials, linear_stats at key[4] splits,
-    gate_up + SiLU or qkv + RoPE + store (each plain, or reading a PendingNorm: "_normed")."""
-    from . import triton_gemm, triton_norm_gemm
+    (o_proj's and down_proj's launches), the add + norm over key[2] partials, gate_up + SiLU, or qkv + RoPE
+    + store."""
+    from . import triton_gemm
 
     cfg = gemm_config(rows)
     zeros = dict(dtype=s.dtype, device=device)
-    h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
-    x = h
-    if key[0].endswith("_normed"):
-        tiles = -(-s.hidden_size // cfg.block_n)
-        stats = torch.zeros(tiles, triton_norm_gemm.NUM_STATS, rows, dtype=torch.float32, device=device)
-        x = triton_norm_gemm.PendingNorm(h, h, stats, w, w, s.eps)
-    if key[0].startswith("qkv"):
+    if key[0] == "qkv":
         Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
         index = torch.zeros(rows, dtype=torch.int64, device=device)  # positions and slots (slot 0)
         inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
-        launch = triton_gemm.qkv_rope_store_normed if key[0] == "qkv_normed" else triton_gemm.qkv_rope_store
-        launch(x, weights["qkv"], index, index, inv_freq, plane, plane, Hq, Hkv, d, cfg)
-    elif key[0] in ("partials", "stats"):
-        for a, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
+        triton_gemm.qkv_rope_store(torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq,
+                                   plane, plane, Hq, Hkv, d, cfg)
+    elif key[0] == "partials":
+        for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
                                   (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
-            if key[0] == "partials":
-                triton_gemm.linear_partials(a, weight, splits, cfg)
-            elif splits == key[4]:  # its own counters: warm-up launches run in threads
-                triton_norm_gemm.linear_stats(a, weight, h, w, w, s.eps, splits, cfg, triton_norm_gemm.counters(device))
+            triton_gemm.linear_partials(x, weight, splits, cfg)
     elif key[0] == "norm_partials":
+        h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
         partials = torch.zeros(key[2], rows, s.hidden_size, dtype=torch.float32, device=device)
         triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
-    elif key[0] == "gate_up_normed":
-        triton_gemm.gate_up_silu_normed(x, weights["gate_up"], cfg)
     else:
-        triton_gemm.gate_up_silu(x, weights["gate_up"], cfg)
+        triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
 
 
 # ---------------------------------------------------------------------------------------- running them
@@ -199,8 +189,7 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
-    uses = {"qkv": ("qkv",), "qkv_normed": ("qkv",), "partials": ("o", "down"), "stats": ("o", "down"),
-            "gate_up": ("gate_up",), "gate_up_normed": ("gate_up",), "norm_partials": ()}
+    uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "norm_partials": ()}
 
     def gemm(rows: int, key: tuple) -> None:
         with made:
@@ -213,7 +202,7 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
         for key in sorted(gemm_keys(rows, head_dim=s.head_dim)):
             if key not in covered:
                 covered.add(key)
-                tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0].removesuffix("_normed")}), (key,)))
+                tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0]}), (key,)))
     return tasks
 
 

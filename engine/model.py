@@ -17,6 +17,7 @@ from torch import nn
 from .attention import attend
 from .batch import BatchMeta
 from .config import OuroConfig
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
 
 
@@ -35,6 +36,45 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None
     if dtype is None or dtype == weight.dtype:
         return F.linear(h.to(weight.dtype), weight)
     return F.linear(h.to(dtype), weight.to(dtype))
+
+
+def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: GemmConfig | None, which: str,
+                     w_branch: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the fused path's o_proj / down_proj half)."""
+    from . import triton_fused as fused
+
+    if gemm is None:
+        return fused.add_rms_norm2(h, F.linear(y_in, w), w_branch, w_next, eps)
+    from . import triton_gemm
+
+    splits = gemm.splits_o if which == "o" else gemm.splits_down
+    partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
+    return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
+
+
+def _qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_freq: torch.Tensor,
+                    k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
+                    gemm: GemmConfig | None) -> torch.Tensor:
+    """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so."""
+    if qkv_block_d(gemm, d):
+        from . import triton_gemm
+
+        return triton_gemm.qkv_rope_store(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane, v_plane,
+                                          Hq, Hkv, d, gemm)
+    from . import triton_fused as fused
+
+    return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)
+
+
+def _gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so."""
+    if gemm is None:
+        from . import triton_fused as fused
+
+        return fused.silu_mul(F.linear(x, w_gate_up))
+    from . import triton_gemm
+
+    return triton_gemm.gate_up_silu(x, w_gate_up, gemm)
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +248,6 @@ class OuroForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.fused_kernels = False
         self._inv_freq: torch.Tensor | None = None
-        self._split_counters: torch.Tensor | None = None  # triton_norm_gemm.counters of the fused path
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
@@ -247,17 +286,42 @@ class OuroForCausalLM(nn.Module):
 
     def _run_loops_fused(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
                          last_loop: int) -> list[torch.Tensor]:
-        """run_loops with fused kernels (engine/fused_loops.py). CUDA only; tests/gpu checks it against the
-        reference path."""
-        from . import fused_loops, triton_norm_gemm
+        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm
+        (at the rows gemm_dispatch lists: o_proj and down_proj as split-K partials reduced by the add+norm
+        kernel, gate_up with SiLU x up in its epilogue; engine/triton_gemm.py).
 
-        cfg = self.config
-        if self._inv_freq is None or self._inv_freq.device != h.device:  # made by the first (eager) call
-            d = cfg.head_dim
-            self._inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=h.device, dtype=torch.float32) / d)
-            self._split_counters = triton_norm_gemm.counters(h.device)
-        return fused_loops.run_loops(self.model.layers, self.model.norm.weight, h, meta, pool, first_loop, last_loop,
-                                     self._inv_freq, self._split_counters, cfg.rms_norm_eps)
+        The math of OuroDecoderLayer.run, written out because each residual add is fused with the norm
+        after it, which for the MLP's add is the next layer's input norm (or model.norm): the fusion
+        crosses the layer boundary. CUDA only; tests/gpu checks it against the reference path."""
+        from . import triton_fused as fused
+
+        cfg, layers = self.config, self.model.layers
+        eps, Hq, Hkv, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self._inv_freq is None or self._inv_freq.device != h.device:
+            self._inv_freq = cfg.rope_theta ** (
+                -torch.arange(0, d, 2, device=h.device, dtype=torch.float32) / d)
+        rows = h.shape[0]
+        # the skinny-batch GEMMs of triton_gemm.py for half-precision calls of the rows gemm_dispatch lists
+        gemm = gemm_config(rows) if h.dtype in (torch.bfloat16, torch.float16) else None
+        readouts = []
+        x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
+        for loop in range(first_loop, last_loop + 1):
+            for i, layer in enumerate(layers):
+                attn = layer.self_attn
+                k_plane, v_plane = pool.plane(loop, layer.layer)
+                q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
+                a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
+                h, x = _linear_add_norm(h, a.reshape(rows, Hq * d), attn.o_proj.weight, gemm, "o",
+                                        layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+                m = _gate_up_silu(x, layer.mlp.gate_up_weight, gemm)
+                w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
+                h, x = _linear_add_norm(h, m, layer.mlp.down_proj.weight, gemm, "down",
+                                        layer.post_attention_layernorm_2.weight, w_next, eps)
+            readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
+            if loop < last_loop:
+                h = x
+                x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
+        return readouts
 
     def logits(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # h: [..., hidden] readout -> [..., vocab], in `dtype` (None: the model's)

@@ -26,32 +26,27 @@ import triton.language as tl
 
 from . import pdl
 from .gemm_dispatch import GemmConfig, qkv_block_d
-from .triton_norm_gemm import PendingNorm, _block_m, _norm_scales, _normed_tile, _tile
 
 
 @triton.jit
-def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, y_ptr, stats_ptr, n_tiles, wa_ptr,
-              wb_ptr, h_out_ptr, write_h, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NORM_IN: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr):
-    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves).
-    NORM_IN: x is a triton_norm_gemm.PendingNorm's (x_ptr its h, y_ptr its y, stats_ptr its stats), computed
-    block by block; programs with `write_h` also store its h' at h_out_ptr."""
+def _tile(ptr, rows, n_rows, stride, k0, k_end, BLOCK_K: tl.constexpr):
+    """rows x [k0, k0 + BLOCK_K) of a row-major matrix, zero past n_rows and past k_end (a split's or K's end)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + rk[None, :],
+                   mask=(rows[:, None] < n_rows) & (rk < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves)."""
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if NORM_IN:
-        r_y, r_h = _norm_scales(stats_ptr, rm, M, n_tiles, K, eps, TILES)
     for k in range(0, K, BLOCK_K):
-        if NORM_IN:
-            x, h_new = _normed_tile(x_ptr, y_ptr, wa_ptr, wb_ptr, rm, M, stride_xm, k, K, r_y, r_h, BLOCK_K)
-            if write_h:
-                rk = k + tl.arange(0, BLOCK_K)
-                tl.store(h_out_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], h_new,
-                         mask=(rm[:, None] < M) & (rk < K)[None, :])
-        else:
-            x = _tile(x_ptr, rm, M, stride_xm, k, K, BLOCK_K)
+        x = _tile(x_ptr, rm, M, stride_xm, k, K, BLOCK_K)
         acc_a += tl.dot(x, tl.trans(_tile(w_a, rows, n_rows, stride_wn, k, K, BLOCK_K)))
         acc_b += tl.dot(x, tl.trans(_tile(w_b, rows, n_rows, stride_wn, k, K, BLOCK_K)))
     return acc_a, acc_b
@@ -78,15 +73,14 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, y_ptr, stats_ptr, n_tiles, wa_ptr,
-                         wb_ptr, h_out_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM_IN: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc_g, acc_u = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + N * stride_wn, rn, N, stride_wn, K, y_ptr,
-                             stats_ptr, n_tiles, wa_ptr, wb_ptr, h_out_ptr, pid_n == 0, eps, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NORM_IN, TILES, USE_PDL)
+    acc_g, acc_u = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + N * stride_wn, rn, N, stride_wn, K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
     up = acc_u.to(dtype).to(tl.float32)
@@ -121,10 +115,9 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
 
 @triton.jit
 def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                           M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head, y_ptr,
-                           stats_ptr, n_tiles, wa_ptr, wb_ptr, h_out_ptr, eps, HALF: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, NORM_IN: tl.constexpr,
-                           TILES: tl.constexpr, USE_PDL: tl.constexpr):
+                           M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
+                           HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
     pid_c, pid_m = tl.program_id(0), tl.program_id(1)
     head = pid_c // (HALF // BLOCK_D)
@@ -134,8 +127,7 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
     acc1, acc2 = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + HALF * stride_wn, w_rows, n_rows, stride_wn, K,
-                           y_ptr, stats_ptr, n_tiles, wa_ptr, wb_ptr, h_out_ptr, pid_c == 0, eps, BLOCK_M, BLOCK_D,
-                           BLOCK_K, NORM_IN, TILES, USE_PDL)
+                           BLOCK_M, BLOCK_D, BLOCK_K, USE_PDL)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
     x2 = acc2.to(dtype).to(tl.float32)
@@ -161,6 +153,11 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
             tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
 
 
+def _block_m(rows: int) -> int:
+    # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
 def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig) -> torch.Tensor:
     """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -177,42 +174,19 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
     return out
 
 
-def _input_args(x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor | None, tuple, dict]:
-    """A GEMM's input as kernel arguments: (x or the pending norm's h, the h' it writes or None, the pending
-    norm's tensors and scalars, its constexprs); a plain x passes itself where the kernel reads none of them."""
-    if isinstance(x, PendingNorm):
-        h = x.h if x.h.stride(-1) == 1 and x.h.stride(0) == x.h.shape[1] else x.h.contiguous()
-        h_out = torch.empty_like(h)
-        tiles = x.stats.shape[0]
-        return h, h_out, (x.y.contiguous(), x.stats, tiles, x.w_branch, x.w_next, h_out, x.eps), dict(
-            NORM_IN=True, TILES=triton.next_power_of_2(tiles))
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return x, None, (x, x, 0, x, x, x, 0.0), dict(NORM_IN=False, TILES=1)
-
-
 def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
     """x: [rows, K], w_gate_up: [2 I, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T): [rows, I]."""
-    return _gate_up_silu(x, w_gate_up, cfg)[0]
-
-
-def gate_up_silu_normed(x: PendingNorm, w_gate_up: torch.Tensor, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up_silu of x's norm, computed as the kernel reads it -> (the product [rows, I], x's h')."""
-    out, h_new = _gate_up_silu(x, w_gate_up, cfg)
-    return out, h_new
-
-
-def _gate_up_silu(x: torch.Tensor | PendingNorm, w_gate_up: torch.Tensor, cfg: GemmConfig):
-    x, h_out, norm_args, norm_constexprs = _input_args(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     rows, K = x.shape
     n = w_gate_up.shape[0] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         bm = _block_m(rows)
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
-        _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0), *norm_args,
-                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k, **norm_constexprs,
+        _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
+                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
-    return out, h_out
+    return out
 
 
 def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
@@ -233,24 +207,10 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
     """triton_fused.rope_store_kv(F.linear(x, w_qkv), ...) in one kernel: the qkv GEMM with RoPE and the K / V
     store in its epilogue. x: [rows, hidden], w_qkv: [(q + 2 kv heads) x d, hidden]; k_plane, v_plane:
     [slots, kv_heads, d] -> q after RoPE [rows, heads, d]. For the head sizes gemm_dispatch.qkv_block_d allows."""
-    return _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads,
-                           head_dim, cfg)[0]
-
-
-def qkv_rope_store_normed(x: PendingNorm, w_qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                          inv_freq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, n_q_heads: int,
-                          n_kv_heads: int, head_dim: int, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv_rope_store of x's norm, computed as the kernel reads it -> (q after RoPE, x's h')."""
-    q, h_new = _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads,
-                               head_dim, cfg)
-    return q, h_new
-
-
-def _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads, head_dim, cfg):
     block_d = qkv_block_d(cfg, head_dim)
     if not block_d:
         raise ValueError(f"qkv_rope_store: no tile for head_dim={head_dim} with block_d_qkv={cfg.block_d_qkv}")
-    x, h_out, norm_args, norm_constexprs = _input_args(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     rows, K = x.shape
     q = torch.empty(rows, n_q_heads, head_dim, dtype=x.dtype, device=x.device)
     if rows:
@@ -258,7 +218,6 @@ def _qkv_rope_store(x, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_
         grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
         _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
-                                     *norm_args, HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     **norm_constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                     **pdl.launch_kwargs(x.device))
-    return q, h_out
+                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+    return q

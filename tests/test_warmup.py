@@ -8,8 +8,6 @@ Launching the kernels and counting compiles needs the GPU: tests/gpu/test_gpu_wa
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import subprocess
 import sys
@@ -403,28 +401,14 @@ def test_one_gemm_launch_per_tile_and_row_class():
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 
 
-def test_a_deferred_norm_compiles_what_its_layers_launch():
-    """engine/fused_loops.py with defer_norm: o_proj and down_proj as linear_stats (one key per split count),
-    gate_up and qkv reading a PendingNorm, qkv plain too (a loop's first layer), and down_proj's split-K
-    partials + add + norm once per loop (its readout); no plain gate_up, no add + norm at o_proj's split count."""
-    cfg = GemmConfig(splits_o=2, splits_down=4, block_d_qkv=32, defer_norm=True)
-    keys = kernel_cases.gemm_keys(8, ((16, cfg),), head_dim=128)
-    assert {k[0] for k in keys} == {"partials", "norm_partials", "stats", "gate_up_normed", "qkv", "qkv_normed"}
-    assert {k[4] for k in keys if k[0] == "stats"} == {2, 4}
-    assert {k for k in keys if k[0] == "norm_partials"} == {("norm_partials", "", 4)}
-    plain = kernel_cases.gemm_keys(8, ((16, dataclasses.replace(cfg, defer_norm=False)),), head_dim=128)
-    assert {k[0] for k in plain} == {"partials", "norm_partials", "gate_up", "qkv"}
-
-
 INTERPRETED = """
 import dataclasses
 import torch
 from engine import gemm_dispatch, kernel_cases as kc, kernel_warmup as kw
-# the table with qkv + RoPE + store in every bucket (the shipped one skips 17-32 rows), with the add + norm
-# deferred and not, so every kernel variant launches here
-shipped = gemm_dispatch.GEMM_TABLE
-for dtype, defer in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-    gemm_dispatch.GEMM_TABLE = tuple((r, dataclasses.replace(c, block_d_qkv=16, defer_norm=defer)) for r, c in shipped)
+# the table with qkv + RoPE + store in every bucket (the shipped one skips 17-32 rows), so every kernel
+# variant launches here
+gemm_dispatch.GEMM_TABLE = tuple((r, dataclasses.replace(c, block_d_qkv=16)) for r, c in gemm_dispatch.GEMM_TABLE)
+for dtype in (torch.float32, torch.bfloat16):
     s = kc.KernelShapes(4, 2, 32, 64, 128, 67, 1e-6, dtype, torch.float32, 8, 8, 4, 24, 64, "verify", 2, 132,
                         (1, 2, 4), True, (16, 24))
     assert kc.prefill_cases(s)  # the graphed prefill's tiled launches too
@@ -439,7 +423,6 @@ for dtype, defer in ((torch.float32, False), (torch.bfloat16, False), (torch.bfl
     assert report.cases["attention"] == sum(t.name == "attention" for t in tasks) and report.cases["fused"] == 4
     gemm = {k for r in kc.gemm_rows(s) for k in kc.gemm_keys(r, head_dim=s.head_dim)}
     assert report.cases.get("gemm", 0) == len(gemm) and any(k[0] == "qkv" for k in gemm) == (dtype != torch.float32)
-    assert any(k[0] == "stats" for k in gemm) == any(k[0] == "qkv_normed" for k in gemm) == defer
 print("ok")
 """
 
