@@ -1,8 +1,11 @@
 """One-kernel sampling for rows with temperature only (no top-k / top-p / min-p, no top log-probs):
 the common RL rollout case. Same function as sampler.sample: the same counter-based uniforms (the hash
 is the same integer arithmetic, with the 16-bit split that never overflows), the same exponential race,
-the same processed log-prob, the same tie rule (the lowest token id wins). Reads each row of logits
-twice (max/logsumexp, then the race) instead of the dozens of [rows, vocab] passes of the torch path.
+the same processed log-prob, the same tie rule (the lowest token id wins). Reads the logits once instead
+of the dozens of [rows, vocab] passes of the torch path, in two kernels: one program per (row, chunk of
+BLOCK tokens) finds the chunk's exp-mass and its race winner, then one per row combines the chunks. (One
+program per row, looping over the vocabulary twice, took 131 us per decode step at 8 rows on the H200,
+2% of a full-depth step: 8 programs, each waiting on 48 loads in a row; docs/benchmarks.md, session 10.)
 """
 
 from __future__ import annotations
@@ -29,50 +32,60 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, counters_ptr, greedy_ptr, tok_ptr, lp_ptr,
-                   STREAM: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, counters_ptr, greedy_ptr, mass_ptr, key_ptr, idx_ptr,
+                  z_ptr, n_chunks, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: BLOCK tokens of one row -> their max and exp-mass of z = logit / T, and the chunk's
+    # winner (its race key, token id and z)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
-    base = logits_ptr + row * stride
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / temp
-        m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        m = m_new
-    lse = m + tl.log(s)
+    idx = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < V
+    z = tl.load(logits_ptr + row * stride + idx, mask=valid, other=float("-inf")).to(tl.float32) / temp
+    m = tl.max(z, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf logits only: no mass
+    out = row * n_chunks + chunk
+    tl.store(mass_ptr + 2 * out, m)
+    tl.store(mass_ptr + 2 * out + 1, tl.sum(tl.exp(z - m_safe), 0))
 
     seed = tl.load(seeds_ptr + row)
     h = _mix32((seed & 0xFFFFFFFF) ^ 0x9E3779B9)
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
     h = _mix32(h ^ (tl.load(counters_ptr + row) & 0xFFFFFFFF))
     h = _mix32(h ^ STREAM)
-    best = tl.full((), float("-inf"), tl.float64)
-    best_idx = tl.zeros((), tl.int64)
-    best_lp = tl.zeros((), tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        valid = idx < V
-        lp = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) / temp - lse
-        bits = _mix32(_mix32(h ^ _mix32(idx.to(tl.int64))) ^ 0x85EBCA6B)
-        u = (bits.to(tl.float64) + 0.5) / 4294967296.0
-        race = lp.to(tl.float64) - tl.log(-tl.log(u))
-        key = tl.where(greedy, lp.to(tl.float64), race)
-        key = tl.where(valid, key, float("-inf"))
-        # Ties go to the lowest token id, as torch.argmax: the first max within a block, and a later
-        # block replaces the running best only when strictly greater.
-        blk_best = tl.max(key, 0)
-        blk_idx = tl.argmax(key, 0, tie_break_left=True)
-        blk_lp = tl.sum(tl.where(tl.arange(0, BLOCK) == blk_idx, lp, 0.0), 0)
-        better = blk_best > best
-        best = tl.where(better, blk_best, best)
-        best_idx = tl.where(better, start + blk_idx, best_idx)
-        best_lp = tl.where(better, blk_lp, best_lp)
-    tl.store(tok_ptr + row, best_idx)
-    tl.store(lp_ptr + row, best_lp)
+    bits = _mix32(_mix32(h ^ _mix32(idx.to(tl.int64))) ^ 0x85EBCA6B)
+    u = (bits.to(tl.float64) + 0.5) / 4294967296.0
+    # The race of sampler.sample is argmax(logprob - log(-log u)); the log-sum-exp is the same for the whole
+    # row, so z - log(-log u) has the same winner, and the chunks need not know it.
+    key = tl.where(greedy, z.to(tl.float64), z.to(tl.float64) - tl.log(-tl.log(u)))
+    key = tl.where(valid, key, float("-inf"))
+    best = tl.argmax(key, 0, tie_break_left=True)  # ties: the lowest token id, as torch.argmax
+    tl.store(key_ptr + out, tl.max(key, 0))
+    tl.store(idx_ptr + out, chunk * BLOCK + best)
+    tl.store(z_ptr + out, tl.sum(tl.where(tl.arange(0, BLOCK) == best, z, 0.0), 0))
+
+
+@triton.jit
+def _finish_kernel(mass_ptr, key_ptr, idx_ptr, z_ptr, tok_ptr, lp_ptr, n_chunks, CHUNKS: tl.constexpr):
+    # one program per row: the log-sum-exp from the chunks' masses, the winner of the chunks' winners (the
+    # first chunk among equal keys: the lowest token id), its log-prob z - lse
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    valid = c < n_chunks
+    base = row * n_chunks + c
+    m_c = tl.load(mass_ptr + 2 * base, mask=valid, other=float("-inf"))
+    s_c = tl.load(mass_ptr + 2 * base + 1, mask=valid, other=0.0)
+    m = tl.max(m_c, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m + tl.log(tl.sum(tl.where(m_c == float("-inf"), 0.0, s_c * tl.exp(m_c - m_safe)), 0))
+    key = tl.load(key_ptr + base, mask=valid, other=float("-inf"))
+    win = tl.argmax(key, 0, tie_break_left=True)
+    pick = c == win
+    tl.store(tok_ptr + row, tl.sum(tl.where(pick, tl.load(idx_ptr + base, mask=valid, other=0), 0), 0))
+    tl.store(lp_ptr + row, tl.sum(tl.where(pick, tl.load(z_ptr + base, mask=valid, other=0.0), 0.0), 0) - lse)
+
+
+BLOCK = 2048  # tokens per program of _chunk_kernel
 
 
 def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
@@ -83,6 +96,14 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), vocab, temperatures, seeds, counters,
-                                greedy.to(torch.int32), tokens, logprobs, STREAM=stream, BLOCK=2048, num_warps=8)
+        chunks = triton.cdiv(vocab, BLOCK)
+        mass = torch.empty(rows, chunks, 2, dtype=torch.float32, device=logits.device)
+        key = torch.empty(rows, chunks, dtype=torch.float64, device=logits.device)
+        idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+        z = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+        _chunk_kernel[(rows, chunks)](logits, logits.stride(0), vocab, temperatures, seeds, counters,
+                                      greedy.to(torch.int32), mass, key, idx, z, chunks, STREAM=stream, BLOCK=BLOCK,
+                                      num_warps=8)
+        _finish_kernel[(rows,)](mass, key, idx, z, tokens, logprobs, chunks,
+                                CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
     return tokens, logprobs

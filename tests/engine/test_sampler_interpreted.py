@@ -1,0 +1,37 @@
+"""engine/triton_sampler's two kernels (per-chunk mass and race winner, then per-row combine) against the
+torch sampler's own pieces (processed_logprobs, counter_uniforms: the float64 race), in Triton's interpreter
+on the CPU (TRITON_INTERPRET=1, where Triton is installed): several vocab sizes (one chunk, a partial last
+chunk, exact chunks), greedy and tempered rows, a row whose first chunks are all -inf. On the GPU:
+tests/gpu/test_gpu.py::test_triton_sampler_equals_the_torch_sampler."""
+
+from __future__ import annotations
+
+from tests.interpreter import run_interpreted
+
+INTERPRETED = """
+import torch
+from scheduler.params import SamplingParams
+from engine.sampler import counter_uniforms, processed_logprobs
+from engine.triton_sampler import sample_plain
+for vocab, rows in ((97, 40), (5000, 13), (4096, 6)):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[0, : vocab // 2] = float("-inf")  # a row whose first chunk(s) have no mass
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4], seed=7919 * i + 2**40 * (i % 3)) for i in range(rows)]
+    cnt = torch.tensor([1 + i % 11 for i in range(rows)])
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
+    seeds = torch.tensor([p.seed for p in params])
+    greedy = torch.tensor([p.is_greedy for p in params])
+    tokens, lps = sample_plain(logits, temps, seeds, cnt, greedy)
+    ref_lp = processed_logprobs(logits, params)
+    u = counter_uniforms(seeds, cnt, vocab)
+    race = ref_lp.double() - torch.log(-torch.log(u))
+    ref_tok = torch.where(greedy, ref_lp.argmax(-1), race.argmax(-1))
+    assert torch.equal(tokens, ref_tok), (tokens, ref_tok)
+    torch.testing.assert_close(lps, ref_lp.gather(1, ref_tok[:, None]).squeeze(1), atol=1e-5, rtol=0)
+print("ok")
+"""
+
+
+def test_the_chunked_sampler_matches_the_torch_sampler_in_tritons_interpreter():
+    run_interpreted(INTERPRETED)
