@@ -1,6 +1,6 @@
 """Issue 19's stateful test on SyncEngine and the async Engine, each also with async scheduling (a step
 planned and launched while the one before it runs; tests/control_machine.py says what it interleaves
-and checks). Tiny random checkpoints, float32 on the CPU, a KV pool small enough that
+and checks), and the async Engine in eager mode (verify, deferred and eager: every mode's step shapes). Tiny random checkpoints, float32 on the CPU, a KV pool small enough that
 requests are preempted for room."""
 
 from __future__ import annotations
@@ -102,11 +102,17 @@ class AsyncSchedulingMachine(AsyncMachine):
     mode, B, async_scheduling = "deferred", 4, True
 
 
+class EagerMachine(AsyncMachine):
+    mode, B = "eager", 3  # deep loops run with every token; a pause("keep") flushes as deferred does
+
+
 SETTINGS = settings(**stateful_settings(), suppress_health_check=list(HealthCheck))
 
 
-@pytest.mark.parametrize("machine", [SyncMachine, AsyncMachine, AsyncSchedulingSyncMachine, AsyncSchedulingMachine],
-                         ids=["SyncEngine", "Engine", "SyncEngine-async-scheduling", "Engine-async-scheduling"])
+@pytest.mark.parametrize("machine", [SyncMachine, AsyncMachine, AsyncSchedulingSyncMachine, AsyncSchedulingMachine,
+                                     EagerMachine],
+                         ids=["SyncEngine", "Engine", "SyncEngine-async-scheduling", "Engine-async-scheduling",
+                              "Engine-eager"])
 def test_control_calls_interleaved_with_steps_in_flight(checkpoints, machine):
     machine.checkpoints, machine.tally = checkpoints, {}
     run_state_machine_as_test(machine, settings=SETTINGS)
