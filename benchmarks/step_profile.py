@@ -10,9 +10,8 @@ pure-decode state, then:
   replayed in a CUDA graph: us per call and GB/s against the 4.3 TB/s copy bandwidth.
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
-        [--gemm table|off|both|qkv|stages] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the
-        # fused qkv + RoPE + store in every bucket, beside the table; 'stages': the table at 4, 3 and 2
-        # pipeline stages (fewer stages: less shared memory, so the next kernel's programs can be resident)
+        [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
+        # + store in every bucket, beside the table
 """
 
 from __future__ import annotations
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "stages"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
@@ -195,10 +194,8 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
-    staged = {n: tuple((rows, dataclasses.replace(cfg, num_stages=n)) for rows, cfg in base) for n in (3, 2)}
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)],
-                "stages": [("", base), ("+s3", staged[3]), ("+s2", staged[2])]}[args.gemm]
+                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))
