@@ -1,0 +1,95 @@
+"""The sampler's fast path (engine/triton_sampler.py) alone: microseconds per call at several row counts,
+captured in a CUDA graph of back-to-back calls (as a decode step runs it), Ouro's vocabulary, temperature 1.
+With ``--against REV`` the same file at git revision REV runs beside it, in turn (A, B, A, B), with the
+share of rows where the two drew the same token.
+
+    python benchmarks/sampler_bench.py --out DIR [--rows 8,64,256] [--against 9e1f2a0~1]
+    TRITON_INTERPRET=1 python benchmarks/sampler_bench.py --out DIR --smoke      # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from engine import triton_sampler  # noqa: E402
+
+
+def sampler_at(rev: str):
+    """engine/triton_sampler.py as of git revision `rev`, imported as a module of its own."""
+    src = subprocess.run(["git", "show", f"{rev}:engine/triton_sampler.py"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "sampler_at_rev.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"sampler_at_{abs(hash(rev))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def inputs(rows: int, vocab: int, device: str) -> tuple:
+    g = torch.Generator(device=device).manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=g, device=device) * 3).to(torch.bfloat16)
+    return (logits, torch.ones(rows, device=device), torch.arange(rows, device=device) * 7919,
+            torch.arange(rows, device=device) + 1, torch.zeros(rows, dtype=torch.bool, device=device))
+
+
+def time_us(call, calls: int = 20, replays: int = 10) -> float:
+    """GPU microseconds per call: `calls` calls in one CUDA graph, replayed `replays` times."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="8,64,256")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--against", default=None, help="a git revision whose triton_sampler.py runs beside this one")
+    ap.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tokens only, no timing")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.smoke else "cuda"
+    samplers = {"this": triton_sampler} | ({args.against: sampler_at(args.against)} if args.against else {})
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = inputs(rows, args.vocab, device)
+        tokens = {name: mod.sample_plain(*x)[0] for name, mod in samplers.items()}
+        row = dict(rows=rows, vocab=args.vocab, us={})
+        if args.against:
+            row["same_tokens"] = float((tokens["this"] == tokens[args.against]).float().mean())
+        for turn in ("", "#2") if not args.smoke else ():
+            for name, mod in samplers.items():
+                row["us"][name + turn] = time_us(lambda mod=mod: mod.sample_plain(*x))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    (out / "sampler_bench.json").write_text(json.dumps(dict(device=device, against=args.against, results=results),
+                                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
