@@ -1,4 +1,4 @@
-"""One-kernel sampling for rows with temperature only (no top-k / top-p / min-p, no top log-probs):
+"""Fused sampling for rows with temperature only (no top-k / top-p / min-p, no top log-probs):
 the common RL rollout case. Same function as sampler.sample: the same counter-based uniforms (the hash
 is the same integer arithmetic, with the 16-bit split that never overflows), the same exponential race,
 the same processed log-prob, the same tie rule (the lowest token id wins). Reads the logits once instead
