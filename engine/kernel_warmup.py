@@ -102,7 +102,8 @@ def launch_fused(s: KernelShapes, which: str, device: torch.device) -> None:
 
 
 def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
-    """The sampler's fast path (triton_sampler.py) at `rows` rows (an odd and an even count: a row view's alignment moves)."""
+    """The sampler's fast path (triton_sampler.py) at `rows` rows (an odd and an even count: a row view's
+    alignment moves)."""
     from scheduler.params import SamplingParams
 
     from .sampler import sample
