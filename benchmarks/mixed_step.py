@@ -38,7 +38,6 @@ import gc
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mixed_step_report import markdown, summarize  # noqa: E402
 from step_trace import allocator_counts, counts_since, profile_steps, sync_sites  # noqa: E402
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
+import provenance  # noqa: E402
 
 
 def parse_ints(text: str, flag: str, low: int) -> list[int]:
@@ -246,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, torch=torch.__version__,
                 device_name=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown", load_s=time.perf_counter() - t,
+                commit=provenance.commit(), load_s=time.perf_counter() - t,
                 model_config={k: v for k, v in dataclasses.asdict(model.config).items() if k != "eos_token_ids"},
                 **{k: getattr(args, k) for k in ("configs", "ns", "ks", "history", "decode_prompt", "reps",
                                                  "between", "threshold", "profile_k", "block_size", "seed")})

@@ -35,7 +35,6 @@ import datetime
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -56,6 +55,7 @@ from scheduler.params import RequestOutputKind
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import draw_lengths  # noqa: E402
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
+import provenance  # noqa: E402
 
 POLICIES = ("continue", "recompute", "abort")
 H200 = dict(prompts=32, n=8, prompt_len=512, max_tokens=2048, median=400.0, train_s=10.0, batches=5)
@@ -541,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                 train_s=args.train_s, batches=args.batches, max_num_seqs=args.max_num_seqs,
                 sample_interval=args.sample_interval, etas=args.etas, policies=args.policies, skipped=[],
                 steady_window="from the hand-over of batch 0 to the hand-over of batch K-2 (batches 1..K-2)",
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=provenance.commit())
     rows: list[dict] = []
     walls: list[float] = []
 

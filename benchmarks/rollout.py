@@ -25,7 +25,6 @@ import json
 import math
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
+import provenance  # noqa: E402
 from public_path import budget_kwargs  # noqa: E402
 
 
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch=torch.__version__, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, median=args.median, sigma=args.sigma, seed=args.seed,
                 replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=provenance.commit())
     rows = []
     for allocation in allocations:
         base = None

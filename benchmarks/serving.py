@@ -48,7 +48,6 @@ import json
 import math
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +66,7 @@ from serving_report import markdown, measure, plot, progress_line, summarize  # 
 from step_log import steps_line, summarize_steps  # noqa: E402
 from step_trace import counts_since  # noqa: E402
 from throughput import CONFIG_HELP, add_checkpoint_args, ensure_checkpoint, parse_config  # noqa: E402
+import provenance  # noqa: E402
 
 SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
 COUNTERS = ("tokens_generated", "deep_calls", "steps", "preemptions", "lookahead_steps", "lookahead_drains")
@@ -261,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_checkpoint(args)
     cuda = args.device.startswith("cuda")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, torch=torch.__version__,
                 device_name=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
                 machine=platform.platform(), python=platform.python_version(), cuda=torch.version.cuda,
                 transport="HTTP server (openai client, SSE)" if args.server else "async Engine", configs=names,
-                rates=[rate_label(r) for r in rates], commit=commit or "unknown",
+                rates=[rate_label(r) for r in rates], commit=commit,
                 model=args.model or ("random tiny" if args.tiny else "random Ouro-1.4B shape"),
                 **{k: getattr(args, k) for k in ("num_requests", "prompt_median", "prompt_sigma", "max_prompt_len",
                                                  "output_median", "output_sigma", "max_tokens", "seed", "max_num_seqs",

@@ -20,7 +20,6 @@ import json
 import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,9 @@ from ourobatch import EngineConfig, SamplingParams
 from ourobatch.assembly import build_engine_core, resolve_dtype
 from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=16, head_dim=128, rope_theta=1e6,
@@ -228,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 branch_scale=args.branch_scale,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
                 torch=torch.__version__, temperature=args.temperature,
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=provenance.commit())
     rows = []
     for N, P, M in scenarios:
         base = None
