@@ -1,5 +1,6 @@
 """The sampler's fast path (engine/triton_sampler.py) alone: microseconds per call at several row counts,
-captured in a CUDA graph of back-to-back calls (as a decode step runs it), Ouro's vocabulary, temperature 1.
+captured in a CUDA graph of back-to-back calls (as a decode step runs it; gemm_sweep.timed), Ouro's
+vocabulary, temperature 1.
 With ``--against REV`` the same file at git revision REV runs beside it, in turn (A, B, A, B), with the
 share of rows where the two drew the same token.
 
@@ -21,7 +22,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from engine import triton_sampler  # noqa: E402
+from gemm_sweep import COPIES, timed  # noqa: E402  (graph-replayed timing of COPIES back-to-back calls)
 
 
 def sampler_at(rev: str):
@@ -41,25 +44,6 @@ def inputs(rows: int, vocab: int, device: str) -> tuple:
     logits = (torch.randn(rows, vocab, generator=g, device=device) * 3).to(torch.bfloat16)
     return (logits, torch.ones(rows, device=device), torch.arange(rows, device=device) * 7919,
             torch.arange(rows, device=device) + 1, torch.zeros(rows, dtype=torch.bool, device=device))
-
-
-def time_us(call, calls: int = 20, replays: int = 10) -> float:
-    """GPU microseconds per call: `calls` calls in one CUDA graph, replayed `replays` times."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main(argv=None) -> int:
@@ -83,7 +67,7 @@ def main(argv=None) -> int:
             row["same_tokens"] = float((tokens["this"] == tokens[args.against]).float().mean())
         for turn in ("", "#2") if not args.smoke else ():
             for name, mod in samplers.items():
-                row["us"][name + turn] = time_us(lambda mod=mod: mod.sample_plain(*x))
+                row["us"][name + turn] = timed(lambda mod=mod: [mod.sample_plain(*x) for _ in range(COPIES)])
         results.append(row)
         print(json.dumps(row), flush=True)
     (out / "sampler_bench.json").write_text(json.dumps(dict(device=device, against=args.against, results=results),
