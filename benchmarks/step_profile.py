@@ -12,7 +12,6 @@ pure-decode state, then:
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
         [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
         # + store in every bucket, beside the table
-        [--gemm prefetch --prefetch 0:0:0,1:512:512 --repeat 2]  # L2 prefetch amounts (O:GATE_UP:QKV), in turn
 """
 
 from __future__ import annotations
@@ -166,17 +165,6 @@ def profile_one(model_dir, model, args, config: str, suffix: str, N: int) -> dic
     return dict(N=N, config=name, **kt, **gt)
 
 
-def prefetch_variants(base, spec: str) -> list[tuple[str, tuple]]:
-    """--prefetch's variants: (suffix, the table with those L2 prefetch amounts on every row)."""
-    variants = []
-    for item in spec.split(","):
-        o, gate_up, qkv = (int(v) for v in item.split(":"))
-        table = tuple((rows, dataclasses.replace(cfg, prefetch_o=bool(o), prefetch_k_gate_up=gate_up,
-                                                 prefetch_k_qkv=qkv)) for rows, cfg in base)
-        variants.append((f"+pf{item}", table))
-    return variants
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -184,16 +172,12 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "prefetch"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
-    ap.add_argument("--prefetch", default="0:0:0,1:512:512,1:1024:1024",
-                    help="the 'prefetch' variants, each O:GATE_UP:QKV: GemmConfig.prefetch_o (0/1), prefetch_k_gate_up "
-                         "and prefetch_k_qkv on every row of the table (engine/l2_prefetch.py)")
-    ap.add_argument("--repeat", type=int, default=1, help="run the variants this many times, in turn")
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -211,9 +195,8 @@ def main(argv=None) -> int:
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)], "prefetch": prefetch_variants(base, args.prefetch)}[args.gemm]
-    runs = [(N, c, v) for N in ns for c in args.configs.split(",") for _ in range(args.repeat) for v in variants]
-    for N, config, (suffix, tab) in runs:
+                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
+    for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))
         (out / "step_profile.json").write_text(json.dumps(result, indent=1))

@@ -160,10 +160,9 @@ def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool: "KVPool", loop: int,
-           layer: int, meta: "BatchMeta", scale: float, backend: str, prefetch=None) -> torch.Tensor:
+           layer: int, meta: "BatchMeta", scale: float, backend: str) -> torch.Tensor:
     """Attention for one layer of one loop. k, v: this call's keys and values, already written to the
-    pool (None: read them back from their slots). `prefetch` (engine/l2_prefetch.Prefetch): weights the
-    Triton decode kernel's split combine asks into L2 (ignored by every other path)."""
+    pool (None: read them back from their slots)."""
     if meta.prefill and meta.prefill_attention is not None:
         return prefill_attention(q, k, v, pool, loop, layer, meta, scale, backend)
     if backend == "triton":
@@ -171,7 +170,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
 
         k_blocks, v_blocks = pool.block_plane(loop, layer)
         return triton_paged_attention(q, k_blocks, v_blocks, meta.block_tables, meta.context_lens,
-                                      meta.query_start, meta.max_rows, scale, meta.tiles, prefetch)
+                                      meta.query_start, meta.max_rows, scale, meta.tiles)
     if meta.spans is None:  # device-only metadata (a graph's forward run eagerly): read it back
         return paged_attention(q, pool, loop, layer, spans_on_device(meta, pool.block_size), scale, zero_rest=True)
     return paged_attention(q, pool, loop, layer, meta.spans, scale, meta.reads)

@@ -25,12 +25,6 @@ class GemmConfig:
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     num_warps: int = 4
     num_stages: int = 4
-    # L2 prefetch of the next GEMM's weights by the short kernel before it (engine/l2_prefetch.py): o_proj
-    # whole by the attention combine; the first K elements of every gate_up row by the add + norm after
-    # o_proj, and of every row of the next layer's qkv by the add + norm after down_proj (0: none)
-    prefetch_o: bool = False
-    prefetch_k_gate_up: int = 0
-    prefetch_k_qkv: int = 0
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).

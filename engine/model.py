@@ -19,7 +19,6 @@ from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
-from .l2_prefetch import Prefetch, next_layer_prefetch
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,10 +39,8 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None
 
 
 def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: GemmConfig | None, which: str,
-                     w_branch: torch.Tensor, w_next: torch.Tensor, eps: float,
-                     prefetch: Prefetch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the fused path's o_proj / down_proj half);
-    `prefetch`: the next GEMM's weights, asked into L2 by the add + norm kernel (engine/l2_prefetch.py)."""
+                     w_branch: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the fused path's o_proj / down_proj half)."""
     from . import triton_fused as fused
 
     if gemm is None:
@@ -52,7 +49,7 @@ def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm:
 
     splits = gemm.splits_o if which == "o" else gemm.splits_down
     partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
-    return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps, prefetch)
+    return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
 
 
 def _qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_freq: torch.Tensor,
@@ -313,17 +310,13 @@ class OuroForCausalLM(nn.Module):
                 attn = layer.self_attn
                 k_plane, v_plane = pool.plane(loop, layer.layer)
                 q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
-                pf_o = Prefetch(attn.o_proj.weight, Hq * d) if gemm is not None and gemm.prefetch_o else None
-                a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend, pf_o)
-                pf_gate_up = Prefetch(layer.mlp.gate_up_weight, gemm.prefetch_k_gate_up) if gemm is not None else None
+                a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
                 h, x = _linear_add_norm(h, a.reshape(rows, Hq * d), attn.o_proj.weight, gemm, "o",
-                                        layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps,
-                                        pf_gate_up)
+                                        layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
                 m = _gate_up_silu(x, layer.mlp.gate_up_weight, gemm)
                 w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-                pf_qkv = None if gemm is None else next_layer_prefetch(layers, i, loop, last_loop, gemm.prefetch_k_qkv)
                 h, x = _linear_add_norm(h, m, layer.mlp.down_proj.weight, gemm, "down",
-                                        layer.post_attention_layernorm_2.weight, w_next, eps, pf_qkv)
+                                        layer.post_attention_layernorm_2.weight, w_next, eps)
             readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
             if loop < last_loop:
                 h = x

@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch, pdl
+from . import pdl
 from .attention_dispatch import LaunchConfig, choose_config, query_tiling
-from .triton_gemm import prefetch_l2
 
 
 @triton.jit
@@ -120,16 +119,12 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_lse_split + q_row * stride_lse_row + head, lse, mask=m_valid)
 
 
-@triton.jit(do_not_specialize=["pf_rows", "pf_stride", "pf_bytes"])
+@triton.jit
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits,
     stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,
-    pf_ptr, pf_rows, pf_stride, pf_bytes,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:  # the next GEMM's weights (o_proj) into L2, before the wait: no kernel of the step writes them
-        prefetch_l2(pf_ptr, pf_rows, pf_stride, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                    tl.num_programs(0) * tl.num_programs(1), 32)
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -153,16 +148,14 @@ def _combine_kernel(
 def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            max_rows: int, scale: float, config: LaunchConfig,
-                           tiles: torch.Tensor | None = None,
-                           prefetch: l2_prefetch.Prefetch | None = None) -> torch.Tensor:
+                           tiles: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel with an explicit launch config (the sweep and the tests call this directly).
 
     q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d]; block_tables: [seqs, width] int32;
     context_lens: [seqs] int32; query_start: [seqs + 1] int32 -> [rows, heads, d]. Rows no sequence covers
     hold no defined value. `tiles` ([num_tiles, 2] int32, attention_dispatch.tile_map): the programs walk this
     list of (sequence, M tile) pairs instead of every sequence times max_rows' M tiles, so a launch's grid
-    is fixed by the list's length, not by how many sequences share max_rows (graphed prefill). `prefetch`:
-    the next GEMM's weights, asked into L2 by the combine kernel (split launches only; l2_prefetch.py).
+    is fixed by the list's length, not by how many sequences share max_rows (graphed prefill).
     """
     rows, heads, d = q.shape
     _, page, kv_heads, _ = k_plane.shape
@@ -191,20 +184,18 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         num_stages=config.num_stages, **pdl.launch_kwargs(q.device),
     )
     if splits > 1 and rows > 0:
-        combine_splits(part, lse, out, prefetch)
+        combine_splits(part, lse, out)
     return out
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                   prefetch: l2_prefetch.Prefetch | None = None) -> torch.Tensor:
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The split-K launch's second kernel. part: [splits, rows, heads, d] fp32, lse: [splits, rows, heads]
-    fp32 (base-2 log-sum-exp of each split) -> out: [rows, heads, d], written and returned. `prefetch`: weight
-    rows its programs ask into L2 first (engine/l2_prefetch.py; nothing where it is off)."""
+    fp32 (base-2 log-sum-exp of each split) -> out: [rows, heads, d], written and returned."""
     splits, rows, heads, d = part.shape
     _combine_kernel[(rows, heads)](
         part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), **l2_prefetch.kernel_args(prefetch, out), HEAD_DIM=d,
-        SPLITS_P2=triton.next_power_of_2(splits), num_warps=1, **pdl.launch_kwargs(part.device),
+        out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+        **pdl.launch_kwargs(part.device),
     )
     return out
 
@@ -224,13 +215,12 @@ def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_ro
 
 def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                           max_rows: int, scale: float, tiles: torch.Tensor | None = None,
-                           prefetch: l2_prefetch.Prefetch | None = None) -> torch.Tensor:
+                           max_rows: int, scale: float, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]."""
     config = default_config(q, k_plane, context_lens.shape[0], max_rows,
                             None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
-                                  config, tiles, prefetch)
+                                  config, tiles)
 
 
 _SMS: dict[int, int] = {}

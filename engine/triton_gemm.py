@@ -24,25 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch, pdl
+from . import pdl
 from .gemm_dispatch import GemmConfig, qkv_block_d
-
-PF_BLOCK = 256  # rows one prefetching program asks for per pass (num_warps=8: a row per thread)
-PF_PROGRAMS = 132  # most prefetch-only programs an add + norm launch adds (one per SM of an H200)
-
-
-@triton.jit
-def prefetch_l2(pf_ptr, pf_rows, pf_stride, pf_bytes, pid, nprog, BLOCK: tl.constexpr):
-    """Program `pid` of `nprog` asks L2 for its share of a weight's rows (engine/l2_prefetch.py): rows
-    pid*BLOCK.., then nprog*BLOCK further, one bulk prefetch of pf_bytes from each row's start (Hopper's
-    cp.async.bulk.prefetch.L2: a 16-byte aligned address and size, which Prefetch.args checks)."""
-    for start in range(pid * BLOCK, pf_rows, nprog * BLOCK):
-        row = start + tl.arange(0, BLOCK)
-        row = tl.where(row < pf_rows, row, start)  # lanes past the end repeat the chunk's first row
-        addr = pf_ptr + row.to(tl.int64) * pf_stride
-        size = tl.full((BLOCK,), 0, tl.int32) + pf_bytes
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -105,27 +88,13 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["pf_rows", "pf_stride", "pf_bytes"])
-def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
-                                   pf_ptr, pf_rows, pf_stride, pf_bytes, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                                   USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr):
-    # programs 0 .. rows-1: one row each; past them (only with PREFETCH): the next GEMM's weights into L2,
-    # without waiting for the kernel before (weights never depend on it)
-    pid = tl.program_id(0)
-    if pid >= rows:
-        if PREFETCH:
-            prefetch_l2(pf_ptr, pf_rows, pf_stride, pf_bytes, pid - rows, tl.num_programs(0) - rows, PF_BLOCK)
-    else:
-        _add_rms_norm2_row(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, pid.to(tl.int64), rows, n_cols, eps,
-                           SPLITS, BLOCK, USE_PDL)
-
-
 @triton.jit
-def _add_rms_norm2_row(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, row, rows, n_cols, eps,
-                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
+                                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     y = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -221,20 +190,14 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
 
 
 def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
-                           w_next: torch.Tensor, eps: float,
-                           prefetch: l2_prefetch.Prefetch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """triton_fused.add_rms_norm2 with y = the sum of `partials` [splits, rows, hidden] (fp32). `prefetch`: the
-    next GEMM's weight rows, asked into L2 by extra programs that do not wait for the kernel before
-    (engine/l2_prefetch.py; nothing where it is off)."""
+                           w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_fused.add_rms_norm2 with y = the sum of `partials` [splits, rows, hidden] (fp32)."""
     rows, n = h.shape
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     if rows:
-        pf = l2_prefetch.kernel_args(prefetch, w_next)
-        extra = min(triton.cdiv(pf["pf_rows"], PF_BLOCK), PF_PROGRAMS) if pf["PREFETCH"] else 0
-        _add_rms_norm2_partials_kernel[(rows + extra,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps,
-                                                        **pf, SPLITS=partials.shape[0],
-                                                        BLOCK=triton.next_power_of_2(n), PF_BLOCK=PF_BLOCK, num_warps=8,
-                                                        **pdl.launch_kwargs(h.device))
+        _add_rms_norm2_partials_kernel[(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps,
+                                                SPLITS=partials.shape[0], BLOCK=triton.next_power_of_2(n),
+                                                num_warps=8, **pdl.launch_kwargs(h.device))
     return h_out, x_out
 
 

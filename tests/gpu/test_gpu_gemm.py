@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,51 +104,3 @@ def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
         assert n >= 3, (ta, tb)  # bf16 rounding may flip a near-tie late, never from the start
         diffs = [abs(p - q) for p, q in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n])]
         assert max(diffs) < 0.05, diffs
-
-
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_the_l2_prefetch_changes_no_result(rows):
-    """The add + norm and the split combine with a prefetch (engine/l2_prefetch.py) against the same launches
-    without one: bit-identical, and the prefetching launch really took the extra programs / the PREFETCH path."""
-    from engine import l2_prefetch
-    from engine import triton_gemm as tg
-    from engine.triton_attention import combine_splits
-
-    assert l2_prefetch.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(rows, 2048, generator=g, **bf)
-    partials = torch.randn(4, rows, 2048, generator=g, device="cuda")
-    wa, wb = (1 + 0.2 * torch.randn(2048, generator=g, **bf) for _ in range(2))
-    weight = torch.randn(11264, 2048, generator=g, **bf)
-    for k in (512, 2048, 3000):  # a prefix, whole rows, more than a row (clamped)
-        pf = l2_prefetch.Prefetch(weight, k)
-        assert all(torch.equal(a, b) for a, b in zip(tg.add_rms_norm2_partials(h, partials, wa, wb, 1e-6, pf),
-                                                     tg.add_rms_norm2_partials(h, partials, wa, wb, 1e-6)))
-        part = torch.randn(4, rows, 16, 128, generator=g, device="cuda")
-        lse = torch.randn(4, rows, 16, generator=g, device="cuda")
-        out_a, out_b = (torch.empty(rows, 16, 128, **bf) for _ in range(2))
-        assert torch.equal(combine_splits(part, lse, out_a, pf), combine_splits(part, lse, out_b))
-    torch.cuda.synchronize()
-
-
-def test_engine_with_the_l2_prefetch_matches_without(tmp_path, monkeypatch):
-    """Whole generations with every prefetch of the table on (o_proj by the combine, gate_up and the next qkv
-    by the add + norm) against the same table with none: the same tokens and bit-identical log-probs."""
-    ckpt = make_tiny_checkpoint(tmp_path / "m", seed=6, eos_token_id=None, hidden_size=256, num_attention_heads=4,
-                                num_key_value_heads=4, head_dim=64, intermediate_size=704, vocab_size=301)
-    prompts = [[(5 * i + j) % 301 for j in range(4 + 7 * i)] for i in range(5)]
-    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i, logprobs=0, ignore_eos=True)
-              for i in range(len(prompts))]
-    outs = {}
-    base = GemmConfig(block_d_qkv=32)
-    for name, cfg in (("off", base), ("on", dataclasses.replace(base, prefetch_o=True, prefetch_k_gate_up=128,
-                                                                   prefetch_k_qkv=64))):
-        monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", ((64, cfg),))
-        config = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=1, num_kv_blocks=256,
-                              max_num_seqs=8, logprobs_mode="raw")
-        with SyncEngine(config) as llm:
-            outs[name] = llm.generate_batch(prompts, params)
-    for a, b in zip(outs["on"], outs["off"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
