@@ -6,6 +6,11 @@ share of rows where the two drew the same token.
 
     python benchmarks/sampler_bench.py --out DIR [--rows 8,64,256] [--against 9e1f2a0~1]
     TRITON_INTERPRET=1 python benchmarks/sampler_bench.py --out DIR --smoke      # CPU, seconds
+
+Beside it, the torch path's race (rows with top-k / top-p / min-p or top log-probs; engine/sampler.race) on
+processed log-probs of the same rows: the torch race (counter uniforms, float64 keys) against the fast
+path's kernels at temperature 1, and processed_logprobs itself (top-k 50, top-p 0.95; eager, CUDA events:
+its host copies are not graph-safe), with the share of rows where the two races drew the same token.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from engine import triton_sampler  # noqa: E402
+from engine import sampler, triton_sampler  # noqa: E402
+from scheduler.params import SamplingParams  # noqa: E402
 from gemm_sweep import COPIES, timed  # noqa: E402  (graph-replayed timing of COPIES back-to-back calls)
 
 
@@ -44,6 +50,37 @@ def inputs(rows: int, vocab: int, device: str) -> tuple:
     logits = (torch.randn(rows, vocab, generator=g, device=device) * 3).to(torch.bfloat16)
     return (logits, torch.ones(rows, device=device), torch.arange(rows, device=device) * 7919,
             torch.arange(rows, device=device) + 1, torch.zeros(rows, dtype=torch.bool, device=device))
+
+
+def eager_us(fn, calls: int = 20) -> float:
+    """us per call of fn, CUDA events around `calls` calls after one warm-up call."""
+    fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / calls
+
+
+def processed_path(x: tuple, smoke: bool) -> dict:
+    """sampler.race both ways on processed log-probs of these logits (top-k 50, top-p 0.95), and the
+    processed_logprobs pass before it."""
+    logits, _, seeds, counters, greedy = x
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=int(s)) for s in seeds.tolist()]
+    js = counters.tolist()
+    lp = sampler.processed_logprobs(logits, params, js)
+    torch_race = sampler.race(lp, greedy, seeds, counters)
+    kernel_race = sampler.race(lp, greedy, seeds, counters, triton_kernel=True)
+    result = dict(same_tokens=float((torch_race == kernel_race).float().mean()))
+    if not smoke:
+        result["us"] = dict(
+            race_torch=timed(lambda: [sampler.race(lp, greedy, seeds, counters) for _ in range(COPIES)]),
+            race_kernels=timed(lambda: [sampler.race(lp, greedy, seeds, counters, triton_kernel=True)
+                                        for _ in range(COPIES)]),
+            processed_logprobs_eager=eager_us(lambda: sampler.processed_logprobs(logits, params, js)))
+    return result
 
 
 def main(argv=None) -> int:
@@ -68,6 +105,7 @@ def main(argv=None) -> int:
         for turn in ("", "#2") if not args.smoke else ():
             for name, mod in samplers.items():
                 row["us"][name + turn] = timed(lambda mod=mod: [mod.sample_plain(*x) for _ in range(COPIES)])
+        row["processed"] = processed_path(x, args.smoke)
         results.append(row)
         print(json.dumps(row), flush=True)
     (out / "sampler_bench.json").write_text(json.dumps(dict(device=device, against=args.against, results=results),

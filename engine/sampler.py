@@ -193,12 +193,28 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], token_i
     greedy = to_device([p.is_greedy for p in params], torch.bool, dev)
     seeds = to_device([p.seed or 0 for p in params], torch.int64, dev)
     counters = to_device(token_indices, torch.int64, dev)
-    u = counter_uniforms(seeds, counters, vocab)
-    race = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
-    drawn = torch.where(greedy, logprobs.argmax(dim=-1), race.argmax(dim=-1))  # argmax: the first (lowest id) max
+    drawn = race(logprobs, greedy, seeds, counters, triton_kernel=logprobs.is_cuda)
     reported = raw_logprobs(logits) if raw else logprobs  # [rows, vocab]
     chosen = reported.gather(1, drawn[:, None]).squeeze(1)
     return DeviceSample(drawn, chosen, num_top, _top_rows(reported, num_top))
+
+
+def race(logprobs: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+         triton_kernel: bool = False) -> torch.Tensor:
+    """The draw from processed log-probs [rows, vocab] (-inf: excluded): argmax(logprob - log(-log u)) with
+    the counter uniforms, argmax(logprob) for greedy rows; ties to the lowest id -> token ids [rows] int64.
+
+    With `triton_kernel` (CUDA, float32 log-probs) the fast path's kernels run it with temperature 1
+    (engine/triton_sampler.py: the same uniforms, key and tie rule, float64 keys), reading the log-probs
+    once; the torch race below makes ~45 passes of int64 [rows, vocab] for the uniforms alone."""
+    if triton_kernel and logprobs.dtype == torch.float32:
+        from .triton_sampler import sample_plain
+
+        ones = torch.ones(logprobs.shape[0], dtype=torch.float32, device=logprobs.device)
+        return sample_plain(logprobs, ones, seeds, counters, greedy)[0]
+    u = counter_uniforms(seeds, counters, logprobs.shape[1])
+    keys = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
+    return torch.where(greedy, logprobs.argmax(dim=-1), keys.argmax(dim=-1))  # argmax: the first (lowest id) max
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], chosen: list[float],

@@ -22,3 +22,4 @@ def test_the_sampler_benchmark_runs_its_smoke_mode_against_a_revision(tmp_path):
     result = json.loads((tmp_path / "sampler_bench.json").read_text())
     assert [r["rows"] for r in result["results"]] == [3, 5]
     assert all(r["same_tokens"] == 1.0 for r in result["results"])
+    assert all(r["processed"]["same_tokens"] == 1.0 for r in result["results"])  # the two races of sampler.race

@@ -35,3 +35,32 @@ print("ok")
 
 def test_the_chunked_sampler_matches_the_torch_sampler_in_tritons_interpreter():
     run_interpreted(INTERPRETED)
+
+
+# sampler.race on processed log-probs (top-k, top-p, min-p, min_tokens' masked stop set): the kernels at
+# temperature 1 against the torch race, token for token (the keys are the same float64 numbers)
+PROCESSED = """
+import torch
+from scheduler.params import SamplingParams
+from engine.sampler import processed_logprobs, race
+for vocab, rows in ((97, 24), (5000, 9)):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=[0, 5, 40, 0][i % 4],
+                             top_p=[1.0, 0.9, 0.5, 0.95][(i // 2) % 4], min_p=[0.0, 0.05][i % 2],
+                             min_tokens=2, stop_token_ids=[3], seed=7919 * i + 2**40 * (i % 3)) for i in range(rows)]
+    cnt = torch.tensor([1 + i % 4 for i in range(rows)])
+    lp = processed_logprobs(logits, params, cnt.tolist())
+    assert (lp == float("-inf")).any(1).all()  # every row lost tokens to a filter or the stop mask
+    seeds = torch.tensor([p.seed for p in params])
+    greedy = torch.tensor([p.is_greedy for p in params])
+    got = race(lp, greedy, seeds, cnt, triton_kernel=True)
+    want = race(lp, greedy, seeds, cnt)
+    assert torch.equal(got, want), (got, want)
+    assert torch.isfinite(lp.gather(1, got[:, None])).all()  # never an excluded token
+print("ok")
+"""
+
+
+def test_the_kernels_race_processed_rows_as_the_torch_sampler_does():
+    run_interpreted(PROCESSED)
