@@ -101,15 +101,16 @@ def launch_fused(s: KernelShapes, which: str, device: torch.device) -> None:
         fused.rope_store_kv(torch.zeros(1, (Hq + 2 * Hkv) * d, **zeros), one, one, inv_freq, plane, plane, Hq, Hkv, d)
 
 
-def launch_sampler(s: KernelShapes, rows: int, device: torch.device) -> None:
+def launch_sampler(s: KernelShapes, rows: int, device: torch.device, filtered: bool = False) -> None:
     """The sampler's fast path (triton_sampler.py) at `rows` rows (an odd and an even count: a row view's
-    alignment moves)."""
+    alignment moves); `filtered`: rows with top-k, whose race runs the same kernels on float32 log-probs."""
     from scheduler.params import SamplingParams
 
     from .sampler import sample
 
     logits = torch.zeros(rows, s.vocab_size, dtype=s.logits_dtype, device=device)
-    sample(logits, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(rows)], [1] * rows)
+    sample(logits, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, top_k=5 if filtered else 0)
+                    for i in range(rows)], [1] * rows)
 
 
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
@@ -185,6 +186,8 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
                   for k in FUSED]
     tasks += [Task("sampler", lambda r=r: launch_sampler(s, r, device), frozenset({"sampler"}), (("sampler", r),))
               for r in (1, 2)]
+    tasks.append(Task("sampler", lambda: launch_sampler(s, 2, device, filtered=True), frozenset({"sampler"}),
+                      (("sampler", "filtered"),)))
     weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first launch that needs them
     made = threading.Lock()  # launches run in threads
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),

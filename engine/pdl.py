@@ -17,7 +17,9 @@ turns it off. Read once per device; ``launch_kwargs`` are a launch's extra argum
 the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
 at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton kernel too. Prefetching
 each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
-and made both slower (7.75-7.82 / 13.28-13.37 ms); it is gone.
+and made both slower (7.75-7.82 / 13.28-13.37 ms); it is gone. So did the other way round (session 11): the
+add + norm and combine kernels asking L2, before their wait, for the next GEMM's weights (N = 8 6.19-6.30 ->
+6.24-6.43 ms): the GEMMs gained 0.5-1.0 us each, the kernels that asked lost 0.9-1.5 us each.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fail
             pass
     assert seen and seen[0].startswith("ourobatch-prefetch") and "kernels" in clock.seconds
     done = [e for e in logs if e["event"] == "warmup_kernels_prefetch"]
-    assert len(done) == 1 and done[0]["launches"] == {"sampler": 2} and done[0]["failures"] == 0
+    assert len(done) == 1 and done[0]["launches"] == {"sampler": 3} and done[0]["failures"] == 0
 
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(RuntimeError, match="load failed"):
