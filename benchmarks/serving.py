@@ -213,6 +213,8 @@ OPTIONS = [  # flag, type, default, help
     ("--plot-rate", str, None, "rate of the running / gaps plots (default: the summary's, else the highest finite)"),
     ("--max-num-seqs", int, 256, None), ("--num-kv-blocks", int, None, "KV pool size (default: sized from memory)"),
     ("--max-num-batched-tokens", int, None, "tokens per step (default: EngineConfig's)"),
+    ("--max-prefill-tokens-while-decoding", int, None, "prompt tokens per step while any request decodes "
+                                                       "(default: EngineConfig's, no cap)"),
     ("--block-size", int, 16, None), ("--device", str, "cuda", None), ("--dtype", str, "bfloat16", None),
     ("--shallow-loops", int, 2, None), ("--gpu-memory-utilization", float, 0.9, None),
     ("--sample-interval", float, 0.05, "seconds between engine stats samples")]

@@ -135,6 +135,7 @@ def make_scheduler_config(config: EngineConfig, mc: OuroConfig, num_blocks: int)
         num_kv_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_model_len=effective_max_model_len(config, mc),
         max_num_batched_tokens=config.max_num_batched_tokens, total_ut_steps=mc.total_ut_steps,
+        max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         shallow_loops=config.shallow_loops, deep_interval=config.deep_interval, mode=config.mode,
         vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
         kv_allocation=config.kv_allocation, enable_prefix_caching=config.enable_prefix_caching,

@@ -65,6 +65,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0  # CPU: cap on the automatic KV pool size
     max_num_batched_tokens: int = 8192  # tokens per step: one per decoding request + prompt tokens prefilled;
     #                                     decoding goes first, prefills fill the rest in chunks; >= block_size
+    max_prefill_tokens_while_decoding: int | None = None  # while any request decodes, at most this many prompt
+    #                                     tokens per step (None: no cap but the budget above); >= block_size
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory the engine may hold (weights + KV)
     attention_backend: str = "auto"  # "auto" (Triton on CUDA when the shapes allow), "triton" or "torch"
     cuda_graphs: bool | None = None  # None: on for CUDA with the Triton backend
@@ -107,6 +109,7 @@ class EngineConfig:
                              f"({self.max_model_len}), got {self.deep_interval}")
         rules.check_block_size(OWNER, self.block_size)
         rules.check_max_num_batched_tokens(OWNER, self.max_num_batched_tokens, self.block_size)
+        rules.check_max_prefill_tokens_while_decoding(OWNER, self.max_prefill_tokens_while_decoding, self.block_size)
         if self.num_kv_blocks is not None:
             rules.check_num_kv_blocks(OWNER, self.num_kv_blocks)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

@@ -43,6 +43,9 @@ HELP = {
                      "by --kv-cache-memory-gb; CUDA: what --gpu-memory-utilization leaves after the weights)",
     "max_num_batched_tokens": "tokens per step: one per decoding request + prompt tokens prefilled, a longer "
                               "prompt in chunks; >= --block-size",
+    "max_prefill_tokens_while_decoding": "while any request decodes, at most this many prompt tokens per step, so a "
+                                         "step that prefills stays near a decode step; none = only "
+                                         "--max-num-batched-tokens bounds them; >= --block-size",
     "cuda_graphs": "none = on for CUDA with the Triton attention backend; true or false to choose",
     "seed": "engine seed: unseeded request i (in arrival order) gets a seed derived from (seed, i)",
     "logprobs_mode": "reported log-probs: processed (the distribution each token was drawn from: the native "

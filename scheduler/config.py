@@ -73,6 +73,16 @@ def check_max_num_batched_tokens(owner: str, max_num_batched_tokens: int, block_
                          f"at least one whole block, got {max_num_batched_tokens}")
 
 
+def check_max_prefill_tokens_while_decoding(owner: str, value: object, block_size: int) -> None:
+    """None, or an int >= block_size: a step that prefills computes at least one whole block (prefill.py)."""
+    if value is None:
+        return
+    check_int(owner, "max_prefill_tokens_while_decoding", value)
+    if value < block_size:
+        raise ValueError(f"{owner}.max_prefill_tokens_while_decoding must be None or >= block_size ({block_size}): "
+                         f"a step prefills at least one whole block, got {value}")
+
+
 def check_kv_watermark(owner: str, kv_watermark: object) -> None:
     if (isinstance(kv_watermark, bool) or not isinstance(kv_watermark, (int, float))
             or not 0 <= kv_watermark < 1):
@@ -99,6 +109,9 @@ class SchedulerConfig:
     kv_allocation: str = "lazy"  # "lazy": blocks as positions are written, preempt when dry; "reserve": all at admission
     enable_prefix_caching: bool = True  # keep computed prompt blocks for later requests with the same prefix
     kv_watermark: float = 0.01  # lazy: share of the pool kept free at admission, so decode rarely runs dry
+    # most prompt tokens a step prefills while requests are decoding (None: only max_num_batched_tokens
+    # bounds them): a step that prefills then stays near a decode step (serve's default; prefill.py)
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         owner = "SchedulerConfig"
@@ -111,3 +124,4 @@ class SchedulerConfig:
             check_choice(owner, name, getattr(self, name), allowed)
         check_enable_prefix_caching(owner, self.enable_prefix_caching)
         check_kv_watermark(owner, self.kv_watermark)
+        check_max_prefill_tokens_while_decoding(owner, self.max_prefill_tokens_while_decoding, self.block_size)

@@ -9,7 +9,10 @@ last ends on a block boundary (chunks start on one: after shared blocks or an ea
 full blocks enter the prefix cache as soon as its step succeeded. The first prefill of a step that
 computes anything gets at least one block even when the decode rows leave less, or nothing: a long
 prompt progresses in every step, and a step prefills at most max(budget - decode rows, block_size)
-tokens (``max_num_batched_tokens >= block_size`` is required).
+tokens (``max_num_batched_tokens >= block_size`` is required). While any request decodes,
+``max_prefill_tokens_while_decoding`` (when set) caps the prompt tokens of the step too, so a step that
+prefills stays near a decode step and the decoding requests' gaps stay even (serve's default); with no
+request decoding the whole budget goes to prefills.
 
 A request stays PREFILLING from admission until its last chunk, which alone samples (loop T at the
 last position); it then joins the open cohort as an unchunked prefill does, so outputs do not depend on
@@ -113,6 +116,13 @@ def record_prompt_logprobs(r: Request, work: PrefillWork, got: PromptLogprobs | 
     return None
 
 
+def prefill_budget(config: SchedulerConfig, num_decode_rows: int) -> int:
+    """Prompt tokens a step may prefill beside `num_decode_rows` decode rows (before the one-block minimum)."""
+    left = max(0, config.max_num_batched_tokens - num_decode_rows)
+    cap = config.max_prefill_tokens_while_decoding
+    return min(left, cap) if cap is not None and num_decode_rows > 0 else left
+
+
 class ChunkPlanner:
     """One step's prefills: the token budget the decode rows left, and the chunks planned so far.
 
@@ -123,7 +133,7 @@ class ChunkPlanner:
         self.prefills = prefills
         self.kv = prefills.kv
         self.block_size = prefills.config.block_size
-        self.left = max(0, prefills.config.max_num_batched_tokens - num_decode_rows)  # budget left for prefills
+        self.left = prefill_budget(prefills.config, num_decode_rows)
         self.num_tokens = 0  # prompt tokens planned in this step
         self.weight_version = weight_version
         # what this step's chunks compute (shared by its other prefills), under this step's weights

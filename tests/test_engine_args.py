@@ -37,6 +37,11 @@ RULES = [
     ("kv_allocation", "eager", {}, ValueError, "kv_allocation must be one of ('lazy', 'reserve'), got 'eager'"),
     ("kv_watermark", 1.0, {}, ValueError, "kv_watermark must be a number in [0, 1), got 1.0"),
     ("enable_prefix_caching", "yes", {}, TypeError, "enable_prefix_caching must be True or False, got 'yes'"),
+    ("max_prefill_tokens_while_decoding", 8, {"block_size": 16}, ValueError,
+     "max_prefill_tokens_while_decoding must be None or >= block_size (16): a step prefills at least one whole "
+     "block, got 8"),
+    ("max_prefill_tokens_while_decoding", 64.0, {}, TypeError,
+     "max_prefill_tokens_while_decoding must be an int, got float 64.0"),
 ]
 
 
@@ -119,15 +124,21 @@ def test_serve_flags_to_engine_config():
 
     parser = _serve_parser()
     config = build_config(parser.parse_args(["--model", "m"]))
-    # serve's defaults: vLLM's raw log-probs, and a step budget of 512 tokens (steady latency under arrivals)
-    expected = dataclasses.replace(EngineConfig(model="m"), logprobs_mode="raw", max_num_batched_tokens=512)
+    # serve's defaults: vLLM's raw log-probs, and a step budget of 512 tokens of which at most 192 prefill
+    # while requests decode (steady latency under arrivals)
+    expected = dataclasses.replace(EngineConfig(model="m"), logprobs_mode="raw", max_num_batched_tokens=512,
+                                   max_prefill_tokens_while_decoding=192)
     assert config == expected and EngineConfig(model="m").max_num_batched_tokens == 8192
+    assert EngineConfig(model="m").max_prefill_tokens_while_decoding is None
+    off = build_config(parser.parse_args(["--model", "m", "--max-prefill-tokens-while-decoding", "none"]))
+    assert off.max_prefill_tokens_while_decoding is None
     args = ["--model", "m", "--mode", "verify", "--deep-interval", "4", "--num-kv-blocks", "12", "--cuda-graphs",
             "false", "--enable-prefix-caching", "off", "--kv-watermark", "0.5", "--engine-seed", "9", "--logprobs-mode",
             "processed", "--kv-allocation", "reserve", "--max-num-batched-tokens", "8192"]
     assert build_config(parser.parse_args(args)) == EngineConfig(
         model="m", mode="verify", deep_interval=4, num_kv_blocks=12, cuda_graphs=False, enable_prefix_caching=False,
-        kv_watermark=0.5, seed=9, logprobs_mode="processed", kv_allocation="reserve", max_num_batched_tokens=8192)
+        kv_watermark=0.5, seed=9, logprobs_mode="processed", kv_allocation="reserve", max_num_batched_tokens=8192,
+        max_prefill_tokens_while_decoding=192)
     assert build_config(parser.parse_args(["--model", "m", "--seed", "7"])).seed == 7  # serve's --seed: the engine's
     assert build_config(parser.parse_args(["--model", "m", "--num-kv-blocks", "none", "--cuda-graphs",
                                            "auto"])).num_kv_blocks is None

@@ -25,15 +25,19 @@ from .limits import DEFAULT_MAX_REQUEST_BYTES
 EXIT_OK, EXIT_USAGE = 0, 2
 log = get_logger("ourobatch.server")
 
-# Serving's step budget: at most 512 tokens per step (decode rows included), so a step that prefills stays
-# near a decode step. H200, full depth, Poisson arrivals at 32 requests/s (docs/benchmarks.md, "Graphed
-# prefill"): p99 / p50 gap between deliveries 1.99 (8192: 2.55), p99 TTFT 80 ms (8192: 63 ms). Batches
-# (LLM, Engine, rollouts) keep EngineConfig's 8192: prefill-heavy batches ran up to 25% slower at 512.
+# Serving's step budget: at most 512 tokens per step (decode rows included), and at most 192 of them prompt
+# tokens while any request decodes, so a step that prefills stays near a decode step. H200, full depth,
+# Poisson arrivals at 32 requests/s (docs/benchmarks.md, sessions 4 and 11): p99 / p50 gap between
+# deliveries 1.99-2.11 at 512 alone (8192: 2.55), 1.73-1.85 at a total of 256; a fixed total of 256 would
+# leave a loaded server (hundreds of decode rows) one block of prefill per step, the cap does not. Batches
+# (LLM, Engine, rollouts) keep EngineConfig's 8192 and no cap: prefill-heavy batches ran up to 25% slower at 512.
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
+SERVE_MAX_PREFILL_TOKENS_WHILE_DECODING = 192
 
 # Where the server's flags differ from EngineConfig's: the OpenAI routes report vLLM's raw log-probs, the step
 # budget above, and --seed is the engine seed (vLLM's meaning; the same flag as --engine-seed).
-SERVER_DEFAULTS = {"logprobs_mode": VLLM_LOGPROBS_MODE, "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}
+SERVER_DEFAULTS = {"logprobs_mode": VLLM_LOGPROBS_MODE, "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,
+                   "max_prefill_tokens_while_decoding": SERVE_MAX_PREFILL_TOKENS_WHILE_DECODING}
 SERVER_ALIASES = {"seed": ("--seed",)}
 
 

@@ -41,9 +41,12 @@ def workload(rng, V):
     ]
 
 
-@pytest.mark.parametrize("mode,B,bs,budget", [("deferred", 1, 4, 8), ("deferred", 4, 4, 8), ("eager", 3, 8, 16),
-                                              ("verify", 4, 4, 16), ("deferred", 2, 8, 8)])
-def test_chunked_prefill_equals_unchunked_and_the_oracle(checkpoints, mode, B, bs, budget):
+@pytest.mark.parametrize("mode,B,bs,budget,cap", [("deferred", 1, 4, 8, None), ("deferred", 4, 4, 8, None),
+                                                  ("eager", 3, 8, 16, None), ("verify", 4, 4, 16, None),
+                                                  ("deferred", 2, 8, 8, None), ("deferred", 1, 4, 64, 8),
+                                                  ("verify", 2, 4, 64, 4)])
+def test_chunked_prefill_equals_unchunked_and_the_oracle(checkpoints, mode, B, bs, budget, cap):
+    """`cap`: the chunks come from max_prefill_tokens_while_decoding (a budget of 64 alone would not chunk)."""
     ckpt = checkpoints["kv1-L2-T4"]
     oracle = load_oracle(ckpt)
     work = workload(random.Random(f"{mode}{B}{bs}"), oracle.vocab_size)
@@ -52,7 +55,7 @@ def test_chunked_prefill_equals_unchunked_and_the_oracle(checkpoints, mode, B, b
     for b in (budget, 8192):
         # a pool large enough that no block is reused, so finished requests' planes can be read back
         core = core_for(ckpt, mode=mode, deep_interval=B, shallow_loops=2, block_size=bs, num_kv_blocks=512,
-                        max_num_batched_tokens=b)
+                        max_num_batched_tokens=b, max_prefill_tokens_while_decoding=cap if b == budget else None)
         children = run(core, work, arrivals)
         outs[b] = [r for rid in sorted(children) for r in children[rid]]
         stats[b] = core.stats()

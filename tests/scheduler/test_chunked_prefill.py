@@ -123,6 +123,43 @@ def test_decode_rows_beyond_the_budget_still_leave_one_block_per_step():
     assert done["long"].num_output_tokens == 3
 
 
+@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4), ("verify", 2)])
+def test_the_cap_while_decoding_bounds_prefills_only_beside_decode_rows(mode, B):
+    """max_prefill_tokens_while_decoding: with requests decoding a step prefills at most the cap (whole
+    blocks, the last chunk excepted, as always); with none decoding the budget alone bounds it; outputs are
+    those of the uncapped run."""
+    bs, cap, budget = 4, 8, 64
+    results = {}
+    for c in (cap, None):
+        sched = make_scheduler(mode=mode, deep_interval=B, block_size=bs, max_num_batched_tokens=budget,
+                               max_prefill_tokens_while_decoding=c)
+        ex = FakeExecutor()
+        arrivals = {0: [("first", [1 + i % 40 for i in range(50)], params(30))],  # alone: the whole budget
+                    4: [(f"late{i}", [5 + i] * (20 + 7 * i), params(6, seed=i)) for i in range(3)]}
+        sizes = []  # (decode rows, prompt tokens) of every step that prefilled
+
+        def watch(plan, before, feeding):
+            if plan.prefills:
+                sizes.append((len(plan.shallow), prefill_tokens(plan)))
+
+        done, plans = run(sched, ex, arrivals, budget, watch)
+        for rid, n in [("first", 50)] + [(f"late{i}", 20 + 7 * i) for i in range(3)]:
+            check_chunks(plans, rid, bs, n)
+        assert sizes[0] == (0, 50)  # nobody decoding: one chunk of 50 under the budget of 64
+        beside = [tokens for rows, tokens in sizes if rows > 0]
+        assert beside and (max(beside) <= cap if c else max(beside) > cap)
+        assert sched.stats()["kv_blocks_used"] == 0
+        results[c] = {rid: (r.output_token_ids, r.readout_loops) for rid, r in done.items()}
+    assert results[cap] == results[None]
+
+
+def test_the_cap_while_decoding_is_checked():
+    with pytest.raises(ValueError, match=r"max_prefill_tokens_while_decoding must be None or >= block_size \(4\)"):
+        make_scheduler(block_size=4, max_prefill_tokens_while_decoding=2)
+    with pytest.raises(TypeError, match="max_prefill_tokens_while_decoding must be an int"):
+        make_scheduler(max_prefill_tokens_while_decoding=8.0)
+
+
 def test_full_blocks_enter_the_prefix_cache_as_each_chunk_completes():
     bs = 4
     sched, ex = make_scheduler(block_size=bs, max_num_batched_tokens=8), FakeExecutor()
