@@ -126,7 +126,8 @@ case $what in targets|targets_a|targets_b)  # issue 22's target table (targets_r
   # targets_a: the public paths, N = 64 three runs in a row (async vs sync, GPU idle share, B=4/B=8 vs
   # interval 1), N = 8 interval 1 (vs HF generate), the decode harness at N = 8 / 64 (bytes floor).
   # targets_b: cold_start (fresh processes, 3 rounds of distinct prompts), the rollout batch at the issue's
-  # settings (interval1, deferred8, lazy KV), public paths at N = 256 (GPU idle share); TARGETS_HARNESS256=1
+  # settings (interval1, deferred8, lazy KV), public paths at N = 256 (GPU idle share), Poisson arrivals at
+  # serve's step budget (p99 / p50 gap between deliveries: benchmarks/serving.py); TARGETS_HARNESS256=1
   # adds the decode harness at N = 256 (sync stepping: the host share the issue started from).
   # Each half is planned for one 10-minute call; `targets` runs both (a longer limit only). No "$@" here.
   # TARGETS_BUDGET_S (570): a stage starts only with its minimum left, under a timeout of what is left.
@@ -145,10 +146,11 @@ case $what in targets|targets_a|targets_b)  # issue 22's target table (targets_r
     dev=(--device cpu --dtype float32 --tiny --workdir "$WORKDIR"); pp=(-P 8 -M 6); p256=(-P 8 -M 4)
     cold=(-N 4 -P 40 -M 4); floor=(--scenarios 8x16x8,64x16x8)
     roll=(--prompts 3 --n 2 --prompt-len 8 --max-tokens 24 --median 8)
+    itl=(--rates 50 --num-requests 6 --prompt-median 8 --max-prompt-len 16 --output-median 6 --max-tokens 12)
   else
     # TARGETS_PUBLIC_ARGS (e.g. "-M 128"): extra public_path.py arguments of the N = 64 and N = 8 stages
     dev=(--workdir "$WORKDIR"); pp=(${TARGETS_PUBLIC_ARGS:-}); p256=(-M 512); cold=()
-    floor=(--scenarios 8x512x256,64x512x256); roll=()
+    floor=(--scenarios 8x512x256,64x512x256); roll=(); itl=(--rates 16,32 --num-requests 80)
   fi
   if [ "$what" != targets_b ]; then
     for r in 1 2 3; do  # three runs in a row; the first with the per-step profile
@@ -167,6 +169,8 @@ case $what in targets|targets_a|targets_b)  # issue 22's target table (targets_r
       --allocations lazy "${roll[@]}" "${dev[@]}"
     stage public_n256 120 python3 benchmarks/public_path.py --out "$OUT/public_n256" -N 256 \
       --configs interval1,deferred8 --no-profile "${p256[@]}" "${dev[@]}"
+    stage itl_serve 50 python3 benchmarks/serving.py --out "$OUT/itl_serve" --configs interval1 --no-plots \
+      --max-num-batched-tokens 512 --max-prefill-tokens-while-decoding 192 "${itl[@]}" "${dev[@]}"  # serve's defaults
     if [ -n "${TARGETS_HARNESS256:-}" ]; then
       stage harness_n256 70 python3 benchmarks/throughput.py --out "$OUT/harness_n256" --scenarios 256x512x512 \
         --configs interval1,deferred4,deferred8 "${dev[@]}"

@@ -50,7 +50,7 @@ def test_a_failed_run_and_skipped_stages_are_packed_too(tmp_path):
     run, out = suite(tmp_path, "targets_b", TARGETS_BUDGET_S="30")  # too little time: every stage skipped
     assert run.returncode == 0 and members(out) >= {"stages.md", "gpu.txt"}
     summary = (out / "summary.md").read_text()
-    assert summary.count("skipped") == 3 and "| cold engine: ready, any mode (empty compile cache) | not in" in summary
+    assert summary.count("skipped") == 4 and "| cold engine: ready, any mode (empty compile cache) | not in" in summary
 
 
 def test_the_targets_mode_runs_every_stage_and_reports_the_table(tmp_path):
@@ -58,14 +58,15 @@ def test_the_targets_mode_runs_every_stage_and_reports_the_table(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     files = members(out)
     stages = ["public_n64_r1", "public_n64_r2", "public_n64_r3", "public_n8", "harness_floor", "cold", "rollout",
-              "public_n256"]
+              "public_n256", "itl_serve"]
     assert {f"{s}.log" for s in stages} <= files and "model_config.json" in files
     assert {"public_n64_r1/public_path.json", "public_n8/public_path.json", "public_n256/public_path.json",
-            "harness_floor/results.json", "cold/cold_start.json", "rollout/rollout.json"} <= files
+            "harness_floor/results.json", "cold/cold_start.json", "rollout/rollout.json",
+            "itl_serve/serving.json"} <= files
     summary = (out / "summary.md").read_text()
     for s in stages:
         assert f"| {s} | 0 |" in summary  # each stage exited 0
-    # the summary's target table is targets_report.py's on the tarball (every measure but the serving one found)
+    # the summary's target table is targets_report.py's on the tarball (every measure found)
     unpacked = tmp_path / "unpacked"
     with tarfile.open(out / "results.tgz") as tar:
         tar.extractall(unpacked, filter="data")
@@ -73,7 +74,7 @@ def test_the_targets_mode_runs_every_stage_and_reports_the_table(tmp_path):
     table = report.report(report.load([unpacked]), argparse.Namespace(hf_tok_s=45.7, bandwidth_tbps=4.3))
     assert table in summary
     rows = table.splitlines()[2:]
-    assert len(rows) == 12 and sum("not in these results" in r for r in rows) == 1  # serving: not in targets
+    assert len(rows) == 12 and not any("not in these results" in r for r in rows)
     runs = [json.loads((unpacked / f"public_n64_r{r}" / "public_path.json").read_text()) for r in (1, 2, 3)]
     assert [len(x["profiles"]) for x in runs] == [3, 0, 0]  # the profile in the first run only
     assert all(row["gpu_idle"]["steps"] > 0 for x in runs for row in x["rows"])
