@@ -29,6 +29,7 @@ from .batch import to_device
 
 _M32 = 0xFFFFFFFF
 STREAM_TOKEN = 0  # the draw of a generated token (other streams are reserved for verification)
+TOPK_MAX = 1024  # top-k's threshold from torch.topk up to this k (sorted values), from a full sort past it
 
 
 def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -94,8 +95,11 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
 
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_ks):
-        sorted_z = z.sort(dim=-1, descending=True).values
-        kth = sorted_z.gather(1, to_device(top_ks, torch.int64, dev)[:, None] - 1)
+        # each row's k-th largest value: the k_max largest of every row (ties do not move a value), not a sort
+        # of the whole vocabulary
+        k_max = max(top_ks)
+        largest = z.topk(k_max, dim=-1).values if k_max <= TOPK_MAX else z.sort(dim=-1, descending=True).values
+        kth = largest.gather(1, to_device(top_ks, torch.int64, dev)[:, None] - 1)
         z = torch.where(z < kth, neg_inf, z)
 
     top_ps = [p.top_p for p in params]

@@ -178,3 +178,20 @@ def test_tied_rows_draw_the_same_alone_and_in_a_batch_of_64():
         assert alone.token_ids[0] == together.token_ids[i]
         assert alone.logprobs[0] == together.logprobs[i]
         assert alone.top_logprobs[0] == together.top_logprobs[i]
+
+
+def test_top_k_threshold_is_the_same_from_topk_and_from_a_full_sort(monkeypatch):
+    """processed_logprobs takes top-k's k-th value from torch.topk up to TOPK_MAX, from a sort past it: the
+    same kept set either way, ties at the k-th value all kept (values quantized so ties are common)."""
+    from engine import sampler
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(12, 300, generator=g) * 4).round() / 2  # many equal values
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=i) for i, k in enumerate([1, 2, 5, 17, 64, 299] * 2)]
+    via_topk = sampler.processed_logprobs(logits, params)
+    monkeypatch.setattr(sampler, "TOPK_MAX", 0)
+    via_sort = sampler.processed_logprobs(logits, params)
+    assert torch.equal(via_topk, via_sort)
+    for i, (row, p) in enumerate(zip(logits, params)):  # the kept set: every value >= the k-th largest, ties too
+        kth = row.sort(descending=True).values[p.top_k - 1]
+        assert torch.equal(via_topk[i] > float("-inf"), row >= kth)
