@@ -80,6 +80,12 @@ def processed_path(x: tuple, smoke: bool) -> dict:
             race_kernels=timed(lambda: [sampler.race(lp, greedy, seeds, counters, triton_kernel=True)
                                         for _ in range(COPIES)]),
             processed_logprobs_eager=eager_us(lambda: sampler.processed_logprobs(logits, params, js)))
+        topk_max, sampler.TOPK_MAX = sampler.TOPK_MAX, 0  # top-k's threshold from a full sort, as before
+        try:
+            result["us"]["processed_logprobs_full_sort_eager"] = eager_us(
+                lambda: sampler.processed_logprobs(logits, params, js))
+        finally:
+            sampler.TOPK_MAX = topk_max
     return result
 
 
