@@ -19,7 +19,7 @@ at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton 
 each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
 and made both slower (7.75-7.82 / 13.28-13.37 ms); it is gone. So did the other way round (session 11): the
 add + norm and combine kernels asking L2, before their wait, for the next GEMM's weights (N = 8 6.19-6.30 ->
-6.24-6.43 ms): the GEMMs gained 0.5-1.0 us each, the kernels that asked lost 0.9-1.5 us each.
+6.24-6.43 ms): the GEMMs gained 0.3-1.0 us each, the kernels that asked lost 0.9-1.5 us each.
 """
 
 from __future__ import annotations
