@@ -149,10 +149,13 @@ class Probe:
         )
 
 
+STEP_BUDGET_FIELDS = ("max_num_batched_tokens", "max_prefill_tokens_while_decoding")
+
+
 def budget_kwargs(args) -> dict:
-    """--max-num-batched-tokens when given (else EngineConfig's default step budget)."""
-    budget = getattr(args, "max_num_batched_tokens", None)
-    return {} if budget is None else {"max_num_batched_tokens": budget}
+    """The step budget's EngineConfig fields that `args` gives (--max-num-batched-tokens,
+    --max-prefill-tokens-while-decoding); the others keep EngineConfig's (or serve's) defaults."""
+    return {name: value for name in STEP_BUDGET_FIELDS if (value := getattr(args, name, None)) is not None}
 
 
 def engine_config(args, model_dir: str, name: str) -> EngineConfig:

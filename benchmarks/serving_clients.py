@@ -15,12 +15,10 @@ from typing import Any, AsyncIterator
 import anyio
 
 from ourobatch import Engine, EngineConfig, SamplingParams, compile_cache
-
-# the step budget's EngineConfig fields a run may set (None: EngineConfig's default)
-STEP_BUDGET_FIELDS = ("max_num_batched_tokens", "max_prefill_tokens_while_decoding")
 from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from public_path import budget_kwargs  # noqa: E402
 from step_log import StepLog  # noqa: E402
 from step_trace import allocator_counts  # noqa: E402
 
@@ -139,7 +137,7 @@ def server_process(model_dir: str, args: Any, mode: str, B: int, s: int, max_mod
     flags = dict(device=args.device, dtype=args.dtype, mode=mode, deep_interval=B, shallow_loops=s,
                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, block_size=args.block_size,
                  gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                 **{name: getattr(args, name, None) for name in STEP_BUDGET_FIELDS})  # None: serve's own defaults
+                 **budget_kwargs(args))  # the rest: serve's own defaults
     cmd = [sys.executable, "-m", "ourobatch", "serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
            str(port), "--served-model-name", MODEL_NAME, "--log-level", "info"]
     cmd += [x for k, v in flags.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
@@ -177,7 +175,6 @@ async def open_client(model_dir: str, args: Any, mode: str, B: int, s: int, max_
                        shallow_loops=s, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                        num_kv_blocks=args.num_kv_blocks,
-                       **{name: getattr(args, name, None) for name in STEP_BUDGET_FIELDS
-                          if getattr(args, name, None) is not None})
+                       **budget_kwargs(args))
     async with Engine(cfg) as engine:
         yield EngineClient(engine)

@@ -1,7 +1,7 @@
 """Issue 19's stateful test on SyncEngine and the async Engine, each also with async scheduling (a step
 planned and launched while the one before it runs; tests/control_machine.py says what it interleaves
-and checks), and the async Engine in eager mode (verify, deferred and eager: every mode's step shapes). Tiny random checkpoints, float32 on the CPU, a KV pool small enough that
-requests are preempted for room."""
+and checks), and the async Engine in eager mode (verify, deferred and eager: every mode's step shapes).
+Tiny random checkpoints, float32 on the CPU, a KV pool small enough that requests are preempted for room."""
 
 from __future__ import annotations
 

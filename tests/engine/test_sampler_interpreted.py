@@ -1,5 +1,5 @@
 """engine/triton_sampler's two kernels (per-chunk mass and race winner, then per-row combine) against the
-torch sampler's own pieces (processed_logprobs, counter_uniforms: the float64 race), in Triton's interpreter
+torch sampler's own pieces (processed_logprobs, sampler.race's torch path: the float64 race), in Triton's interpreter
 on the CPU (TRITON_INTERPRET=1, where Triton is installed): several vocab sizes (one chunk, a partial last
 chunk, exact chunks), greedy and tempered rows, a row whose first chunks are all -inf. On the GPU:
 tests/gpu/test_gpu.py::test_triton_sampler_equals_the_torch_sampler."""
@@ -11,7 +11,7 @@ from tests.interpreter import run_interpreted
 INTERPRETED = """
 import torch
 from scheduler.params import SamplingParams
-from engine.sampler import counter_uniforms, processed_logprobs
+from engine.sampler import processed_logprobs, race
 from engine.triton_sampler import sample_plain
 for vocab, rows in ((97, 40), (5000, 13), (4096, 6)):
     g = torch.Generator().manual_seed(vocab)
@@ -24,9 +24,7 @@ for vocab, rows in ((97, 40), (5000, 13), (4096, 6)):
     greedy = torch.tensor([p.is_greedy for p in params])
     tokens, lps = sample_plain(logits, temps, seeds, cnt, greedy)
     ref_lp = processed_logprobs(logits, params)
-    u = counter_uniforms(seeds, cnt, vocab)
-    race = ref_lp.double() - torch.log(-torch.log(u))
-    ref_tok = torch.where(greedy, ref_lp.argmax(-1), race.argmax(-1))
+    ref_tok = race(ref_lp, greedy, seeds, cnt)  # the torch race: counter uniforms, float64 keys
     assert torch.equal(tokens, ref_tok), (tokens, ref_tok)
     torch.testing.assert_close(lps, ref_lp.gather(1, ref_tok[:, None]).squeeze(1), atol=1e-5, rtol=0)
 print("ok")
