@@ -13,7 +13,7 @@ With --inductor, the whole stretch between two attention calls (o_proj .. next q
 torch.compile (Inductor, default mode) is timed beside the current fused path and the Triton-GEMM path at M = 8 and 64.
 
     python benchmarks/gemm_sweep.py --out DIR [--rows 1,8,16,32,64,128] [--ops o,down,gate,qkv] [--inductor]
-        [--around-table]
+        [--around-table] [--tma]   # --tma: TMA loads (GemmConfig.tma) beside the pointer loads
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
 
 
-def around(op: str, cfg: GemmConfig):
-    """The table's tile for one op at warps 4 / 8 x stages 2-6 (its split count for o / down)."""
+def around(op: str, cfg: GemmConfig, tma: bool = False):
+    """The table's tile for one op at warps 4 / 8 x stages 2-6 (its split count for o / down); with tma, at
+    warps 4 x stages 2-6 x GemmConfig.tma 0 / 1 / 2 (pointer loads, TMA weights, TMA weights and activations)."""
     splits = {"o": cfg.splits_o, "down": cfg.splits_down}.get(op, 1)
-    for w, s in itertools.product((4, 8), (2, 3, 4, 5, 6)):
-        yield dataclasses.replace(cfg, num_warps=w, num_stages=s), splits
+    grid = itertools.product((4,), (2, 3, 4, 5, 6), (0, 1, 2)) if tma else itertools.product((4, 8), (2, 3, 4, 5, 6), (cfg.tma,))
+    for w, s, t in grid:
+        yield dataclasses.replace(cfg, num_warps=w, num_stages=s, tma=t), splits
 
 
 def configs(op: str):
@@ -77,7 +79,7 @@ def configs(op: str):
             yield GemmConfig(block_n=bn, block_k=bk), s
 
 
-def sweep_op(op: str, M: int, around_table: bool = False) -> dict:
+def sweep_op(op: str, M: int, around_table: bool = False, tma: bool = False) -> dict:
     k = {"o": Q, "down": I, "gate": H, "qkv": H}[op]
     ws = weights(2 * I, H) if op == "gate" else weights(Q + 2 * KV, H) if op == "qkv" else weights(H, k)
     x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
@@ -97,7 +99,14 @@ def sweep_op(op: str, M: int, around_table: bool = False) -> dict:
         base = timed(lambda: [fused.add_rms_norm2(h, F.linear(x, w), wa, wb, EPS) for w in ws])
     rows = []
     table_cfg = gemm_config(M)
-    candidates = around(op, table_cfg) if around_table and table_cfg is not None else configs(op)
+    if around_table and table_cfg is not None:
+        candidates = around(op, table_cfg, tma)
+    elif tma:  # the tile grid with TMA loads of weights and activations, beside the table's own tile without
+        table_splits = {"o": table_cfg.splits_o, "down": table_cfg.splits_down}.get(op, 1) if table_cfg else 1
+        candidates = itertools.chain([(table_cfg, table_splits)] if table_cfg else [],
+                                     ((dataclasses.replace(c, tma=2), s) for c, s in configs(op)))
+    else:
+        candidates = configs(op)
     for cfg, splits in candidates:
         try:
             if op == "gate":
@@ -180,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inductor", action="store_true")
     ap.add_argument("--around-table", action="store_true",
                     help="time only GEMM_TABLE's tile per M, at warps 4 / 8 x stages 2-6 (rows the table covers)")
+    ap.add_argument("--tma", action="store_true",
+                    help="with --around-table: warps 4 x stages 2-6 x GemmConfig.tma 0 / 1 / 2; without: the tile "
+                         "grid with tma 2 beside the table's tile (tma 0); the best of each tma value printed")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,12 +201,18 @@ def main(argv=None) -> int:
         for op in args.ops.split(","):
             if args.around_table and (gemm_config(M) is None or (op == "qkv" and not gemm_config(M).block_d_qkv)):
                 continue  # cuBLAS at this M (or its qkv): no tile of the table to vary
-            r = sweep_op(op, M, args.around_table)
+            r = sweep_op(op, M, args.around_table, args.tma)
             result["sweep"].append(r)
             b = r["best"]
             print(f"M={M:4d} {op:5s} cuBLAS path {r['cublas_us']:6.1f} us  best {b['us'] if b else float('nan'):6.1f} us "
                   f"x{r['speedup'] or 0:.2f}  {b['cfg'] if b else None} splits={b['splits'] if b else None}",
                   flush=True)
+            if args.tma:
+                for t in (0, 1, 2):
+                    ok = [c for c in r["all"] if c["cfg"]["tma"] == t and "us" in c]
+                    best = min(ok, key=lambda c: c["us"]) if ok else None
+                    print(f"    tma={t}: best {best['us'] if best else float('nan'):6.1f} us "
+                          f"stages={best['cfg']['num_stages'] if best else None}", flush=True)
             (out / "gemm_sweep.json").write_text(json.dumps(result, indent=1))
     if args.inductor:
         for M in (8, 64):
@@ -202,6 +220,12 @@ def main(argv=None) -> int:
             result["inductor"].append(r)
             print(f"between attention calls, M={M}: " + ", ".join(f"{k} {v:.1f} us" for k, v in r.items() if k != "M"),
                   flush=True)
+            if args.tma:
+                for t in (0, 1, 2):
+                    ok = [c for c in r["all"] if c["cfg"]["tma"] == t and "us" in c]
+                    best = min(ok, key=lambda c: c["us"]) if ok else None
+                    print(f"    tma={t}: best {best['us'] if best else float('nan'):6.1f} us "
+                          f"stages={best['cfg']['num_stages'] if best else None}", flush=True)
             (out / "gemm_sweep.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -107,9 +107,12 @@ if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
 fi
 if [ "$what" = gemm ]; then  # fused skinny GEMMs vs cuBLAS per rows, then the decode step with them on and off
-  python3 benchmarks/gemm_sweep.py --out "$OUT/gemm" --inductor 2>&1 | tee "$OUT/gemm.log" | tail -40
-  python3 benchmarks/step_profile.py --out "$OUT/profile" --gemm both "$@" 2>&1 | tee "$OUT/profile.log" \
-    | grep -v "^    " | tail -20
+  # GEMM_SWEEP_ARGS: gemm_sweep.py's arguments (default --inductor); GEMM_PROFILE=0 skips the step profile
+  python3 benchmarks/gemm_sweep.py --out "$OUT/gemm" ${GEMM_SWEEP_ARGS:---inductor} 2>&1 | tee "$OUT/gemm.log" | tail -60
+  if [ "${GEMM_PROFILE:-1}" != 0 ]; then
+    python3 benchmarks/step_profile.py --out "$OUT/profile" --gemm both "$@" 2>&1 | tee "$OUT/profile.log" \
+      | grep -v "^    " | tail -20
+  fi
 fi
 if [ "$what" = rl_pipeline ]; then  # sync loop vs Collector under a simulated learner (benchmarks/rl_pipeline.py)
   # The issue's workload; the whole matrix takes ~65 min, so one call runs deferred8's sync loop and

@@ -172,10 +172,11 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "tma"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
-                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv)")
+                         "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
+                         "'tma': the table with GemmConfig.tma 0, 1 and 2 side by side (TMA loads, sm90+)")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -194,8 +195,10 @@ def main(argv=None) -> int:
     base = table or ((64, GemmConfig()),)
     qkv = tuple((rows, dataclasses.replace(cfg, block_d_qkv=args.block_d_qkv, block_k_qkv=args.block_k_qkv))
                 for rows, cfg in base)
+    tma = [(f"+tma{t}" if t else "", tuple((rows, dataclasses.replace(cfg, tma=t)) for rows, cfg in base))
+           for t in (0, 1, 2)]
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)]}[args.gemm]
+                "qkv": [("", base), ("+qkv", qkv)], "tma": tma + tma}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))

@@ -25,6 +25,9 @@ class GemmConfig:
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     num_warps: int = 4
     num_stages: int = 4
+    # loads through Hopper's TMA (tensor descriptors; Triton pipelines the box loads with mbarriers) instead of
+    # pointer loads (cp.async): 0 none, 1 the weights, 2 the weights and the activations; sm90+ only, else 0
+    tma: int = 0
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -37,12 +40,15 @@ class GemmConfig:
 # 17-32 row bucket, not measured in a step, keeps cuBLAS. Session 9 (gemm_sweep --around-table): these tiles
 # at warps 4 / 8 x stages 2-6 came within 1-2% of the best, so they stay; and loading each program's first
 # weight blocks before the PDL wait measured no gain (N = 8 step 6.15 -> 6.19 ms with one, 6.11 -> 6.36 with
-# two) and is gone.
+# two) and is gone. Session 12: TMA loads of weights and activations (`tma=2`) took the N = 64 graphed step from
+# 13.21 / 13.28 to 12.90 / 13.15 ms (gate_up + SiLU 15.5 -> 14.7 us, qkv + RoPE + store 12.2 -> 11.4 us) and made
+# the N = 8 one slower (6.22 / 6.31 -> 6.29 / 6.24 ms; qkv 9.6 -> 10.4 us), so only the 64-row bucket has them
+# (docs/benchmarks/h200_session12_2026-12-04/).
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
                     block_k_qkv=256)),
     (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
-    (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=16)),
+    (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=16, tma=2)),
 )
 
 

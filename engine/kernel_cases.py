@@ -239,12 +239,12 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
-    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages)
+    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tma)
     keys = ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages))
+        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.tma))
     return keys
 
 

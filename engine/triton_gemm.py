@@ -15,7 +15,10 @@ Rounding follows the reference path: each GEMM output is rounded to the model dt
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
 Which rows counts use these kernels, and with which tiles, is `GemmConfig` from engine/gemm_dispatch.py's `gemm_config(rows)`
-(tuned on the H200 by benchmarks/gemm_sweep.py); above its range the cuBLAS path stays.
+(tuned on the H200 by benchmarks/gemm_sweep.py); above its range the cuBLAS path stays. Its `tma` field loads the
+weights (1), or the weights and the activations (2), through Hopper's tensor memory accelerator: a tensor
+descriptor per matrix, built per launch (a graph captures it once), whose box loads Triton pipelines with
+mbarriers instead of per-thread cp.async; out-of-range rows and K come back as zeros, as the masked loads'.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .gemm_dispatch import GemmConfig, qkv_block_d
@@ -37,24 +41,36 @@ def _tile(ptr, rows, n_rows, stride, k0, k_end, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_pair(x_ptr, rm, M, stride_xm, w_a, w_b, rows, n_rows, stride_wn, K, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """x[rm] @ w_a[rows].T and x[rm] @ w_b[rows].T over all of K, fp32 (gate and up; a head's two halves)."""
+def _box(w, row0, rows, n_rows, stride_wn, k, K, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """Rows row0 + [0, len(rows)) x [k, k + BLOCK_K) of a row-major matrix: through w's TMA descriptor when
+    TMA (zero past its shape), else from the pointer w (rows: row0 + arange, masked past n_rows and K)."""
+    if TMA:
+        return w.load([row0, k])
+    else:
+        return _tile(w, rows, n_rows, stride_wn, k, K, BLOCK_K)
+
+
+@triton.jit
+def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_rows, stride_wn, K,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+              USE_PDL: tl.constexpr):
+    """x[rm] @ w[row_a + i].T and x[rm] @ w[row_b + i].T, i < BLOCK_N, over all of K, fp32 (gate and up; a
+    head's two halves). w: the weight matrix's TMA descriptor when TMA, else its pointer."""
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = _tile(x_ptr, rm, M, stride_xm, k, K, BLOCK_K)
-        acc_a += tl.dot(x, tl.trans(_tile(w_a, rows, n_rows, stride_wn, k, K, BLOCK_K)))
-        acc_b += tl.dot(x, tl.trans(_tile(w_b, rows, n_rows, stride_wn, k, K, BLOCK_K)))
+        x = _box(x_ptr, m0, rm, M, stride_xm, k, K, BLOCK_K, TMA == 2)
+        acc_a += tl.dot(x, tl.trans(_box(w, row_a, rows_a, n_rows, stride_wn, k, K, BLOCK_K, TMA > 0)))
+        acc_b += tl.dot(x, tl.trans(_box(w, row_b, rows_b, n_rows, stride_wn, k, K, BLOCK_K, TMA > 0)))
     return acc_a, acc_b
 
 
 @triton.jit
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                             USE_PDL: tl.constexpr):
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -65,8 +81,8 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
     k_start = split * k_per_split  # k_per_split is a multiple of BLOCK_K: no block crosses two splits
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
-        a = _tile(x_ptr, rm, M, stride_xm, k_start + k, K, BLOCK_K)
-        b = _tile(w_ptr, rn, N, stride_wn, k_start + k, K, BLOCK_K)
+        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
+        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
         acc += tl.dot(a, tl.trans(b))
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -74,13 +90,15 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc_g, acc_u = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + N * stride_wn, rn, N, stride_wn, K,
-                             BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+    # gate rows rn, up rows N + rn (rows past N are masked: a partial last tile never reads up as gate)
+    acc_g, acc_u = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, pid_n * BLOCK_N, N + pid_n * BLOCK_N,
+                             tl.where(rn < N, rn, 2 * N), tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, USE_PDL)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
     up = acc_u.to(dtype).to(tl.float32)
@@ -117,17 +135,18 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
 def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
                            HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           TMA: tl.constexpr, USE_PDL: tl.constexpr):
     # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
     pid_c, pid_m = tl.program_id(0), tl.program_id(1)
     head = pid_c // (HALF // BLOCK_D)
-    d = (pid_c % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d0 = (pid_c % (HALF // BLOCK_D)) * BLOCK_D
+    d = d0 + tl.arange(0, BLOCK_D)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < M
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
-    acc1, acc2 = _dot_pair(x_ptr, rm, M, stride_xm, w_ptr, w_ptr + HALF * stride_wn, w_rows, n_rows, stride_wn, K,
-                           BLOCK_M, BLOCK_D, BLOCK_K, USE_PDL)
+    acc1, acc2 = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, head * 2 * HALF + d0, head * 2 * HALF + d0 + HALF,
+                           w_rows, w_rows + HALF, n_rows, stride_wn, K, BLOCK_M, BLOCK_D, BLOCK_K, TMA, USE_PDL)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
     x2 = acc2.to(dtype).to(tl.float32)
@@ -153,6 +172,39 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
             tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
 
 
+_SM90: dict[int, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later (cached per device); CPU tensors: Triton's interpreter, which emulates TMA loads."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _SM90[index]
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover t [n, K]: a TMA device, a contiguous last dim, a 16-byte aligned base
+    and row stride."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            and _has_tma(t.device))
+
+
+def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, block_k: int,
+              cfg: GemmConfig) -> tuple[object, object, int]:
+    """(x argument, w argument, TMA) of a GEMM kernel: TMA 0 loads both through pointers; 1 loads the weights
+    [n, K] in [block_rows, block_k] boxes through a TMA descriptor; 2 also the activations x [rows, K] in
+    [block_m, block_k] boxes. What cfg.tma asks for, where the hardware and the layouts allow it."""
+    if not cfg.tma or not _tma_ok(w):
+        return x, w, 0
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [block_rows, block_k])
+    if cfg.tma < 2 or not _tma_ok(x):
+        return x, w_desc, 1
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
+
+
 def _block_m(rows: int) -> int:
     # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
     return min(64, max(16, triton.next_power_of_2(rows)))
@@ -168,8 +220,9 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
         k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
         bm = _block_m(rows)
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
-        _linear_partials_kernel[grid](x, w, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
-                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x_arg, w_arg, tma = _tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
+        _linear_partials_kernel[grid](x_arg, w_arg, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
+                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TMA=tma,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
@@ -183,8 +236,9 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
     if rows:
         bm = _block_m(rows)
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
-        _gate_up_silu_kernel[grid](x, w_gate_up, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
-                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k,
+        x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, cfg.block_k, cfg)
+        _gate_up_silu_kernel[grid](x_arg, w_arg, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
+                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k, TMA=tma,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 
@@ -216,8 +270,9 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
     if rows:
         half, bm = head_dim // 2, _block_m(rows)
         grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
-        _qkv_rope_store_kernel[grid](x, w_qkv, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
+        x_arg, w_arg, tma = _tma_args(x, w_qkv, bm, block_d, cfg.block_k_qkv, cfg)
+        _qkv_rope_store_kernel[grid](x_arg, w_arg, positions, slots, inv_freq, q, k_plane, v_plane, rows, K, x.stride(0),
                                      w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1),
-                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
+                                     HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv, TMA=tma,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q

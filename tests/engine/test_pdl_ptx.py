@@ -32,9 +32,14 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, use_pdl: bool) -> list[str]:
+def _ptx(name: str, use_pdl: bool, tma: int = 0) -> list[str]:
+    """The kernel's PTX; with tma (GemmConfig.tma) 1 its weights, with 2 also its activations, come in as
+    TMA descriptors of the kernel's boxes."""
     fn, types, constexprs = KERNELS[name]
-    constexprs = {**constexprs, "USE_PDL": use_pdl}
+    rows = constexprs.get("BLOCK_N", constexprs.get("BLOCK_D"))
+    boxes = {"w_ptr": (rows, constexprs["BLOCK_K"]), "x_ptr": (constexprs["BLOCK_M"], constexprs["BLOCK_K"])}
+    types = {**types, **{arg: "tensordesc<bf16[%d, %d]>" % boxes[arg] for arg in ("w_ptr", "x_ptr")[:tma]}}
+    constexprs = {**constexprs, "TMA": tma, "USE_PDL": use_pdl}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
     names = list(signature)  # as at the decode shapes, Triton knows the pointers and K, N, strides are 16-aligned
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
@@ -49,12 +54,14 @@ def _first(lines: list[str], token: str) -> int:
     return next((i for i, line in enumerate(lines) if token in line), -1)
 
 
+@pytest.mark.parametrize("tma", [0, 1, 2])
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_the_wait_comes_before_every_load(name):
-    lines = _ptx(name, use_pdl=True)
+def test_the_wait_comes_before_every_load(name, tma):
+    lines = _ptx(name, use_pdl=True, tma=tma)
     wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]  # maybe predicated
     assert loads and 0 <= wait < launch, (wait, launch)
+    assert any("cp.async.bulk.tensor" in lines[i] for i in loads) == (tma > 0)  # TMA loads only with TMA
     assert wait < loads[0]  # nothing the kernel before writes is read before the wait
 
 

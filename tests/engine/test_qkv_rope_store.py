@@ -34,8 +34,11 @@ def rope(t, pos, inv_freq):  # t: [rows, heads, d]; the halves rotate by pos * i
     return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
 
 g = torch.Generator().manual_seed(0)
-for Hq, Hkv, d, hidden, rows, block_d, block_k in [(4, 2, 32, 96, 5, 16, 64), (2, 2, 64, 64, 17, 32, 128),
-                                                  (4, 1, 32, 80, 70, 16, 32), (2, 1, 64, 320, 9, 32, 256)]:
+# tma (GemmConfig.tma): 0 pointer loads, 1 the weights through a TMA descriptor, 2 the activations too
+for Hq, Hkv, d, hidden, rows, block_d, block_k, tma in [
+        (4, 2, 32, 96, 5, 16, 64, 0), (2, 2, 64, 64, 17, 32, 128, 0), (4, 1, 32, 80, 70, 16, 32, 0),
+        (2, 1, 64, 320, 9, 32, 256, 0), (4, 2, 32, 96, 5, 16, 64, 2), (4, 1, 32, 80, 70, 16, 32, 2),
+        (2, 1, 64, 320, 9, 32, 256, 1)]:
     n_slots = 3 * rows + 8
     x = torch.randn(rows, hidden, generator=g)
     w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g) / hidden ** 0.5
@@ -44,7 +47,7 @@ for Hq, Hkv, d, hidden, rows, block_d, block_k in [(4, 2, 32, 96, 5, 16, 64), (2
     inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
     k_plane = torch.zeros(n_slots, Hkv, d)
     v_plane = torch.zeros(n_slots, Hkv, d)
-    cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k)
+    cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma)
     q = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg)
     qkv = (x.double() @ w.double().T)
     q_ref = rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)

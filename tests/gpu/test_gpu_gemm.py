@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CONFIGS = [GemmConfig(), GemmConfig(block_n=32, block_k=64, splits_o=1, splits_down=8, block_n_gate=16),
-           GemmConfig(block_n=32, block_k=64, splits_o=8), *(cfg for _, cfg in gemm_dispatch.GEMM_TABLE)]
+           GemmConfig(block_n=32, block_k=64, splits_o=8), *(cfg for _, cfg in gemm_dispatch.GEMM_TABLE),
+           # TMA loads (GemmConfig.tma): the weights, then the activations too
+           GemmConfig(tma=1), GemmConfig(block_n=32, block_k=64, splits_o=8, block_n_gate=16, tma=2),
+           *(dataclasses.replace(cfg, tma=2) for _, cfg in gemm_dispatch.GEMM_TABLE)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
@@ -58,9 +63,10 @@ QKV_CASES = [(rows, *cfg) for rows in (1, 5, 16, 33, 64, 100)
              for cfg in [(16, 128), (32, 128), (64, 128)] + [(32, 256)] * (rows <= 16)]
 
 
+@pytest.mark.parametrize("tma", [0, 1, 2])
 @pytest.mark.parametrize("Hq,Hkv,d,hidden", [(16, 16, 128, 2048), (4, 2, 64, 256), (8, 1, 32, 96)])
 @pytest.mark.parametrize("rows,block_d,block_k", QKV_CASES)
-def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_d, block_k):
+def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_d, block_k, tma):
     from engine import triton_fused as fused
     from engine import triton_gemm as tg
 
@@ -76,7 +82,7 @@ def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_
     planes = {name: torch.zeros(n_slots, Hkv, d, **bf) for name in ("k_ref", "v_ref", "k", "v")}
     ref = fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, planes["k_ref"], planes["v_ref"], Hq, Hkv, d)
     got = tg.qkv_rope_store(x, w, pos, slots, inv_freq, planes["k"], planes["v"], Hq, Hkv, d,
-                            GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k))
+                            GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma))
     assert rel_err(got, ref) < 1e-2
     assert rel_err(planes["k"][slots], planes["k_ref"][slots]) < 1e-2
     assert rel_err(planes["v"][slots], planes["v_ref"][slots]) < 1e-2
@@ -91,14 +97,16 @@ def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     prompts = [[(7 * i + j) % 301 for j in range(3 + 5 * i)] for i in range(6)]
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True) for _ in prompts]
     outs = {}
-    tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)), ("cublas", ()))
+    tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)),
+              ("triton_tma", ((64, GemmConfig(block_d_qkv=32, tma=2)),)), ("cublas", ()))
     for name, table in tables:
         monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
         cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
                            max_num_seqs=8, logprobs_mode="raw")
         with SyncEngine(cfg) as llm:
             outs[name] = llm.generate_batch(prompts, params)
-    for a, b in [*zip(outs["triton"], outs["cublas"]), *zip(outs["triton_qkv"], outs["cublas"])]:
+    for a, b in [*zip(outs["triton"], outs["cublas"]), *zip(outs["triton_qkv"], outs["cublas"]),
+                 *zip(outs["triton_tma"], outs["cublas"])]:
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))
         assert n >= 3, (ta, tb)  # bf16 rounding may flip a near-tie late, never from the start
