@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -113,6 +113,11 @@ if [ "$what" = gemm ]; then  # fused skinny GEMMs vs cuBLAS per rows, then the d
     python3 benchmarks/step_profile.py --out "$OUT/profile" --gemm both "$@" 2>&1 | tee "$OUT/profile.log" \
       | grep -v "^    " | tail -20
   fi
+fi
+if [ "$what" = probe ]; then  # a phase boundary's cost: PDL-chained kernels vs a persistent kernel's grid
+  # barriers, on the bytes of the decode step's GEMMs (benchmarks/phase_probe.py; results checked vs torch)
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/phase_probe.py --out "$OUT/probe" "$@" 2>&1 \
+    | tee "$OUT/probe.log" | tail -40
 fi
 if [ "$what" = rl_pipeline ]; then  # sync loop vs Collector under a simulated learner (benchmarks/rl_pipeline.py)
   # The issue's workload; the whole matrix takes ~65 min, so one call runs deferred8's sync loop and

@@ -1,0 +1,251 @@
+"""Would a persistent layer kernel pay? The cost of a phase boundary on one GPU, kernels against grid barriers.
+
+The full-depth decode step sits 1.8x (N = 8) and 1.27x (N = 64) above its bytes floor, and the profile says
+the gap is a fixed cost per kernel (its first loads, its last wave, the wait for the kernel before), not the
+streaming inside kernels (docs/benchmarks.md, sessions 9-12). A persistent layer kernel would replace the
+kernel boundaries with grid-wide barriers, and could ask L2 for the next phase's weights while it waits.
+This probe measures that trade on the same bytes before anyone builds the real kernel.
+
+A chain of skinny GEMM phases, y_i = x_i @ W_i.T with x_i = y_(i-1)[:, :K] (K = 2048, `--rows` rows),
+distinct weights per phase (24 layers x 4 phases: ~2.4 GB, so L2 holds none), each phase's columns a
+multiple of the SM count in 16-column tiles, near one Ouro-1.4B layer's (qkv, o, gate_up, down), run three
+ways, each in a CUDA graph:
+- kernels: one Triton kernel per phase, PDL-chained like the engine's decode step (engine/pdl.py);
+- persistent: one launch, `--per-sm` programs per SM (all resident at once), each looping over its tiles of
+  every phase, with a grid barrier (an atomic counter per boundary, zeroed by a memset in the graph) between
+  phases;
+- persistent+prefetch: the same, each program asking L2 (cp.async.bulk.prefetch.L2) for its first tile of
+  the next phase before it waits at the barrier.
+Every run's last output is checked against a torch reference. Reported: ms per chain, the bytes floor at
+4.3 TB/s, and us per phase above the floor.
+
+    python benchmarks/phase_probe.py --out DIR [--rows 8,64] [--layers 24] [--per-sm 1,2,4]
+    python benchmarks/phase_probe.py --out DIR --smoke   # CPU: Triton's interpreter, one program, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+K, BLOCK_N, BLOCK_K, COPY_TBPS = 2048, 16, 128, 4.3
+LAYER_COLUMNS = (6144, 2048, 11264, 5632)  # qkv, o, gate_up, down's bytes (as K = 2048 rows of 2 bytes)
+
+
+def phase_columns(sms: int, layers: int, block_n: int = BLOCK_N) -> list[int]:
+    """Each phase's output columns: the layer's, rounded to whole waves of `sms` tiles of block_n."""
+    wave = sms * block_n
+    return [max(wave, round(c / wave) * wave) for c in LAYER_COLUMNS] * layers
+
+
+@triton.jit
+def tile(x_ptr, w_ptr, y_ptr, col0, M, stride_x, stride_y, K, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y[:, col0 : col0 + BLOCK_N] = x @ w[col0 : col0 + BLOCK_N].T over all of K
+    rm = tl.arange(0, BLOCK_M)
+    rn = col0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm < M)[:, None], other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :])
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None])
+
+@triton.jit
+def phase_kernel(x_ptr, w_ptr, y_ptr, M, stride_y, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile(x_ptr, w_ptr, y_ptr, tl.program_id(0) * BLOCK_N, M, stride_y, stride_y, K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+@triton.jit
+def grid_barrier(cnt_ptr, expected):
+    # every thread's stores of this program are done (bar.sync), then one release increment; acquire-poll
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen < expected:
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+@triton.jit
+def prefetch_tile(w_ptr, col0, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # ask L2 for rows col0 .. col0 + BLOCK_N of w (K x 2 bytes each), one bulk prefetch per row
+    addr = w_ptr + (col0 + tl.arange(0, BLOCK_N)).to(tl.int64) * K
+    size = tl.full((BLOCK_N,), K * 2, tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+@triton.jit
+def persistent_kernel(w_ptr, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, stride_y, slot,
+                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH: tl.constexpr):
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for i in range(num_phases):
+        w_phase = w_ptr + tl.load(w_row_ptr + i).to(tl.int64) * K
+        for t in range(pid, tl.load(cols_ptr + i) // BLOCK_N, programs):
+            tile(y_ptr + i * slot, w_phase, y_ptr + (i + 1) * slot, t * BLOCK_N, M, stride_y, stride_y, K,
+                 BLOCK_M, BLOCK_N, BLOCK_K)
+        if i + 1 < num_phases:
+            if PREFETCH:
+                if pid < tl.load(cols_ptr + i + 1) // BLOCK_N:
+                    prefetch_tile(w_ptr + tl.load(w_row_ptr + i + 1).to(tl.int64) * K, pid * BLOCK_N, K, BLOCK_N)
+            grid_barrier(cnt_ptr + i, programs)
+
+
+class Chain:
+    """The phases' weights, the activation slots (slot 0: the input) and the three ways to run them."""
+
+    def __init__(self, rows: int, cols: list[int], device: str, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N) -> None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.rows, self.cols, self.device, self.block_n = rows, cols, device, block_n
+        self.block_m = max(16, 1 << (rows - 1).bit_length())
+        starts = [0]
+        for c in cols:
+            starts.append(starts[-1] + c)
+        self.w = (torch.randn(starts[-1], K, generator=g, device=device) / K**0.5).to(dtype)
+        self.w_rows = torch.tensor(starts[:-1], dtype=torch.int64, device=device)
+        self.cols_t = torch.tensor(cols, dtype=torch.int32, device=device)
+        self.width = max(max(cols), K)
+        self.y = torch.zeros(len(cols) + 1, self.block_m, self.width, dtype=dtype, device=device)
+        self.y[0, :rows, :K] = torch.randn(rows, K, generator=g, device=device).to(dtype)
+        self.cnt = torch.zeros(len(cols), dtype=torch.int32, device=device)
+
+    def run_kernels(self, pdl: bool) -> None:
+        launch = {"launch_pdl": True} if pdl else {}
+        for i, c in enumerate(self.cols):
+            w = self.w[int(self.w_rows[i]):int(self.w_rows[i]) + c]
+            phase_kernel[(c // self.block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=K,
+                                               BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
+                                               USE_PDL=pdl, num_warps=4, num_stages=4, **launch)
+
+    def run_persistent(self, programs: int, prefetch: bool) -> None:
+        self.cnt.zero_()
+        persistent_kernel[(programs,)](self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
+                                            self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                            BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PREFETCH=prefetch, num_warps=4,
+                                            num_stages=4)
+
+    def resident_per_sm(self, sms: int) -> int:
+        """How many persistent programs one SM holds at once (shared memory, registers, threads): more per SM
+        than this would deadlock at the first barrier."""
+        kernel = persistent_kernel.warmup(self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
+                                          self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                          BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PREFETCH=True, num_warps=4,
+                                          num_stages=4, grid=(sms,))
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(0)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) - 1024
+        return min(smem // max(kernel.metadata.shared, 1), 65536 // max(kernel.n_regs * 128, 1), 2048 // 128)
+
+    def reference(self) -> torch.Tensor:
+        """The last phase's output from torch, each phase rounded to the dtype as the kernels store it."""
+        x = self.y[0, :self.rows, :K]
+        for i, c in enumerate(self.cols):
+            w = self.w[int(self.w_rows[i]):int(self.w_rows[i]) + c]
+            x_full = (x.float() @ w.float().T).to(self.w.dtype)
+            x = x_full[:, :K]
+        return x_full
+
+    def output(self) -> torch.Tensor:
+        return self.y[len(self.cols), :self.rows, :self.cols[-1]]
+
+
+def timed(fn, reps: int = 20) -> float:
+    """ms per call of fn, replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
+    """The chain at `rows` rows (16-column tiles up to 16 rows, 64 above: a wider tile reads the activations
+    fewer times), run every way twice in turn; persistent launches of per_sm programs per SM (all resident)."""
+    block_n = BLOCK_N if rows <= 16 else 64
+    chain = Chain(rows, phase_columns(sms, layers, block_n), "cuda", block_n=block_n)
+    ref = chain.reference()
+    floor_ms = chain.w.numel() * 2 / (COPY_TBPS * 1e9)
+    ways = {"kernels": lambda: chain.run_kernels(pdl=True), "kernels_no_pdl": lambda: chain.run_kernels(pdl=False)}
+    fits = chain.resident_per_sm(sms)
+    for k in (k for k in per_sm if k <= fits):
+        ways[f"persistent_x{k}"] = lambda k=k: chain.run_persistent(k * sms, prefetch=False)
+        ways[f"persistent_x{k}_prefetch"] = lambda k=k: chain.run_persistent(k * sms, prefetch=True)
+    result = dict(rows=rows, layers=layers, block_n=block_n, phases=len(chain.cols), floor_ms=floor_ms,
+                  resident_per_sm=fits, ways={})
+    print(f"rows={rows}: {fits} persistent programs fit on an SM; per-SM counts tried: "
+          f"{[k for k in per_sm if k <= fits]}", flush=True)
+    for _ in range(2):  # twice in turn: the spread between rounds is the noise
+        for name, fn in ways.items():
+            chain.y[1:].zero_()
+            ms = timed(fn)
+            err = rel_err(chain.output(), ref)
+            per_phase = (ms - floor_ms) * 1e3 / len(chain.cols)
+            result["ways"].setdefault(name, []).append(dict(ms=ms, us_above_floor_per_phase=per_phase, rel_err=err))
+            print(f"rows={rows:3d} {name:24s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase above "
+                  f"the floor, rel err {err:.1e}", flush=True)
+    return result
+
+
+def smoke() -> None:
+    """CPU: both kernels in Triton's interpreter (one persistent program, so its barriers pass at once)."""
+    # float32: the interpreter's dot on bf16 is not numpy's; a phase feeds the next its first K columns
+    chain = Chain(3, [K, K + BLOCK_N, K], "cpu", dtype=torch.float32)
+    ref = chain.reference()
+    for run in (lambda: chain.run_kernels(pdl=False), lambda: chain.run_persistent(1, prefetch=False)):
+        chain.y[1:].zero_()
+        run()
+        assert rel_err(chain.output(), ref) < 1e-2, rel_err(chain.output(), ref)
+    print("ok")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="8,64")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--per-sm", default="1,2,4", help="programs per SM of the persistent launches")
+    ap.add_argument("--smoke", action="store_true", help="CPU: the kernels in Triton's interpreter, tiny shapes")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+        smoke()
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = dict(device=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, probes=[])
+    for rows in (int(r) for r in args.rows.split(",")):
+        results["probes"].append(probe(rows, args.layers, sms, [int(k) for k in args.per_sm.split(",")]))
+        (out / "phase_probe.json").write_text(json.dumps(results, indent=1))
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
