@@ -14,8 +14,10 @@ ways, each in a CUDA graph:
 - persistent: one launch, `--per-sm` programs per SM (all resident at once), each looping over its tiles of
   every phase, with a grid barrier (an atomic counter per boundary, zeroed by a memset in the graph) between
   phases;
-- persistent+prefetch: the same, each program asking L2 (cp.async.bulk.prefetch.L2) for its first tile of
-  the next phase before it waits at the barrier.
+- persistent + flat: the same, each program's tiles of a phase as one loop over (tile, K block), so the
+  pipeliner loads a tile's first blocks while the one before finishes (Triton's persistent-matmul pattern);
+- + pfN: after arriving at a barrier and before waiting there, each program asks L2
+  (cp.async.bulk.prefetch.L2) for the first N bytes of every weight row of its first tile of the next phase.
 Every run's last output is checked against a torch reference. Reported: ms per chain, the bytes floor at
 4.3 TB/s, and us per phase above the floor.
 
@@ -68,38 +70,77 @@ def phase_kernel(x_ptr, w_ptr, y_ptr, M, stride_y, K: tl.constexpr, BLOCK_M: tl.
     tile(x_ptr, w_ptr, y_ptr, tl.program_id(0) * BLOCK_N, M, stride_y, stride_y, K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 @triton.jit
-def grid_barrier(cnt_ptr, expected):
-    # every thread's stores of this program are done (bar.sync), then one release increment; acquire-poll
+def barrier_arrive(cnt_ptr):
+    # every thread's stores of this program are done (bar.sync), then one release increment
     tl.debug_barrier()
     tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def barrier_wait(cnt_ptr, expected):
+    # acquire-poll until every program has arrived
     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     while seen < expected:
         seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
+
 @triton.jit
-def prefetch_tile(w_ptr, col0, K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # ask L2 for rows col0 .. col0 + BLOCK_N of w (K x 2 bytes each), one bulk prefetch per row
+def prefetch_tile(w_ptr, col0, K: tl.constexpr, BLOCK_N: tl.constexpr, PF_BYTES: tl.constexpr):
+    # ask L2 for the first PF_BYTES of rows col0 .. col0 + BLOCK_N of w, one bulk prefetch per row
     addr = w_ptr + (col0 + tl.arange(0, BLOCK_N)).to(tl.int64) * K
-    size = tl.full((BLOCK_N,), K * 2, tl.int32)
+    size = tl.full((BLOCK_N,), PF_BYTES, tl.int32)
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
                               [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def flat_tiles(x_ptr, w_ptr, y_ptr, n_tiles, pid, programs, M, stride_y, K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # this program's tiles pid, pid + programs, ... as one loop over (tile, K block): the pipeliner loads the
+    # next tile's first blocks while the current one finishes (Triton's persistent-matmul pattern)
+    k_tiles: tl.constexpr = K // BLOCK_K
+    mine = tl.maximum(n_tiles - pid + programs - 1, 0) // programs
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, mine * k_tiles):
+        t = pid + (it // k_tiles) * programs
+        ki = it % k_tiles
+        rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_y + rk[None, :], mask=(rm < M)[:, None], other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :])
+        acc += tl.dot(x, tl.trans(w))
+        if ki == k_tiles - 1:
+            tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(rm < M)[:, None])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
 
 @triton.jit
 def persistent_kernel(w_ptr, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, stride_y, slot,
                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      PF_BYTES: tl.constexpr, FLAT: tl.constexpr):
+    # PF_BYTES > 0: between arriving at a barrier and waiting there, ask L2 for that much of each weight row
+    # of this program's first tile of the next phase
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for i in range(num_phases):
         w_phase = w_ptr + tl.load(w_row_ptr + i).to(tl.int64) * K
-        for t in range(pid, tl.load(cols_ptr + i) // BLOCK_N, programs):
-            tile(y_ptr + i * slot, w_phase, y_ptr + (i + 1) * slot, t * BLOCK_N, M, stride_y, stride_y, K,
-                 BLOCK_M, BLOCK_N, BLOCK_K)
+        n_tiles = tl.load(cols_ptr + i) // BLOCK_N
+        if FLAT:
+            flat_tiles(y_ptr + i * slot, w_phase, y_ptr + (i + 1) * slot, n_tiles, pid, programs, M, stride_y, K,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            for t in range(pid, n_tiles, programs):
+                tile(y_ptr + i * slot, w_phase, y_ptr + (i + 1) * slot, t * BLOCK_N, M, stride_y, stride_y, K,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
         if i + 1 < num_phases:
-            if PREFETCH:
+            barrier_arrive(cnt_ptr + i)
+            if PF_BYTES > 0:
                 if pid < tl.load(cols_ptr + i + 1) // BLOCK_N:
-                    prefetch_tile(w_ptr + tl.load(w_row_ptr + i + 1).to(tl.int64) * K, pid * BLOCK_N, K, BLOCK_N)
-            grid_barrier(cnt_ptr + i, programs)
+                    prefetch_tile(w_ptr + tl.load(w_row_ptr + i + 1).to(tl.int64) * K, pid * BLOCK_N, K, BLOCK_N,
+                                  PF_BYTES)
+            barrier_wait(cnt_ptr + i, programs)
 
 
 class Chain:
@@ -114,7 +155,8 @@ class Chain:
         for c in cols:
             starts.append(starts[-1] + c)
         self.w = (torch.randn(starts[-1], K, generator=g, device=device) / K**0.5).to(dtype)
-        self.w_rows = torch.tensor(starts[:-1], dtype=torch.int64, device=device)
+        self.starts = starts[:-1]  # host ints: a graph capture must not read the device
+        self.w_rows = torch.tensor(self.starts, dtype=torch.int64, device=device)
         self.cols_t = torch.tensor(cols, dtype=torch.int32, device=device)
         self.width = max(max(cols), K)
         self.y = torch.zeros(len(cols) + 1, self.block_m, self.width, dtype=dtype, device=device)
@@ -124,35 +166,38 @@ class Chain:
     def run_kernels(self, pdl: bool) -> None:
         launch = {"launch_pdl": True} if pdl else {}
         for i, c in enumerate(self.cols):
-            w = self.w[int(self.w_rows[i]):int(self.w_rows[i]) + c]
+            w = self.w[self.starts[i]:self.starts[i] + c]
             phase_kernel[(c // self.block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=K,
                                                BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
                                                USE_PDL=pdl, num_warps=4, num_stages=4, **launch)
 
-    def run_persistent(self, programs: int, prefetch: bool) -> None:
+    def run_persistent(self, programs: int, pf_bytes: int = 0, flat: bool = False) -> None:
         self.cnt.zero_()
         persistent_kernel[(programs,)](self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
-                                            self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
-                                            BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PREFETCH=prefetch, num_warps=4,
-                                            num_stages=4)
+                                       self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                       BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PF_BYTES=pf_bytes, FLAT=flat,
+                                       num_warps=4, num_stages=4)
 
     def resident_per_sm(self, sms: int) -> int:
         """How many persistent programs one SM holds at once (shared memory, registers, threads): more per SM
         than this would deadlock at the first barrier."""
-        kernel = persistent_kernel.warmup(self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
-                                          self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
-                                          BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PREFETCH=True, num_warps=4,
-                                          num_stages=4, grid=(sms,))
-        kernel._init_handles()
-        props = torch.cuda.get_device_properties(0)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) - 1024
-        return min(smem // max(kernel.metadata.shared, 1), 65536 // max(kernel.n_regs * 128, 1), 2048 // 128)
+        fits = 2048 // 128  # threads
+        for pf_bytes, flat in ((0, False), (K * 2, False), (0, True), (K * 2, True)):
+            kernel = persistent_kernel.warmup(self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
+                                              self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                              BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PF_BYTES=pf_bytes, FLAT=flat,
+                                              num_warps=4, num_stages=4, grid=(sms,))
+            kernel._init_handles()
+            props = torch.cuda.get_device_properties(0)
+            smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) - 1024
+            fits = min(fits, smem // max(kernel.metadata.shared, 1), 65536 // max(kernel.n_regs * 128, 1))
+        return fits
 
     def reference(self) -> torch.Tensor:
         """The last phase's output from torch, each phase rounded to the dtype as the kernels store it."""
         x = self.y[0, :self.rows, :K]
         for i, c in enumerate(self.cols):
-            w = self.w[int(self.w_rows[i]):int(self.w_rows[i]) + c]
+            w = self.w[self.starts[i]:self.starts[i] + c]
             x_full = (x.float() @ w.float().T).to(self.w.dtype)
             x = x_full[:, :K]
         return x_full
@@ -193,8 +238,10 @@ def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
     ways = {"kernels": lambda: chain.run_kernels(pdl=True), "kernels_no_pdl": lambda: chain.run_kernels(pdl=False)}
     fits = chain.resident_per_sm(sms)
     for k in (k for k in per_sm if k <= fits):
-        ways[f"persistent_x{k}"] = lambda k=k: chain.run_persistent(k * sms, prefetch=False)
-        ways[f"persistent_x{k}_prefetch"] = lambda k=k: chain.run_persistent(k * sms, prefetch=True)
+        for flat in (False, True):
+            for pf in (0, 512, K * 2):  # nothing, the first two K blocks, the whole row
+                name = f"persistent_x{k}{'_flat' if flat else ''}{f'_pf{pf}' if pf else ''}"
+                ways[name] = lambda k=k, pf=pf, flat=flat: chain.run_persistent(k * sms, pf, flat)
     result = dict(rows=rows, layers=layers, block_n=block_n, phases=len(chain.cols), floor_ms=floor_ms,
                   resident_per_sm=fits, ways={})
     print(f"rows={rows}: {fits} persistent programs fit on an SM; per-SM counts tried: "
@@ -206,7 +253,7 @@ def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
             err = rel_err(chain.output(), ref)
             per_phase = (ms - floor_ms) * 1e3 / len(chain.cols)
             result["ways"].setdefault(name, []).append(dict(ms=ms, us_above_floor_per_phase=per_phase, rel_err=err))
-            print(f"rows={rows:3d} {name:24s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase above "
+            print(f"rows={rows:3d} {name:30s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase above "
                   f"the floor, rel err {err:.1e}", flush=True)
     return result
 
@@ -216,7 +263,8 @@ def smoke() -> None:
     # float32: the interpreter's dot on bf16 is not numpy's; a phase feeds the next its first K columns
     chain = Chain(3, [K, K + BLOCK_N, K], "cpu", dtype=torch.float32)
     ref = chain.reference()
-    for run in (lambda: chain.run_kernels(pdl=False), lambda: chain.run_persistent(1, prefetch=False)):
+    for run in (lambda: chain.run_kernels(pdl=False), lambda: chain.run_persistent(1),
+                lambda: chain.run_persistent(1, flat=True)):
         chain.y[1:].zero_()
         run()
         assert rel_err(chain.output(), ref) < 1e-2, rel_err(chain.output(), ref)
