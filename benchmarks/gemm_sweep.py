@@ -61,7 +61,8 @@ def around(op: str, cfg: GemmConfig, tma: bool = False):
     """The table's tile for one op at warps 4 / 8 x stages 2-6 (its split count for o / down); with tma, at
     warps 4 x stages 2-6 x GemmConfig.tma 0 / 1 / 2 (pointer loads, TMA weights, TMA weights and activations)."""
     splits = {"o": cfg.splits_o, "down": cfg.splits_down}.get(op, 1)
-    grid = itertools.product((4,), (2, 3, 4, 5, 6), (0, 1, 2)) if tma else itertools.product((4, 8), (2, 3, 4, 5, 6), (cfg.tma,))
+    stages = (2, 3, 4, 5, 6)
+    grid = itertools.product((4,), stages, (0, 1, 2)) if tma else itertools.product((4, 8), stages, (cfg.tma,))
     for w, s, t in grid:
         yield dataclasses.replace(cfg, num_warps=w, num_stages=s, tma=t), splits
 
