@@ -44,6 +44,12 @@ GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvje
           ("sampling", ("sample", "softmax", "gumbel", "argmax", "log_softmax", "topk", "sort")))
 
 
+# The 64-row tiles that won gemm_sweep --tma in isolation (session 12, gemm_sweep_tma.json): o / down 32
+# columns, K steps of 256, 2 splits (6.4 / 10.3 us against 6.7 / 10.5); gate_up 32 columns, K steps of 64
+# (16.0 against 16.7). Not yet measured in a step.
+TILES64 = dict(block_n=32, block_k=256, splits_o=2, splits_down=2, block_n_gate=32, block_k_gate=64)
+
+
 def group_of(name: str) -> str:
     low = name.lower()
     for group, keys in GROUPS:
@@ -172,11 +178,12 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "tma"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "tma", "tiles64"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
-                         "'tma': the table with GemmConfig.tma 0, 1 and 2 side by side (TMA loads, sm90+)")
+                         "'tma': the table with GemmConfig.tma 0, 1 and 2 side by side (TMA loads, sm90+); "
+                         "'tiles64': the table, and beside it the table whose 64-row bucket has TILES64")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -197,8 +204,10 @@ def main(argv=None) -> int:
                 for rows, cfg in base)
     tma = [(f"+tma{t}" if t else "", tuple((rows, dataclasses.replace(cfg, tma=t)) for rows, cfg in base))
            for t in (0, 1, 2)]
+    tiles64 = tuple((rows, dataclasses.replace(cfg, **TILES64) if rows == 64 else cfg) for rows, cfg in base)
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
-                "qkv": [("", base), ("+qkv", qkv)], "tma": tma + tma}[args.gemm]
+                "qkv": [("", base), ("+qkv", qkv)], "tma": tma + tma,
+                "tiles64": [("", base), ("+tiles64", tiles64)] * 2}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))

@@ -19,6 +19,7 @@ class GemmConfig:
     splits_o: int = 4  # K splits of o_proj (K = heads x head_dim)
     splits_down: int = 4  # K splits of down_proj (K = intermediate)
     block_n_gate: int = 32  # intermediate columns per program of gate_up_silu
+    block_k_gate: int = 0  # K per step of gate_up_silu (0: block_k, the split-K partials' own)
     # qkv_rope_store: dims of a head's first half per program (with their RoPE partners); 0: the qkv GEMM
     # stays cuBLAS + triton_fused.rope_store_kv (the table's 17-32 row bucket)
     block_d_qkv: int = 0
@@ -50,6 +51,11 @@ GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
     (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=16, tma=2)),
 )
+
+
+def gate_block_k(cfg: GemmConfig) -> int:
+    """gate_up_silu's K per step: its own block_k_gate, else the config's block_k."""
+    return cfg.block_k_gate or cfg.block_k
 
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:

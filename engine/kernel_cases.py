@@ -30,7 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gemm_config, qkv_block_d
+from .gemm_dispatch import gate_block_k, gemm_config, qkv_block_d
 from .prefill_graph import PrefillLayout, prefill_buckets
 
 
@@ -239,8 +239,9 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
-    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tma)
-    keys = ({("partials", bm, r, cfg.block_n) + rest, ("gate_up", bm, r, cfg.block_n_gate) + rest}
+    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
+    keys = ({("partials", bm, r, cfg.block_n, cfg.block_k) + rest,
+             ("gate_up", bm, r, cfg.block_n_gate, gate_block_k(cfg)) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:

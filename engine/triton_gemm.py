@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, qkv_block_d
+from .gemm_dispatch import GemmConfig, gate_block_k, qkv_block_d
 
 
 @triton.jit
@@ -238,9 +238,10 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
     if rows:
         bm = _block_m(rows)
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
-        x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, cfg.block_k, cfg)
+        block_k = gate_block_k(cfg)
+        x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, block_k, cfg)
         _gate_up_silu_kernel[grid](x_arg, w_arg, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
-                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=cfg.block_k, TMA=tma,
+                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=block_k, TMA=tma,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 

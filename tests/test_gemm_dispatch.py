@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gemm_config
+from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_config
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
     limits = [rows for rows, _ in GEMM_TABLE]
     assert limits == sorted(set(limits)), "ascending, no duplicate bucket"
     for _, cfg in GEMM_TABLE:
-        for tile in (cfg.block_n, cfg.block_k, cfg.block_n_gate):
+        for tile in (cfg.block_n, cfg.block_k, cfg.block_n_gate, gate_block_k(cfg)):
             assert tile >= 16 and tile & (tile - 1) == 0, "tl.dot tiles are powers of two >= 16"
         assert cfg.splits_o >= 1 and cfg.splits_down >= 1
 
@@ -28,3 +28,8 @@ def test_a_call_gets_the_first_bucket_that_holds_its_rows(rows):
         assert got is None  # past the table: cuBLAS
     assert gemm_config(rows, ()) is None
     assert gemm_config(10_000) is None  # the shipped table ends well below a prefill chunk
+
+
+def test_gate_up_takes_its_own_block_k_where_the_config_sets_one():
+    assert gate_block_k(GemmConfig(block_k=128)) == 128
+    assert gate_block_k(GemmConfig(block_k=256, block_k_gate=64)) == 64

@@ -8,6 +8,7 @@ Launching the kernels and counting compiles needs the GPU: tests/gpu/test_gpu_wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -399,6 +400,16 @@ def test_one_gemm_launch_per_tile_and_row_class():
     assert {k for k in found if k[0] == "norm_partials"} == {("norm_partials", c, n) for c, n in norms}
     assert kernel_cases.gemm_keys(49, table) == set()  # past the table: cuBLAS, nothing to compile
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
+
+
+def test_gate_ups_own_k_step_and_tma_are_their_own_specializations():
+    base = GemmConfig(block_n=32)
+    for other in (dataclasses.replace(base, block_k_gate=64), dataclasses.replace(base, tma=2)):
+        a, b = (kernel_cases.gemm_keys(8, ((16, cfg),)) for cfg in (base, other))
+        gate_a, gate_b = ({k for k in keys if k[0] == "gate_up"} for keys in (a, b))
+        assert gate_a != gate_b  # a second compile of gate_up, which the warm-up must launch too
+        if other.tma == base.tma:  # block_k_gate leaves the partials' specialization alone
+            assert {k for k in a if k[0] == "partials"} == {k for k in b if k[0] == "partials"}
 
 
 INTERPRETED = """

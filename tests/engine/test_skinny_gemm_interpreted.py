@@ -30,6 +30,9 @@ for rows, K, N, splits, block_k in [(3, 64, 48, 4, 16), (9, 100, 40, 2, 32), (20
         gate, up = x.double() @ w2[:N].double().T, x.double() @ w2[N:].double().T
         got = triton_gemm.gate_up_silu(x, w2, GemmConfig(block_n_gate=16, block_k=block_k, tma=tma))
         assert err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (rows, K, tma)
+        # gate_up's own K step (block_k_gate), beside a different one for the partials
+        got = triton_gemm.gate_up_silu(x, w2, GemmConfig(block_n_gate=16, block_k=64, block_k_gate=block_k, tma=tma))
+        assert err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (rows, K, tma, "block_k_gate")
 print("ok")
 """
 

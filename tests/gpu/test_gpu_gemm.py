@@ -25,7 +25,9 @@ CONFIGS = [GemmConfig(), GemmConfig(block_n=32, block_k=64, splits_o=1, splits_d
            GemmConfig(block_n=32, block_k=64, splits_o=8), *(cfg for _, cfg in gemm_dispatch.GEMM_TABLE),
            # TMA loads (GemmConfig.tma): the weights, then the activations too
            GemmConfig(tma=1), GemmConfig(block_n=32, block_k=64, splits_o=8, block_n_gate=16, tma=2),
-           *(dataclasses.replace(cfg, tma=2) for _, cfg in gemm_dispatch.GEMM_TABLE)]
+           *(dataclasses.replace(cfg, tma=2) for _, cfg in gemm_dispatch.GEMM_TABLE),
+           # gate_up's own K step (step_profile.py --gemm tiles64's candidate)
+           GemmConfig(block_n=32, block_k=256, splits_o=2, splits_down=2, block_n_gate=32, block_k_gate=64, tma=2)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
