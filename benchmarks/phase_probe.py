@@ -28,6 +28,7 @@ Every run's last output is checked against a torch reference. Reported: ms per c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 K, BLOCK_N, BLOCK_K, COPY_TBPS = 2048, 16, 128, 4.3
+PREFETCH_BYTES = (0, 512, 2 * K)  # per weight row, at each barrier: nothing, the first two K blocks, the whole row
 LAYER_COLUMNS = (6144, 2048, 11264, 5632)  # qkv, o, gate_up, down's bytes (as K = 2048 rows of 2 bytes)
 
 
@@ -144,7 +146,7 @@ def persistent_kernel(w_ptr, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M,
 
 
 class Chain:
-    """The phases' weights, the activation slots (slot 0: the input) and the three ways to run them."""
+    """The phases' weights, the activation slots (slot 0: the input) and the ways to run them."""
 
     def __init__(self, rows: int, cols: list[int], device: str, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N) -> None:
@@ -182,7 +184,7 @@ class Chain:
         """How many persistent programs one SM holds at once (shared memory, registers, threads): more per SM
         than this would deadlock at the first barrier."""
         fits = 2048 // 128  # threads
-        for pf_bytes, flat in ((0, False), (K * 2, False), (0, True), (K * 2, True)):
+        for pf_bytes, flat in itertools.product(PREFETCH_BYTES, (False, True)):  # every variant probe() runs
             kernel = persistent_kernel.warmup(self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
                                               self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
                                               BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PF_BYTES=pf_bytes, FLAT=flat,
@@ -239,7 +241,7 @@ def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
     fits = chain.resident_per_sm(sms)
     for k in (k for k in per_sm if k <= fits):
         for flat in (False, True):
-            for pf in (0, 512, K * 2):  # nothing, the first two K blocks, the whole row
+            for pf in PREFETCH_BYTES:
                 name = f"persistent_x{k}{'_flat' if flat else ''}{f'_pf{pf}' if pf else ''}"
                 ways[name] = lambda k=k, pf=pf, flat=flat: chain.run_persistent(k * sms, pf, flat)
     result = dict(rows=rows, layers=layers, block_n=block_n, phases=len(chain.cols), floor_ms=floor_ms,
