@@ -221,12 +221,6 @@ def main(argv=None) -> int:
             result["inductor"].append(r)
             print(f"between attention calls, M={M}: " + ", ".join(f"{k} {v:.1f} us" for k, v in r.items() if k != "M"),
                   flush=True)
-            if args.tma:
-                for t in (0, 1, 2):
-                    ok = [c for c in r["all"] if c["cfg"]["tma"] == t and "us" in c]
-                    best = min(ok, key=lambda c: c["us"]) if ok else None
-                    print(f"    tma={t}: best {best['us'] if best else float('nan'):6.1f} us "
-                          f"stages={best['cfg']['num_stages'] if best else None}", flush=True)
             (out / "gemm_sweep.json").write_text(json.dumps(result, indent=1))
     return 0
 
