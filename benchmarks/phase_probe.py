@@ -38,6 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gemm_sweep import COPIES  # benchmarks/ is on sys.path when a script of it runs
+from gemm_sweep import timed as timed_per_copy
+
 K, BLOCK_N, BLOCK_K, COPY_TBPS = 2048, 16, 128, 4.3
 PREFETCH_BYTES = (0, 512, 2 * K)  # per weight row, at each barrier: nothing, the first two K blocks, the whole row
 LAYER_COLUMNS = (6144, 2048, 11264, 5632)  # qkv, o, gate_up, down's bytes (as K = 2048 rows of 2 bytes)
@@ -208,22 +211,9 @@ class Chain:
         return self.y[len(self.cols), :self.rows, :self.cols[-1]]
 
 
-def timed(fn, reps: int = 20) -> float:
-    """ms per call of fn, replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def timed(fn) -> float:
+    """ms per call of fn, replayed from a CUDA graph (gemm_sweep.timed, which divides by its COPIES)."""
+    return timed_per_copy(fn) * COPIES / 1e3
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

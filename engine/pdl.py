@@ -32,6 +32,17 @@ import torch
 
 ENV_VAR = "OUROBATCH_PDL"
 _ENABLED: dict[int, bool] = {}
+_HOPPER: dict[int, bool] = {}
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device of compute capability 9.0 or later (cached per device): PDL and TMA."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER[index]
 
 
 def enabled(device: torch.device) -> bool:
@@ -43,7 +54,7 @@ def enabled(device: torch.device) -> bool:
         value = os.environ.get(ENV_VAR, "").strip() or "1"
         if value not in ("0", "1"):
             raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
-        _ENABLED[index] = value == "1" and torch.cuda.get_device_capability(index)[0] >= 9
+        _ENABLED[index] = value == "1" and hopper(device)
     return _ENABLED[index]
 
 

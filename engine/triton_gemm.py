@@ -174,24 +174,11 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
             tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
 
 
-_SM90: dict[int, bool] = {}
-
-
-def _has_tma(device: torch.device) -> bool:
-    """Hopper or later (cached per device); CPU tensors: Triton's interpreter, which emulates TMA loads."""
-    if device.type != "cuda":
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM90:
-        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _SM90[index]
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can cover t [n, K]: a TMA device, a contiguous last dim, a 16-byte aligned base
-    and row stride."""
+    """Whether a TMA descriptor can cover t [n, K]: a Hopper or later GPU (or CPU tensors: Triton's interpreter,
+    which emulates TMA loads), a contiguous last dim, a 16-byte aligned base and row stride."""
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-            and _has_tma(t.device))
+            and (t.device.type == "cpu" or pdl.hopper(t.device)))
 
 
 def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, block_k: int,

@@ -12,6 +12,7 @@ from engine import pdl
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(pdl, "_ENABLED", {})
+    monkeypatch.setattr(pdl, "_HOPPER", {})
 
 
 @pytest.mark.parametrize("value", ["", "0", "1"])
