@@ -10,8 +10,8 @@ pure-decode state, then:
   replayed in a CUDA graph: us per call and GB/s against the 4.3 TB/s copy bandwidth.
 
     python benchmarks/step_profile.py --out DIR [--ns 8,64,256] [--configs interval1,deferred8]
-        [--gemm table|off|both|qkv|tma|tiles64|gate_sm] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table
-        # with the fused qkv + RoPE + store in every bucket, beside the table; the others: --help
+        [--gemm table|off|both|qkv] [--block-d-qkv 32] [--block-k-qkv 256]  # 'qkv': the table with the fused qkv + RoPE
+        # + store in every bucket, beside the table
 """
 
 from __future__ import annotations
@@ -178,13 +178,12 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="interval1,deferred8")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "tma", "tiles64", "gate_sm"),
+    ap.add_argument("--gemm", default="table", choices=("table", "off", "both", "qkv", "tma", "tiles64"),
                     help="the fused skinny GEMMs: engine/gemm_dispatch.py's table, off (cuBLAS), or both side by "
                          "side ('both': the table if it has rows, else GemmConfig() up to 64 rows); 'qkv': the "
                          "table, and beside it the table with the fused qkv + RoPE + store (--block-d-qkv); "
                          "'tma': the table with GemmConfig.tma 0, 1 and 2 side by side (TMA loads, sm90+); "
-                         "'tiles64': the table, and beside it the table whose 64-row bucket has TILES64; "
-                         "'gate_sm': the table with GemmConfig.gate_per_sm 0, 1 and 2 in every bucket")
+                         "'tiles64': the table, and beside it the table whose 64-row bucket has TILES64")
     ap.add_argument("--block-d-qkv", type=int, default=32, help="GemmConfig.block_d_qkv of the 'qkv' variant")
     ap.add_argument("--block-k-qkv", type=int, default=256, help="GemmConfig.block_k_qkv of the 'qkv' variant")
     add_checkpoint_args(ap)
@@ -206,11 +205,9 @@ def main(argv=None) -> int:
     tma = [(f"+tma{t}" if t else "", tuple((rows, dataclasses.replace(cfg, tma=t)) for rows, cfg in base))
            for t in (0, 1, 2)]
     tiles64 = tuple((rows, dataclasses.replace(cfg, **TILES64) if rows == 64 else cfg) for rows, cfg in base)
-    gate_sm = [(f"+gate{k}" if k else "", tuple((rows, dataclasses.replace(cfg, gate_per_sm=k)) for rows, cfg in base))
-               for k in (0, 1, 2)]
     variants = {"table": [("", table)], "off": [("", ())], "both": [("", ()), ("+tg", base)],
                 "qkv": [("", base), ("+qkv", qkv)], "tma": tma + tma,
-                "tiles64": [("", base), ("+tiles64", tiles64)] * 2, "gate_sm": gate_sm * 2}[args.gemm]
+                "tiles64": [("", base), ("+tiles64", tiles64)] * 2}[args.gemm]
     for N, config, (suffix, tab) in ((N, c, v) for N in ns for c in args.configs.split(",") for v in variants):
         gemm_dispatch.GEMM_TABLE = tab
         result["steps"].append(profile_one(model_dir, model, args, config, suffix, N))

@@ -20,10 +20,6 @@ class GemmConfig:
     splits_down: int = 4  # K splits of down_proj (K = intermediate)
     block_n_gate: int = 32  # intermediate columns per program of gate_up_silu
     block_k_gate: int = 0  # K per step of gate_up_silu (0: block_k, the split-K partials' own)
-    # gate_up_silu's grid in programs per SM (gate_grid): 0, one program per block_n_gate columns; k > 0, k x SMs
-    # programs over equal shares of the columns (a tile as wide as the share's next power of two, the rest
-    # masked), so no SM streams more weight rows than another; its weights then load through pointers
-    gate_per_sm: int = 0
     # qkv_rope_store: dims of a head's first half per program (with their RoPE partners); 0: the qkv GEMM
     # stays cuBLAS + triton_fused.rope_store_kv (the table's 17-32 row bucket)
     block_d_qkv: int = 0
@@ -51,7 +47,7 @@ class GemmConfig:
 # (docs/benchmarks/h200_session12_2026-12-04/).
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
-                    block_k_qkv=256, gate_per_sm=1)),
+                    block_k_qkv=256)),
     (32, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64)),
     (64, GemmConfig(block_n=64, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=16, tma=2)),
 )
@@ -60,18 +56,6 @@ GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
 def gate_block_k(cfg: GemmConfig) -> int:
     """gate_up_silu's K per step: its own block_k_gate, else the config's block_k."""
     return cfg.block_k_gate or cfg.block_k
-
-
-def gate_grid(cfg: GemmConfig, n: int, num_sms: int) -> tuple[int, int, int]:
-    """(programs, columns per program, tile width BLOCK_N) of gate_up_silu over n intermediate columns.
-
-    With power-of-two tiles only, n = 5632 on 132 SMs runs as 88 programs of 64 columns (44 SMs idle) or 176
-    of 32 (44 SMs with two): either way some SM streams 64 columns' weights. An equal share, ceil(n / (k x
-    SMs)) columns (43 at k = 1), gives every SM the same bytes; the tile holds the share and masks the rest."""
-    if cfg.gate_per_sm <= 0:
-        return -(-n // cfg.block_n_gate), cfg.block_n_gate, cfg.block_n_gate
-    cols = -(-n // (cfg.gate_per_sm * max(num_sms, 1)))
-    return -(-n // cols), cols, max(16, 1 << (cols - 1).bit_length())  # tl.dot needs 16 columns at least
 
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:

@@ -241,7 +241,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
         return set()
     bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
     keys = ({("partials", bm, r, cfg.block_n, cfg.block_k) + rest,
-             ("gate_up", bm, r, cfg.block_n_gate, gate_block_k(cfg), cfg.gate_per_sm) + rest}
+             ("gate_up", bm, r, cfg.block_n_gate, gate_block_k(cfg)) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:

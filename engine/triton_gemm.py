@@ -29,8 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, gate_grid, qkv_block_d
-from .triton_attention import num_sms
+from .gemm_dispatch import GemmConfig, gate_block_k, qkv_block_d
 
 
 @triton.jit
@@ -90,24 +89,22 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, cols, stride_xm, stride_wn,
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    # one program: `cols` (<= BLOCK_N) intermediate columns from pid_n x cols (gemm_dispatch.gate_grid)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * cols + tl.arange(0, BLOCK_N)
-    mine = (tl.arange(0, BLOCK_N) < cols) & (rn < N)
-    # gate rows rn, up rows N + rn. Columns not this program's: masked pointer loads (row 2N), or (TMA, where
-    # cols == BLOCK_N) a gate box that reads on into the up rows; either way the store below drops them.
-    acc_g, acc_u = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, pid_n * cols, N + pid_n * cols,
-                             tl.where(mine, rn, 2 * N), tl.where(mine, N + rn, 2 * N), 2 * N, stride_wn, K,
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # gate rows rn, up rows N + rn. A partial last tile's columns past N: masked pointer loads, or (TMA) a gate
+    # box that reads on into the up rows; either way the store below drops those columns.
+    acc_g, acc_u = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, pid_n * BLOCK_N, N + pid_n * BLOCK_N,
+                             tl.where(rn < N, rn, 2 * N), tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, K,
                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, USE_PDL)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
     up = acc_u.to(dtype).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & mine[None, :])
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -197,9 +194,6 @@ def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, b
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
 
 
-_NO_TMA = GemmConfig(tma=0)  # _tma_args reads only .tma
-
-
 def _block_m(rows: int) -> int:
     # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
     return min(64, max(16, triton.next_power_of_2(rows)))
@@ -230,13 +224,11 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         bm = _block_m(rows)
-        programs, cols, block_n = gate_grid(cfg, n, num_sms(x.device))
-        grid = (programs, triton.cdiv(rows, bm))
+        grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         block_k = gate_block_k(cfg)
-        # a share narrower than its tile would make TMA boxes read the next program's rows: pointer loads then
-        x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, block_n, block_k, cfg if cols == block_n else _NO_TMA)
-        _gate_up_silu_kernel[grid](x_arg, w_arg, out, rows, n, K, cols, x.stride(0), w_gate_up.stride(0),
-                                   BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, TMA=tma,
+        x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, block_k, cfg)
+        _gate_up_silu_kernel[grid](x_arg, w_arg, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
+                                   BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=block_k, TMA=tma,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gate_grid, gemm_config
+from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_config
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
@@ -33,21 +33,3 @@ def test_a_call_gets_the_first_bucket_that_holds_its_rows(rows):
 def test_gate_up_takes_its_own_block_k_where_the_config_sets_one():
     assert gate_block_k(GemmConfig(block_k=128)) == 128
     assert gate_block_k(GemmConfig(block_k=256, block_k_gate=64)) == 64
-
-
-@pytest.mark.parametrize("n", [1, 15, 16, 43, 300, 5632, 11008])
-@pytest.mark.parametrize("num_sms", [1, 78, 132])
-@pytest.mark.parametrize("per_sm", [1, 2, 3])
-def test_gate_grid_covers_every_column_once_within_per_sm_programs(n, num_sms, per_sm):
-    programs, cols, block = gate_grid(GemmConfig(gate_per_sm=per_sm), n, num_sms)
-    assert (programs - 1) * cols < n <= programs * cols, "every column in exactly one program, none empty"
-    assert programs <= per_sm * num_sms
-    assert cols <= block and block >= 16 and block & (block - 1) == 0, "a tl.dot tile that holds the share"
-    assert block == 16 or block < 2 * cols, "the narrowest such tile"
-
-
-def test_gate_grid_without_per_sm_is_the_power_of_two_tiling():
-    assert gate_grid(GemmConfig(block_n_gate=64), 5632, 132) == (88, 64, 64)
-    assert gate_grid(GemmConfig(block_n_gate=64), 100, 132) == (2, 64, 64)
-    # on the H200 one program per SM takes 43 columns each, in 64-wide tiles: 131 programs
-    assert gate_grid(GemmConfig(block_n_gate=64, gate_per_sm=1), 5632, 132) == (131, 43, 64)

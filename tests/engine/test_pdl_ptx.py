@@ -23,8 +23,7 @@ KERNELS = {
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_F32, M=I32, N=I32, K=I32, k_per_split=I32, stride_xm=I32,
         stride_wn=I32), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
     "gate_up_silu": (triton_gemm._gate_up_silu_kernel, dict(
-        x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, M=I32, N=I32, K=I32, cols=I32, stride_xm=I32,
-        stride_wn=I32),
+        x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
     "qkv_rope_store": (triton_gemm._qkv_rope_store_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, pos_ptr=PTR_I32, slot_ptr=PTR_I32, inv_freq_ptr=PTR_F32, q_ptr=PTR_BF16,

@@ -2,8 +2,7 @@
 written from the math (x @ w.T summed over the K splits; silu(x @ gate.T) * (x @ up.T)), in Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed) on fresh random inputs. The shapes
 cover a split of one block, a K that is not a multiple of the block (the last block is masked) and several
-blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads),
-and gate_up over equal column shares per SM (GemmConfig.gate_per_sm). qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
+blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads). qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
 
 from __future__ import annotations
 
@@ -34,15 +33,6 @@ for rows, K, N, splits, block_k in [(3, 64, 48, 4, 16), (9, 100, 40, 2, 32), (20
         # gate_up's own K step (block_k_gate), beside a different one for the partials
         got = triton_gemm.gate_up_silu(x, w2, GemmConfig(block_n_gate=16, block_k=64, block_k_gate=block_k, tma=tma))
         assert err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (rows, K, tma, "block_k_gate")
-# gate_up over one program per SM (GemmConfig.gate_per_sm; the interpreter dispatches as on 132 SMs): shares of
-# 3 columns in 16-wide tiles (the last program holds 1), of 1, and of exactly a tile (where TMA may load)
-for rows, K, N, per_sm in [(5, 64, 301, 1), (17, 48, 100, 1), (2, 32, 2112, 1), (3, 64, 301, 2)]:
-    for tma in (0, 2):
-        x = torch.randn(rows, K, generator=g)
-        w2 = torch.randn(2 * N, K, generator=g) / math.sqrt(K)
-        gate, up = x.double() @ w2[:N].double().T, x.double() @ w2[N:].double().T
-        got = triton_gemm.gate_up_silu(x, w2, GemmConfig(block_n_gate=64, block_k=32, gate_per_sm=per_sm, tma=tma))
-        assert err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (rows, K, N, per_sm, tma, "gate_per_sm")
 print("ok")
 """
 

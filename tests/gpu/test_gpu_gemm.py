@@ -27,9 +27,7 @@ CONFIGS = [GemmConfig(), GemmConfig(block_n=32, block_k=64, splits_o=1, splits_d
            GemmConfig(tma=1), GemmConfig(block_n=32, block_k=64, splits_o=8, block_n_gate=16, tma=2),
            *(dataclasses.replace(cfg, tma=2) for _, cfg in gemm_dispatch.GEMM_TABLE),
            # gate_up's own K step (step_profile.py --gemm tiles64's candidate)
-           GemmConfig(block_n=32, block_k=256, splits_o=2, splits_down=2, block_n_gate=32, block_k_gate=64, tma=2),
-           # gate_up over equal column shares, one or two programs per SM (pointer loads where a share is not a tile)
-           GemmConfig(gate_per_sm=1), GemmConfig(block_k=64, gate_per_sm=2, tma=2)]
+           GemmConfig(block_n=32, block_k=256, splits_o=2, splits_down=2, block_n_gate=32, block_k_gate=64, tma=2)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
