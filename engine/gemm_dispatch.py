@@ -58,6 +58,12 @@ def gate_block_k(cfg: GemmConfig) -> int:
     return cfg.block_k_gate or cfg.block_k
 
 
+def gemm_block_m(rows: int) -> int:
+    """Rows per tile of the fused GEMMs at `rows` rows: tl.dot needs 16 at least (padding rows are masked);
+    past 64 rows the rows are tiled."""
+    return min(64, max(16, 1 << (rows - 1).bit_length()))
+
+
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:

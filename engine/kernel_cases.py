@@ -30,7 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gate_block_k, gemm_config, qkv_block_d
+from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d
 from .prefill_graph import PrefillLayout, prefill_buckets
 
 
@@ -222,13 +222,8 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
     for rows in range(1, max(r for r, _ in table) + 1):
         cfg = gemm_config(rows, table)
         if cfg is not None:
-            found.setdefault((cfg, _gemm_block_m(rows), int_class(rows)), rows)
+            found.setdefault((cfg, gemm_block_m(rows), int_class(rows)), rows)
     return list(found.values())
-
-
-def _gemm_block_m(rows: int) -> int:
-    """triton_gemm._block_m: 16 .. 64 rows per tile."""
-    return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
 def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
@@ -239,7 +234,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
-    bm, r, rest = _gemm_block_m(rows), int_class(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
+    bm, r, rest = gemm_block_m(rows), int_class(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
     keys = ({("partials", bm, r, cfg.block_n, cfg.block_k) + rest,
              ("gate_up", bm, r, cfg.block_n_gate, gate_block_k(cfg)) + rest}
             | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, qkv_block_d
+from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
 
 
 @triton.jit
@@ -194,11 +194,6 @@ def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, b
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
 
 
-def _block_m(rows: int) -> int:
-    # tl.dot needs 16 rows at least (padding rows are masked); past 64 rows the rows are tiled
-    return min(64, max(16, triton.next_power_of_2(rows)))
-
-
 def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig) -> torch.Tensor:
     """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -207,7 +202,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
     out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
     if rows:
         k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
-        bm = _block_m(rows)
+        bm = gemm_block_m(rows)
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
         x_arg, w_arg, tma = _tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
         _linear_partials_kernel[grid](x_arg, w_arg, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
@@ -223,7 +218,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
     n = w_gate_up.shape[0] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        bm = _block_m(rows)
+        bm = gemm_block_m(rows)
         grid = (triton.cdiv(n, cfg.block_n_gate), triton.cdiv(rows, bm))
         block_k = gate_block_k(cfg)
         x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, block_k, cfg)
@@ -258,7 +253,7 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
     rows, K = x.shape
     q = torch.empty(rows, n_q_heads, head_dim, dtype=x.dtype, device=x.device)
     if rows:
-        half, bm = head_dim // 2, _block_m(rows)
+        half, bm = head_dim // 2, gemm_block_m(rows)
         grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
         x_arg, w_arg, tma = _tma_args(x, w_qkv, bm, block_d, cfg.block_k_qkv, cfg)
         _qkv_rope_store_kernel[grid](x_arg, w_arg, positions, slots, inv_freq, q, k_plane, v_plane, rows, K,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_config
+from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
@@ -33,3 +33,11 @@ def test_a_call_gets_the_first_bucket_that_holds_its_rows(rows):
 def test_gate_up_takes_its_own_block_k_where_the_config_sets_one():
     assert gate_block_k(GemmConfig(block_k=128)) == 128
     assert gate_block_k(GemmConfig(block_k=256, block_k_gate=64)) == 64
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 4096])
+def test_a_tile_holds_the_rows_in_a_power_of_two_between_16_and_64(rows):
+    bm = gemm_block_m(rows)
+    assert bm in (16, 32, 64)
+    assert bm >= rows or bm == 64, "all rows in one tile up to 64; past it, tiles of 64"
+    assert bm == 16 or bm // 2 < rows, "the smallest such tile"
