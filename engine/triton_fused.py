@@ -28,16 +28,23 @@ def _add_rms_norm2_kernel(h_ptr, y_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, n_
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols, eps)
+
+
+@triton.jit
+def add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, cols, mask, n_cols, eps):
+    """One row's h + rms(y) * wa -> h_out, then rms(h_out) * wb -> x_out (inlined by both add + norm kernels).
+    y: the branch's GEMM output in float32, already rounded to the model dtype; h: the residual row."""
     ynorm = y * tl.rsqrt(tl.sum(y * y, 0) / n_cols + eps)
     wa = tl.load(wa_ptr + cols, mask=mask, other=0.0)
     branch = (ynorm.to(wa.dtype) * wa).to(tl.float32)
-    h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
     h_new = (h.to(tl.float32) + branch).to(h.dtype)
-    tl.store(h_out_ptr + row * n_cols + cols, h_new, mask=mask)
+    tl.store(h_out_ptr + cols, h_new, mask=mask)
     hf = h_new.to(tl.float32)
     hnorm = hf * tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
     wb = tl.load(wb_ptr + cols, mask=mask, other=0.0)
-    tl.store(x_out_ptr + row * n_cols + cols, hnorm.to(wb.dtype) * wb, mask=mask)
+    tl.store(x_out_ptr + cols, hnorm.to(wb.dtype) * wb, mask=mask)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
+from .triton_fused import add_norm2_store
 
 
 @triton.jit
@@ -121,15 +122,7 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
         y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
     h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
     y = y.to(h.dtype).to(tl.float32)  # the GEMM output in the model dtype, as the reference path has it
-    ynorm = y * tl.rsqrt(tl.sum(y * y, 0) / n_cols + eps)
-    wa = tl.load(wa_ptr + cols, mask=mask, other=0.0)
-    branch = (ynorm.to(wa.dtype) * wa).to(tl.float32)
-    h_new = (h.to(tl.float32) + branch).to(h.dtype)
-    tl.store(h_out_ptr + row * n_cols + cols, h_new, mask=mask)
-    hf = h_new.to(tl.float32)
-    hnorm = hf * tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
-    wb = tl.load(wb_ptr + cols, mask=mask, other=0.0)
-    tl.store(x_out_ptr + row * n_cols + cols, hnorm.to(wb.dtype) * wb, mask=mask)
+    add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols, eps)
 
 
 @triton.jit
