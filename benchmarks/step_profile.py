@@ -46,8 +46,9 @@ GROUPS = (("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "splitk", "nvje
 
 # The 64-row tiles that won gemm_sweep --tma in isolation (session 12, gemm_sweep_tma.json): o / down 32
 # columns, K steps of 256, 2 splits (6.4 / 10.3 us against 6.7 / 10.5); gate_up 32 columns, K steps of 64
-# (16.0 against 16.7). In a step (session 13, docs/benchmarks/h200_session13_2026-12-04/tiles64_step_profile.json) its
-# gate_up ran 16.7 us against the table's 14.5 and the eager kernels summed 0.26-0.35 ms more per N = 64 step: not adopted.
+# (16.0 against 16.7). In a step (session 13, docs/benchmarks/h200_session13_2026-12-04/tiles64_step_profile.json)
+# its gate_up ran 16.7 us against the table's 14.5, and the eager kernels summed 0.26-0.35 ms more per N = 64
+# step: not adopted.
 TILES64 = dict(block_n=32, block_k=256, splits_o=2, splits_down=2, block_n_gate=32, block_k_gate=64)
 
 
