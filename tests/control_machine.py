@@ -336,10 +336,22 @@ class ControlMachine(RuleBasedStateMachine):
             self.close_engine()
 
 
+def control_examples() -> int:
+    """Examples per machine: CI's 6, or CONTROL_EXAMPLES (e.g. 200 for a long local run)."""
+    return int(os.environ.get("CONTROL_EXAMPLES", 6))
+
+
+def stateful_timeout() -> int:
+    """Seconds a machine's test may run: 600 for CI's draws, and 30 per example past 20. An example takes
+    ~3 s on two cores; a limit cut mid-example reads as a FlakyFailure at a step held at the gate (a
+    150-example run under the flat 600 s did, session 13)."""
+    return max(600, 30 * control_examples())
+
+
 def stateful_settings() -> dict[str, Any]:
-    """CONTROL_EXAMPLES=200 for a long local run. No shrinking: a failure depends on thread timing as well
-    as on the drawn steps, so replays shrink slowly and flakily; the printed steps are the whole story."""
-    return dict(max_examples=int(os.environ.get("CONTROL_EXAMPLES", 6)), stateful_step_count=14, deadline=None,
+    """No shrinking: a failure depends on thread timing as well as on the drawn steps, so replays shrink
+    slowly and flakily; the printed steps are the whole story."""
+    return dict(max_examples=control_examples(), stateful_step_count=14, deadline=None,
                 phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 

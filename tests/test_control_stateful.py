@@ -16,9 +16,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from ourobatch import Engine, EngineConfig, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
-from .control_machine import ControlMachine, stateful_settings
+from .control_machine import ControlMachine, stateful_settings, stateful_timeout
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(stateful_timeout())
 
 
 @pytest.fixture(scope="module")
