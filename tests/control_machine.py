@@ -12,7 +12,11 @@ sleep, pause) and checks:
 - every request ends exactly once, never with "error", within max_tokens;
 - no step runs, and nothing is scored, while the weights are missing or asleep, and no weight copy,
   sleep or wake runs while a step is in flight (checked inside the executor, at the source);
-- no completion mixes weight versions unless a pause("keep") began during its life;
+- no completion mixes weight versions unless a pause("keep") took effect during its life. Counted at the
+  source (EngineControl.pause returned, EngineCore.add called), not in the order the machine submitted
+  the calls: SyncEngine's calls queue on its lock while a step is held, and threads take a released lock
+  in any order, so a pause submitted before a generate may well take effect after it (a 100-example run
+  of session 13 failed on exactly that: q2 submitted after the pause, added before it);
 - 0 KV blocks in use once nothing is live.
 """
 
@@ -151,14 +155,35 @@ class ControlMachine(RuleBasedStateMachine):
         super().__init__()
         self.a, self.b = self.checkpoints
         self.tensors = {p: load_file(str(p / "model.safetensors")) for p in (self.a, self.b)}
-        self.requests: list[dict] = []  # {future, max_tokens, keeps_at_start, id}
+        self.requests: list[dict] = []  # {future, max_tokens, id}
         self.calls: list[tuple[str, concurrent.futures.Future]] = []
-        self.num_keeps = 0
         self.closed = False
         self.n = 0
         self.start_engine()
         self.gate = CheckingGate(self.core.executor, self.core.control)
         self.core.executor = self.gate
+        self.keeps_applied = 0  # pause("keep") calls the engine's control state took
+        self.keeps_at_add: dict[str, int] = {}  # request id -> keeps_applied when the engine added it
+        self._count_keeps_at_the_source()
+
+    def _count_keeps_at_the_source(self) -> None:
+        """Wrap EngineControl.pause and EngineCore.add on the instances: a keep is counted after it took
+        effect and a request's count read before it exists, so a race between them only loosens the check."""
+        control, core = self.core.control, self.core
+        pause, add = control.pause, core.add
+
+        def counted_pause(mode, *args, **kwargs):
+            pause(mode, *args, **kwargs)
+            if mode == "keep":
+                self.keeps_applied += 1
+
+        def recorded_add(prompt, params, request_id=None, *args, **kwargs):
+            keeps = self.keeps_applied
+            parent = add(prompt, params, request_id, *args, **kwargs)
+            self.keeps_at_add[parent.request_id] = keeps
+            return parent
+
+        control.pause, core.add = counted_pause, recorded_add
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -177,7 +202,7 @@ class ControlMachine(RuleBasedStateMachine):
         rid = f"q{self.n}"
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=self.n, n=n, ignore_eos=True)
         future = self.submit("generate", prompt, params, rid)
-        self.requests.append(dict(future=future, max_tokens=max_tokens, keeps=self.num_keeps, id=rid))
+        self.requests.append(dict(future=future, max_tokens=max_tokens, id=rid))
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
@@ -187,8 +212,6 @@ class ControlMachine(RuleBasedStateMachine):
 
     @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
     def pause(self, mode):
-        if mode == "keep":
-            self.num_keeps += 1
         self._call("pause", mode)
 
     @rule(recompute=st.booleans())
@@ -318,7 +341,7 @@ class ControlMachine(RuleBasedStateMachine):
             assert len(c.weight_versions) == len(c.token_ids) == len(c.logprobs)
             if c.finish_reason == "length":
                 assert len(c.token_ids) == r["max_tokens"]
-            if self.num_keeps == r["keeps"] and r["future"].done():
+            if self.keeps_at_add.get(r["id"]) == self.keeps_applied:  # no keep took effect since its add
                 assert len(set(c.weight_versions)) <= 1, (r["id"], c.weight_versions)
 
     @invariant()
