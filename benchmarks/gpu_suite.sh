@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -113,6 +113,12 @@ if [ "$what" = gemm ]; then  # fused skinny GEMMs vs cuBLAS per rows, then the d
     python3 benchmarks/step_profile.py --out "$OUT/profile" --gemm both "$@" 2>&1 | tee "$OUT/profile.log" \
       | grep -v "^    " | tail -20
   fi
+fi
+if [ "$what" = probe_ws ]; then  # the same chain as one warp-specialized Gluon kernel whose weight stream
+  # never waits at a phase boundary (benchmarks/phase_probe_ws.py; results checked vs torch; a hang exits)
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/phase_probe_ws.py --out "$OUT/probe_ws" "$@" 2>&1 \
+    | tee "$OUT/probe_ws.log" | tail -40
+  status=${PIPESTATUS[0]}
 fi
 if [ "$what" = probe ]; then  # a phase boundary's cost: PDL-chained kernels vs a persistent kernel's grid
   # barriers, on the bytes of the decode step's GEMMs (benchmarks/phase_probe.py; results checked vs torch)

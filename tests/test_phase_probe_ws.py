@@ -1,0 +1,45 @@
+"""benchmarks/phase_probe_ws.py, the warp-specialized Gluon chain kernel, compiled for sm90 on the CPU (Triton
+builds the PTX and ptxas the cubin without a GPU; where Triton is installed, CI has none). Triton's interpreter
+cannot run Gluon, so its results are checked against torch on the H200 only (every run of the probe, and its
+first call has a deadline). Here: every SPLIT compiles, the weights come in as TMA boxes, the kernel's MMA count
+is the tile's (each K step of 16 once per 8 activation rows), the diagnostic without MMA has none,
+the default ways fit the H200's shared memory, and bad --ways name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+
+pytest.importorskip("triton.experimental.gluon")
+ws = load_benchmark("phase_probe_ws")
+
+H200_SHARED = 232448  # bytes of shared memory one CTA may use on the H200 (sm90)
+
+
+@pytest.mark.parametrize("split", [0, 1, 2])
+@pytest.mark.parametrize("block_m", [8, 16])
+def test_each_split_compiles_with_tma_boxes_and_one_mma_per_k_step(split, block_m):
+    built = ws.compile_for_sm90(stages=12, block_m=block_m, chains=4, split=split)
+    assert built["tma_loads"] > 0 and built["cubin_bytes"] > 0
+    # [16 weight rows] x [K] x [block_m rows] as m16n8k16 MMAs, written once in the kernel (static K loop)
+    assert built["mma"] == (ws.K // 16) * (block_m // 8), built
+    assert built["shared"] <= H200_SHARED, built
+
+
+def test_the_no_mma_diagnostic_multiplies_nothing():
+    assert ws.compile_for_sm90(stages=12, block_m=8, skip=1, split=2)["mma"] == 0
+
+
+def test_more_ring_slots_take_more_shared_memory():
+    small, large = (ws.compile_for_sm90(stages=s, block_m=8, split=2)["shared"] for s in (6, 12))
+    assert large - small == 6 * ws.BLOCK_N * ws.BLOCK_K_WS * 2 + 6 * 2 * 8  # 8 KB boxes and two mbarriers each
+
+
+def test_ways_parse_and_reject_what_the_kernel_does_not_have():
+    assert ws.parse_ways("12:4:0:2,10:1:2:0:4") == [(12, 4, 0, 2, 0), (10, 1, 2, 0, 4)]
+    for bad in ("12:3:0:2", "12:4:0:5", "40:4:0:2", "12:4:0", "12:4:0:2:3"):
+        with pytest.raises(ValueError, match="stages:chains:skip:split"):
+            ws.parse_ways(bad)
+    with pytest.raises(ValueError, match="rows must be <= 16"):
+        ws.ws_block_m(64)
