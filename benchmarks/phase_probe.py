@@ -238,16 +238,22 @@ def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
                   resident_per_sm=fits, ways={})
     print(f"rows={rows}: {fits} persistent programs fit on an SM; per-SM counts tried: "
           f"{[k for k in per_sm if k <= fits]}", flush=True)
-    for _ in range(2):  # twice in turn: the spread between rounds is the noise
+    measure(chain, ways, ref, floor_ms, result)
+    return result
+
+
+def measure(chain: Chain, ways: dict, ref: torch.Tensor, floor_ms: float, result: dict) -> None:
+    """Every way twice in turn (the spread between rounds is the noise), each checked against ref: ms per
+    chain and us per phase above the bytes floor, into result["ways"]."""
+    for _ in range(2):
         for name, fn in ways.items():
             chain.y[1:].zero_()
             ms = timed(fn)
             err = rel_err(chain.output(), ref)
             per_phase = (ms - floor_ms) * 1e3 / len(chain.cols)
             result["ways"].setdefault(name, []).append(dict(ms=ms, us_above_floor_per_phase=per_phase, rel_err=err))
-            print(f"rows={rows:3d} {name:30s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase above "
-                  f"the floor, rel err {err:.1e}", flush=True)
-    return result
+            print(f"rows={chain.rows:3d} {name:30s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase "
+                  f"above the floor, rel err {err:.1e}", flush=True)
 
 
 def smoke() -> None:

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, phase_columns, rel_err, timed  # noqa: E402
+from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
 
 BLOCK_K_WS = 256  # one TMA box of weights: 16 rows x 256 (8 KB)
 
@@ -350,15 +350,7 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]]) -> 
             print(f"rows={rows} {name}: skipped, {exc}", flush=True)
             continue
         print(f"rows={rows} {name}: first call done, rel err {rel_err(chain.output(), ref):.1e}", flush=True)
-    for _ in range(2):  # twice in turn: the spread between rounds is the noise
-        for name, fn in ways.items():
-            chain.y[1:].zero_()
-            ms = timed(fn)
-            err = rel_err(chain.output(), ref)
-            per_phase = (ms - floor_ms) * 1e3 / len(chain.cols)
-            result["ways"].setdefault(name, []).append(dict(ms=ms, us_above_floor_per_phase=per_phase, rel_err=err))
-            print(f"rows={rows:3d} {name:16s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase above "
-                  f"the floor, rel err {err:.1e}", flush=True)
+    measure(chain, ways, ref, floor_ms, result)
     return result
 
 
@@ -368,8 +360,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="8,16")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--ways", default="12:4:0:0,12:4:0:1,12:4:0:2",
-                    help="stages:chains:skip:warps,... (ring slots of 8 KB weight boxes; 1 or 4 MMA chains; skip 1: "
-                         "no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: ws_chain_kernel's SPLIT; chunks: the staging's column chunks)")
+                    help="stages:chains:skip:split[:chunks],... (ring slots of 8 KB weight boxes; 1 or 4 MMA "
+                         "chains; skip 1: no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: "
+                         "ws_chain_kernel's SPLIT; chunks: the staging's column chunks)")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")
     args = ap.parse_args(argv)
     if args.compile:
