@@ -17,7 +17,7 @@ ws = load_benchmark("phase_probe_ws")
 H200_SHARED = 232448  # bytes of shared memory one CTA may use on the H200 (sm90)
 
 
-@pytest.mark.parametrize("split", [0, 1, 2])
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
 @pytest.mark.parametrize("block_m", [8, 16])
 def test_each_split_compiles_with_tma_boxes_and_one_mma_per_k_step(split, block_m):
     built = ws.compile_for_sm90(stages=12, block_m=block_m, chains=4, split=split)
@@ -25,6 +25,12 @@ def test_each_split_compiles_with_tma_boxes_and_one_mma_per_k_step(split, block_
     # [16 weight rows] x [K] x [block_m rows] as m16n8k16 MMAs, written once in the kernel (static K loop)
     assert built["mma"] == (ws.K // 16) * (block_m // 8), built
     assert built["shared"] <= H200_SHARED, built
+
+
+def test_staging_more_columns_takes_their_shared_memory_and_no_more_mma():
+    base, wide = (ws.compile_for_sm90(stages=6, block_m=8, split=2, stage_k=k) for k in (0, 2 * ws.K))
+    assert wide["shared"] - base["shared"] == 2 * 8 * ws.K * 2  # two buffers of 8 rows x K more bf16
+    assert wide["mma"] == base["mma"]
 
 
 def test_the_no_mma_diagnostic_multiplies_nothing():
@@ -37,8 +43,9 @@ def test_more_ring_slots_take_more_shared_memory():
 
 
 def test_ways_parse_and_reject_what_the_kernel_does_not_have():
-    assert ws.parse_ways("12:4:0:2,10:1:2:0:4") == [(12, 4, 0, 2, 0), (10, 1, 2, 0, 4)]
-    for bad in ("12:3:0:2", "12:4:0:5", "40:4:0:2", "12:4:0", "12:4:0:2:3"):
+    assert ws.parse_ways("12:4:0:2,10:1:2:0:4,6:4:0:2:0:4096") == [(12, 4, 0, 2, 0, 0), (10, 1, 2, 0, 4, 0),
+                                                                  (6, 4, 0, 2, 0, 4096)]
+    for bad in ("12:3:0:2", "12:4:0:5", "40:4:0:2", "12:4:0", "12:4:0:2:3", "12:4:0:2:0:5632", "12:4:0:1:0:4096", "12:4:0:4"):
         with pytest.raises(ValueError, match="stages:chains:skip:split"):
             ws.parse_ways(bad)
     with pytest.raises(ValueError, match="rows must be <= 16"):

@@ -1,0 +1,254 @@
+"""The warp-specialized Gluon kernel of benchmarks/phase_probe_ws.py: the phase chain in one persistent launch
+whose weight stream never waits at a phase boundary. phase_probe_ws.py's docstring says how it is built and
+docs/benchmarks.md (session 14) what it measured; SPLIT (ws_chain_kernel) says which partition does what."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+BLOCK_K_WS = 256  # one TMA box of weights: 16 rows x 256 (8 KB)
+
+
+@gluon.jit
+def _weight_loader(w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases,
+                   K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    # every weight box of this CTA's tiles, phase after phase; waits only for a free slot
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    i = 0
+    for p in range(num_phases):
+        row0 = gl.load(w_row_ptr + p).to(gl.int32)
+        n_tiles = gl.load(cols_ptr + p) // BLOCK_N
+        for t in range(pid, n_tiles, programs):
+            for kb in range(K // BLOCK_K):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), BLOCK_N * BLOCK_K * 2)
+                tma.async_copy_global_to_shared(w_desc, [row0 + t * BLOCK_N, kb * BLOCK_K], ready.index(s),
+                                                ring.index(s))
+                i += 1
+
+
+@gluon.jit
+def _wait_for_phase(cnt_ptr, programs):
+    seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen < programs:
+        seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _stage_activations(x_ptr, x_smem, M, stride_y, K: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
+                       CHUNKS: gl.constexpr):
+    # K columns in CHUNKS column chunks (0: 256 columns per warp, so that one warp's registers hold a chunk);
+    # each chunk's loads are one round trip to L2
+    CHUNK: gl.constexpr = 256 * WARPS if CHUNKS == 0 else K // CHUNKS
+    gl.static_assert(K % CHUNK == 0, "the chunks must tile the staged columns")
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, WARPS], [1, 0])
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(K // CHUNK):
+        x = gl.load(x_ptr + rm[:, None] * stride_y + (c * CHUNK + rk)[None, :], mask=(rm < M)[:, None], other=0.0)
+        x_smem.slice(c * CHUNK, CHUNK, dim=1).store(x)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _multiply_box(slot, xs, acc0, acc1, acc2, acc3, a_layout: gl.constexpr, b_layout: gl.constexpr,
+                  BLOCK_K: gl.constexpr, CHAINS: gl.constexpr):
+    # one weight box times the staged activations' same K range; CHAINS 4: its four 64-wide quarters go to
+    # four accumulators, so the MMAs form four independent chains instead of one chain of BLOCK_K / 16
+    if CHAINS == 1:
+        acc0 = mma_v2(slot.load(a_layout), xs.permute((1, 0)).load(b_layout), acc0)
+    else:
+        Q: gl.constexpr = BLOCK_K // 4
+        a0 = slot.slice(0, Q, dim=1).load(a_layout)
+        a1 = slot.slice(Q, Q, dim=1).load(a_layout)
+        a2 = slot.slice(2 * Q, Q, dim=1).load(a_layout)
+        a3 = slot.slice(3 * Q, Q, dim=1).load(a_layout)
+        b0 = xs.slice(0, Q, dim=1).permute((1, 0)).load(b_layout)
+        b1 = xs.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        b2 = xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        b3 = xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        acc0 = mma_v2(a0, b0, acc0)
+        acc1 = mma_v2(a1, b1, acc1)
+        acc2 = mma_v2(a2, b2, acc2)
+        acc3 = mma_v2(a3, b3, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M, stride_y,
+              slot, K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, CHAINS: gl.constexpr, SKIP: gl.constexpr, WARPS: gl.constexpr,
+              STAGED: gl.constexpr):
+    # STAGED 0: this partition waits at the boundary and stages the activations into its one buffer; 1:
+    # another partition does, into x_smem's two buffers (x_ready / x_empty), signalling a whole buffer; 2: the
+    # same, signalling each BLOCK_K chunk (x_ready[buffer * NCH + chunk]), so the MMAs start on the first.
+    # SKIP (diagnostics; the output is then wrong): 1 no MMA (the ring's stream alone), 2 no phase barrier
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    NCH: gl.constexpr = K // BLOCK_K
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rn0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    i = 0
+    for p in range(num_phases):
+        if STAGED == 1:
+            mbarrier.wait(x_ready.index((p % 2) * NCH), (p // 2) & 1)
+        if STAGED:
+            xb = x_smem.index(p % 2)
+        else:
+            if p > 0 and SKIP != 2:
+                _wait_for_phase(cnt_ptr + p - 1, programs)
+            xb = x_smem.index(0)
+            _stage_activations(y_ptr + p * slot, xb, M, stride_y, K, BLOCK_M, WARPS, 0)
+        out = y_ptr + (p + 1) * slot
+        n_tiles = gl.load(cols_ptr + p) // BLOCK_N
+        for t in range(pid, n_tiles, programs):
+            acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            acc2 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            acc3 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            for kb in gl.static_range(NCH):  # static: a shared-memory slice starts at a constant
+                if STAGED == 2:  # (a wait for a phase already complete returns at once)
+                    mbarrier.wait(x_ready.index((p % 2) * NCH + kb), (p // 2) & 1)
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                if SKIP != 1:
+                    acc0, acc1, acc2, acc3 = _multiply_box(ring.index(s), xb.slice(kb * BLOCK_K, BLOCK_K, dim=1),
+                                                           acc0, acc1, acc2, acc3, a_layout, b_layout, BLOCK_K,
+                                                           CHAINS)
+                fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
+                mbarrier.arrive(empty.index(s), count=1)
+                i += 1
+            rn = t * BLOCK_N + rn0
+            acc = (acc0 + acc1) + (acc2 + acc3)
+            gl.store(out + rm[None, :] * stride_y + rn[:, None], acc.to(gl.bfloat16), mask=(rm < M)[None, :])
+        if STAGED:
+            mbarrier.arrive(x_empty.index(p % 2), count=1)
+        if p + 1 < num_phases:
+            gl.thread_barrier()  # every warp's stores of this phase are issued
+            gl.atomic_add(cnt_ptr + p, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _stage_per_chunk(x_ptr, xb, x_ready, first, M, stride_y, K: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+    # every chunk's copies in flight at once (cp.async, one commit group per chunk), then each chunk
+    # signalled (x_ready[first + chunk]) as soon as it has landed
+    NCH: gl.constexpr = K // BLOCK_K
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(NCH):
+        async_copy.async_copy_global_to_shared(xb.slice(c * BLOCK_K, BLOCK_K, dim=1),
+                                               x_ptr + rm[:, None] * stride_y + (c * BLOCK_K + rk)[None, :],
+                                               mask=(rm < M)[:, None])
+        async_copy.commit_group()
+    for c in gl.static_range(NCH):
+        async_copy.wait_group(NCH - 1 - c)
+        gl.thread_barrier()
+        mbarrier.arrive(x_ready.index(first + c), count=1)
+
+
+@gluon.jit
+def _stager(y_ptr, cnt_ptr, x_smem, x_ready, x_empty, num_phases, M, stride_y, slot, STAGE_K: gl.constexpr,
+            BLOCK_M: gl.constexpr, SKIP: gl.constexpr, WARPS: gl.constexpr, CHUNKS: gl.constexpr,
+            K: gl.constexpr, BLOCK_K: gl.constexpr, PER_CHUNK: gl.constexpr):
+    # the default partition when STAGED: at each boundary, wait for every CTA, then stage the next phase's
+    # activations (STAGE_K >= K columns: more than the MMAs read, to measure how staging's cost grows toward
+    # down's 5632-wide activations; shared memory takes powers of 2) into the buffer the consumer freed two
+    # phases ago
+    programs = gl.num_programs(0)
+    for p in range(num_phases):
+        mbarrier.wait(x_empty.index(p % 2), ((p // 2) & 1) ^ 1)
+        if p > 0 and SKIP != 2:
+            _wait_for_phase(cnt_ptr + p - 1, programs)
+        if PER_CHUNK:
+            _stage_per_chunk(y_ptr + p * slot, x_smem.index(p % 2), x_ready, (p % 2) * (K // BLOCK_K), M, stride_y,
+                             K, BLOCK_M, BLOCK_K, WARPS)
+        else:
+            _stage_activations(y_ptr + p * slot, x_smem.index(p % 2), M, stride_y, STAGE_K, BLOCK_M, WARPS, CHUNKS)
+            mbarrier.arrive(x_ready.index((p % 2) * (K // BLOCK_K)), count=1)
+
+
+@gluon.jit
+def _idle(num_phases):
+    pass
+
+
+@gluon.jit
+def _consumer_worker(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M,
+                     stride_y, slot, w_desc, w_row_ptr, K: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CHAINS: gl.constexpr,
+                     SKIP: gl.constexpr, STAGED: gl.constexpr):
+    _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M, stride_y, slot,
+              K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS, SKIP, 1, STAGED)
+
+
+@gluon.jit
+def _loader_worker(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M,
+                   stride_y, slot, w_desc, w_row_ptr, K: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CHAINS: gl.constexpr,
+                   SKIP: gl.constexpr, STAGED: gl.constexpr):
+    _weight_loader(w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases, K, BLOCK_N, BLOCK_K, STAGES)
+
+
+@gluon.jit
+def ws_chain_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, stride_y, slot,
+                    x_layout: gl.constexpr, K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CHAINS: gl.constexpr, SKIP: gl.constexpr,
+                    SPLIT: gl.constexpr, CHUNKS: gl.constexpr, STAGE_K: gl.constexpr, num_warps: gl.constexpr):
+    # SPLIT 0: the default partition (num_warps = 4) waits, stages and multiplies, every warp the whole 16-row
+    # tile (the MMA layout replicates it); 1: a 1-warp worker does all three (no replicated shared-memory
+    # reads), the default partition idles (a warp-specialized kernel's num_warps is a multiple of 4); 2: a
+    # 1-warp worker multiplies, the default partition waits and stages (two activation buffers); 3: as 2, the
+    # staging signalled per BLOCK_K chunk
+    NBUF: gl.constexpr = 2 if SPLIT >= 2 else 1
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_M, STAGE_K], x_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [2 * (K // BLOCK_K), 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for b in gl.static_range(2 * (K // BLOCK_K)):
+        mbarrier.init(x_ready.index(b), count=1)
+    for b in gl.static_range(2):
+        mbarrier.init(x_empty.index(b), count=1)
+    if SPLIT == 0:
+        gl.warp_specialize([
+            (_consumer, (y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M,
+                         stride_y, slot, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS, SKIP, num_warps, 0)),
+            (_weight_loader, (w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases, K, BLOCK_N, BLOCK_K,
+                              STAGES)),
+        ], [1], [40])
+    elif SPLIT == 1:
+        gl.warp_specialize([
+            (_idle, (num_phases,)),
+            (_consumer_worker, (y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases,
+                                M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
+                                SKIP, 0)),
+            (_loader_worker, (y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases,
+                              M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
+                              SKIP, 0)),
+        ], [1, 1], [192, 40])
+    else:
+        gl.warp_specialize([
+            (_stager, (y_ptr, cnt_ptr, x_smem, x_ready, x_empty, num_phases, M, stride_y, slot, STAGE_K, BLOCK_M,
+                       SKIP, num_warps, CHUNKS, K, BLOCK_K, SPLIT == 3)),
+            (_consumer_worker, (y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases,
+                                M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
+                                SKIP, SPLIT - 1)),
+            (_loader_worker, (y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases,
+                              M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
+                              SKIP, SPLIT - 1)),
+        ], [1, 1], [192, 40])
