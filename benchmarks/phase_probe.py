@@ -168,13 +168,15 @@ class Chain:
         self.y[0, :rows, :K] = torch.randn(rows, K, generator=g, device=device).to(dtype)
         self.cnt = torch.zeros(len(cols), dtype=torch.int32, device=device)
 
-    def run_kernels(self, pdl: bool) -> None:
+    def run_kernels(self, pdl: bool, block_n: int | None = None) -> None:
+        """One kernel per phase, of block_n-column tiles (default: the chain's; any divisor of its columns)."""
         launch = {"launch_pdl": True} if pdl else {}
+        block_n = block_n or self.block_n
         for i, c in enumerate(self.cols):
             w = self.w[self.starts[i]:self.starts[i] + c]
-            phase_kernel[(c // self.block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=K,
-                                               BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
-                                               USE_PDL=pdl, num_warps=4, num_stages=4, **launch)
+            phase_kernel[(c // block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=K,
+                                          BLOCK_M=self.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                          USE_PDL=pdl, num_warps=4, num_stages=4, **launch)
 
     def run_persistent(self, programs: int, pf_bytes: int = 0, flat: bool = False) -> None:
         self.cnt.zero_()

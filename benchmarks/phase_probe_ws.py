@@ -23,7 +23,7 @@ fastest: docs/benchmarks.md, session 14).
 Same chain, same columns (whole waves of 16-column tiles), same CUDA-graph timing and torch check as
 phase_probe.py; the ways run side by side, each twice in turn:
 
-    python benchmarks/phase_probe_ws.py --out DIR [--rows 8,16] [--ways 12:4:0:3,12:4:0:2]
+    python benchmarks/phase_probe_ws.py --out DIR [--rows 8,16,64] [--ways 12:4:0:3,12:4:0:2] [--ways64 12:3:0]
     python benchmarks/phase_probe_ws.py --compile   # CPU: compile the kernel (benchmarks/ws_chain.py) for sm90
 """
 
@@ -43,6 +43,7 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
 from ws_chain import BLOCK_K_WS, ws_chain_kernel  # noqa: E402
+from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
 
 
 def layouts(block_m: int, stage_k: int = K) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
@@ -131,12 +132,20 @@ def parse_ways(text: str) -> list[tuple[int, ...]]:
     return ways
 
 
-def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]]) -> dict:
+def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
+          variants64: list[tuple[int, int, int]]) -> dict:
+    """Up to 16 rows: the kernels and ws_chain_kernel's `variants`; 17-64 rows: the kernels (16- and 64-column
+    tiles) and ws_chain64_kernel's `variants64`."""
     chain = Chain(rows, phase_columns(sms, layers), "cuda")
     ref = chain.reference()
     floor_ms = chain.w.numel() * 2 / (COPY_TBPS * 1e9)
     ways = {"kernels": lambda: chain.run_kernels(pdl=True)}
-    for v in variants:
+    if rows > 16:
+        ways["kernels_n64"] = lambda: chain.run_kernels(pdl=True, block_n=64)
+        for st, xs, sk in variants64:
+            ways[f"ws64_s{st}_x{xs}" + ("", "_nomma", "_nobarrier")[sk]] = (
+                lambda st=st, xs=xs, sk=sk: run_ws64(chain, st, xs, sms, sk))
+    for v in variants if rows <= 16 else ():
         st, ch, sk, sp, cu, kk = v
         name = (f"ws_s{st}_c{ch}_split{sp}" + (f"_chunks{cu}" if cu else "") + (f"_stage{kk}" if kk else "")
                 + ("", "_nomma", "_nobarrier")[sk])
@@ -160,12 +169,13 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]]) -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
-    ap.add_argument("--rows", default="8,16")
+    ap.add_argument("--rows", default="8,16,64")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--ways", default="12:4:0:2,12:4:0:3",
                     help="stages:chains:skip:split[:chunks[:stage_k]],... (ring slots of 8 KB weight boxes; 1 or 4 MMA "
                          "chains; skip 1: no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: "
                          "ws_chain_kernel's SPLIT; chunks: the staging's column chunks; stage_k: columns staged)")
+    ap.add_argument("--ways64", default="12:3:0", help="17-64 rows: stages:xstages:skip,... (benchmarks/ws_chain64.py)")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")
     args = ap.parse_args(argv)
     if args.compile:
@@ -173,6 +183,8 @@ def main(argv=None) -> int:
             for block_m in (8, 16):
                 print(dict(stages=st, chains=ch, skip=sk, split=sp, chunks=cu, stage_k=kk, block_m=block_m,
                            **compile_for_sm90(st, block_m, ch, sk, sp, cu, kk)), flush=True)
+        for st, xs, sk in parse_ways64(args.ways64):
+            print(dict(stages=st, xstages=xs, skip=sk, block_m=64, **compile64_for_sm90(st, xs, sk)), flush=True)
         return 0
     if not args.out:
         ap.error("--out is required to measure")
@@ -181,7 +193,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = dict(device=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, probes=[])
     for rows in (int(r) for r in args.rows.split(",")):
-        results["probes"].append(probe(rows, args.layers, sms, parse_ways(args.ways)))
+        results["probes"].append(probe(rows, args.layers, sms, parse_ways(args.ways), parse_ways64(args.ways64)))
         (out / "phase_probe_ws.json").write_text(json.dumps(results, indent=1))
         torch.cuda.empty_cache()
     return 0

@@ -50,3 +50,18 @@ def test_ways_parse_and_reject_what_the_kernel_does_not_have():
             ws.parse_ways(bad)
     with pytest.raises(ValueError, match="rows must be <= 16"):
         ws.ws_block_m(64)
+
+
+def test_the_64_row_kernel_streams_its_activations_and_multiplies_every_tile_once():
+    ws64 = load_benchmark("ws_chain64")
+    built = ws64.compile64_for_sm90(stages=12, xstages=3)
+    # the K loop is a loop (not unrolled): per chunk, T_MAX tiles x 256 / 16 steps x 2 MMAs of 8 rows per warp
+    # (4 warps split the 64 batch rows), each written once
+    assert built["mma"] == ws64.T_MAX * (ws.BLOCK_K_WS // 16) * 2, built
+    assert built["cp_async"] == 64 * ws.BLOCK_K_WS * 2 // (16 * 32)  # one 64 x 256 chunk, 16 B per copy, 1 warp
+    assert built["tma_loads"] > 0 and built["shared"] <= H200_SHARED, built
+    assert ws64.compile64_for_sm90(stages=12, xstages=3, skip=1)["mma"] == 0
+    assert ws64.parse_ways64("12:3:0,10:4:2") == [(12, 3, 0), (10, 4, 2)]
+    for bad in ("12:3", "12:5:0", "30:3:0", "12:3:3"):
+        with pytest.raises(ValueError, match="stages:xstages:skip"):
+            ws64.parse_ways64(bad)
