@@ -64,6 +64,8 @@ def run_ws(chain: Chain, stages: int, sms: int, chains: int = 4, skip: int = 0, 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block_m, stage_k = ws_block_m(chain.rows), stage_k or K
+    if any(c % (BLOCK_N * sms) for c in chain.cols):  # a CTA with no tile in a phase would not take its
+        raise ValueError("every phase must be whole waves of 16-column tiles (phase_columns)")  # signals
     if stage_k > chain.width:
         raise ValueError(f"stage_k {stage_k} is wider than the chain's activation slots ({chain.width})")
     w_layout, x_layout = layouts(block_m, stage_k)

@@ -65,3 +65,34 @@ def test_the_64_row_kernel_streams_its_activations_and_multiplies_every_tile_onc
     for bad in ("12:3", "12:5:0", "30:3:0", "12:3:3"):
         with pytest.raises(ValueError, match="stages:xstages:skip"):
             ws64.parse_ways64(bad)
+
+
+def test_the_layer_kernel_compiles_with_its_phases_and_refuses_a_diagnostic_that_would_hang():
+    layer = load_benchmark("ws_layer")
+    for epilogue_norm in (True, False):
+        built = layer.compile_for_sm90(stages=10, epilogue_norm=epilogue_norm)
+        # MMAs as written: 4 quarter chains x 4 steps of 16 per box, one box in qkv, o and down, two in gate_up
+        assert built["mma"] == 16 * 5, built
+        assert built["shared"] <= H200_SHARED and built["tma_loads"] > 0, built
+    with pytest.raises(Exception, match="publish no row scales"):
+        layer.compile_for_sm90(stages=10, diag=2, epilogue_norm=True)
+
+
+def test_the_layer_reference_and_its_diagnosis_find_a_wrong_tile():
+    """The torch reference the GPU run checks against, and the per-tile diagnosis that found session 14's bug
+    (a CTA with no tile in a phase skipped its chunk signals): fed the reference itself, nothing is off; with
+    one 16-column tile of act changed, exactly that tile is named."""
+    import torch
+
+    layer = load_benchmark("ws_layer")
+    chain = layer.LayerChain(rows=3, layers=2, device="cpu")
+    final = chain.reference()
+    for i, steps in enumerate(chain.ref_steps):  # the kernel's buffers, as if it had computed the reference
+        chain.qkv[i, :3], chain.o[i, :3], chain.act[i, :3] = steps["qkv"], steps["o"], steps["act"]
+        chain.hm[i + 1, :3], chain.d[i + 1, :3] = steps["hm"], steps["d"]
+    assert torch.equal(chain.output(), final)
+    assert max(chain.stage_errors(1).values()) < 5e-3
+    clean = chain.act_diagnosis(0)
+    assert clean["num_bad_tiles"] == 0 and clean["silu(g)*u n2"] < 5e-3 < clean["silu(u)*g n2"]
+    chain.act[0, :3, 130 * 16:131 * 16] *= -1
+    assert chain.act_diagnosis(0)["bad_tiles"] == [130]
