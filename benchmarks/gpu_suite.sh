@@ -121,8 +121,8 @@ if [ "$what" = probe_ws ]; then  # the same chain as one warp-specialized Gluon 
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = probe_layer ]; then  # Ouro-1.4B-shaped layers (norms, residual, SiLU x up, down's K) in one
-  # warp-specialized Gluon kernel (benchmarks/ws_layer.py; results checked vs torch; a hang exits)
-  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_layer.py --out "$OUT/probe_layer" "$@" 2>&1 \
+  # warp-specialized Gluon kernel (benchmarks/ws_layer_probe.py; checked vs torch; a hang exits)
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_layer_probe.py --out "$OUT/probe_layer" "$@" 2>&1 \
     | tee "$OUT/probe_layer.log" | tail -40
   status=${PIPESTATUS[0]}
 fi

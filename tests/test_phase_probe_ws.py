@@ -68,7 +68,7 @@ def test_the_64_row_kernel_streams_its_activations_and_multiplies_every_tile_onc
 
 
 def test_the_layer_kernel_compiles_with_its_phases_and_refuses_a_diagnostic_that_would_hang():
-    layer = load_benchmark("ws_layer")
+    layer = load_benchmark("ws_layer_probe")
     for epilogue_norm in (True, False):
         built = layer.compile_for_sm90(stages=10, epilogue_norm=epilogue_norm)
         # MMAs as written: 4 quarter chains x 4 steps of 16 per box, one box in qkv, o and down, two in gate_up
@@ -84,7 +84,7 @@ def test_the_layer_reference_and_its_diagnosis_find_a_wrong_tile():
     one 16-column tile of act changed, exactly that tile is named."""
     import torch
 
-    layer = load_benchmark("ws_layer")
+    layer = load_benchmark("ws_layer_probe")
     chain = layer.LayerChain(rows=3, layers=2, device="cpu")
     final = chain.reference()
     for i, steps in enumerate(chain.ref_steps):  # the kernel's buffers, as if it had computed the reference
