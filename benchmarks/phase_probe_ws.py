@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
-from ws_chain import BLOCK_K_WS, ws_chain_kernel  # noqa: E402
+from ws_chain import BLOCK_K_WS, compile_sm90, ws_chain_kernel  # noqa: E402
 from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
 
 
@@ -79,11 +79,7 @@ def run_ws(chain: Chain, stages: int, sms: int, chains: int = 4, skip: int = 0, 
 
 def compile_for_sm90(stages: int = 20, block_m: int = 8, chains: int = 4, skip: int = 0, split: int = 0,
                      chunks: int = 0, stage_k: int = 0) -> dict:
-    """Compile the kernel for sm90 without a GPU (Triton builds the PTX, ptxas the cubin); returns its
-    shared memory, registers and the PTX's count of TMA loads and mma.sync instructions."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """ws_chain_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
     stage_k = stage_k or K
     w_layout, x_layout = layouts(block_m, stage_k)
     signature = dict(w_desc=f"tensordesc<bf16[{BLOCK_N}, {BLOCK_K_WS}],{w_layout!r}>", y_ptr="*bf16",
@@ -91,16 +87,8 @@ def compile_for_sm90(stages: int = 20, block_m: int = 8, chains: int = 4, skip: 
                      slot="i32")
     constexprs = dict(x_layout=x_layout, K=K, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K_WS, STAGES=stages,
                       CHAINS=chains, SKIP=skip, SPLIT=split, CHUNKS=chunks, STAGE_K=stage_k, num_warps=4)
-    signature.update({name: "constexpr" for name in constexprs})
-    # as the launcher specializes them at the probe's shapes: 16-byte aligned pointers, strides of 16
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr",
-                                                                     "stride_y", "slot")}
-    compiled = triton.compile(GluonASTSource(ws_chain_kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = compiled.asm["ptx"]
-    return dict(shared=compiled.metadata.shared, tma_loads=ptx.count("cp.async.bulk.tensor"),
-                mma=ptx.count("mma.sync"), cubin_bytes=len(compiled.asm["cubin"]))
+    return compile_sm90(ws_chain_kernel, signature, constexprs,
+                        ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot"))
 
 
 def first_call_or_exit(fn, what: str, seconds: float = 60.0) -> None:

@@ -252,3 +252,22 @@ def ws_chain_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, 
                               M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
                               SKIP, SPLIT - 1)),
         ], [1, 1], [192, 40])
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...]) -> dict:
+    """Compile a Gluon kernel for sm90 without a GPU (Triton builds the PTX, ptxas the cubin). `aligned`: the
+    arguments the launcher would specialize as 16-byte aligned / divisible by 16 at the probes' shapes.
+    Returns its shared memory and the PTX's counts of TMA loads, cp.async copies and mma.sync instructions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": constexprs.get("num_warps", 4)})
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
+            "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
+            "cubin_bytes": len(compiled.asm["cubin"])}

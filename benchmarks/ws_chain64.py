@@ -205,11 +205,8 @@ def run_ws64(chain, stages: int, xstages: int, sms: int, skip: int = 0) -> None:
 
 
 def compile64_for_sm90(stages: int = 12, xstages: int = 3, skip: int = 0) -> dict:
-    """As phase_probe_ws.compile_for_sm90, for this kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from ws_chain import BLOCK_K_WS
+    """ws_chain64_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
+    from ws_chain import BLOCK_K_WS, compile_sm90
 
     from phase_probe import BLOCK_N, K
     w_layout, x_layout = layouts64()
@@ -218,16 +215,8 @@ def compile64_for_sm90(stages: int = 12, xstages: int = 3, skip: int = 0) -> dic
                  "stride_y": "i32", "slot": "i32"}
     constexprs = {"x_layout": x_layout, "K": K, "BLOCK_M": 64, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K_WS,
                   "STAGES": stages, "XSTAGES": xstages, "SKIP": skip, "num_warps": 4}
-    signature.update({name: "constexpr" for name in constexprs})
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr",
-                                                                     "stride_y", "slot")}
-    compiled = triton.compile(GluonASTSource(ws_chain64_kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
-            "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
-            "cubin_bytes": len(compiled.asm["cubin"])}
+    return compile_sm90(ws_chain64_kernel, signature, constexprs,
+                        ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot"))
 
 
 def parse_ways64(text: str) -> list[tuple[int, int, int]]:

@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import COPY_TBPS, rel_err, timed  # noqa: E402
 from phase_probe_ws import first_call_or_exit  # noqa: E402
+from ws_chain import compile_sm90  # noqa: E402
 from ws_layer import _EPS, SIZES, ws_layer_kernel  # noqa: E402
 
 _H, _QKV, _INTER, _BN, _BK, _BM = (SIZES[k] for k in ("H", "QKV", "INTER", "BN", "BK", "BM"))
@@ -145,11 +145,7 @@ def run(chain: LayerChain, sms: int, stages: int = 10, diag: int = 0, epilogue_n
 
 
 def compile_for_sm90(stages: int = 10, diag: int = 0, epilogue_norm: bool = True) -> dict:
-    """Compile for sm90 without a GPU; returns its shared memory and the PTX's TMA loads, cp.async copies and
-    mma.sync instructions."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """ws_layer_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
     w_layout, x_layout = _layouts()
     desc = f"tensordesc<bf16[{_BN}, {_BK}],{w_layout!r}>"
     signature = {"wq": desc, "wo": desc, "wgu": desc, "wd": desc}
@@ -158,15 +154,7 @@ def compile_for_sm90(stages: int = 10, diag: int = 0, epilogue_norm: bool = True
     signature.update({"cnt_ptr": "*i32", "num_layers": "i32", "M": "i32"})
     constexprs = {"x_layout": x_layout, "STAGES": stages, "DIAG": diag, "EPILOGUE_NORM": epilogue_norm,
                   "num_warps": 4}
-    signature.update({name: "constexpr" for name in constexprs})
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "cnt_ptr")}
-    compiled = triton.compile(GluonASTSource(ws_layer_kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
-            "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
-            "cubin_bytes": len(compiled.asm["cubin"])}
+    return compile_sm90(ws_layer_kernel, signature, constexprs, (*pointers, "cnt_ptr"))
 
 
 def main(argv=None) -> int:
