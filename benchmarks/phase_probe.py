@@ -168,6 +168,13 @@ class Chain:
         self.y[0, :rows, :K] = torch.randn(rows, K, generator=g, device=device).to(dtype)
         self.cnt = torch.zeros(len(cols), dtype=torch.int32, device=device)
 
+    def check_whole_waves(self, programs: int) -> None:
+        """The persistent Gluon kernels (ws_chain.py, ws_chain64.py) give every CTA a tile in every phase; a CTA
+        without one would skip that phase's signals and a later wait for the same parity would pass early."""
+        if any(c % (self.block_n * programs) for c in self.cols):
+            raise ValueError(f"every phase must be whole waves of {self.block_n}-column tiles on {programs} "
+                             f"programs (phase_columns), got {sorted(set(self.cols))}")
+
     def run_kernels(self, pdl: bool, block_n: int | None = None) -> None:
         """One kernel per phase, of block_n-column tiles (default: the chain's; any divisor of its columns)."""
         launch = {"launch_pdl": True} if pdl else {}

@@ -38,18 +38,11 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
-from ws_chain import BLOCK_K_WS, compile_sm90, ws_chain_kernel  # noqa: E402
+from ws_chain import BLOCK_K_WS, CHAIN_ALIGNED, chain_signature, compile_sm90, smem_layouts, ws_chain_kernel  # noqa: E402,E501
 from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
-
-
-def layouts(block_m: int, stage_k: int = K) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
-    """The weight boxes' layout (the TMA descriptor's) and the staged activations'."""
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K_WS], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([block_m, stage_k], gl.bfloat16))
 
 
 def ws_block_m(rows: int) -> int:
@@ -64,11 +57,10 @@ def run_ws(chain: Chain, stages: int, sms: int, chains: int = 4, skip: int = 0, 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block_m, stage_k = ws_block_m(chain.rows), stage_k or K
-    if any(c % (BLOCK_N * sms) for c in chain.cols):  # a CTA with no tile in a phase would not take its
-        raise ValueError("every phase must be whole waves of 16-column tiles (phase_columns)")  # signals
+    chain.check_whole_waves(sms)
     if stage_k > chain.width:
         raise ValueError(f"stage_k {stage_k} is wider than the chain's activation slots ({chain.width})")
-    w_layout, x_layout = layouts(block_m, stage_k)
+    w_layout, x_layout = smem_layouts(block_m, stage_k)
     desc = TensorDescriptor.from_tensor(chain.w, [BLOCK_N, BLOCK_K_WS], w_layout)
     chain.cnt.zero_()
     ws_chain_kernel[(sms,)](desc, chain.y, chain.cnt, chain.cols_t, chain.w_rows, len(chain.cols), chain.rows,
@@ -81,14 +73,10 @@ def compile_for_sm90(stages: int = 20, block_m: int = 8, chains: int = 4, skip: 
                      chunks: int = 0, stage_k: int = 0) -> dict:
     """ws_chain_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
     stage_k = stage_k or K
-    w_layout, x_layout = layouts(block_m, stage_k)
-    signature = dict(w_desc=f"tensordesc<bf16[{BLOCK_N}, {BLOCK_K_WS}],{w_layout!r}>", y_ptr="*bf16",
-                     cnt_ptr="*i32", cols_ptr="*i32", w_row_ptr="*i64", num_phases="i32", M="i32", stride_y="i32",
-                     slot="i32")
+    w_layout, x_layout = smem_layouts(block_m, stage_k)
     constexprs = dict(x_layout=x_layout, K=K, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K_WS, STAGES=stages,
                       CHAINS=chains, SKIP=skip, SPLIT=split, CHUNKS=chunks, STAGE_K=stage_k, num_warps=4)
-    return compile_sm90(ws_chain_kernel, signature, constexprs,
-                        ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot"))
+    return compile_sm90(ws_chain_kernel, chain_signature(w_layout), constexprs, CHAIN_ALIGNED)
 
 
 def first_call_or_exit(fn, what: str, seconds: float = 60.0) -> None:

@@ -9,7 +9,33 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-BLOCK_K_WS = 256  # one TMA box of weights: 16 rows x 256 (8 KB)
+BOX_ROWS, BLOCK_K_WS = 16, 256  # one TMA box of weights: 16 rows x 256 (8 KB)
+
+
+# ---------------------------------------------------------------------------- the weight ring (every kernel's)
+
+@gluon.jit
+def _load_box(desc, row, col, ring, ready, empty, i, STAGES: gl.constexpr):
+    # the stream's i-th box into its slot once the consumer gave the slot back; `ready` counts its bytes in
+    s = i % STAGES
+    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _take(ring, ready, i, STAGES: gl.constexpr):
+    # the slot of the stream's i-th box, once it has landed
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return ring.index(s)
+
+
+@gluon.jit
+def _give(empty, i, STAGES: gl.constexpr):
+    # the i-th box's slot back to the loader
+    fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
+    mbarrier.arrive(empty.index(i % STAGES), count=1)
 
 
 @gluon.jit
@@ -24,11 +50,7 @@ def _weight_loader(w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases,
         n_tiles = gl.load(cols_ptr + p) // BLOCK_N
         for t in range(pid, n_tiles, programs):
             for kb in range(K // BLOCK_K):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), BLOCK_N * BLOCK_K * 2)
-                tma.async_copy_global_to_shared(w_desc, [row0 + t * BLOCK_N, kb * BLOCK_K], ready.index(s),
-                                                ring.index(s))
+                _load_box(w_desc, row0 + t * BLOCK_N, kb * BLOCK_K, ring, ready, empty, i, STAGES)
                 i += 1
 
 
@@ -118,14 +140,11 @@ def _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_e
             for kb in gl.static_range(NCH):  # static: a shared-memory slice starts at a constant
                 if STAGED == 2:  # (a wait for a phase already complete returns at once)
                     mbarrier.wait(x_ready.index((p % 2) * NCH + kb), (p // 2) & 1)
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                box = _take(ring, ready, i, STAGES)
                 if SKIP != 1:
-                    acc0, acc1, acc2, acc3 = _multiply_box(ring.index(s), xb.slice(kb * BLOCK_K, BLOCK_K, dim=1),
-                                                           acc0, acc1, acc2, acc3, a_layout, b_layout, BLOCK_K,
-                                                           CHAINS)
-                fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
-                mbarrier.arrive(empty.index(s), count=1)
+                    acc0, acc1, acc2, acc3 = _multiply_box(box, xb.slice(kb * BLOCK_K, BLOCK_K, dim=1), acc0, acc1,
+                                                           acc2, acc3, a_layout, b_layout, BLOCK_K, CHAINS)
+                _give(empty, i, STAGES)
                 i += 1
             rn = t * BLOCK_N + rn0
             acc = (acc0 + acc1) + (acc2 + acc3)
@@ -252,6 +271,28 @@ def ws_chain_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, 
                               M, stride_y, slot, w_desc, w_row_ptr, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CHAINS,
                               SKIP, SPLIT - 1)),
         ], [1, 1], [192, 40])
+
+
+# ---------------------------------------------------------------------------------------------- the host side
+
+CHAIN_ALIGNED = ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot")  # 16-aligned at the probes' shapes
+
+
+def smem_layouts(block_m: int, k: int = BLOCK_K_WS) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The weight boxes' layout (their TMA descriptors') and that of `block_m` x `k` staged activations."""
+    return (gl.NVMMASharedLayout.get_default_for([BOX_ROWS, BLOCK_K_WS], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([block_m, k], gl.bfloat16))
+
+
+def box_type(w_layout: gl.NVMMASharedLayout) -> str:
+    """A weight descriptor's type in a compile signature."""
+    return f"tensordesc<bf16[{BOX_ROWS}, {BLOCK_K_WS}],{w_layout!r}>"
+
+
+def chain_signature(w_layout: gl.NVMMASharedLayout) -> dict:
+    """The runtime arguments of ws_chain_kernel and ws_chain64_kernel, as compile_sm90 takes them."""
+    return {"w_desc": box_type(w_layout), "y_ptr": "*bf16", "cnt_ptr": "*i32", "cols_ptr": "*i32",
+            "w_row_ptr": "*i64", "num_phases": "i32", "M": "i32", "stride_y": "i32", "slot": "i32"}
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...]) -> dict:

@@ -19,8 +19,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from ws_chain import _wait_for_phase
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from ws_chain import (BLOCK_K_WS, CHAIN_ALIGNED, _give, _load_box, _take, _wait_for_phase, chain_signature,
+                      compile_sm90, smem_layouts)
 
 T_MAX = 5  # tiles per CTA and phase at most: the probe's widest phase (gate_up) is 5 waves of 16-column tiles
 
@@ -42,11 +43,7 @@ def _loader64(xring, x_ready, x_empty, ring, ready, empty, w_desc, y_ptr, cnt_pt
         mine = _tiles_of(cols_ptr, p, pid, programs, BLOCK_N)
         for kb in range(K // BLOCK_K):
             for j in range(mine):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), BLOCK_N * BLOCK_K * 2)
-                tma.async_copy_global_to_shared(w_desc, [row0 + (pid + j * programs) * BLOCK_N, kb * BLOCK_K],
-                                                ready.index(s), ring.index(s))
+                _load_box(w_desc, row0 + (pid + j * programs) * BLOCK_N, kb * BLOCK_K, ring, ready, empty, i, STAGES)
                 i += 1
 
 
@@ -75,13 +72,10 @@ def _stager64(xring, x_ready, x_empty, ring, ready, empty, w_desc, y_ptr, cnt_pt
 
 @gluon.jit
 def _box(ring, ready, empty, i, b, acc, a_layout: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    box = _take(ring, ready, i, STAGES)
     if SKIP != 1:
-        a = ring.index(s).load(a_layout)
-        acc = mma_v2(a, b, acc)
-    fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
-    mbarrier.arrive(empty.index(s), count=1)
+        acc = mma_v2(box.load(a_layout), b, acc)
+    _give(empty, i, STAGES)
     return acc
 
 
@@ -176,27 +170,18 @@ def ws_chain64_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M
 
 # ---------------------------------------------------------------------------------------------- the host side
 
-def layouts64(block_m: int = 64):
-    """The weight boxes' layout (the TMA descriptor's) and the activation chunks'."""
-    from ws_chain import BLOCK_K_WS
-
-    from phase_probe import BLOCK_N
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K_WS], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K_WS], gl.bfloat16))
-
-
 def run_ws64(chain, stages: int, xstages: int, sms: int, skip: int = 0) -> None:
-    """The chain (phase_probe.Chain, 17-64 rows, 16-column tiles) as one launch of `sms` CTAs."""
+    """The chain (phase_probe.Chain, 17-64 rows, 16-column tiles in whole waves) as one launch of `sms` CTAs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from ws_chain import BLOCK_K_WS
 
     from phase_probe import BLOCK_N, K
     if not 16 < chain.rows <= 64 or chain.block_m != 64 or chain.block_n != BLOCK_N:
         raise ValueError(f"the 64-row kernel takes 17-64 rows in 16-column tiles, got {chain.rows} rows, "
                          f"block_n {chain.block_n}")
+    chain.check_whole_waves(sms)
     if max(chain.cols) > T_MAX * BLOCK_N * sms:
         raise ValueError(f"a phase of {max(chain.cols)} columns gives a CTA more than {T_MAX} tiles")
-    w_layout, x_layout = layouts64()
+    w_layout, x_layout = smem_layouts(64)
     desc = TensorDescriptor.from_tensor(chain.w, [BLOCK_N, BLOCK_K_WS], w_layout)
     chain.cnt.zero_()
     ws_chain64_kernel[(sms,)](desc, chain.y, chain.cnt, chain.cols_t, chain.w_rows, len(chain.cols), chain.rows,
@@ -206,17 +191,11 @@ def run_ws64(chain, stages: int, xstages: int, sms: int, skip: int = 0) -> None:
 
 def compile64_for_sm90(stages: int = 12, xstages: int = 3, skip: int = 0) -> dict:
     """ws_chain64_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
-    from ws_chain import BLOCK_K_WS, compile_sm90
-
     from phase_probe import BLOCK_N, K
-    w_layout, x_layout = layouts64()
-    signature = {"w_desc": f"tensordesc<bf16[{BLOCK_N}, {BLOCK_K_WS}],{w_layout!r}>", "y_ptr": "*bf16",
-                 "cnt_ptr": "*i32", "cols_ptr": "*i32", "w_row_ptr": "*i64", "num_phases": "i32", "M": "i32",
-                 "stride_y": "i32", "slot": "i32"}
+    w_layout, x_layout = smem_layouts(64)
     constexprs = {"x_layout": x_layout, "K": K, "BLOCK_M": 64, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K_WS,
                   "STAGES": stages, "XSTAGES": xstages, "SKIP": skip, "num_warps": 4}
-    return compile_sm90(ws_chain64_kernel, signature, constexprs,
-                        ("y_ptr", "cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot"))
+    return compile_sm90(ws_chain64_kernel, chain_signature(w_layout), constexprs, CHAIN_ALIGNED)
 
 
 def parse_ways64(text: str) -> list[tuple[int, int, int]]:

@@ -20,10 +20,10 @@ from pathlib import Path
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ws_chain import _wait_for_phase  # noqa: E402
+from ws_chain import _give, _load_box, _take, _wait_for_phase  # noqa: E402
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
          "BN": 16, "BK": 256, "BM": 8, "XCHUNKS": 32}  # tile columns, box K, batch rows, staged chunks (2^k >= 22)
@@ -38,11 +38,7 @@ def _load_boxes(desc, ring, ready, empty, i, row0, pid, programs, NT: gl.constex
     for t in range(pid, NT, programs):
         for kb in range(NKB):
             for half in gl.static_range(2 if PAIR else 1):  # gate, then up
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), BN * BK * 2)
-                tma.async_copy_global_to_shared(desc, [row0 + half * PAIR_OFFSET + t * BN, kb * BK], ready.index(s),
-                                                ring.index(s))
+                _load_box(desc, row0 + half * PAIR_OFFSET + t * BN, kb * BK, ring, ready, empty, i, STAGES)
                 i += 1
     return i
 
@@ -69,19 +65,6 @@ def _quarter_mma(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.cons
     acc2 = mma_v2(slot.slice(2 * Q, Q, dim=1).load(a_layout), b2, acc2)
     acc3 = mma_v2(slot.slice(3 * Q, Q, dim=1).load(a_layout), b3, acc3)
     return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _take(ring, ready, i, STAGES: gl.constexpr):
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    return ring.index(s)
-
-
-@gluon.jit
-def _give(empty, i, STAGES: gl.constexpr):
-    fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
-    mbarrier.arrive(empty.index(i % STAGES), count=1)
 
 
 @gluon.jit
@@ -252,12 +235,6 @@ def _stage_in(a_ptr, b_ptr, res_ptr, n_ptr, xbuf, x_ready, scales, M, pid, WARPS
 
 
 @gluon.jit
-def _boundary(cnt_ptr, programs, DIAG: gl.constexpr):
-    if DIAG != 1:  # diagnostic 1: no phase barrier
-        _wait_for_phase(cnt_ptr, programs)
-
-
-@gluon.jit
 def _stager(xbuf, x_ready, scales, acts, norms, cnt_ptr, num_layers, M, WARPS: gl.constexpr, DIAG: gl.constexpr,
             EPILOGUE_NORM: gl.constexpr):
     hm_ptr, d_ptr, hq_ptr, qkv_ptr, o_ptr, act_ptr = acts
@@ -267,16 +244,16 @@ def _stager(xbuf, x_ready, scales, acts, norms, cnt_ptr, num_layers, M, WARPS: g
     for layer in range(num_layers):
         p = 4 * layer
         if layer > 0:
-            _boundary(cnt_ptr + p - 1, programs, DIAG)
+            _wait_for_phase(cnt_ptr + p - 1, programs)
         # h = hm + d of the layer before (layer 0: the input and zeros)
         _stage_in(hm_ptr + layer * BM * H, d_ptr + layer * BM * H, hq_ptr + layer * BM * H, n1_ptr + layer * H,
                   xbuf, x_ready, scales, M, pid, WARPS, DIAG, EPILOGUE_NORM)
-        _boundary(cnt_ptr + p, programs, DIAG)
+        _wait_for_phase(cnt_ptr + p, programs)
         _stage_copy(qkv_ptr + layer * BM * QKV, xbuf, x_ready, M, QKV, H // BK, WARPS)
-        _boundary(cnt_ptr + p + 1, programs, DIAG)
+        _wait_for_phase(cnt_ptr + p + 1, programs)
         _stage_in(hq_ptr + layer * BM * H, o_ptr + layer * BM * H, hm_ptr + (layer + 1) * BM * H,
                   n2_ptr + layer * H, xbuf, x_ready, scales, M, pid, WARPS, DIAG, EPILOGUE_NORM)
-        _boundary(cnt_ptr + p + 2, programs, DIAG)
+        _wait_for_phase(cnt_ptr + p + 2, programs)
         _stage_copy(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, INTER // BK, WARPS)
 
 

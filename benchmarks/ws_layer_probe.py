@@ -25,12 +25,11 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import COPY_TBPS, rel_err, timed  # noqa: E402
 from phase_probe_ws import first_call_or_exit  # noqa: E402
-from ws_chain import compile_sm90  # noqa: E402
+from ws_chain import box_type, compile_sm90, smem_layouts  # noqa: E402
 from ws_layer import _EPS, SIZES, ws_layer_kernel  # noqa: E402
 
 _H, _QKV, _INTER, _BN, _BK, _BM = (SIZES[k] for k in ("H", "QKV", "INTER", "BN", "BK", "BM"))
@@ -128,15 +127,10 @@ class LayerChain:
         return (self.hm[self.layers, :self.rows].float() + self.d[self.layers, :self.rows].float()).bfloat16()
 
 
-def _layouts():
-    return (gl.NVMMASharedLayout.get_default_for([_BN, _BK], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([_BM, _BK], gl.bfloat16))
-
-
 def run(chain: LayerChain, sms: int, stages: int = 10, diag: int = 0, epilogue_norm: bool = True) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    w_layout, x_layout = _layouts()
+    w_layout, x_layout = smem_layouts(_BM)
     descs = [TensorDescriptor.from_tensor(w, [_BN, _BK], w_layout) for w in (chain.wq, chain.wo, chain.wgu, chain.wd)]
     chain.cnt.zero_()
     ws_layer_kernel[(sms,)](*descs, chain.hm, chain.d, chain.hq, chain.qkv, chain.o, chain.act, chain.n1, chain.n2,
@@ -146,9 +140,8 @@ def run(chain: LayerChain, sms: int, stages: int = 10, diag: int = 0, epilogue_n
 
 def compile_for_sm90(stages: int = 10, diag: int = 0, epilogue_norm: bool = True) -> dict:
     """ws_layer_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
-    w_layout, x_layout = _layouts()
-    desc = f"tensordesc<bf16[{_BN}, {_BK}],{w_layout!r}>"
-    signature = {"wq": desc, "wo": desc, "wgu": desc, "wd": desc}
+    w_layout, x_layout = smem_layouts(_BM)
+    signature = {name: box_type(w_layout) for name in ("wq", "wo", "wgu", "wd")}
     pointers = ("hm_ptr", "d_ptr", "hq_ptr", "qkv_ptr", "o_ptr", "act_ptr", "n1_ptr", "n2_ptr")
     signature.update({name: "*bf16" for name in pointers})
     signature.update({"cnt_ptr": "*i32", "num_layers": "i32", "M": "i32"})
@@ -163,8 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--stages", default="10,6", help="weight ring slots (8 KB each), one run per value")
-    ap.add_argument("--diag", default="2", help="diagnostic ways (wrong output): 2 the norm phases staged as "
-                    "copies ('' for none; there is no 1, no phase barrier: the one activation buffer needs it)")
+    ap.add_argument("--diag", default="2", choices=("2", ""), help="2 (default): also the diagnostic way with the "
+                    "norm phases staged as plain copies (wrong output); '' for none")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")
     args = ap.parse_args(argv)
     stages = [int(s) for s in args.stages.split(",")]
@@ -187,8 +180,8 @@ def main(argv=None) -> int:
     # (every chunk signalled once the rows are normalized) and the diagnostics at the first
     ways = {f"ws_layer_s{s}": (s, 0, True) for s in stages}
     ways[f"ws_layer_s{stages[0]}_norm_first"] = (stages[0], 0, False)
-    ways.update({f"ws_layer_s{stages[0]}_norms_as_copies": (stages[0], d, False)
-                 for d in (int(v) for v in args.diag.split(",") if v)})
+    if args.diag:
+        ways[f"ws_layer_s{stages[0]}_norms_as_copies"] = (stages[0], 2, False)
     for name, way in ways.items():
         chain.reset()
         first_call_or_exit(lambda way=way: run(chain, sms, *way), f"ws_layer {name}")

@@ -96,3 +96,11 @@ def test_the_layer_reference_and_its_diagnosis_find_a_wrong_tile():
     assert clean["num_bad_tiles"] == 0 and clean["silu(g)*u n2"] < 5e-3 < clean["silu(u)*g n2"]
     chain.act[0, :3, 130 * 16:131 * 16] *= -1
     assert chain.act_diagnosis(0)["bad_tiles"] == [130]
+
+
+def test_the_persistent_kernels_refuse_a_chain_where_a_cta_would_have_no_tile():
+    phase_probe = load_benchmark("phase_probe")
+    chain = phase_probe.Chain(3, [64, 128], "cpu", dtype=__import__("torch").float32)
+    chain.check_whole_waves(4)  # 64 and 128 columns: 1 and 2 waves of 4 x 16
+    with pytest.raises(ValueError, match="whole waves of 16-column tiles on 3 programs"):
+        chain.check_whole_waves(3)
