@@ -15,6 +15,18 @@ BOX_ROWS, BLOCK_K_WS = 16, 256  # one TMA box of weights: 16 rows x 256 (8 KB)
 # ---------------------------------------------------------------------------- the weight ring (every kernel's)
 
 @gluon.jit
+def _weight_ring(desc, STAGES: gl.constexpr):
+    # STAGES slots of one of desc's boxes each, a `ready` barrier (the box landed) and an `empty` one (given back)
+    ring = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ring, ready, empty
+
+
+@gluon.jit
 def _load_box(desc, row, col, ring, ready, empty, i, STAGES: gl.constexpr):
     # the stream's i-th box into its slot once the consumer gave the slot back; `ready` counts its bytes in
     s = i % STAGES
@@ -230,15 +242,10 @@ def ws_chain_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M, 
     # 1-warp worker multiplies, the default partition waits and stages (two activation buffers); 3: as 2, the
     # staging signalled per BLOCK_K chunk
     NBUF: gl.constexpr = 2 if SPLIT >= 2 else 1
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ring, ready, empty = _weight_ring(w_desc, STAGES)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_M, STAGE_K], x_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [2 * (K // BLOCK_K), 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     for b in gl.static_range(2 * (K // BLOCK_K)):
         mbarrier.init(x_ready.index(b), count=1)
     for b in gl.static_range(2):

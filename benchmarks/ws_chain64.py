@@ -20,8 +20,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-from ws_chain import (BLOCK_K_WS, CHAIN_ALIGNED, _give, _load_box, _take, _wait_for_phase, chain_signature,
-                      compile_sm90, smem_layouts)
+from ws_chain import (BLOCK_K_WS, CHAIN_ALIGNED, _give, _load_box, _take, _wait_for_phase, _weight_ring,
+                      chain_signature, compile_sm90, smem_layouts)
 
 T_MAX = 5  # tiles per CTA and phase at most: the probe's widest phase (gate_up) is 5 waves of 16-column tiles
 
@@ -146,15 +146,10 @@ def ws_chain64_kernel(w_desc, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M
                       num_warps: gl.constexpr):
     # SKIP (diagnostics; the output is then wrong): 1 no MMA, 2 no phase barrier. A CTA has at most T_MAX
     # tiles in a phase (the host checks).
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ring, ready, empty = _weight_ring(w_desc, STAGES)
     xring = gl.allocate_shared_memory(gl.bfloat16, [XSTAGES, BLOCK_M, BLOCK_K], x_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(XSTAGES):
         mbarrier.init(x_ready.index(s), count=32)  # the stager warp's threads, each once its copies landed
         mbarrier.init(x_empty.index(s), count=1)

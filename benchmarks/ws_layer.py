@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ws_chain import _give, _load_box, _take, _wait_for_phase  # noqa: E402
+from ws_chain import _give, _load_box, _take, _wait_for_phase, _weight_ring  # noqa: E402
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
          "BN": 16, "BK": 256, "BM": 8, "XCHUNKS": 32}  # tile columns, box K, batch rows, staged chunks (2^k >= 22)
@@ -265,14 +265,9 @@ def ws_layer_kernel(wq, wo, wgu, wd, hm_ptr, d_ptr, hq_ptr, qkv_ptr, o_ptr, act_
     # phases stage h * n chunk by chunk and the consumer divides by the rms in its epilogue (rounding after
     # the product, not before: within bf16 of the reference)
     gl.static_assert(DIAG != 2 or not EPILOGUE_NORM, "the copies publish no row scales: the epilogue would wait")
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], wq.layout)
+    ring, ready, empty = _weight_ring(wq, STAGES)
     xbuf = gl.allocate_shared_memory(gl.bfloat16, [XCHUNKS, BM, BK], x_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [XCHUNKS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     for c in gl.static_range(XCHUNKS):
         mbarrier.init(x_ready.index(c), count=1)
     scale_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
