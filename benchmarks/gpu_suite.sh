@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -86,6 +86,26 @@ if [ "$what" = pdl ]; then  # the decode harness's floor scenarios with engine/p
     for p in 0 1; do
       OUROBATCH_PDL=$p python3 benchmarks/throughput.py --out "$OUT/pdl/pdl${p}_r$r" --configs interval1 \
         --scenarios 8x512x256,64x512x256 "$@" 2>&1 | tee "$OUT/pdl_${p}_r$r.log" | grep '^|' | tail -4
+    done
+  done
+fi
+if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU tests, the kernel against the
+  # Triton table (benchmarks/decode_attention.py), then the decode harness's floor scenarios with each kernel
+  # (OUROBATCH_DECODE_ATTENTION=triton / gluon, DA_ROUNDS rounds, default 2; DA_SCENARIOS), each run its own
+  # process; a hang exits
+  timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+    tests/gpu/test_gpu_gluon_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+  if [ "${DA_BENCH:-1}" != 0 ]; then  # DA_BENCH=0: the harness only
+    timeout -k 10 200 python3 benchmarks/decode_attention.py --out "$OUT/decode_attention" 2>&1 \
+      | tee "$OUT/decode_attention.log" | grep '^|' | tail -12
+  fi
+  for r in $(seq 1 "${DA_ROUNDS:-2}"); do  # DA_RINGS: the Gluon rings (OUROBATCH_DECODE_RING), default 32x6
+    for k in triton ${DA_RINGS:-32x6}; do
+      name=$k; [ "$k" = triton ] || name=gluon_$k
+      OUROBATCH_DECODE_ATTENTION=$([ "$k" = triton ] && echo triton || echo gluon) OUROBATCH_DECODE_RING=${k/triton/32x6} \
+        timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/da/${name}_r$r" --configs interval1 \
+        --scenarios "${DA_SCENARIOS:-8x512x256,64x512x256}" "$@" 2>&1 | tee "$OUT/da_${name}_r$r.log" | grep '^|' | tail -4
     done
   done
 fi

@@ -305,7 +305,8 @@ def chain_signature(w_layout: gl.NVMMASharedLayout) -> dict:
 def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...]) -> dict:
     """Compile a Gluon kernel for sm90 without a GPU (Triton builds the PTX, ptxas the cubin). `aligned`: the
     arguments the launcher would specialize as 16-byte aligned / divisible by 16 at the probes' shapes.
-    Returns its shared memory and the PTX's counts of TMA loads, cp.async copies and mma.sync instructions."""
+    Returns its shared memory and the PTX's counts of TMA loads, cp.async copies, mma.sync instructions and
+    programmatic-dependent-launch waits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -318,4 +319,6 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, 
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
             "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
+            "gdc_wait": ptx.count("griddepcontrol.wait"), "spills": compiled.metadata.n_spills
+            if hasattr(compiled.metadata, "n_spills") else None,
             "cubin_bytes": len(compiled.asm["cubin"])}

@@ -84,6 +84,49 @@ def choose_config(seqs: int, kv_heads: int, tile: int, head_dim: int, num_sms: i
     return config
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One launch of the Gluon decode kernel (gluon_attention.py)."""
+
+    block_n: int = 32  # key positions per ring slot (a multiple of the page size)
+    stages: int = 6  # ring slots
+    splits: int = 1  # key shares per (request, kv head); > 1: float32 partials + the combine kernel
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if not 2 <= self.stages <= 16:
+            raise ValueError(f"DecodeConfig.stages must satisfy 2 <= stages <= 16, got {self.stages}")
+        if not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"DecodeConfig.splits must satisfy 1 <= splits <= {MAX_SPLITS}, got {self.splits}")
+
+
+MAX_DECODE_SPLITS = 16
+# The Gluon kernel serves decode calls of up to this many (request, kv head) pairs per SM; past it the Triton
+# kernel wins (H200, docs/benchmarks.md session 15: alone at L = 640, N = 8 (0.97 per SM) 12.2 vs 15.5 us,
+# N = 16 (1.9) 24.2 vs 25.4, N = 64 88.9 vs 82.6; in the full-depth step N = 8 5.67-5.72 vs 5.83-5.84 ms,
+# N = 16 6.93-7.00 vs 6.85-6.90, N = 64 13.2-13.4 vs 12.2).
+DECODE_MAX_PER_SM = 1.0
+
+
+def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = DecodeConfig()) -> DecodeConfig | None:
+    """The Gluon decode kernel's launch for `seqs` one-row requests, or None where the Triton kernel serves
+    them: as many key shares per (request, kv head) as keep one CTA per SM busy."""
+    pairs = max(seqs * kv_heads, 1)
+    if pairs > DECODE_MAX_PER_SM * num_sms:
+        return None
+    return replace(base, splits=max(1, min(MAX_DECODE_SPLITS, num_sms // pairs)))
+
+
+def parse_ring(text: str) -> DecodeConfig:
+    """A ring shape "BLOCK_NxSTAGES" (OUROBATCH_DECODE_RING), e.g. "32x6"."""
+    try:
+        block_n, stages = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"OUROBATCH_DECODE_RING must be BLOCK_NxSTAGES (e.g. 32x6), got {text!r}") from None
+    return DecodeConfig(block_n, stages)
+
+
 def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:
     """(BLOCK_M, M tiles) for a request of max_rows new rows times `group` query heads per kv head."""
     tile = max(1, max_rows * group)

@@ -121,6 +121,30 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     return paged + strides, combine
 
 
+def decode_keys(s: KernelShapes, splits_of) -> dict[tuple, int]:
+    """The Gluon decode kernel's specializations (engine/gluon_attention.py), each with a request count that
+    compiles it: the calls of one new row per request (rows = requests) that `splits_of(seqs)` (the device's
+    triton_attention.decode_launch's split count, or None) sends there. Split launches key their partials'
+    strides (rows x heads (x head_dim)) like the paged kernel's."""
+    if (not s.triton_attention or s.group != 1 or s.dtype not in (torch.bfloat16, torch.float16)
+            or s.head_dim not in (64, 128, 256)):  # gluon_attention.supports
+        return {}
+    seqs_all = set(s.buckets) if s.buckets is not None else set(range(1, s.max_num_seqs + 1))
+    history = min(MAX_KERNEL_HISTORY_ROWS, s.max_num_batched_tokens, s.max_model_len - s.block_size)
+    if history >= 1:  # one-row prefill chunks after a history
+        seqs_all |= set(range(1, min(s.max_num_seqs, s.max_num_batched_tokens) + 1))
+    found: dict[tuple, int] = {}
+    for seqs in sorted(seqs_all):
+        splits = splits_of(seqs)
+        if splits is None:
+            continue
+        split = splits > 1
+        key = ("gluon", split) + ((int_class(seqs * s.num_heads * s.head_dim), int_class(seqs * s.num_heads))
+                                  if split else ())
+        found.setdefault(key, seqs)
+    return found
+
+
 def case_config(s: KernelShapes, case: AttentionCase) -> LaunchConfig:
     """The launch config the kernel's dispatch picks for this call (triton_attention.default_config)."""
     tile = case.max_rows * s.group

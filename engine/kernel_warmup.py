@@ -31,7 +31,7 @@ import torch
 
 from . import fork_compile
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
-                           gemm_keys, gemm_rows)
+                           decode_keys, gemm_keys, gemm_rows)
 from .gemm_dispatch import gemm_config
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
@@ -49,7 +49,9 @@ def default_threads(forking: bool) -> int:
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
-    from .triton_attention import triton_paged_attention
+    """The paged kernel's launch for `case` (its dispatch's config; never the Gluon decode kernel, whose
+    launches are launch_decode's)."""
+    from .triton_attention import launch_paged_attention
 
     q = torch.zeros(case.rows, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
     plane = torch.zeros(1, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)  # block 0
@@ -62,8 +64,25 @@ def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device)
         lens = torch.tensor(_row_counts(case), dtype=torch.int32)
     starts = torch.zeros(case.seqs + 1, dtype=torch.int32)
     starts[1:] = lens.cumsum(0)
-    triton_paged_attention(q, plane, plane, tables, lens.to(device), starts.to(device), case.max_rows,
-                           s.head_dim ** -0.5, tiles)
+    launch_paged_attention(q, plane, plane, tables, lens.to(device), starts.to(device), case.max_rows,
+                           s.head_dim ** -0.5, case_config(s, case), tiles)
+
+
+def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
+    """The Gluon decode kernel for `seqs` requests of one row at position 0 (triton_attention.decode_launch's
+    ring and split count): kernel_cases.decode_keys's case."""
+    from .gluon_attention import launch_decode_attention, supports
+    from .triton_attention import decode_launch
+
+    config = decode_launch(seqs, s.num_kv_heads, device)
+    q = torch.zeros(seqs, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
+    plane = torch.zeros(1, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)  # block 0
+    if config is None or not supports(q, plane, plane, 1, None, config):  # the engine's calls cannot reach it
+        return
+    tables = torch.zeros(seqs, s.table_width, dtype=torch.int32, device=device)
+    lens = torch.ones(seqs, dtype=torch.int32, device=device)
+    starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+    launch_decode_attention(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config)
 
 
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -181,6 +200,16 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
             tasks.append(Task("attention", lambda c=c: launch_combine(s, c, device), frozenset({"combine"}),
                               (combine,)))
         covered.update(k for k in (paged, combine) if k is not None)
+    if device.type == "cuda":
+        from .triton_attention import decode_launch
+
+        def splits_of(seqs: int) -> int | None:
+            config = decode_launch(seqs, s.num_kv_heads, device)
+            return None if config is None else config.splits
+
+        for key, seqs in decode_keys(s, splits_of).items():
+            kernels = frozenset({"gluon"} | ({"combine"} if key[1] else set()))
+            tasks.append(Task("attention", lambda n=seqs: launch_decode(s, n, device), kernels, (key,)))
     if s.triton_attention:
         tasks += [Task("fused", lambda k=k: launch_fused(s, k, device), frozenset({f"fused.{k}"}), (("fused", k),))
                   for k in FUSED]
@@ -237,9 +266,14 @@ def _prepare(device: torch.device) -> bool:
 
         from . import triton_attention, triton_fused, triton_gemm, triton_sampler
 
+        modules = [triton_attention, triton_fused, triton_gemm, triton_sampler]
+        if triton_attention.gluon_decode(device):
+            from . import gluon_attention
+
+            modules.append(gluon_attention)
         with torch.cuda.device(device):
             index = triton.runtime.driver.active.get_current_device()
-            for module in (triton_attention, triton_fused, triton_gemm, triton_sampler):
+            for module in modules:
                 for kernel in vars(module).values():
                     if isinstance(kernel, JITFunction):
                         kernel.device_caches[index]  # noqa: B018 - the defaultdict makes it

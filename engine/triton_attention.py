@@ -19,12 +19,14 @@ Imported lazily: the CPU path never needs Triton.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
-from .attention_dispatch import LaunchConfig, choose_config, query_tiling
+from .attention_dispatch import DecodeConfig, LaunchConfig, choose_config, decode_config, parse_ring, query_tiling
 
 
 @triton.jit
@@ -216,11 +218,63 @@ def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_ro
 def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            max_rows: int, scale: float, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]."""
+    """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]. Calls of
+    one new row per request go to the Gluon decode kernel where it is on (gluon_decode) and serves them."""
+    if max_rows == 1 and tiles is None:
+        decode = decode_launch(context_lens.shape[0], k_plane.shape[2], q.device)
+        if decode is not None:
+            from . import gluon_attention
+
+            if gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
+                return gluon_attention.launch_decode_attention(q, k_plane, v_plane, block_tables, context_lens,
+                                                               query_start, scale, decode)
     config = default_config(q, k_plane, context_lens.shape[0], max_rows,
                             None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
                                   config, tiles)
+
+
+DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves one-row-per-request calls
+DECODE_DEFAULT = "gluon"
+RING_ENV = "OUROBATCH_DECODE_RING"  # the Gluon kernel's ring: BLOCK_NxSTAGES
+_GLUON: dict[int, bool] = {}
+_RING: dict[int, DecodeConfig] = {}
+
+
+def gluon_decode(device: torch.device) -> bool:
+    """Whether one-row-per-request calls on `device` use the Gluon decode kernel (gluon_attention.py): a
+    Hopper GPU, Gluon importable, and OUROBATCH_DECODE_ATTENTION gluon (the default: DECODE_DEFAULT).
+    Cached per device, with the ring OUROBATCH_DECODE_RING names (default 32x6)."""
+    if device.type != "cuda":
+        return False
+    index = _index(device)
+    if index not in _GLUON:
+        value = os.environ.get(DECODE_ENV, "").strip() or DECODE_DEFAULT
+        if value not in ("gluon", "triton"):
+            raise ValueError(f"{DECODE_ENV} must be gluon or triton, got {value!r}")
+        _GLUON[index] = value == "gluon" and pdl.hopper(device) and _gluon_importable()
+        _RING[index] = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
+    return _GLUON[index]
+
+
+def decode_launch(seqs: int, kv_heads: int, device: torch.device) -> DecodeConfig | None:
+    """The Gluon decode kernel's launch for `seqs` one-row requests on `device`, or None: the Triton kernel's
+    (gluon_decode off, or more requests than attention_dispatch.DECODE_MAX_PER_SM lets it take)."""
+    if not gluon_decode(device):
+        return None
+    return decode_config(seqs, kv_heads, num_sms(device), _RING[_index(device)])
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _gluon_importable() -> bool:
+    try:
+        import triton.experimental.gluon  # noqa: F401 - Triton >= 3.5
+    except ImportError:
+        return False
+    return True
 
 
 _SMS: dict[int, int] = {}

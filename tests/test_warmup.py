@@ -485,3 +485,31 @@ def test_the_warm_ups_first_step_fills_the_token_budget(budget, max_len, bs):
         sched.add(f"w{i}", prompt, params)
     plan = sched.schedule()
     assert sum(len(p.token_ids) for p in plan.prefills) == budget // bs * bs
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(N=8), dict(kv_heads=4, N=24, graphs=False), dict(mode="deferred", B=8)])
+def test_one_decode_kernel_launch_per_specialization_of_the_calls_sent_there(kw):
+    """kernel_cases.decode_keys: every one-row-per-request call (graphed buckets or every eager count, and
+    one-row chunks after a history) that the device's rule sends to the Gluon kernel maps to one key, each
+    key's request count reaches it, and a GQA model sends none there."""
+    from engine.attention_dispatch import decode_config
+
+    s = shapes(**kw)
+
+    def splits_of(seqs):
+        c = decode_config(seqs, s.num_kv_heads, s.num_sms)
+        return None if c is None else c.splits
+
+    def key(seqs):
+        split = splits_of(seqs) > 1
+        extra = (kernel_cases.int_class(seqs * s.num_heads * s.head_dim), kernel_cases.int_class(seqs * s.num_heads))
+        return ("gluon", split) + (extra if split else ())
+
+    reach = {n for n, r, total in reachable(s) if r == 1 and total == n and splits_of(n) is not None}
+    found = kernel_cases.decode_keys(s, splits_of)
+    if s.group != 1:
+        assert found == {}
+        return
+    assert set(found) == {key(n) for n in reach} and found
+    assert all(key(n) == k and n in reach for k, n in found.items())
+    assert kernel_cases.decode_keys(s, lambda n: None) == {}

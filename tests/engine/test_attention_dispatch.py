@@ -115,3 +115,40 @@ def test_tile_map_refuses_more_tiles_than_its_capacity():
     assert max_tiles(64, 1, 1, 64) == 2
     with pytest.raises(ValueError, match="3 M tiles, more than the map's capacity of 2"):
         tile_map([64, 1, 1], 1, 64, 2, pad_seq=3)
+
+
+# ------------------------------------------------------------------ the Gluon decode kernel's launch rule
+
+def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kernel():
+    from engine.attention_dispatch import DECODE_MAX_PER_SM, DecodeConfig, decode_config
+
+    for sms in (78, 114, 132):
+        for kv_heads in (1, 8, 16):
+            for seqs in range(1, 80):
+                c = decode_config(seqs, kv_heads, sms)
+                pairs = seqs * kv_heads
+                if pairs > DECODE_MAX_PER_SM * sms:
+                    assert c is None
+                    continue
+                # enough CTAs for every SM, no more than one wave's worth of extra shares
+                assert c.splits == 1 or pairs * c.splits <= sms < pairs * (c.splits + 1) or c.splits == 16
+                assert (c.block_n, c.stages) == (DecodeConfig().block_n, DecodeConfig().stages)
+    assert decode_config(8, 16, 132).splits == 1 and decode_config(1, 16, 132).splits == 8
+    assert decode_config(9, 16, 132) is None
+
+
+@pytest.mark.parametrize("text,block_n,stages", [("32x6", 32, 6), ("64X3", 64, 3), ("16x12", 16, 12)])
+def test_parse_ring(text, block_n, stages):
+    from engine.attention_dispatch import parse_ring
+
+    c = parse_ring(text)
+    assert (c.block_n, c.stages, c.splits) == (block_n, stages, 1)
+
+
+@pytest.mark.parametrize("text,match", [("32", "BLOCK_NxSTAGES"), ("ax6", "BLOCK_NxSTAGES"),
+                                        ("24x6", "block_n must be a power of two"), ("32x1", "stages must satisfy")])
+def test_bad_rings_are_refused_naming_the_variable_or_field(text, match):
+    from engine.attention_dispatch import parse_ring
+
+    with pytest.raises(ValueError, match=match):
+        parse_ring(text)
