@@ -14,6 +14,8 @@ flash-decoding: few requests, when the one-pass grid leaves SMs idle) the grid g
 s covers a contiguous, BLOCK_N-aligned 1/S share of the key tiles its rows can see and writes a
 normalized partial output and its log-sum-exp (base 2) to float32 scratch; a split with an empty share
 writes (0, -inf). `_combine_kernel` then merges the S partials of every (row, head).
+Calls of one new row per request from few requests go to the Gluon decode kernel instead (gluon_attention.py,
+on Hopper; `decode_launch` says when), which writes the same partials when it splits.
 Imported lazily: the CPU path never needs Triton.
 """
 

@@ -130,11 +130,12 @@ def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kerne
                 if pairs > DECODE_MAX_PER_SM * sms:
                     assert c is None
                     continue
-                # enough CTAs for every SM, no more than one wave's worth of extra shares
+                # shares only where one CTA per pair leaves 3/4 of the SMs idle, then as many as fill them
+                assert c.splits == 1 or 4 * pairs <= sms
                 assert c.splits == 1 or pairs * c.splits <= sms < pairs * (c.splits + 1) or c.splits == 16
                 assert (c.block_n, c.stages) == (DecodeConfig().block_n, DecodeConfig().stages)
     assert decode_config(8, 16, 132).splits == 1 and decode_config(1, 16, 132).splits == 8
-    assert decode_config(9, 16, 132) is None
+    assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132) is None
 
 
 @pytest.mark.parametrize("text,block_n,stages", [("32x6", 32, 6), ("64X3", 64, 3), ("16x12", 16, 12)])
