@@ -33,7 +33,8 @@ def reference(p: Problem, q: torch.Tensor) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for r in range(p.n):
         ctx = int(p.ctx[r])
-        slots = (p.tables[0][r, : -(-ctx // PAGE)].long()[:, None] * PAGE + torch.arange(PAGE, device=q.device)).flatten()[:ctx]
+        blocks = p.tables[0][r, : -(-ctx // PAGE)].long()
+        slots = (blocks[:, None] * PAGE + torch.arange(PAGE, device=q.device)).flatten()[:ctx]
         k = p.k.flatten(0, 1)[slots].double()  # [ctx, heads, d]
         v = p.v.flatten(0, 1)[slots].double()
         s = torch.einsum("hd,chd->hc", q[r].double(), k) * HEAD_DIM**-0.5

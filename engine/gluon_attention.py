@@ -16,7 +16,7 @@ shares left it at ~2/3 of copy bandwidth. Here one CTA per (request, kv head, sp
 
 Only calls of one new row per request with one query head per kv head (Ouro: no GQA) and pages that tile
 BLOCK_N come here (`supports`); the rest stays with the Triton kernel. splits > 1 writes the Triton
-kernel's float32 partials and base-2 log-sum-exps, and its combine kernel merges them.
+kernel's float32 partials and base-2 log-sum-exps, and attention_combine.py merges them.
 Imported lazily: Gluon ships with Triton >= 3.5 and the CPU path never imports it.
 """
 
@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from . import pdl
+from .attention_combine import combine_splits
 from .attention_dispatch import DecodeConfig
 
 
@@ -82,8 +83,9 @@ def _kv_loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr
         mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes * PAGES)
         for j in gl.static_range(PAGES):
             row = gl.sum(gl.where(offs_p == j, blocks, 0), axis=0) * PAGE
-            tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(s), kring.index(s).slice(j * PAGE, PAGE, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(s), vring.index(s).slice(j * PAGE, PAGE, dim=0))
+            landed = ready.index(s)  # the slot's barrier: both boxes count their bytes in
+            tma.async_copy_global_to_shared(k_desc, [row, col], landed, kring.index(s).slice(j * PAGE, PAGE, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row, col], landed, vring.index(s).slice(j * PAGE, PAGE, dim=0))
 
 
 @gluon.jit
@@ -165,8 +167,9 @@ def decode_attention_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, block_tables_
     ], [1], [48])
 
 
-def smem_layout(page: int, head_dim: int) -> gl.NVMMASharedLayout:
-    """The pages' shared-memory layout (their TMA boxes' and the ring's): unswizzled rows of head_dim."""
+def smem_layout() -> gl.NVMMASharedLayout:
+    """The pages' shared-memory layout (their TMA boxes' and the ring's): unswizzled rows (a [page, head_dim]
+    box is wider than the 128-byte swizzle span at head_dim 128, and the consumer reads whole rows)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
@@ -191,7 +194,7 @@ def _descriptor(plane: torch.Tensor):
 
     blocks, page, kv_heads, d = plane.shape
     flat = plane.view(blocks * page, kv_heads * d)  # rows: slots; a page of one head is a [page, d] box
-    return TensorDescriptor.from_tensor(flat, [page, d], smem_layout(page, d))
+    return TensorDescriptor.from_tensor(flat, [page, d], smem_layout())
 
 
 def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
@@ -199,8 +202,6 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
                             scale: float, config: DecodeConfig) -> torch.Tensor:
     """q: [rows, heads, d] (one row per request at most); k_plane, v_plane: [blocks, page, kv_heads, d]
     -> [rows, heads, d]; rows no request covers hold no defined value."""
-    from .triton_attention import combine_splits
-
     rows, heads, d = q.shape
     seqs = context_lens.shape[0]
     out = torch.empty_like(q)

@@ -87,7 +87,7 @@ def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
 
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
     """The split launch's combine kernel alone, as `case`'s call would launch it (its split count and rows)."""
-    from .triton_attention import combine_splits
+    from .attention_combine import combine_splits
 
     splits = case_config(s, case).splits
     part = torch.zeros(splits, case.rows, s.num_heads, s.head_dim, dtype=torch.float32, device=device)
@@ -264,9 +264,9 @@ def _prepare(device: torch.device) -> bool:
         import triton
         from triton.runtime.jit import JITFunction
 
-        from . import triton_attention, triton_fused, triton_gemm, triton_sampler
+        from . import attention_combine, triton_attention, triton_fused, triton_gemm, triton_sampler
 
-        modules = [triton_attention, triton_fused, triton_gemm, triton_sampler]
+        modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
         if triton_attention.gluon_decode(device):
             from . import gluon_attention
 

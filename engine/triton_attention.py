@@ -13,7 +13,7 @@ per SM, and tile rows. With splits == 1 one pass writes the output. With splits 
 flash-decoding: few requests, when the one-pass grid leaves SMs idle) the grid gets a third axis; split
 s covers a contiguous, BLOCK_N-aligned 1/S share of the key tiles its rows can see and writes a
 normalized partial output and its log-sum-exp (base 2) to float32 scratch; a split with an empty share
-writes (0, -inf). `_combine_kernel` then merges the S partials of every (row, head).
+writes (0, -inf). attention_combine.py's kernel then merges the S partials of every (row, head).
 Calls of one new row per request from few requests go to the Gluon decode kernel instead (gluon_attention.py,
 on Hopper; `decode_launch` says when), which writes the same partials when it splits.
 Imported lazily: the CPU path never needs Triton.
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .attention_combine import combine_splits
 from .attention_dispatch import DecodeConfig, LaunchConfig, choose_config, decode_config, parse_ring, query_tiling
 
 
@@ -123,32 +124,6 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_lse_split + q_row * stride_lse_row + head, lse, mask=m_valid)
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr, lse_ptr, o_ptr, num_splits,
-    stride_p_split, stride_p_row, stride_p_head, stride_lse_split, stride_lse_row, stride_o_row, stride_o_head,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # one program per (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P2)
-    s_valid = offs_s < num_splits
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + offs_s * stride_lse_split + row * stride_lse_row + head, mask=s_valid,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(part_ptr + offs_s[:, None] * stride_p_split + row * stride_p_row + head * stride_p_head
-                   + offs_d[None, :], mask=s_valid[:, None], other=0.0)
-    den = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
-    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
-
-
 def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            max_rows: int, scale: float, config: LaunchConfig,
@@ -189,18 +164,6 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
     )
     if splits > 1 and rows > 0:
         combine_splits(part, lse, out)
-    return out
-
-
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The split-K launch's second kernel. part: [splits, rows, heads, d] fp32, lse: [splits, rows, heads]
-    fp32 (base-2 log-sum-exp of each split) -> out: [rows, heads, d], written and returned."""
-    splits, rows, heads, d = part.shape
-    _combine_kernel[(rows, heads)](
-        part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=d, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
-        **pdl.launch_kwargs(part.device),
-    )
     return out
 
 

@@ -19,7 +19,7 @@ def compile_decode(config: DecodeConfig, page: int = 16, head_dim: int = 128, us
     from benchmarks.ws_chain import compile_sm90
     from engine.gluon_attention import decode_attention_kernel, smem_layout
 
-    box = f"tensordesc<bf16[{page}, {head_dim}],{smem_layout(page, head_dim)!r}>"
+    box = f"tensordesc<bf16[{page}, {head_dim}],{smem_layout()!r}>"
     split = config.splits > 1
     signature = {"k_desc": box, "v_desc": box, "q_ptr": "*bf16", "o_ptr": "*fp32" if split else "*bf16",
                  "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",

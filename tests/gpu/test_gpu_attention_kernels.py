@@ -76,6 +76,19 @@ class Case:
         assert err < TOL[self.dtype], err
 
 
+def capture(step):
+    """step() run once on a side stream (its first launches compile), then captured: (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 HEADS = [(4, 4, 128), (8, 2, 64), (4, 1, 32)]  # no GQA at Ouro's head_dim, GQA 4 and 4 at smaller heads
 
 
@@ -182,14 +195,7 @@ def test_split_k_inside_a_cuda_graph_reads_context_lengths_on_the_device():
     def step() -> torch.Tensor:
         return launch_paged_attention(case.q, case.k, case.v, tables, ctx, starts, max_rows, scale, config)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     graph.replay()
     torch.cuda.synchronize()
     case.check(out)

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention_dispatch import DecodeConfig
 
-from .test_gpu_attention_kernels import Case
+from .test_gpu_attention_kernels import Case, capture
 
 
 def _hopper() -> bool:
@@ -118,18 +118,11 @@ def test_new_key_written_by_the_kernel_before_is_seen(config):
     src_v = torch.empty_like(src_k)
 
     def step() -> torch.Tensor:
-        slow_store[(len(ctx),)](src_k, src_v, case.k, case.v, slots, heads * d, 300, BLOCK=triton.next_power_of_2(heads * d),
-                                **pdl.launch_kwargs(case.q.device))
+        slow_store[(len(ctx),)](src_k, src_v, case.k, case.v, slots, heads * d, 300,
+                                BLOCK=triton.next_power_of_2(heads * d), **pdl.launch_kwargs(case.q.device))
         return _run(case, config)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     g = torch.Generator(device="cuda").manual_seed(5)
     for _ in range(5):
         src_k.copy_(torch.randn(src_k.shape, generator=g, device="cuda") * 4)
