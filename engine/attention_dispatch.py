@@ -91,6 +91,7 @@ class DecodeConfig:
     block_n: int = 32  # key positions per ring slot (a multiple of the page size)
     stages: int = 6  # ring slots
     splits: int = 1  # key shares per (request, kv head); > 1: float32 partials + the combine kernel
+    early: bool = True  # with PDL, load the history's pages before the wait (False: a measuring control)
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):

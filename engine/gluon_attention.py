@@ -74,8 +74,11 @@ def _kv_loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr
     for t in range(lo, hi):
         blocks = upcoming  # the next tile's block ids are loaded one tile ahead: no round trip per box
         upcoming = _page_blocks(table, t + 1, offs_p, kv_len, PAGE, PAGES)
-        if USE_PDL:
+        if USE_PDL == 1:
             if (t + 1) * BLOCK_N > written:  # this tile holds the new row's key: the kernel before writes it
+                _gdc_wait()
+        if USE_PDL == 2:  # DecodeConfig.early off: wait before the first load, as the Triton kernel does
+            if t == lo:
                 _gdc_wait()
         i = t - lo
         s = i % STAGES
@@ -167,6 +170,14 @@ def decode_attention_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, block_tables_
     ], [1], [48])
 
 
+def _pdl_kwargs(device: torch.device, config: DecodeConfig) -> dict:
+    # USE_PDL 1: the loader streams the history before the wait; 2: it waits first (config.early off)
+    kwargs = pdl.launch_kwargs(device)
+    if kwargs["USE_PDL"] and not config.early:
+        kwargs["USE_PDL"] = 2
+    return kwargs
+
+
 def smem_layout() -> gl.NVMMASharedLayout:
     """The pages' shared-memory layout (their TMA boxes' and the ring's): unswizzled rows (a [page, head_dim]
     box is wider than the 128-byte swizzle span at head_dim 128, and the consumer reads whole rows)."""
@@ -216,7 +227,7 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
         q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
         lse.stride(-2) if config.splits > 1 else 0, block_tables.stride(0), scale * 1.4426950408889634,
         PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
-        SPLIT=config.splits > 1, num_warps=4, **pdl.launch_kwargs(q.device),
+        SPLIT=config.splits > 1, num_warps=4, **_pdl_kwargs(q.device, config),
     )
     if config.splits > 1 and rows > 0:
         combine_splits(part, lse, out)

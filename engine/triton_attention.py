@@ -22,6 +22,7 @@ Imported lazily: the CPU path never needs Triton.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
@@ -202,6 +203,7 @@ def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
 DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves one-row-per-request calls
 DECODE_DEFAULT = "gluon"
 RING_ENV = "OUROBATCH_DECODE_RING"  # the Gluon kernel's ring: BLOCK_NxSTAGES
+EARLY_ENV = "OUROBATCH_DECODE_EARLY"  # 0: its loader waits for the kernel before first (a measuring control)
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
 
@@ -218,7 +220,11 @@ def gluon_decode(device: torch.device) -> bool:
         if value not in ("gluon", "triton"):
             raise ValueError(f"{DECODE_ENV} must be gluon or triton, got {value!r}")
         _GLUON[index] = value == "gluon" and pdl.hopper(device) and _gluon_importable()
-        _RING[index] = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
+        ring = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
+        early = os.environ.get(EARLY_ENV, "").strip() or "1"
+        if early not in ("0", "1"):
+            raise ValueError(f"{EARLY_ENV} must be 0 or 1, got {early!r}")
+        _RING[index] = replace(ring, early=early == "1")
     return _GLUON[index]
 
 

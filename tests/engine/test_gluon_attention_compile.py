@@ -15,7 +15,7 @@ pytest.importorskip("triton.experimental.gluon")
 H200_SHARED = 232448  # bytes of shared memory one CTA may use on the H200 (sm90)
 
 
-def compile_decode(config: DecodeConfig, page: int = 16, head_dim: int = 128, use_pdl: bool = True) -> dict:
+def compile_decode(config: DecodeConfig, page: int = 16, head_dim: int = 128, use_pdl: int = 1) -> dict:
     from benchmarks.ws_chain import compile_sm90
     from engine.gluon_attention import decode_attention_kernel, smem_layout
 
@@ -51,6 +51,8 @@ def test_other_pages_and_head_sizes_compile(page, head_dim):
 
 
 def test_the_pdl_wait_is_compiled_in_only_with_pdl():
-    # with PDL: the loader's wait before the new row's tile and the consumer's before the query row
-    assert compile_decode(DecodeConfig(), use_pdl=True)["gdc_wait"] == 2
-    assert compile_decode(DecodeConfig(), use_pdl=False)["gdc_wait"] == 0
+    # with PDL: the loader's wait before the new row's tile (or, USE_PDL 2, before its first) and the
+    # consumer's before the query row
+    assert compile_decode(DecodeConfig(), use_pdl=1)["gdc_wait"] == 2
+    assert compile_decode(DecodeConfig(), use_pdl=2)["gdc_wait"] == 2
+    assert compile_decode(DecodeConfig(), use_pdl=0)["gdc_wait"] == 0

@@ -78,7 +78,8 @@ def test_dispatch_routes_decode_calls_only(monkeypatch):
         triton_attention.gluon_decode(one.q.device)
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}")
+@pytest.mark.parametrize("config", CONFIGS[:2] + [DecodeConfig(32, 6, 1, early=False)],
+                         ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}{'' if c.early else 'late'}")
 def test_new_key_written_by_the_kernel_before_is_seen(config):
     # The loader streams the history before the PDL wait and waits only before the tile holding the new row.
     # A slow kernel before it (launched with PDL, as the qkv kernel is) writes that row's key and value: in a
