@@ -26,6 +26,8 @@ from engine.attention_dispatch import DecodeConfig, decode_config  # noqa: E402
 
 SHAPES = ((1, 640), (4, 640), (8, 640), (16, 640), (32, 640), (64, 640), (8, 2048), (16, 2048))
 GLUON_BASES = (DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 12), DecodeConfig(32, 3), DecodeConfig(16, 6))
+PERSISTENT = (DecodeConfig(32, 6, ctas_per_sm=1), DecodeConfig(32, 6, ctas_per_sm=2), DecodeConfig(32, 3, ctas_per_sm=2),
+              DecodeConfig(64, 3, ctas_per_sm=1), DecodeConfig(32, 12, ctas_per_sm=1))
 
 
 def reference(p: Problem, q: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,7 @@ def candidates(n: int, sms: int) -> list[tuple[str, DecodeConfig | None]]:
         for splits in sorted({max(1, auto // 2), auto, auto * 2}):
             c = replace(base, splits=splits)
             cands.append((f"gluon n{c.block_n}/s{c.stages}/k{c.splits}" + (" (auto)" if splits == auto else ""), c))
+    cands += [(f"gluon n{c.block_n}/s{c.stages}/p{c.ctas_per_sm}", c) for c in PERSISTENT]
     return cands
 
 

@@ -92,6 +92,7 @@ class DecodeConfig:
     stages: int = 6  # ring slots
     splits: int = 1  # key shares per (request, kv head); > 1: float32 partials + the combine kernel
     early: bool = True  # with PDL, load the history's pages before the wait (False: a measuring control)
+    ctas_per_sm: int = 0  # > 0: persistent, this many CTAs per SM walk the (request, kv head) pairs (no splits)
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -100,6 +101,9 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.stages must satisfy 2 <= stages <= 16, got {self.stages}")
         if not 1 <= self.splits <= MAX_SPLITS:
             raise ValueError(f"DecodeConfig.splits must satisfy 1 <= splits <= {MAX_SPLITS}, got {self.splits}")
+        if not 0 <= self.ctas_per_sm <= 4 or (self.ctas_per_sm and self.splits > 1):
+            raise ValueError(f"DecodeConfig.ctas_per_sm must satisfy 0 <= ctas_per_sm <= 4, and splits must be 1 "
+                             f"with it; got ctas_per_sm={self.ctas_per_sm}, splits={self.splits}")
 
 
 MAX_DECODE_SPLITS = 16
@@ -116,6 +120,8 @@ def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = D
     (request, kv head) would leave 3/4 of the SMs idle; then as many as fill them (H200, L = 640: one request
     in 8 shares 5.6 us, in 4 5.9, in 16 8.4; four requests in one share 9.0 us, in two 10.1)."""
     pairs = max(seqs * kv_heads, 1)
+    if base.ctas_per_sm:  # a persistent ring (OUROBATCH_DECODE_RING=...pK) serves every count, unsplit
+        return base
     if pairs > DECODE_MAX_PER_SM * num_sms:
         return None
     splits = num_sms // pairs if 4 * pairs <= num_sms else 1
@@ -123,12 +129,15 @@ def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = D
 
 
 def parse_ring(text: str) -> DecodeConfig:
-    """A ring shape "BLOCK_NxSTAGES" (OUROBATCH_DECODE_RING), e.g. "32x6"."""
+    """A ring shape "BLOCK_NxSTAGES" (OUROBATCH_DECODE_RING), e.g. "32x6"; "32x6p2": persistent, 2 CTAs per SM."""
     try:
-        block_n, stages = (int(x) for x in text.lower().split("x"))
+        ring, _, per_sm = text.lower().partition("p")
+        block_n, stages = (int(x) for x in ring.split("x"))
+        ctas = int(per_sm) if per_sm else 0
     except ValueError:
-        raise ValueError(f"OUROBATCH_DECODE_RING must be BLOCK_NxSTAGES (e.g. 32x6), got {text!r}") from None
-    return DecodeConfig(block_n, stages)
+        raise ValueError(f"OUROBATCH_DECODE_RING must be BLOCK_NxSTAGES[pCTAS_PER_SM] (e.g. 32x6, 32x6p2), "
+                         f"got {text!r}") from None
+    return DecodeConfig(block_n, stages, ctas_per_sm=ctas)
 
 
 def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:

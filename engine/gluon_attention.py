@@ -45,16 +45,32 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _share(context_lens_ptr, query_start_ptr, BLOCK_N: gl.constexpr):
-    # this CTA's key tiles [lo, hi) (as the Triton kernel splits them: whole tiles, contiguous shares), the
+def _item(w, kv_heads, PERSIST: gl.constexpr):
+    # the (request, kv head, share, shares) of a CTA's work item w: with PERSIST every CTA walks items
+    # pid, pid + CTAs, ... of the (request, kv head) pairs; else the CTA is one item, named by its grid index
+    if PERSIST:
+        return w // kv_heads, w % kv_heads, w * 0, w * 0 + 1
+    return gl.program_id(0), gl.program_id(1), gl.program_id(2), gl.num_programs(2)
+
+
+@gluon.jit
+def _items(items, PERSIST: gl.constexpr):
+    # this CTA's range of work items
+    if PERSIST:
+        return gl.program_id(0), items, gl.num_programs(0)
+    return 0, 1, 1
+
+
+@gluon.jit
+def _share(context_lens_ptr, query_start_ptr, seq, split, splits, BLOCK_N: gl.constexpr):
+    # the item's key tiles [lo, hi) (as the Triton kernel splits them: whole tiles, contiguous shares), the
     # request's key count, how many of them earlier steps wrote, its query row and whether it has one
-    seq = gl.program_id(0)
     q_begin = gl.load(query_start_ptr + seq)
     n_q = gl.load(query_start_ptr + seq + 1) - q_begin
     ctx = gl.load(context_lens_ptr + seq)
     kv_len = gl.where(n_q > 0, ctx, 0)
-    per_split = gl.cdiv(gl.cdiv(kv_len, BLOCK_N), gl.num_programs(2))
-    lo = gl.program_id(2) * per_split
+    per_split = gl.cdiv(gl.cdiv(kv_len, BLOCK_N), splits)
+    lo = split * per_split
     hi = gl.minimum(gl.cdiv(kv_len, BLOCK_N), lo + per_split)
     return lo, hi, kv_len, ctx - n_q, q_begin, n_q > 0
 
@@ -62,33 +78,38 @@ def _share(context_lens_ptr, query_start_ptr, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _kv_loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, block_tables_ptr,
                context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_split, stride_o_row,
-               stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, PAGE: gl.constexpr,
-               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-               USE_PDL: gl.constexpr):
-    lo, hi, kv_len, written, q_begin, has_row = _share(context_lens_ptr, query_start_ptr, BLOCK_N)
+               stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, kv_heads, items,
+               PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               SPLIT: gl.constexpr, USE_PDL: gl.constexpr, PERSIST: gl.constexpr):
     PAGES: gl.constexpr = BLOCK_N // PAGE
-    table = block_tables_ptr + gl.program_id(0) * stride_bt
-    col = gl.program_id(1) * HEAD_DIM
     offs_p = gl.arange(0, PAGES, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    upcoming = _page_blocks(table, lo, offs_p, kv_len, PAGE, PAGES)
-    for t in range(lo, hi):
-        blocks = upcoming  # the next tile's block ids are loaded one tile ahead: no round trip per box
-        upcoming = _page_blocks(table, t + 1, offs_p, kv_len, PAGE, PAGES)
-        if USE_PDL == 1:
-            if (t + 1) * BLOCK_N > written:  # this tile holds the new row's key: the kernel before writes it
-                _gdc_wait()
-        if USE_PDL == 2:  # DecodeConfig.early off: wait before the first load, as the Triton kernel does
-            if t == lo:
-                _gdc_wait()
-        i = t - lo
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes * PAGES)
-        for j in gl.static_range(PAGES):
-            row = gl.sum(gl.where(offs_p == j, blocks, 0), axis=0) * PAGE
-            landed = ready.index(s)  # the slot's barrier: both boxes count their bytes in
-            tma.async_copy_global_to_shared(k_desc, [row, col], landed, kring.index(s).slice(j * PAGE, PAGE, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row, col], landed, vring.index(s).slice(j * PAGE, PAGE, dim=0))
+    first, last, step = _items(items, PERSIST)
+    i = 0  # the ring's running slot count, across items
+    for w in range(first, last, step):
+        seq, head, split, splits = _item(w, kv_heads, PERSIST)
+        lo, hi, kv_len, written, q_begin, has_row = _share(context_lens_ptr, query_start_ptr, seq, split, splits,
+                                                           BLOCK_N)
+        table = block_tables_ptr + seq * stride_bt
+        col = head * HEAD_DIM
+        upcoming = _page_blocks(table, lo, offs_p, kv_len, PAGE, PAGES)
+        for t in range(lo, hi):
+            blocks = upcoming  # the next tile's block ids are loaded one tile ahead: no round trip per box
+            upcoming = _page_blocks(table, t + 1, offs_p, kv_len, PAGE, PAGES)
+            if USE_PDL == 1:
+                if (t + 1) * BLOCK_N > written:  # this tile holds the new row's key: the kernel before writes it
+                    _gdc_wait()
+            if USE_PDL == 2:  # DecodeConfig.early off: wait before the first load, as the Triton kernel does
+                if i == 0:
+                    _gdc_wait()
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes * PAGES)
+            for j in gl.static_range(PAGES):
+                row = gl.sum(gl.where(offs_p == j, blocks, 0), axis=0) * PAGE
+                landed = ready.index(s)  # the slot's barrier: both boxes count their bytes in
+                tma.async_copy_global_to_shared(k_desc, [row, col], landed, kring.index(s).slice(j * PAGE, PAGE, dim=0))
+                tma.async_copy_global_to_shared(v_desc, [row, col], landed, vring.index(s).slice(j * PAGE, PAGE, dim=0))
+            i += 1
 
 
 @gluon.jit
@@ -101,56 +122,70 @@ def _page_blocks(table, t, offs_p, kv_len, PAGE: gl.constexpr, PAGES: gl.constex
 @gluon.jit
 def _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
             query_start_ptr, stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head,
-            stride_lse_split, stride_lse_row, stride_bt, qk_scale, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, USE_PDL: gl.constexpr):
-    if USE_PDL:  # the query row is the kernel before's output
+            stride_lse_split, stride_lse_row, stride_bt, qk_scale, kv_heads, items, PAGE: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+            USE_PDL: gl.constexpr, PERSIST: gl.constexpr):
+    if USE_PDL:  # the query rows are the kernel before's output
         _gdc_wait()
         _gdc_launch_dependents()
-    lo, hi, kv_len, written, q_begin, has_row = _share(context_lens_ptr, query_start_ptr, BLOCK_N)
-    head = gl.program_id(1)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    row = q_begin.to(gl.int64)
-    q = gl.load(q_ptr + row * stride_q_row + head * stride_q_head + offs_d, mask=(offs_d < HEAD_DIM) & has_row,
-                other=0.0).to(gl.float32) * qk_scale
-    m = gl.full([BLOCK_N], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
-    mass = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
-    acc = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout)
-    for t in range(lo, hi):  # per key slot: running max m, mass and sum of weighted values (base 2)
-        i = t - lo
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        k = kring.index(s).load(layout).to(gl.float32)
-        score = gl.where(t * BLOCK_N + offs_n < kv_len, gl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = gl.maximum(m, score)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_safe)
-        p = gl.exp2(score - m_safe)
-        mass = mass * alpha + p
-        v = vring.index(s).load(layout).to(gl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * v
-        m = m_new
-        gl.thread_barrier()  # every warp has read the slot
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+    first, last, step = _items(items, PERSIST)
+    i = 0
+    for w in range(first, last, step):
+        seq, head, split, splits = _item(w, kv_heads, PERSIST)
+        lo, hi, kv_len, written, q_begin, has_row = _share(context_lens_ptr, query_start_ptr, seq, split, splits,
+                                                           BLOCK_N)
+        row = q_begin.to(gl.int64)
+        q = gl.load(q_ptr + row * stride_q_row + head * stride_q_head + offs_d, mask=(offs_d < HEAD_DIM) & has_row,
+                    other=0.0).to(gl.float32) * qk_scale
+        m = gl.full([BLOCK_N], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+        mass = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
+        acc = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout)
+        for t in range(lo, hi):  # per key slot: running max m, mass and sum of weighted values (base 2)
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            k = kring.index(s).load(layout).to(gl.float32)
+            score = gl.where(t * BLOCK_N + offs_n < kv_len, gl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = gl.maximum(m, score)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(score - m_safe)
+            mass = mass * alpha + p
+            v = vring.index(s).load(layout).to(gl.float32)
+            acc = acc * alpha[:, None] + p[:, None] * v
+            m = m_new
+            gl.thread_barrier()  # every warp has read the slot
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
+            i += 1
+        _finish(o_ptr, lse_ptr, m, mass, acc, row, head, split, has_row, offs_d, stride_o_split, stride_o_row,
+                stride_o_head, stride_lse_split, stride_lse_row, HEAD_DIM, SPLIT)
+
+
+@gluon.jit
+def _finish(o_ptr, lse_ptr, m, mass, acc, row, head, split, has_row, offs_d, stride_o_split, stride_o_row,
+            stride_o_head, stride_lse_split, stride_lse_row, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    # the key slots merged: the item's output row (SPLIT: its normalized partial and base-2 log-sum-exp)
     top = gl.max(m, axis=0)
     w = gl.exp2(m - gl.where(top == float("-inf"), 0.0, top))
     total = gl.sum(mass * w, axis=0)
     out = gl.sum(acc * w[:, None], axis=0) / gl.where(total == 0.0, 1.0, total)
-    o_off = gl.program_id(2) * stride_o_split + row * stride_o_row + head * stride_o_head + offs_d
+    o_off = split * stride_o_split + row * stride_o_row + head * stride_o_head + offs_d
     gl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=(offs_d < HEAD_DIM) & has_row)
     if SPLIT:  # log2 of this share's softmax mass (-inf: it saw no key)
         lse = gl.where(total == 0.0, float("-inf"), top + gl.log2(gl.where(total == 0.0, 1.0, total)))
-        gl.store(lse_ptr + gl.program_id(2) * stride_lse_split + row * stride_lse_row + head, lse, mask=has_row)
+        gl.store(lse_ptr + split * stride_lse_split + row * stride_lse_row + head, lse, mask=has_row)
 
 
 @gluon.jit
 def decode_attention_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
                             query_start_ptr, stride_q_row, stride_q_head, stride_o_split, stride_o_row,
-                            stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale,
+                            stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, kv_heads, items,
                             PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, SPLIT: gl.constexpr, USE_PDL: gl.constexpr):
+                            STAGES: gl.constexpr, SPLIT: gl.constexpr, USE_PDL: gl.constexpr,
+                            PERSIST: gl.constexpr):
     kring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     vring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -161,13 +196,23 @@ def decode_attention_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, block_tables_
     gl.warp_specialize([
         (_attend, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, block_tables_ptr,
                    context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_split, stride_o_row,
-                   stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, PAGE, HEAD_DIM, BLOCK_N,
-                   STAGES, SPLIT, USE_PDL)),
+                   stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, kv_heads, items, PAGE,
+                   HEAD_DIM, BLOCK_N, STAGES, SPLIT, USE_PDL, PERSIST)),
         (_kv_loader, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, block_tables_ptr,
                       context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_split, stride_o_row,
-                      stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, PAGE, HEAD_DIM, BLOCK_N,
-                      STAGES, SPLIT, USE_PDL)),
+                      stride_o_head, stride_lse_split, stride_lse_row, stride_bt, qk_scale, kv_heads, items, PAGE,
+                      HEAD_DIM, BLOCK_N, STAGES, SPLIT, USE_PDL, PERSIST)),
     ], [1], [48])
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _pdl_kwargs(device: torch.device, config: DecodeConfig) -> dict:
@@ -222,12 +267,17 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
         part = torch.empty((config.splits, rows, heads, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((config.splits, rows, heads), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(0), lse.stride(0))
-    decode_attention_kernel[(seqs, heads, config.splits)](
+    items = seqs * heads
+    if config.ctas_per_sm:  # persistent: CTAs walk the (request, kv head) pairs
+        grid = (max(1, min(items, config.ctas_per_sm * _sms(q.device))), 1, 1)
+    else:
+        grid = (seqs, heads, config.splits)
+    decode_attention_kernel[grid](
         _descriptor(k_plane), _descriptor(v_plane), q, part, lse, block_tables, context_lens, query_start,
         q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
-        lse.stride(-2) if config.splits > 1 else 0, block_tables.stride(0), scale * 1.4426950408889634,
+        lse.stride(-2) if config.splits > 1 else 0, block_tables.stride(0), scale * 1.4426950408889634, heads, items,
         PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
-        SPLIT=config.splits > 1, num_warps=4, **_pdl_kwargs(q.device, config),
+        SPLIT=config.splits > 1, PERSIST=config.ctas_per_sm > 0, num_warps=4, **_pdl_kwargs(q.device, config),
     )
     if config.splits > 1 and rows > 0:
         combine_splits(part, lse, out)

@@ -138,16 +138,20 @@ def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kerne
     assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132) is None
 
 
-@pytest.mark.parametrize("text,block_n,stages", [("32x6", 32, 6), ("64X3", 64, 3), ("16x12", 16, 12)])
-def test_parse_ring(text, block_n, stages):
-    from engine.attention_dispatch import parse_ring
+@pytest.mark.parametrize("text,block_n,stages,per_sm", [("32x6", 32, 6, 0), ("64X3", 64, 3, 0), ("16x12", 16, 12, 0),
+                                                        ("32x6p2", 32, 6, 2)])
+def test_parse_ring(text, block_n, stages, per_sm):
+    from engine.attention_dispatch import decode_config, parse_ring
 
     c = parse_ring(text)
-    assert (c.block_n, c.stages, c.splits) == (block_n, stages, 1)
+    assert (c.block_n, c.stages, c.splits, c.ctas_per_sm) == (block_n, stages, 1, per_sm)
+    if per_sm:  # a persistent ring takes every request count, unsplit
+        assert decode_config(1, 16, 132, c) == c and decode_config(256, 16, 132, c) == c
 
 
 @pytest.mark.parametrize("text,match", [("32", "BLOCK_NxSTAGES"), ("ax6", "BLOCK_NxSTAGES"),
-                                        ("24x6", "block_n must be a power of two"), ("32x1", "stages must satisfy")])
+                                        ("24x6", "block_n must be a power of two"), ("32x1", "stages must satisfy"),
+                                        ("32x6pq", "BLOCK_NxSTAGES"), ("32x6p9", "ctas_per_sm must satisfy")])
 def test_bad_rings_are_refused_naming_the_variable_or_field(text, match):
     from engine.attention_dispatch import parse_ring
 

@@ -25,15 +25,17 @@ def compile_decode(config: DecodeConfig, page: int = 16, head_dim: int = 128, us
                  "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                  "query_start_ptr": "*i32", **{name: "i32" for name in (
                      "stride_q_row", "stride_q_head", "stride_o_split", "stride_o_row", "stride_o_head",
-                     "stride_lse_split", "stride_lse_row", "stride_bt")}, "qk_scale": "fp32"}
+                     "stride_lse_split", "stride_lse_row", "stride_bt")}, "qk_scale": "fp32", "kv_heads": "i32",
+                 "items": "i32"}
     constexprs = {"PAGE": page, "HEAD_DIM": head_dim, "BLOCK_N": config.block_n, "STAGES": config.stages,
-                  "SPLIT": split, "USE_PDL": use_pdl}
+                  "SPLIT": split, "USE_PDL": use_pdl, "PERSIST": config.ctas_per_sm > 0}
     return compile_sm90(decode_attention_kernel, signature, constexprs, ())
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(32, 6, 1), DecodeConfig(64, 3, 4), DecodeConfig(16, 12, 1),
-                                    DecodeConfig(32, 3, 2), decode_config(8, 16, 132)],
-                         ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}")
+                                    DecodeConfig(32, 3, 2), decode_config(8, 16, 132),
+                                    DecodeConfig(32, 6, ctas_per_sm=2), DecodeConfig(32, 3, ctas_per_sm=1)],
+                         ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}p{c.ctas_per_sm}")
 def test_ring_shapes_compile_with_tma_pages_and_fit(config):
     built = compile_decode(config)
     assert built["cubin_bytes"] > 0 and built["mma"] == 0 and built["cp_async"] == 0

@@ -56,6 +56,19 @@ def test_requests_without_a_row_write_nothing(config):
     case.check(_run(case, config))
 
 
+@pytest.mark.parametrize("config", [DecodeConfig(32, 6, ctas_per_sm=1), DecodeConfig(32, 3, ctas_per_sm=2),
+                                    DecodeConfig(64, 3, ctas_per_sm=1, early=False)],
+                         ids=lambda c: f"n{c.block_n}s{c.stages}p{c.ctas_per_sm}{'' if c.early else 'late'}")
+def test_persistent_ctas_walk_many_pairs(config):
+    # 40 requests x 16 heads = 640 pairs, several per CTA: the ring runs on across pairs; some requests
+    # have no row (a bucket's padding) and some contexts end inside a slot
+    g = torch.Generator().manual_seed(config.stages)
+    ctx = [int(c) for c in torch.randint(1, 700, (40,), generator=g)]
+    rows = [0 if i % 7 == 3 else 1 for i in range(40)]
+    case = Case(ctx, rows, 16, 16, 128, torch.bfloat16, seed=config.block_n)
+    case.check(_run(case, config))
+
+
 def test_dispatch_routes_decode_calls_only(monkeypatch):
     # OUROBATCH_DECODE_ATTENTION=gluon: one-row calls take the Gluon kernel (bit-identical to calling it),
     # calls of more rows keep the Triton kernel
