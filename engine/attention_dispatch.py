@@ -112,17 +112,26 @@ MAX_DECODE_SPLITS = 16
 # N = 16 (1.9) 24.2 vs 25.4, N = 64 88.9 vs 82.6; in the full-depth step N = 8 5.67-5.72 vs 5.83-5.84 ms,
 # N = 16 6.93-7.00 vs 6.85-6.90, N = 64 13.2-13.4 vs 12.2).
 DECODE_MAX_PER_SM = 1.0
+# Past it, up to this many pairs per SM, persistent CTAs (one per SM, a 192 KB ring) walk the pairs (H200,
+# session 15: alone at L = 640, N = 16 21.3 vs 25.3 us, N = 64 76.3 vs 81.0; in the step N = 64 12.30 vs 12.42
+# ms); past it the Triton kernel (N = 256: its one pass reads at 99-101% of copy bandwidth).
+DECODE_PERSIST_MAX_PER_SM = 8.0
+PERSISTENT_RING = DecodeConfig(32, 12, ctas_per_sm=1)
 
 
-def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = DecodeConfig()) -> DecodeConfig | None:
+def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = DecodeConfig(),
+                  persistent: DecodeConfig | None = PERSISTENT_RING) -> DecodeConfig | None:
     """The Gluon decode kernel's launch for `seqs` one-row requests, or None where the Triton kernel serves
-    them. Key shares (splits, each written as a partial for the combine kernel) only where one CTA per
-    (request, kv head) would leave 3/4 of the SMs idle; then as many as fill them (H200, L = 640: one request
-    in 8 shares 5.6 us, in 4 5.9, in 16 8.4; four requests in one share 9.0 us, in two 10.1)."""
+    them. Up to DECODE_MAX_PER_SM (request, kv head) pairs per SM, one CTA per pair (`base`'s ring), with key
+    shares (splits, each written as a partial for the combine kernel) only where that would leave 3/4 of the
+    SMs idle, then as many as fill them (H200, L = 640: one request in 8 shares 5.6 us, in 4 5.9, in 16 8.4;
+    four requests in one share 9.0 us, in two 10.1); up to DECODE_PERSIST_MAX_PER_SM, `persistent`."""
     pairs = max(seqs * kv_heads, 1)
     if base.ctas_per_sm:  # a persistent ring (OUROBATCH_DECODE_RING=...pK) serves every count, unsplit
         return base
     if pairs > DECODE_MAX_PER_SM * num_sms:
+        if persistent is not None and pairs <= DECODE_PERSIST_MAX_PER_SM * num_sms:
+            return persistent
         return None
     splits = num_sms // pairs if 4 * pairs <= num_sms else 1
     return replace(base, splits=max(1, min(MAX_DECODE_SPLITS, splits)))

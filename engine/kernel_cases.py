@@ -121,11 +121,12 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     return paged + strides, combine
 
 
-def decode_keys(s: KernelShapes, splits_of) -> dict[tuple, int]:
+def decode_keys(s: KernelShapes, config_of) -> dict[tuple, int]:
     """The Gluon decode kernel's specializations (engine/gluon_attention.py), each with a request count that
-    compiles it: the calls of one new row per request (rows = requests) that `splits_of(seqs)` (the device's
-    triton_attention.decode_launch's split count, or None) sends there. Split launches key their partials'
-    strides (rows x heads (x head_dim)) like the paged kernel's."""
+    compiles it: the calls of one new row per request (rows = requests) that `config_of(seqs)` (the device's
+    triton_attention.decode_launch: a DecodeConfig, or None) sends there. A key holds the ring (BLOCK_N,
+    STAGES), persistent or not, split or not; split launches key their partials' strides (rows x heads
+    (x head_dim)) like the paged kernel's."""
     if (not s.triton_attention or s.group != 1 or s.dtype not in (torch.bfloat16, torch.float16)
             or s.head_dim not in (64, 128, 256)):  # gluon_attention.supports
         return {}
@@ -135,12 +136,12 @@ def decode_keys(s: KernelShapes, splits_of) -> dict[tuple, int]:
         seqs_all |= set(range(1, min(s.max_num_seqs, s.max_num_batched_tokens) + 1))
     found: dict[tuple, int] = {}
     for seqs in sorted(seqs_all):
-        splits = splits_of(seqs)
-        if splits is None:
+        c = config_of(seqs)
+        if c is None:
             continue
-        split = splits > 1
-        key = ("gluon", split) + ((int_class(seqs * s.num_heads * s.head_dim), int_class(seqs * s.num_heads))
-                                  if split else ())
+        split = c.splits > 1
+        key = ("gluon", c.block_n, c.stages, c.ctas_per_sm > 0, split) + (
+            (int_class(seqs * s.num_heads * s.head_dim), int_class(seqs * s.num_heads)) if split else ())
         found.setdefault(key, seqs)
     return found
 

@@ -203,12 +203,8 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     if device.type == "cuda":
         from .triton_attention import decode_launch
 
-        def splits_of(seqs: int) -> int | None:
-            config = decode_launch(seqs, s.num_kv_heads, device)
-            return None if config is None else config.splits
-
-        for key, seqs in decode_keys(s, splits_of).items():
-            kernels = frozenset({"gluon"} | ({"combine"} if key[1] else set()))
+        for key, seqs in decode_keys(s, lambda n: decode_launch(n, s.num_kv_heads, device)).items():
+            kernels = frozenset({"gluon"} | ({"combine"} if key[4] else set()))
             tasks.append(Task("attention", lambda n=seqs: launch_decode(s, n, device), kernels, (key,)))
     if s.triton_attention:
         tasks += [Task("fused", lambda k=k: launch_fused(s, k, device), frozenset({f"fused.{k}"}), (("fused", k),))

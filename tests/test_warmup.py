@@ -496,17 +496,17 @@ def test_one_decode_kernel_launch_per_specialization_of_the_calls_sent_there(kw)
 
     s = shapes(**kw)
 
-    def splits_of(seqs):
-        c = decode_config(seqs, s.num_kv_heads, s.num_sms)
-        return None if c is None else c.splits
+    def config_of(seqs):
+        return decode_config(seqs, s.num_kv_heads, s.num_sms)
 
     def key(seqs):
-        split = splits_of(seqs) > 1
+        c = config_of(seqs)
+        split = c.splits > 1
         extra = (kernel_cases.int_class(seqs * s.num_heads * s.head_dim), kernel_cases.int_class(seqs * s.num_heads))
-        return ("gluon", split) + (extra if split else ())
+        return ("gluon", c.block_n, c.stages, c.ctas_per_sm > 0, split) + (extra if split else ())
 
-    reach = {n for n, r, total in reachable(s) if r == 1 and total == n and splits_of(n) is not None}
-    found = kernel_cases.decode_keys(s, splits_of)
+    reach = {n for n, r, total in reachable(s) if r == 1 and total == n and config_of(n) is not None}
+    found = kernel_cases.decode_keys(s, config_of)
     if s.group != 1:
         assert found == {}
         return

@@ -120,22 +120,27 @@ def test_tile_map_refuses_more_tiles_than_its_capacity():
 # ------------------------------------------------------------------ the Gluon decode kernel's launch rule
 
 def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kernel():
-    from engine.attention_dispatch import DECODE_MAX_PER_SM, DecodeConfig, decode_config
+    from engine.attention_dispatch import (DECODE_MAX_PER_SM, DECODE_PERSIST_MAX_PER_SM, PERSISTENT_RING,
+                                           DecodeConfig, decode_config)
 
     for sms in (78, 114, 132):
         for kv_heads in (1, 8, 16):
             for seqs in range(1, 80):
                 c = decode_config(seqs, kv_heads, sms)
                 pairs = seqs * kv_heads
+                if pairs > DECODE_PERSIST_MAX_PER_SM * sms:
+                    assert c is None and decode_config(seqs, kv_heads, sms, persistent=None) is None
+                    continue
                 if pairs > DECODE_MAX_PER_SM * sms:
-                    assert c is None
+                    assert c == PERSISTENT_RING and decode_config(seqs, kv_heads, sms, persistent=None) is None
                     continue
                 # shares only where one CTA per pair leaves 3/4 of the SMs idle, then as many as fill them
                 assert c.splits == 1 or 4 * pairs <= sms
                 assert c.splits == 1 or pairs * c.splits <= sms < pairs * (c.splits + 1) or c.splits == 16
                 assert (c.block_n, c.stages) == (DecodeConfig().block_n, DecodeConfig().stages)
     assert decode_config(8, 16, 132).splits == 1 and decode_config(1, 16, 132).splits == 8
-    assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132) is None
+    assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132).ctas_per_sm == 1
+    assert decode_config(66, 16, 132).ctas_per_sm == 1 and decode_config(67, 16, 132) is None
 
 
 @pytest.mark.parametrize("text,block_n,stages,per_sm", [("32x6", 32, 6, 0), ("64X3", 64, 3, 0), ("16x12", 16, 12, 0),
