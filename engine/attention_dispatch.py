@@ -112,10 +112,10 @@ MAX_DECODE_SPLITS = 16
 # N = 16 (1.9) 24.2 vs 25.4, N = 64 88.9 vs 82.6; in the full-depth step N = 8 5.67-5.72 vs 5.83-5.84 ms,
 # N = 16 6.93-7.00 vs 6.85-6.90, N = 64 13.2-13.4 vs 12.2).
 DECODE_MAX_PER_SM = 1.0
-# Past it, up to this many pairs per SM, persistent CTAs (one per SM, a 192 KB ring) walk the pairs (H200,
-# session 15: alone at L = 640, N = 16 21.3 vs 25.3 us, N = 64 76.3 vs 81.0; in the step N = 64 12.30 vs 12.42
-# ms); past it the Triton kernel (N = 256: its one pass reads at 99-101% of copy bandwidth).
-DECODE_PERSIST_MAX_PER_SM = 8.0
+# Past it, up to this many pairs per SM, persistent CTAs (one per SM, a 192 KB ring) walk the pairs; past it the
+# Triton kernel (H200, session 15: alone at L = 640, N = 16 21.3 vs 25.3 us, N = 64 76.3 vs 81.0; but in the
+# full-depth step, alternated, N = 16 6.68 / 6.67 vs 6.91 / 6.85 ms and N = 64 12.43 / 12.47 vs 12.39 / 12.38).
+DECODE_PERSIST_MAX_PER_SM = 2.0
 PERSISTENT_RING = DecodeConfig(32, 12, ctas_per_sm=1)
 
 

@@ -140,7 +140,7 @@ def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kerne
                 assert (c.block_n, c.stages) == (DecodeConfig().block_n, DecodeConfig().stages)
     assert decode_config(8, 16, 132).splits == 1 and decode_config(1, 16, 132).splits == 8
     assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132).ctas_per_sm == 1
-    assert decode_config(66, 16, 132).ctas_per_sm == 1 and decode_config(67, 16, 132) is None
+    assert decode_config(16, 16, 132).ctas_per_sm == 1 and decode_config(17, 16, 132) is None
 
 
 @pytest.mark.parametrize("text,block_n,stages,per_sm", [("32x6", 32, 6, 0), ("64X3", 64, 3, 0), ("16x12", 16, 12, 0),
