@@ -14,6 +14,10 @@ shares left it at ~2/3 of copy bandwidth. Here one CTA per (request, kv head, sp
   slot of a tile keeps its own running max, mass and weighted values, so no tile needs a reduction across
   warps; the slots are merged once at the end.
 
+With DecodeConfig.ctas_per_sm the grid is persistent instead: that many CTAs per SM walk the (request, kv
+head) pairs pid, pid + CTAs, ..., and the ring runs on from one pair into the next (attention_dispatch
+.decode_config uses it for 1-2 pairs per SM).
+
 Only calls of one new row per request with one query head per kv head (Ouro: no GQA) and pages that tile
 BLOCK_N come here (`supports`); the rest stays with the Triton kernel. splits > 1 writes the Triton
 kernel's float32 partials and base-2 log-sum-exps, and attention_combine.py merges them.
