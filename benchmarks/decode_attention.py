@@ -93,7 +93,7 @@ def markdown(results: list[dict]) -> str:
         gl = {k: v for k, v in c.items() if k.startswith("gluon") and v.get("ok")}
         best = min(gl, key=lambda k: gl[k]["us"], default=None)
         auto = next((v for k, v in c.items() if k.endswith("(auto)") and k.startswith("gluon n32/s6")), {})
-        worst = max((v.get("rel_err", math.inf) for v in c.values()), default=math.nan)
+        worst = max((v["rel_err"] for v in c.values() if "rel_err" in v), default=math.nan)  # of those that ran
         lines.append(f"| {r['n']} | {r['ctx']} | {r['floor_us']:.1f} | {tri.get('us', math.nan):.1f} | {best} | "
                      f"{gl[best]['us'] if best else math.nan:.1f} | {gl[best]['tbps'] if best else 0:.2f} | "
                      f"{auto.get('us', math.nan):.1f} | {worst:.1e} |")
