@@ -131,7 +131,7 @@ def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = D
         return base
     if pairs > DECODE_MAX_PER_SM * num_sms:
         if persistent is not None and pairs <= DECODE_PERSIST_MAX_PER_SM * num_sms:
-            return persistent
+            return replace(persistent, early=base.early)
         return None
     splits = num_sms // pairs if 4 * pairs <= num_sms else 1
     return replace(base, splits=max(1, min(MAX_DECODE_SPLITS, splits)))
@@ -140,9 +140,9 @@ def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = D
 def parse_ring(text: str) -> DecodeConfig:
     """A ring shape "BLOCK_NxSTAGES" (OUROBATCH_DECODE_RING), e.g. "32x6"; "32x6p2": persistent, 2 CTAs per SM."""
     try:
-        ring, _, per_sm = text.lower().partition("p")
+        ring, p, per_sm = text.lower().partition("p")
         block_n, stages = (int(x) for x in ring.split("x"))
-        ctas = int(per_sm) if per_sm else 0
+        ctas = int(per_sm) if p else 0
     except ValueError:
         raise ValueError(f"OUROBATCH_DECODE_RING must be BLOCK_NxSTAGES[pCTAS_PER_SM] (e.g. 32x6, 32x6p2), "
                          f"got {text!r}") from None

@@ -141,6 +141,8 @@ def test_decode_config_fills_the_sms_and_hands_large_batches_to_the_triton_kerne
     assert decode_config(8, 16, 132).splits == 1 and decode_config(1, 16, 132).splits == 8
     assert decode_config(4, 16, 132).splits == 1 and decode_config(9, 16, 132).ctas_per_sm == 1
     assert decode_config(16, 16, 132).ctas_per_sm == 1 and decode_config(17, 16, 132) is None
+    late = DecodeConfig(early=False)  # the measuring control reaches the persistent launches too
+    assert not decode_config(16, 16, 132, late).early and not decode_config(8, 16, 132, late).early
 
 
 @pytest.mark.parametrize("text,block_n,stages,per_sm", [("32x6", 32, 6, 0), ("64X3", 64, 3, 0), ("16x12", 16, 12, 0),
@@ -156,7 +158,8 @@ def test_parse_ring(text, block_n, stages, per_sm):
 
 @pytest.mark.parametrize("text,match", [("32", "BLOCK_NxSTAGES"), ("ax6", "BLOCK_NxSTAGES"),
                                         ("24x6", "block_n must be a power of two"), ("32x1", "stages must satisfy"),
-                                        ("32x6pq", "BLOCK_NxSTAGES"), ("32x6p9", "ctas_per_sm must satisfy")])
+                                        ("32x6pq", "BLOCK_NxSTAGES"), ("32x6p", "BLOCK_NxSTAGES"),
+                                        ("32x6p9", "ctas_per_sm must satisfy")])
 def test_bad_rings_are_refused_naming_the_variable_or_field(text, match):
     from engine.attention_dispatch import parse_ring
 
