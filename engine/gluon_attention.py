@@ -239,8 +239,8 @@ def supports(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, max_
     _, heads, d = q.shape
     _, page, kv_heads, _ = k_plane.shape
     return (max_rows == 1 and tiles is None and heads == kv_heads and q.dtype in (torch.bfloat16, torch.float16)
-            and k_plane.dtype == q.dtype and d in (64, 128, 256) and page % 8 == 0 and config.block_n % page == 0
-            and _plane_ok(k_plane) and _plane_ok(v_plane))
+            and q.stride(2) == 1 and k_plane.dtype == v_plane.dtype == q.dtype and d in (64, 128, 256)
+            and page % 8 == 0 and config.block_n % page == 0 and _plane_ok(k_plane) and _plane_ok(v_plane))
 
 
 def _plane_ok(plane: torch.Tensor) -> bool:
