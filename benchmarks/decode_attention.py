@@ -26,8 +26,8 @@ from engine.attention_dispatch import DecodeConfig, decode_config  # noqa: E402
 
 SHAPES = ((1, 640), (4, 640), (8, 640), (16, 640), (32, 640), (64, 640), (8, 2048), (16, 2048))
 GLUON_BASES = (DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 12), DecodeConfig(32, 3), DecodeConfig(16, 6))
-PERSISTENT = (DecodeConfig(32, 6, ctas_per_sm=1), DecodeConfig(32, 6, ctas_per_sm=2), DecodeConfig(32, 3, ctas_per_sm=2),
-              DecodeConfig(64, 3, ctas_per_sm=1), DecodeConfig(32, 12, ctas_per_sm=1))
+PERSISTENT = tuple(DecodeConfig(n, s, ctas_per_sm=k) for n, s, k in ((32, 6, 1), (32, 6, 2), (32, 3, 2), (64, 3, 1),
+                                                                      (32, 12, 1)))
 
 
 def reference(p: Problem, q: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,6 @@ def run_shape(n: int, ctx: int, sms: int) -> dict:
         def fn(copy, c=c):
             args = (q, p.k, p.v, p.tables[copy], p.ctx, starts)
             if c is None:
-                triton_attention._GLUON.clear()
                 return triton_attention.launch_paged_attention(*args, 1, HEAD_DIM**-0.5,
                                                                triton_attention.default_config(q, p.k, n, 1))
             return launch_decode_attention(*args, HEAD_DIM**-0.5, c)

@@ -209,16 +209,6 @@ def decode_attention_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, block_tables_
     ], [1], [48])
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def _pdl_kwargs(device: torch.device, config: DecodeConfig) -> dict:
     # USE_PDL 1: the loader streams the history before the wait; 2: it waits first (config.early off)
     kwargs = pdl.launch_kwargs(device)
@@ -273,7 +263,7 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
         split_strides = (part.stride(0), lse.stride(0))
     items = seqs * heads
     if config.ctas_per_sm:  # persistent: CTAs walk the (request, kv head) pairs
-        grid = (max(1, min(items, config.ctas_per_sm * _sms(q.device))), 1, 1)
+        grid = (max(1, min(items, config.ctas_per_sm * pdl.num_sms(q.device))), 1, 1)
     else:
         grid = (seqs, heads, config.splits)
     decode_attention_kernel[grid](

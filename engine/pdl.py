@@ -13,8 +13,9 @@ registers (session 9, docs/benchmarks.md).
 
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
 ``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0
-turns it off. Read once per device; ``launch_kwargs`` are a launch's extra arguments. On the H200 it took
-the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
+turns it off. Read once per device; ``launch_kwargs`` are a launch's extra arguments. ``hopper`` and
+``num_sms`` are the device facts the kernels' dispatch reads (cached per device, ``device_index``). On the
+H200 it took the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
 at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton kernel too. Prefetching
 each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
 and made both slower (7.75-7.82 / 13.28-13.37 ms); it is gone. So did the other way round (session 11): the
@@ -33,13 +34,30 @@ import torch
 ENV_VAR = "OUROBATCH_PDL"
 _ENABLED: dict[int, bool] = {}
 _HOPPER: dict[int, bool] = {}
+_SMS: dict[int, int] = {}
+INTERPRETER_SMS = 132  # TRITON_INTERPRET=1 on CPU tensors: the kernels dispatch as on an H200
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (its own, else the current device's): the key of the caches here."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached: the attention kernels' dispatch runs on every launch)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device_index(device)
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def hopper(device: torch.device) -> bool:
     """Whether `device` is a CUDA device of compute capability 9.0 or later (cached per device): PDL and TMA."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _HOPPER:
         _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _HOPPER[index]
@@ -49,7 +67,7 @@ def enabled(device: torch.device) -> bool:
     """Whether the Triton kernels launched on `device` use PDL (cached per device)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _ENABLED:
         value = os.environ.get(ENV_VAR, "").strip() or "1"
         if value not in ("0", "1"):

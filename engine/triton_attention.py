@@ -31,6 +31,7 @@ import triton.language as tl
 from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import DecodeConfig, LaunchConfig, choose_config, decode_config, parse_ring, query_tiling
+from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
 @triton.jit
@@ -214,7 +215,7 @@ def gluon_decode(device: torch.device) -> bool:
     Cached per device, with the ring OUROBATCH_DECODE_RING names (default 32x6)."""
     if device.type != "cuda":
         return False
-    index = _index(device)
+    index = pdl.device_index(device)
     if index not in _GLUON:
         value = os.environ.get(DECODE_ENV, "").strip() or DECODE_DEFAULT
         if value not in ("gluon", "triton"):
@@ -233,11 +234,7 @@ def decode_launch(seqs: int, kv_heads: int, device: torch.device) -> DecodeConfi
     (gluon_decode off, or more requests than attention_dispatch.DECODE_MAX_PER_SM lets it take)."""
     if not gluon_decode(device):
         return None
-    return decode_config(seqs, kv_heads, num_sms(device), _RING[_index(device)])
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return decode_config(seqs, kv_heads, num_sms(device), _RING[pdl.device_index(device)])
 
 
 def _gluon_importable() -> bool:
@@ -246,20 +243,6 @@ def _gluon_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-_SMS: dict[int, int] = {}
-INTERPRETER_SMS = 132  # TRITON_INTERPRET=1 on CPU tensors: dispatch as on an H200
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (cached: the dispatch runs on every launch)."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
