@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -108,6 +108,27 @@ if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU
         --scenarios "${DA_SCENARIOS:-8x512x256,64x512x256}" "$@" 2>&1 | tee "$OUT/da_${name}_r$r.log" | grep '^|' | tail -4
     done
   done
+fi
+if [ "$what" = fold_o ]; then  # o_proj folded into the Gluon decode kernel (engine/gluon_attention_o.py): its GPU
+  # tests and the warm-up's, then the decode harness with the fold off / on (OUROBATCH_DECODE_FOLD_O=0 / 1, each run
+  # its own process, FO_ROUNDS rounds, default 2; FO_SCENARIOS, default 8x512x256), then FO_PROFILE=1: the step
+  # profile's kernel counts with each
+  timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+    tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+  for r in $(seq 1 "${FO_ROUNDS:-2}"); do
+    for f in 0 1; do
+      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/fo/fold${f}_r$r" \
+        --configs interval1 --scenarios "${FO_SCENARIOS:-8x512x256}" "$@" 2>&1 | tee "$OUT/fo_fold${f}_r$r.log" \
+        | grep '^|' | tail -3
+    done
+  done
+  if [ "${FO_PROFILE:-0}" = 1 ]; then
+    for f in 0 1; do
+      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 200 python3 benchmarks/step_profile.py --out "$OUT/fo_profile$f" \
+        --ns 8 --configs interval1 2>&1 | tee "$OUT/fo_profile$f.log" | tail -4
+    done
+  fi
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)

@@ -176,6 +176,20 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
     return paged_attention(q, pool, loop, layer, meta.spans, scale, meta.reads)
 
 
+def attend_o(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, meta: "BatchMeta", scale: float, backend: str,
+             wo: torch.Tensor, barrier: torch.Tensor | None) -> torch.Tensor | None:
+    """attend(q, None, None, ...) @ wo.T in one launch, as a float32 partial [1, rows, hidden] for
+    triton_gemm.add_rms_norm2_partials, where the Gluon decode kernel folds o_proj into its tail
+    (triton_attention.decode_attention_o); None elsewhere (the caller runs attend and o_proj apart)."""
+    if backend != "triton" or barrier is None or (meta.prefill and meta.prefill_attention is not None):
+        return None
+    from .triton_attention import decode_attention_o
+
+    k_blocks, v_blocks = pool.block_plane(loop, layer)
+    return decode_attention_o(q, k_blocks, v_blocks, meta.block_tables, meta.context_lens, meta.query_start,
+                              meta.max_rows, scale, meta.tiles, wo, barrier)
+
+
 def spans_on_device(meta: "BatchMeta", block_size: int) -> list[SeqSpan]:
     """The host spans of metadata that lives on the device only (waits for the device: reference path)."""
     starts, ctx = meta.query_start.tolist(), meta.context_lens.tolist()

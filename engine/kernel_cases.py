@@ -121,12 +121,14 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     return paged + strides, combine
 
 
-def decode_keys(s: KernelShapes, config_of) -> dict[tuple, int]:
+def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:
     """The Gluon decode kernel's specializations (engine/gluon_attention.py), each with a request count that
     compiles it: the calls of one new row per request (rows = requests) that `config_of(seqs)` (the device's
     triton_attention.decode_launch: a DecodeConfig, or None) sends there. A key holds the ring (BLOCK_N,
     STAGES), persistent or not, split or not; split launches key their partials' strides (rows x heads
-    (x head_dim)) like the paged kernel's."""
+    (x head_dim)) like the paged kernel's. Where `fold_of(seqs, config)` holds, the engine's decode calls fold
+    o_proj into the kernel (gluon_attention_o.py): a "gluon_o" key too, by ring and its rows' int class (calls
+    that do not fold, such as one-row prompt chunks, keep the plain kernel's)."""
     if (not s.triton_attention or s.group != 1 or s.dtype not in (torch.bfloat16, torch.float16)
             or s.head_dim not in (64, 128, 256)):  # gluon_attention.supports
         return {}
@@ -139,6 +141,8 @@ def decode_keys(s: KernelShapes, config_of) -> dict[tuple, int]:
         c = config_of(seqs)
         if c is None:
             continue
+        if fold_of is not None and fold_of(seqs, c):
+            found.setdefault(("gluon_o", c.block_n, c.stages, int_class(seqs)), seqs)
         split = c.splits > 1
         key = ("gluon", c.block_n, c.stages, c.ctas_per_sm > 0, split) + (
             (int_class(seqs * s.num_heads * s.head_dim), int_class(seqs * s.num_heads)) if split else ())

@@ -85,6 +85,33 @@ def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
     launch_decode_attention(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config)
 
 
+def folds_o(s: KernelShapes, seqs: int, config, device: torch.device) -> bool:
+    """Whether the engine's decode calls of `seqs` requests run o_proj inside the Gluon decode kernel
+    (model._attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
+    from .attention_dispatch import o_fold_applies
+    from .triton_attention import fold_o_enabled
+
+    return (s.triton_attention and s.dtype in (torch.bfloat16, torch.float16) and gemm_config(seqs) is not None
+            and fold_o_enabled(device)
+            and o_fold_applies(config, seqs, seqs, s.num_heads, s.head_dim, s.hidden_size, s.num_sms))
+
+
+def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
+    """The decode kernel with o_proj folded in, for `seqs` requests of one row at position 0."""
+    from .gluon_attention_o import launch_decode_attention_o
+    from .triton_attention import decode_launch
+
+    config = decode_launch(seqs, s.num_kv_heads, device)
+    q = torch.zeros(seqs, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
+    plane = torch.zeros(1, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)  # block 0
+    wo = torch.zeros(s.hidden_size, s.num_heads * s.head_dim, dtype=s.dtype, device=device)
+    tables = torch.zeros(seqs, s.table_width, dtype=torch.int32, device=device)
+    lens = torch.ones(seqs, dtype=torch.int32, device=device)
+    starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+    barrier = torch.zeros(2, dtype=torch.int32, device=device)
+    launch_decode_attention_o(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config, wo, barrier)
+
+
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
     """The split launch's combine kernel alone, as `case`'s call would launch it (its split count and rows)."""
     from .attention_combine import combine_splits
@@ -203,7 +230,12 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     if device.type == "cuda":
         from .triton_attention import decode_launch
 
-        for key, seqs in decode_keys(s, lambda n: decode_launch(n, s.num_kv_heads, device)).items():
+        for key, seqs in decode_keys(s, lambda n: decode_launch(n, s.num_kv_heads, device),
+                                     lambda n, c: folds_o(s, n, c, device)).items():
+            if key[0] == "gluon_o":
+                tasks.append(Task("attention", lambda n=seqs: launch_decode_o(s, n, device), frozenset({"gluon_o"}),
+                                  (key,)))
+                continue
             kernels = frozenset({"gluon"} | ({"combine"} if key[4] else set()))
             tasks.append(Task("attention", lambda n=seqs: launch_decode(s, n, device), kernels, (key,)))
     if s.triton_attention:

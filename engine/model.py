@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend
+from .attention import attend, attend_o
 from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
@@ -248,6 +248,9 @@ class OuroForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.fused_kernels = False
         self._inv_freq: torch.Tensor | None = None
+        # the grid barrier's two counters of the decode kernel that folds o_proj (gluon_attention_o.py): made
+        # with the fused backend, outside any graph capture, and kept (graphs capture their address)
+        self.o_barrier: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
@@ -263,6 +266,9 @@ class OuroForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
         self.fused_kernels = backend == "triton"
+        device = self.lm_head.weight.device
+        if self.fused_kernels and device.type == "cuda" and self.o_barrier is None:
+            self.o_barrier = torch.zeros(2, dtype=torch.int32, device=device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
@@ -310,9 +316,7 @@ class OuroForCausalLM(nn.Module):
                 attn = layer.self_attn
                 k_plane, v_plane = pool.plane(loop, layer.layer)
                 q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
-                a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
-                h, x = _linear_add_norm(h, a.reshape(rows, Hq * d), attn.o_proj.weight, gemm, "o",
-                                        layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+                h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
                 m = _gate_up_silu(x, layer.mlp.gate_up_weight, gemm)
                 w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
                 h, x = _linear_add_norm(h, m, layer.mlp.down_proj.weight, gemm, "down",
@@ -322,6 +326,22 @@ class OuroForCausalLM(nn.Module):
                 h = x
                 x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         return readouts
+
+    def _attention_add_norm(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
+                            pool: KVPool, loop: int, gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path's attention, o_proj and add + norm + norm: o_proj in the attention launch where the
+        Gluon decode kernel folds it (attention.attend_o), else attention, then o_proj with the add + norm."""
+        attn, eps = layer.self_attn, self.config.rms_norm_eps
+        w_branch, w_next = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
+        if gemm is not None:
+            partials = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
+                                self.o_barrier)
+            if partials is not None:
+                from . import triton_gemm
+
+                return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
+        a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
+        return _linear_add_norm(h, a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm, "o", w_branch, w_next, eps)
 
     def logits(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # h: [..., hidden] readout -> [..., vocab], in `dtype` (None: the model's)

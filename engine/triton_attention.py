@@ -15,7 +15,8 @@ s covers a contiguous, BLOCK_N-aligned 1/S share of the key tiles its rows can s
 normalized partial output and its log-sum-exp (base 2) to float32 scratch; a split with an empty share
 writes (0, -inf). attention_combine.py's kernel then merges the S partials of every (row, head).
 Calls of one new row per request from few requests go to the Gluon decode kernel instead (gluon_attention.py,
-on Hopper; `decode_launch` says when), which writes the same partials when it splits.
+on Hopper; `decode_launch` says when), which writes the same partials when it splits. Where its grid allows,
+`decode_attention_o` runs o_proj in the same launch (gluon_attention_o.py).
 Imported lazily: the CPU path never needs Triton.
 """
 
@@ -30,7 +31,8 @@ import triton.language as tl
 
 from . import pdl
 from .attention_combine import combine_splits
-from .attention_dispatch import DecodeConfig, LaunchConfig, choose_config, decode_config, parse_ring, query_tiling
+from .attention_dispatch import (DecodeConfig, LaunchConfig, choose_config, decode_config, o_fold_applies, parse_ring,
+                                 query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -205,8 +207,10 @@ DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves
 DECODE_DEFAULT = "gluon"
 RING_ENV = "OUROBATCH_DECODE_RING"  # the Gluon kernel's ring: BLOCK_NxSTAGES
 EARLY_ENV = "OUROBATCH_DECODE_EARLY"  # 0: its loader waits for the kernel before first (a measuring control)
+FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 1 | 0: o_proj folded into the Gluon decode kernel where it applies
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
+_FOLD: dict[int, bool] = {}
 
 
 def gluon_decode(device: torch.device) -> bool:
@@ -222,11 +226,16 @@ def gluon_decode(device: torch.device) -> bool:
             raise ValueError(f"{DECODE_ENV} must be gluon or triton, got {value!r}")
         _GLUON[index] = value == "gluon" and pdl.hopper(device) and _gluon_importable()
         ring = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
-        early = os.environ.get(EARLY_ENV, "").strip() or "1"
-        if early not in ("0", "1"):
-            raise ValueError(f"{EARLY_ENV} must be 0 or 1, got {early!r}")
-        _RING[index] = replace(ring, early=early == "1")
+        _RING[index] = replace(ring, early=_flag(EARLY_ENV, "1"))
+        _FOLD[index] = _flag(FOLD_ENV, "1")
     return _GLUON[index]
+
+
+def _flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, "").strip() or default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def decode_launch(seqs: int, kv_heads: int, device: torch.device) -> DecodeConfig | None:
@@ -235,6 +244,37 @@ def decode_launch(seqs: int, kv_heads: int, device: torch.device) -> DecodeConfi
     if not gluon_decode(device):
         return None
     return decode_config(seqs, kv_heads, num_sms(device), _RING[pdl.device_index(device)])
+
+
+def fold_o_enabled(device: torch.device) -> bool:
+    """Whether decode calls on `device` may fold o_proj into the Gluon decode kernel (OUROBATCH_DECODE_FOLD_O)."""
+    return gluon_decode(device) and _FOLD[pdl.device_index(device)]
+
+
+def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, query_start: torch.Tensor, max_rows: int, scale: float,
+                       tiles: torch.Tensor | None, wo: torch.Tensor, barrier: torch.Tensor) -> torch.Tensor | None:
+    """triton_paged_attention(...) @ wo.T as a one-split float32 partial [1, rows, hidden] from one Gluon launch
+    (gluon_attention_o.py), or None where that launch does not serve the call (then the caller runs attention
+    and o_proj apart): the Gluon decode kernel's one-CTA-per-pair grid, attention_dispatch.o_fold_applies, and
+    OUROBATCH_DECODE_FOLD_O not 0. `barrier`: the model's two int32 grid-barrier counters on q's device."""
+    if max_rows != 1 or tiles is not None:
+        return None
+    seqs = context_lens.shape[0]
+    decode = decode_launch(seqs, k_plane.shape[2], q.device)
+    if decode is None or not fold_o_enabled(q.device):
+        return None
+    rows, heads, d = q.shape
+    if not (o_fold_applies(decode, seqs, rows, heads, d, wo.shape[0], num_sms(q.device)) and wo.dtype == q.dtype
+            and wo.is_contiguous() and wo.shape[1] == heads * d and wo.data_ptr() % 16 == 0
+            and barrier.device == q.device):
+        return None
+    from . import gluon_attention, gluon_attention_o
+
+    if not gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
+        return None
+    return gluon_attention_o.launch_decode_attention_o(q, k_plane, v_plane, block_tables, context_lens, query_start,
+                                                       scale, decode, wo, barrier)
 
 
 def _gluon_importable() -> bool:

@@ -513,3 +513,26 @@ def test_one_decode_kernel_launch_per_specialization_of_the_calls_sent_there(kw)
     assert set(found) == {key(n) for n in reach} and found
     assert all(key(n) == k and n in reach for k, n in found.items())
     assert kernel_cases.decode_keys(s, lambda n: None) == {}
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(N=8), dict(graphs=False, N=12)])
+def test_decode_calls_that_fold_o_proj_get_their_own_key(kw):
+    """decode_keys with fold_of: a request count whose calls fold o_proj (attention_dispatch.o_fold_applies at
+    Ouro-1.4B's shapes on 132 SMs: 8 requests, one CTA per (request, head), 128 output tiles) adds the folded
+    kernel's key, and keeps the plain kernel's (one-row prompt chunks of that count do not fold)."""
+    from engine.attention_dispatch import decode_config, o_fold_applies
+
+    s = shapes(**kw)
+
+    def config_of(seqs):
+        return decode_config(seqs, s.num_kv_heads, s.num_sms)
+
+    def fold_of(seqs, c):
+        return o_fold_applies(c, seqs, seqs, s.num_heads, s.head_dim, s.hidden_size, s.num_sms)
+
+    plain = kernel_cases.decode_keys(s, config_of)
+    found = kernel_cases.decode_keys(s, config_of, fold_of)
+    folded = {k: n for k, n in found.items() if k[0] == "gluon_o"}
+    assert {k: n for k, n in found.items() if k[0] != "gluon_o"} == plain
+    assert folded == {("gluon_o", 32, 6, ""): 8}
+    assert kernel_cases.decode_keys(s, config_of, lambda n, c: False) == plain

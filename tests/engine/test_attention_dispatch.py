@@ -165,3 +165,27 @@ def test_bad_rings_are_refused_naming_the_variable_or_field(text, match):
 
     with pytest.raises(ValueError, match=match):
         parse_ring(text)
+
+
+def test_o_fold_applies_where_every_cta_is_resident_and_owns_a_tile():
+    from engine.attention_dispatch import HOPPER_SMEM_PER_CTA, O_ROWS, DecodeConfig, decode_config, o_fold_applies
+
+    # Ouro-1.4B on the H200: 16 heads of 128, hidden 2048 -> 128 output tiles of 16 columns
+    for seqs in range(1, 65):
+        c = decode_config(seqs, 16, 132)
+        assert o_fold_applies(c, seqs, seqs, 16, 128, 2048, 132) == (seqs == 8), seqs
+    eight = decode_config(8, 16, 132)
+    assert not o_fold_applies(eight, 8, 8, 16, 128, 2048, 114)  # 128 CTAs on 114 SMs: not all resident
+    assert not o_fold_applies(eight, 8, 0, 16, 128, 2048, 132) and not o_fold_applies(eight, 9, O_ROWS + 1, 16, 128,
+                                                                                      2048, 144)
+    assert not o_fold_applies(None, 8, 8, 16, 128, 2048, 132)
+    assert not o_fold_applies(DecodeConfig(32, 6, splits=2), 8, 8, 16, 128, 2048, 132)
+    assert not o_fold_applies(DecodeConfig(32, 6, ctas_per_sm=1), 8, 8, 16, 128, 2048, 132)
+    assert not o_fold_applies(eight, 8, 8, 16, 128, 2056, 132)  # hidden not a multiple of 16 columns
+    assert not o_fold_applies(eight, 8, 8, 3, 64, 2048, 132)  # K = 192: not whole weight boxes
+    # shared memory: ring + 24 rows of K (the o tile and the staged rows) + barriers
+    assert o_fold_applies(DecodeConfig(32, 6), 8, 8, 16, 128, 2048, 132)
+    big = DecodeConfig(32, 16)
+    assert 2 * 16 * 32 * 128 * 2 + 24 * 2048 * 2 > HOPPER_SMEM_PER_CTA
+    assert not o_fold_applies(big, 8, 8, 16, 128, 2048, 132)
+    assert o_fold_applies(DecodeConfig(32, 6), 8, 8, 2, 128, 256, 132)  # the GPU tests' small model: 16 tiles

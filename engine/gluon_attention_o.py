@@ -1,0 +1,208 @@
+"""Decode attention with o_proj folded into its tail: one Gluon launch instead of the attention kernel and the
+o_proj GEMM kernel (Hopper, few requests).
+
+At N = 8 the decode step runs 7 kernels per layer and loop, each ~3 us above its bytes (first loads, last
+wave, the wait for the kernel before; docs/benchmarks.md, sessions 9-15). o_proj is the cheapest of them in
+bytes (2048 x 2048 weights: 8 MB, 1.95 us at copy bandwidth) and pays the whole boundary. Here the decode
+kernel of gluon_attention.py (one CTA per (request, kv head): 128 CTAs at N = 8, 16 heads) gains a third
+partition, one warp that owns one 16-column tile of o_proj's output:
+
+- at launch it TMA-loads its tile's weights (16 rows x K, 64 KB at K = 2048) into shared memory: weights are
+  no kernel's output, so this needs no wait and streams beside the keys and values;
+- the attention partition writes its output row, then arrives at a grid barrier (an arrival count and a
+  generation in global memory, reset by the last CTA to arrive, so every launch finds them as the last left
+  them); once every CTA has arrived it signals the o warp;
+- the o warp copies the attention output of every row (rows x K, 32 KB) into shared memory and multiplies
+  it with its tile (mma.sync, the weight rows as the MMA's M, four independent accumulator chains), writing
+  the float32 result as a one-split partial that triton_gemm.add_rms_norm2_partials reduces, as it does
+  linear_partials' output.
+
+A grid barrier needs every CTA resident at once: `o_fold_applies` allows it only where the grid has at most
+one CTA per SM (the ring, tile and staged rows take ~190 KB of shared memory, so one CTA fills an SM) and
+at least one CTA per output tile. The barrier's two counters belong to the model (OuroForCausalLM.o_barrier),
+one pair per engine, since launches on one stream never overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from . import attention_dispatch
+from .attention_dispatch import O_ROWS, DecodeConfig
+from .gluon_attention import _attend, _descriptor, _kv_loader, _pdl_kwargs
+
+O_BLOCK_N = gl.constexpr(attention_dispatch.O_BLOCK_N)  # output columns of a tile (the MMA's M)
+O_BLOCK_K = gl.constexpr(attention_dispatch.O_BLOCK_K)  # K of a weight box
+
+
+@gluon.jit
+def multiply_box(slot, xs, acc0, acc1, acc2, acc3, a_layout: gl.constexpr, b_layout: gl.constexpr,
+                 BLOCK_K: gl.constexpr, CHAINS: gl.constexpr):
+    """acc += slot @ xs.T for one weight box slot [16, BLOCK_K] and the staged rows' same K range xs
+    [rows, BLOCK_K]; CHAINS 4: the box's four quarters go to four accumulators, so the MMAs form four
+    independent chains instead of one chain of BLOCK_K / 16."""
+    if CHAINS == 1:
+        acc0 = mma_v2(slot.load(a_layout), xs.permute((1, 0)).load(b_layout), acc0)
+    else:
+        Q: gl.constexpr = BLOCK_K // 4
+        a0 = slot.slice(0, Q, dim=1).load(a_layout)
+        a1 = slot.slice(Q, Q, dim=1).load(a_layout)
+        a2 = slot.slice(2 * Q, Q, dim=1).load(a_layout)
+        a3 = slot.slice(3 * Q, Q, dim=1).load(a_layout)
+        b0 = xs.slice(0, Q, dim=1).permute((1, 0)).load(b_layout)
+        b1 = xs.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        b2 = xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        b3 = xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
+        acc0 = mma_v2(a0, b0, acc0)
+        acc1 = mma_v2(a1, b1, acc1)
+        acc2 = mma_v2(a2, b2, acc2)
+        acc3 = mma_v2(a3, b3, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _grid_barrier(bar_ptr, programs):
+    # bar_ptr[0]: CTAs arrived in this launch; bar_ptr[1]: the generation, bumped once all have. The generation
+    # is read before arriving (it cannot move before this CTA arrives); the last CTA resets the count first
+    gen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()  # every warp's output stores are issued
+    arrived = gl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == programs - 1:
+        gl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        gl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+        while seen == gen:
+            seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _attend_then_arrive(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
+                        context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head,
+                        stride_bt, qk_scale, kv_heads, bar_ptr, a_go, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
+            query_start_ptr, stride_q_row, stride_q_head, 0, stride_o_row, stride_o_head, 0, 0, stride_bt, qk_scale,
+            kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
+    _grid_barrier(bar_ptr, gl.num_programs(0) * gl.num_programs(1))
+    mbarrier.arrive(a_go, count=1)  # every row of the attention output is written
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
+            query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_bt, qk_scale, kv_heads,
+            bar_ptr, a_go, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    _kv_loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
+               query_start_ptr, stride_q_row, stride_q_head, 0, stride_o_row, stride_o_head, 0, 0, stride_bt,
+               qk_scale, kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
+
+
+@gluon.jit
+def _o_project(wo_desc, wbuf, w_ready, a_smem, a_go, a_ptr, po_ptr, rows, stride_po, TILES: gl.constexpr,
+               K: gl.constexpr, BM: gl.constexpr):
+    # the CTA's tile of o = a @ wo.T: its weights at once, the attention rows (contiguous: K a row) once the
+    # grid barrier passed
+    tile = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+    if tile < TILES:
+        BN: gl.constexpr = O_BLOCK_N
+        BK: gl.constexpr = O_BLOCK_K
+        NKB: gl.constexpr = K // BK
+        mbarrier.expect(w_ready, NKB * wo_desc.block_type.nbytes)
+        for kb in gl.static_range(NKB):
+            tma.async_copy_global_to_shared(wo_desc, [tile * BN, kb * BK], w_ready, wbuf.index(kb))
+        mbarrier.wait(a_go, 0)
+        stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, 1], [1, 0])
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(1, stage))
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(0, stage))
+        for c in gl.static_range(NKB):  # every chunk's copies in flight at once, one commit group each
+            async_copy.async_copy_global_to_shared(a_smem.slice(c * BK, BK, dim=1),
+                                                   a_ptr + rm[:, None] * K + (c * BK + rk)[None, :],
+                                                   mask=(rm < rows)[:, None])
+            async_copy.commit_group()
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        acc0 = gl.zeros([BN, BM], gl.float32, mma)
+        acc1 = gl.zeros([BN, BM], gl.float32, mma)
+        acc2 = gl.zeros([BN, BM], gl.float32, mma)
+        acc3 = gl.zeros([BN, BM], gl.float32, mma)
+        mbarrier.wait(w_ready, 0)
+        for kb in gl.static_range(NKB):
+            async_copy.wait_group(NKB - 1 - kb)
+            gl.thread_barrier()  # every lane's copies of the chunk have landed
+            acc0, acc1, acc2, acc3 = multiply_box(wbuf.index(kb), a_smem.slice(kb * BK, BK, dim=1), acc0, acc1,
+                                                  acc2, acc3, a_layout, b_layout, BK, 4)
+        acc = (acc0 + acc1) + (acc2 + acc3)
+        rn = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        gl.store(po_ptr + rr[None, :] * stride_po + rn[:, None], acc, mask=(rr < rows)[None, :])
+
+
+@gluon.jit
+def decode_attention_o_kernel(k_desc, v_desc, wo_desc, q_ptr, o_ptr, po_ptr, bar_ptr, block_tables_ptr,
+                              context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row,
+                              stride_o_head, stride_po, stride_bt, qk_scale, kv_heads, rows, a_layout: gl.constexpr,
+                              PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, USE_PDL: gl.constexpr, TILES: gl.constexpr, K: gl.constexpr,
+                              BM: gl.constexpr):
+    kring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    vring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    wbuf = gl.allocate_shared_memory(wo_desc.dtype, [K // O_BLOCK_K, O_BLOCK_N, O_BLOCK_K], wo_desc.layout)
+    a_smem = gl.allocate_shared_memory(wo_desc.dtype, [BM, K], a_layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(w_ready, count=1)
+    mbarrier.init(a_go, count=1)
+    gl.warp_specialize([
+        (_attend_then_arrive, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
+                               context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row,
+                               stride_o_head, stride_bt, qk_scale, kv_heads, bar_ptr, a_go, PAGE, HEAD_DIM, BLOCK_N,
+                               STAGES, USE_PDL)),
+        (_loader, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
+                   query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_bt, qk_scale,
+                   kv_heads, bar_ptr, a_go, PAGE, HEAD_DIM, BLOCK_N, STAGES, USE_PDL)),
+        (_o_project, (wo_desc, wbuf, w_ready, a_smem, a_go, o_ptr, po_ptr, rows, stride_po, TILES, K, BM)),
+    ], [1, 1], [48, 152])
+
+
+def smem_layouts(rows_block: int, k: int):
+    """The o weight boxes' shared-memory layout (their TMA descriptor's) and the staged attention rows'."""
+    return (gl.NVMMASharedLayout.get_default_for([O_BLOCK_N.value, O_BLOCK_K.value], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([rows_block, k], gl.bfloat16))
+
+
+def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
+                              scale: float, config: DecodeConfig, wo: torch.Tensor,
+                              barrier: torch.Tensor) -> torch.Tensor:
+    """gluon_attention.launch_decode_attention followed by o_proj: returns the float32 partial [1, rows, hidden]
+    of attention(q) @ wo.T (one split: triton_gemm.add_rms_norm2_partials reduces it). The caller checked
+    attention_dispatch.o_fold_applies; `barrier`: two int32 zeros on q's device, kept for later launches."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, heads, d = q.shape
+    seqs = context_lens.shape[0]
+    hidden, K = wo.shape
+    out = torch.empty_like(q)
+    partials = torch.empty((1, rows, hidden), dtype=torch.float32, device=q.device)
+    w_layout, a_layout = smem_layouts(O_ROWS, K)
+    wo_desc = TensorDescriptor.from_tensor(wo, [O_BLOCK_N.value, O_BLOCK_K.value], w_layout)
+    decode_attention_o_kernel[(seqs, heads, 1)](
+        _descriptor(k_plane), _descriptor(v_plane), wo_desc, q, out, partials, barrier, block_tables, context_lens,
+        query_start, q.stride(0), q.stride(1), out.stride(0), out.stride(1), partials.stride(1),
+        block_tables.stride(0), scale * 1.4426950408889634, heads, rows, a_layout=a_layout,
+        PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
+        TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS, num_warps=4, **_pdl_kwargs(q.device, config))
+    return partials
+

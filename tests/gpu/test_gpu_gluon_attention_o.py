@@ -1,0 +1,148 @@
+"""The decode kernel with o_proj folded into its tail (engine/gluon_attention_o.py) against float64 references.
+
+CUDA on Hopper only; tests/engine/test_gluon_attention_o_compile.py compiles it for sm90 without a GPU. The
+reference is the float64 paged attention (test_gpu_attention_kernels.Case) times the weights in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention_dispatch import DecodeConfig, o_fold_applies
+from ourobatch import EngineConfig, SamplingParams, SyncEngine
+from ourobatch.testing import make_tiny_checkpoint
+
+from .test_gpu_attention_kernels import Case, capture
+from .test_gpu_gluon_attention import _hopper
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
+              pytest.mark.timeout(300)]
+
+
+def _weights(hidden: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(hidden, k, generator=g) / k**0.5).to(dtype).cuda()
+
+
+def _fold(case: Case, wo: torch.Tensor, barrier: torch.Tensor, config: DecodeConfig) -> torch.Tensor:
+    from engine.gluon_attention_o import launch_decode_attention_o
+
+    tables, ctx, starts, max_rows, scale = case.args
+    return launch_decode_attention_o(case.q, case.k, case.v, tables, ctx, starts, scale, config, wo, barrier)
+
+
+def _check(case: Case, wo: torch.Tensor, partials: torch.Tensor, ref_attention: torch.Tensor | None = None) -> None:
+    ref_attention = case.ref if ref_attention is None else ref_attention
+    ref = ref_attention.reshape(ref_attention.shape[0], -1) @ wo.double().cpu().T
+    assert partials.shape == (1, *ref.shape) and partials.dtype == torch.float32
+    out = partials[0].cpu().double()
+    assert torch.isfinite(out).all()
+    err = float((out - ref).norm() / ref.norm())
+    assert err < 1.5e-2, err  # the attention rows are rounded to 16 bits before the GEMM, as in the engine
+
+
+SHAPES = [(16, 128, 2048), (2, 128, 256), (4, 64, 512), (8, 64, 1024)]  # heads, head_dim, hidden
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,d,hidden", SHAPES)
+@pytest.mark.parametrize("config", [DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 4, early=False)],
+                         ids=lambda c: f"n{c.block_n}s{c.stages}{'' if c.early else 'late'}")
+def test_fold_matches_reference(dtype, heads, d, hidden, config):
+    ctx = [1, 15, 16, 17, 33, 100, 640, 1000]
+    assert o_fold_applies(config, 8, 8, heads, d, hidden, torch.cuda.get_device_properties(0).multi_processor_count)
+    case = Case(ctx, [1] * 8, heads, heads, d, dtype, seed=heads * d + hidden)
+    wo = _weights(hidden, heads * d, dtype, seed=hidden)
+    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    _check(case, wo, _fold(case, wo, barrier, config))
+    assert barrier[0].item() == 0 and barrier[1].item() == 1  # reset by the last CTA; one generation
+
+
+def test_rows_of_requests_without_a_row():
+    # a bucket's padding: 8 requests, two of them without a new row (6 query rows)
+    rows = [1, 0, 1, 1, 0, 1, 1, 1]
+    case = Case([50, 70, 90, 3, 5, 700, 16, 17], rows, 16, 16, 128, torch.bfloat16, seed=5)
+    wo = _weights(2048, 2048, torch.bfloat16, seed=6)
+    _check(case, wo, _fold(case, wo, torch.zeros(2, dtype=torch.int32, device="cuda"), DecodeConfig()))
+
+
+def test_barrier_serves_many_launches_eager_and_graphed():
+    # the counters persist across launches (eager ones and a CUDA graph's replays, with fresh queries each
+    # time): every launch must pass the barrier, read every CTA's rows and leave the count at zero
+    case = Case([300, 20, 129, 7, 64, 65, 1, 500], [1] * 8, 16, 16, 128, torch.bfloat16, seed=7)
+    wo = _weights(2048, 2048, torch.bfloat16, seed=8)
+    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for _ in range(50):
+        out = _fold(case, wo, barrier, DecodeConfig())
+    _check(case, wo, out)
+    graph, out = capture(lambda: _fold(case, wo, barrier, DecodeConfig()))
+    g = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        fresh = torch.randn(case.q.shape, generator=g).to(case.q.dtype)
+        case.q.copy_(fresh.cuda())
+        case.q_ref = fresh.double()
+        graph.replay()
+        _check(case, wo, out, case.reference([300, 20, 129, 7, 64, 65, 1, 500]))
+    torch.cuda.synchronize()
+    assert barrier[0].item() == 0 and barrier[1].item() == 50 + 1 + 20  # capture() runs the step once first
+
+
+def test_dispatch_folds_only_where_it_applies(monkeypatch):
+    from engine import triton_attention
+
+    monkeypatch.setenv(triton_attention.DECODE_ENV, "gluon")
+    monkeypatch.setattr(triton_attention, "_GLUON", {})
+    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    wo = _weights(2048, 2048, torch.bfloat16, seed=10)
+    eight = Case([40] * 8, [1] * 8, 16, 16, 128, torch.bfloat16, seed=11)
+    out = triton_attention.decode_attention_o(eight.q, eight.k, eight.v, *eight.args[:3], 1, eight.scale, None, wo,
+                                              barrier)
+    _check(eight, wo, out)
+    four = Case([40] * 4, [1] * 4, 16, 16, 128, torch.bfloat16, seed=12)  # 64 CTAs for 128 output tiles
+    assert triton_attention.decode_attention_o(four.q, four.k, four.v, *four.args[:3], 1, four.scale, None, wo,
+                                               barrier) is None
+    monkeypatch.setenv(triton_attention.FOLD_ENV, "0")
+    monkeypatch.setattr(triton_attention, "_GLUON", {})
+    assert triton_attention.decode_attention_o(eight.q, eight.k, eight.v, *eight.args[:3], 1, eight.scale, None, wo,
+                                               barrier) is None
+    monkeypatch.setenv(triton_attention.FOLD_ENV, "yes")
+    monkeypatch.setattr(triton_attention, "_GLUON", {})
+    with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_O must be 0 or 1"):
+        triton_attention.gluon_decode(eight.q.device)
+
+
+@pytest.fixture(scope="module")
+def fold_ckpt(tmp_path_factory):
+    # 2 heads of 128 and hidden 256: 16 output tiles, so a decode call of 8 requests (16 CTAs) folds o_proj
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fold") / "m", seed=4, eos_token_id=None, hidden_size=256,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+                                vocab_size=97)
+
+
+def test_engine_with_the_fold_agrees_with_the_engine_without(fold_ckpt, monkeypatch):
+    from engine import gluon_attention_o, triton_attention
+
+    prompts = [[1 + i, 2 + i, 3] for i in range(8)]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
+    outs, launches = {}, []
+    real = gluon_attention_o.launch_decode_attention_o
+    monkeypatch.setattr(gluon_attention_o, "launch_decode_attention_o",
+                        lambda *a, **k: launches.append(1) or real(*a, **k))
+    for fold in ("1", "0"):
+        monkeypatch.setenv(triton_attention.FOLD_ENV, fold)
+        monkeypatch.setattr(triton_attention, "_GLUON", {})
+        cfg = EngineConfig(model=str(fold_ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
+        with SyncEngine(cfg) as llm:
+            outs[fold] = llm.generate_batch(prompts, params)
+        if fold == "1":
+            assert launches, "the folded kernel served the decode calls"
+            seen = len(launches)
+    assert len(launches) == seen  # none with the fold off
+    agree = 0
+    for a, b in zip(outs["1"], outs["0"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        agree += ta[:4] == tb[:4]
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        assert a.outputs[0].logprobs[:n] == pytest.approx(b.outputs[0].logprobs[:n], abs=0.05)
+    assert agree >= 6  # bf16 may flip a near-tie of a draw
