@@ -137,8 +137,8 @@ def decode_config(seqs: int, kv_heads: int, num_sms: int, base: DecodeConfig = D
     return replace(base, splits=max(1, min(MAX_DECODE_SPLITS, splits)))
 
 
-# o_proj folded into the decode kernel's tail (gluon_attention_o.py): output tiles of O_BLOCK_N columns, weight
-# boxes of O_BLOCK_K, the attention rows staged for the MMA as an O_ROWS-row operand.
+# o_proj and its add + norm folded into the decode kernel's tail (gluon_attention_o.py): output tiles of O_BLOCK_N
+# columns, weight boxes of O_BLOCK_K, the attention rows staged for the MMA as an O_ROWS-row operand.
 O_BLOCK_N, O_BLOCK_K, O_ROWS = 16, 256, 8
 HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
 
@@ -146,16 +146,17 @@ HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (
 def o_fold_applies(config: DecodeConfig | None, seqs: int, rows: int, heads: int, head_dim: int, hidden: int,
                    num_sms: int, elem_bytes: int = 2) -> bool:
     """Whether the decode launch `config` of `seqs` requests (`rows` query rows) can fold o_proj (hidden x
-    heads * head_dim) into its tail: one CTA per (request, head) and no key shares; no more CTAs than SMs (its
-    grid barrier needs every CTA resident at once) and at least one per output tile; at most O_ROWS rows; K a
-    whole number of weight boxes; the ring, the weight tile and the staged rows within one CTA's shared memory."""
+    heads * head_dim) and the add + norm after it into its tail: one CTA per (request, head) and no key shares;
+    no more CTAs than SMs (its grid barrier needs every CTA resident at once) and at least one per output tile
+    and per row; at most O_ROWS rows; K a whole number of weight boxes; the ring, the weight tile and the staged
+    rows within one CTA's shared memory."""
     if config is None or config.splits != 1 or config.ctas_per_sm or rows > O_ROWS or rows < 1:
         return False
     K, ctas = heads * head_dim, seqs * heads
     ring = 2 * config.stages * config.block_n * head_dim * elem_bytes
     smem = ring + (O_BLOCK_N + O_ROWS) * K * elem_bytes + 1024
-    return (hidden % O_BLOCK_N == 0 and K % O_BLOCK_K == 0 and hidden // O_BLOCK_N <= ctas <= num_sms
-            and smem <= HOPPER_SMEM_PER_CTA)
+    return (hidden % O_BLOCK_N == 0 and hidden >= 128 and K % O_BLOCK_K == 0
+            and max(hidden // O_BLOCK_N, rows) <= ctas <= num_sms and smem <= HOPPER_SMEM_PER_CTA)
 
 
 def parse_ring(text: str) -> DecodeConfig:

@@ -1,26 +1,27 @@
-"""Decode attention with o_proj folded into its tail: one Gluon launch instead of the attention kernel and the
-o_proj GEMM kernel (Hopper, few requests).
+"""Decode attention with o_proj and the add + norm + norm after it folded into its tail: one Gluon launch instead
+of the attention kernel, the o_proj GEMM kernel and the add + norm kernel (Hopper, few requests).
 
-At N = 8 the decode step runs 7 kernels per layer and loop, each ~3 us above its bytes (first loads, last
-wave, the wait for the kernel before; docs/benchmarks.md, sessions 9-15). o_proj is the cheapest of them in
-bytes (2048 x 2048 weights: 8 MB, 1.95 us at copy bandwidth) and pays the whole boundary. Here the decode
-kernel of gluon_attention.py (one CTA per (request, kv head): 128 CTAs at N = 8, 16 heads) gains a third
-partition, one warp that owns one 16-column tile of o_proj's output:
+At N = 8 the decode step ran 7 kernels per layer and loop, each ~3 us above its bytes (first loads, last wave,
+the wait for the kernel before; docs/benchmarks.md, sessions 9-15). o_proj is the cheapest of them in bytes
+(2048 x 2048 weights: 8 MB, 1.95 us at copy bandwidth), the add + norm has none, and each paid a whole
+boundary. Here the decode kernel of gluon_attention.py (one CTA per (request, kv head): 128 CTAs at N = 8,
+16 heads) gains a third partition, one warp that owns one 16-column tile of o_proj's output:
 
-- at launch it TMA-loads its tile's weights (16 rows x K, 64 KB at K = 2048) into shared memory: weights are
-  no kernel's output, so this needs no wait and streams beside the keys and values;
-- the attention partition writes its output row, then arrives at a grid barrier (an arrival count and a
-  generation in global memory, reset by the last CTA to arrive, so every launch finds them as the last left
-  them); once every CTA has arrived it signals the o warp;
-- the o warp copies the attention output of every row (rows x K, 32 KB) into shared memory and multiplies
-  it with its tile (mma.sync, the weight rows as the MMA's M, four independent accumulator chains), writing
-  the float32 result as a one-split partial that triton_gemm.add_rms_norm2_partials reduces, as it does
-  linear_partials' output.
+- at launch the o warp TMA-loads its tile's weights (16 rows x K, 64 KB at K = 2048) into shared memory:
+  weights are no kernel's output, so this needs no wait and streams beside the keys and values;
+- the attention partition (4 warps) writes its output row, then arrives at a grid barrier (an arrival count
+  and a generation in global memory; the last CTA to arrive resets the count and bumps the generation, so
+  every launch finds them as the last one left them). Past it, it copies every row of the attention output
+  (rows x K, 32 KB) into shared memory, signalling each 256-column chunk as it lands;
+- the o warp multiplies each chunk with its weights as it comes (mma.sync, the weight rows as the MMA's M,
+  four independent accumulator chains) and writes its float32 tile of o;
+- a second pass of the barrier, and CTA r (r < rows) runs triton_fused.add_norm2_store's math on row r:
+  h + rms(o) w_branch, then its rms times w_next (the same roundings as the add + norm kernel).
 
-A grid barrier needs every CTA resident at once: `o_fold_applies` allows it only where the grid has at most
-one CTA per SM (the ring, tile and staged rows take ~190 KB of shared memory, so one CTA fills an SM) and
-at least one CTA per output tile. The barrier's two counters belong to the model (OuroForCausalLM.o_barrier),
-one pair per engine, since launches on one stream never overlap.
+A grid barrier needs every CTA resident at once: attention_dispatch.o_fold_applies allows it only where
+the grid has no more CTAs than SMs and at least one CTA per output tile and per row. The barrier's two
+counters belong to the model (OuroForCausalLM.o_barrier), one pair per engine, since launches on one stream
+never overlap.
 """
 
 from __future__ import annotations
@@ -82,32 +83,83 @@ def _grid_barrier(bar_ptr, programs):
 
 
 @gluon.jit
-def _attend_then_arrive(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
-                        context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head,
-                        stride_bt, qk_scale, kv_heads, bar_ptr, a_go, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+def _stage_rows(a_ptr, a_smem, a_ready, rows, K: gl.constexpr, BM: gl.constexpr):
+    # the attention output's rows (contiguous: K a row) into shared memory by the 4 warps, every 256-column
+    # chunk's copies in flight at once (cp.async, a commit group each), each chunk signalled as it lands
+    BK: gl.constexpr = O_BLOCK_K
+    NKB: gl.constexpr = K // BK
+    stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, stage))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, stage))
+    for c in gl.static_range(NKB):
+        async_copy.async_copy_global_to_shared(a_smem.slice(c * BK, BK, dim=1),
+                                               a_ptr + rm[:, None] * K + (c * BK + rk)[None, :],
+                                               mask=(rm < rows)[:, None])
+        async_copy.commit_group()
+    for c in gl.static_range(NKB):
+        async_copy.wait_group(NKB - 1 - c)
+        gl.thread_barrier()
+        mbarrier.arrive(a_ready.index(c), count=1)
+
+
+@gluon.jit
+def _add_norm_row(po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, row, eps, HIDDEN: gl.constexpr,
+                  BLOCK_H: gl.constexpr):
+    # triton_fused.add_norm2_store on one row, the same roundings: h + rms(y) wa -> h_out, rms(h_out) wb -> x_out
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_H // 128], [32], [4], [0])
+    cols = gl.arange(0, BLOCK_H, layout=layout)
+    mask = cols < HIDDEN
+    base = row.to(gl.int64) * HIDDEN
+    h = gl.load(h_ptr + base + cols, mask=mask, other=0.0)
+    y = gl.load(po_ptr + base + cols, mask=mask, other=0.0).to(h.dtype).to(gl.float32)  # o in the model dtype
+    ynorm = y * gl.rsqrt(gl.sum(y * y, axis=0) / HIDDEN + eps)
+    wa = gl.load(wa_ptr + cols, mask=mask, other=0.0)
+    branch = (ynorm.to(wa.dtype) * wa).to(gl.float32)
+    h_new = (h.to(gl.float32) + branch).to(h.dtype)
+    gl.store(h_out_ptr + base + cols, h_new, mask=mask)
+    hf = h_new.to(gl.float32)
+    hnorm = hf * gl.rsqrt(gl.sum(hf * hf, axis=0) / HIDDEN + eps)
+    wb = gl.load(wb_ptr + cols, mask=mask, other=0.0)
+    gl.store(x_out_ptr + base + cols, hnorm.to(wb.dtype) * wb, mask=mask)
+
+
+@gluon.jit
+def _attend_stage_norm(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
+                       context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_head, stride_bt,
+                       qk_scale, kv_heads, bar_ptr, a_smem, a_ready, o_done, po_ptr, h_ptr, wa_ptr, wb_ptr,
+                       h_out_ptr, x_out_ptr, rows, eps, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, TILES: gl.constexpr,
+                       K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr):
+    # the default partition: attention for its (request, head); once every CTA's row is written, the rows for
+    # the o warp; once every o tile is written, the add + norm + norm of row `cta` (CTAs below `rows`)
     _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
-            query_start_ptr, stride_q_row, stride_q_head, 0, stride_o_row, stride_o_head, 0, 0, stride_bt, qk_scale,
+            query_start_ptr, stride_q_row, stride_q_head, 0, K, stride_o_head, 0, 0, stride_bt, qk_scale,
             kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
-    _grid_barrier(bar_ptr, gl.num_programs(0) * gl.num_programs(1))
-    mbarrier.arrive(a_go, count=1)  # every row of the attention output is written
+    cta = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+    programs = gl.num_programs(0) * gl.num_programs(1)
+    _grid_barrier(bar_ptr, programs)
+    if cta < TILES:
+        _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM)
+    mbarrier.wait(o_done, 0)
+    _grid_barrier(bar_ptr, programs)  # the counters are reused: the first barrier's last CTA reset the count
+    if cta < rows:
+        _add_norm_row(po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, cta, eps, TILES * O_BLOCK_N, BLOCK_H)
 
 
 @gluon.jit
 def _loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
-            query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_bt, qk_scale, kv_heads,
-            bar_ptr, a_go, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+            query_start_ptr, stride_q_row, stride_q_head, stride_o_head, stride_bt, qk_scale, kv_heads,
+            PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            USE_PDL: gl.constexpr, K: gl.constexpr):
     _kv_loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
-               query_start_ptr, stride_q_row, stride_q_head, 0, stride_o_row, stride_o_head, 0, 0, stride_bt,
+               query_start_ptr, stride_q_row, stride_q_head, 0, K, stride_o_head, 0, 0, stride_bt,
                qk_scale, kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
 
 
 @gluon.jit
-def _o_project(wo_desc, wbuf, w_ready, a_smem, a_go, a_ptr, po_ptr, rows, stride_po, TILES: gl.constexpr,
-               K: gl.constexpr, BM: gl.constexpr):
-    # the CTA's tile of o = a @ wo.T: its weights at once, the attention rows (contiguous: K a row) once the
-    # grid barrier passed
+def _o_project(wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, po_ptr, rows, TILES: gl.constexpr, K: gl.constexpr,
+               BM: gl.constexpr):
+    # the CTA's tile of o = a @ wo.T: its weights at launch, each chunk of the rows as it lands; then o_done
     tile = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
     if tile < TILES:
         BN: gl.constexpr = O_BLOCK_N
@@ -116,15 +168,6 @@ def _o_project(wo_desc, wbuf, w_ready, a_smem, a_go, a_ptr, po_ptr, rows, stride
         mbarrier.expect(w_ready, NKB * wo_desc.block_type.nbytes)
         for kb in gl.static_range(NKB):
             tma.async_copy_global_to_shared(wo_desc, [tile * BN, kb * BK], w_ready, wbuf.index(kb))
-        mbarrier.wait(a_go, 0)
-        stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, 1], [1, 0])
-        rm = gl.arange(0, BM, layout=gl.SliceLayout(1, stage))
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(0, stage))
-        for c in gl.static_range(NKB):  # every chunk's copies in flight at once, one commit group each
-            async_copy.async_copy_global_to_shared(a_smem.slice(c * BK, BK, dim=1),
-                                                   a_ptr + rm[:, None] * K + (c * BK + rk)[None, :],
-                                                   mask=(rm < rows)[:, None])
-            async_copy.commit_group()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -134,45 +177,49 @@ def _o_project(wo_desc, wbuf, w_ready, a_smem, a_go, a_ptr, po_ptr, rows, stride
         acc3 = gl.zeros([BN, BM], gl.float32, mma)
         mbarrier.wait(w_ready, 0)
         for kb in gl.static_range(NKB):
-            async_copy.wait_group(NKB - 1 - kb)
-            gl.thread_barrier()  # every lane's copies of the chunk have landed
+            mbarrier.wait(a_ready.index(kb), 0)
             acc0, acc1, acc2, acc3 = multiply_box(wbuf.index(kb), a_smem.slice(kb * BK, BK, dim=1), acc0, acc1,
                                                   acc2, acc3, a_layout, b_layout, BK, 4)
         acc = (acc0 + acc1) + (acc2 + acc3)
         rn = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-        gl.store(po_ptr + rr[None, :] * stride_po + rn[:, None], acc, mask=(rr < rows)[None, :])
+        gl.store(po_ptr + rr[None, :] * (TILES * BN) + rn[:, None], acc, mask=(rr < rows)[None, :])
+    mbarrier.arrive(o_done, count=1)
 
 
 @gluon.jit
 def decode_attention_o_kernel(k_desc, v_desc, wo_desc, q_ptr, o_ptr, po_ptr, bar_ptr, block_tables_ptr,
-                              context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row,
-                              stride_o_head, stride_po, stride_bt, qk_scale, kv_heads, rows, a_layout: gl.constexpr,
-                              PAGE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                              STAGES: gl.constexpr, USE_PDL: gl.constexpr, TILES: gl.constexpr, K: gl.constexpr,
-                              BM: gl.constexpr):
+                              context_lens_ptr, query_start_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr,
+                              stride_q_row, stride_q_head, stride_o_head, stride_bt, qk_scale, kv_heads, rows, eps,
+                              a_layout: gl.constexpr, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+                              TILES: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr):
     kring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     vring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     wbuf = gl.allocate_shared_memory(wo_desc.dtype, [K // O_BLOCK_K, O_BLOCK_N, O_BLOCK_K], wo_desc.layout)
     a_smem = gl.allocate_shared_memory(wo_desc.dtype, [BM, K], a_layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [K // O_BLOCK_K, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    a_go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    o_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    for c in gl.static_range(K // O_BLOCK_K):
+        mbarrier.init(a_ready.index(c), count=1)
     mbarrier.init(w_ready, count=1)
-    mbarrier.init(a_go, count=1)
+    mbarrier.init(o_done, count=1)
     gl.warp_specialize([
-        (_attend_then_arrive, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
-                               context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_row,
-                               stride_o_head, stride_bt, qk_scale, kv_heads, bar_ptr, a_go, PAGE, HEAD_DIM, BLOCK_N,
-                               STAGES, USE_PDL)),
+        (_attend_stage_norm, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr,
+                              context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_head,
+                              stride_bt, qk_scale, kv_heads, bar_ptr, a_smem, a_ready, o_done, po_ptr, h_ptr, wa_ptr,
+                              wb_ptr, h_out_ptr, x_out_ptr, rows, eps, PAGE, HEAD_DIM, BLOCK_N, STAGES, USE_PDL,
+                              TILES, K, BM, BLOCK_H)),
         (_loader, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
-                   query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_bt, qk_scale,
-                   kv_heads, bar_ptr, a_go, PAGE, HEAD_DIM, BLOCK_N, STAGES, USE_PDL)),
-        (_o_project, (wo_desc, wbuf, w_ready, a_smem, a_go, o_ptr, po_ptr, rows, stride_po, TILES, K, BM)),
+                   query_start_ptr, stride_q_row, stride_q_head, stride_o_head, stride_bt, qk_scale, kv_heads, PAGE,
+                   HEAD_DIM, BLOCK_N, STAGES, USE_PDL, K)),
+        (_o_project, (wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, po_ptr, rows, TILES, K, BM)),
     ], [1, 1], [48, 152])
 
 
@@ -184,25 +231,28 @@ def smem_layouts(rows_block: int, k: int):
 
 def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                              scale: float, config: DecodeConfig, wo: torch.Tensor,
-                              barrier: torch.Tensor) -> torch.Tensor:
-    """gluon_attention.launch_decode_attention followed by o_proj: returns the float32 partial [1, rows, hidden]
-    of attention(q) @ wo.T (one split: triton_gemm.add_rms_norm2_partials reduces it). The caller checked
-    attention_dispatch.o_fold_applies; `barrier`: two int32 zeros on q's device, kept for later launches."""
+                              scale: float, config: DecodeConfig, wo: torch.Tensor, barrier: torch.Tensor,
+                              h: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """gluon_attention.launch_decode_attention, o_proj and triton_gemm.add_rms_norm2_partials in one launch:
+    with o = attention(q) @ wo.T, returns h + rms(o) w_branch and its rms times w_next ([rows, hidden] each).
+    The caller checked attention_dispatch.o_fold_applies; `barrier`: two int32 zeros on q's device, kept for
+    later launches; h contiguous."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, heads, d = q.shape
     seqs = context_lens.shape[0]
     hidden, K = wo.shape
     out = torch.empty_like(q)
-    partials = torch.empty((1, rows, hidden), dtype=torch.float32, device=q.device)
+    partials = torch.empty((rows, hidden), dtype=torch.float32, device=q.device)
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     w_layout, a_layout = smem_layouts(O_ROWS, K)
     wo_desc = TensorDescriptor.from_tensor(wo, [O_BLOCK_N.value, O_BLOCK_K.value], w_layout)
     decode_attention_o_kernel[(seqs, heads, 1)](
         _descriptor(k_plane), _descriptor(v_plane), wo_desc, q, out, partials, barrier, block_tables, context_lens,
-        query_start, q.stride(0), q.stride(1), out.stride(0), out.stride(1), partials.stride(1),
-        block_tables.stride(0), scale * 1.4426950408889634, heads, rows, a_layout=a_layout,
+        query_start, h, w_branch, w_next, h_out, x_out, q.stride(0), q.stride(1), out.stride(1),
+        block_tables.stride(0), scale * 1.4426950408889634, heads, rows, eps, a_layout=a_layout,
         PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
-        TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS, num_warps=4, **_pdl_kwargs(q.device, config))
-    return partials
-
+        TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS, BLOCK_H=max(128, 1 << (hidden - 1).bit_length()),
+        num_warps=4, **_pdl_kwargs(q.device, config))
+    return h_out, x_out

@@ -86,8 +86,8 @@ def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
 
 
 def folds_o(s: KernelShapes, seqs: int, config, device: torch.device) -> bool:
-    """Whether the engine's decode calls of `seqs` requests run o_proj inside the Gluon decode kernel
-    (model._attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
+    """Whether the engine's decode calls of `seqs` requests run o_proj and its add + norm inside the Gluon decode
+    kernel (model._attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
     from .attention_dispatch import o_fold_applies
     from .triton_attention import fold_o_enabled
 
@@ -97,7 +97,7 @@ def folds_o(s: KernelShapes, seqs: int, config, device: torch.device) -> bool:
 
 
 def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
-    """The decode kernel with o_proj folded in, for `seqs` requests of one row at position 0."""
+    """The decode kernel with o_proj and its add + norm folded in, for `seqs` requests of one row at position 0."""
     from .gluon_attention_o import launch_decode_attention_o
     from .triton_attention import decode_launch
 
@@ -109,7 +109,10 @@ def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
     lens = torch.ones(seqs, dtype=torch.int32, device=device)
     starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
     barrier = torch.zeros(2, dtype=torch.int32, device=device)
-    launch_decode_attention_o(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config, wo, barrier)
+    h, w = torch.zeros(seqs, s.hidden_size, dtype=s.dtype, device=device), torch.ones(s.hidden_size, dtype=s.dtype,
+                                                                                         device=device)
+    launch_decode_attention_o(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config, wo, barrier, h, w, w,
+                              s.eps)
 
 
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:

@@ -329,17 +329,15 @@ class OuroForCausalLM(nn.Module):
 
     def _attention_add_norm(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
                             pool: KVPool, loop: int, gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused path's attention, o_proj and add + norm + norm: o_proj in the attention launch where the
-        Gluon decode kernel folds it (attention.attend_o), else attention, then o_proj with the add + norm."""
+        """The fused path's attention, o_proj and add + norm + norm: one launch where the Gluon decode kernel folds
+        o_proj and the add + norm into its tail (attention.attend_o), else attention, then o_proj with them."""
         attn, eps = layer.self_attn, self.config.rms_norm_eps
         w_branch, w_next = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
         if gemm is not None:
-            partials = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
-                                self.o_barrier)
-            if partials is not None:
-                from . import triton_gemm
-
-                return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
+            folded = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
+                              self.o_barrier, h, w_branch, w_next, eps)
+            if folded is not None:
+                return folded
         a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
         return _linear_add_norm(h, a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm, "o", w_branch, w_next, eps)
 

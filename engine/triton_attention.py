@@ -16,7 +16,7 @@ normalized partial output and its log-sum-exp (base 2) to float32 scratch; a spl
 writes (0, -inf). attention_combine.py's kernel then merges the S partials of every (row, head).
 Calls of one new row per request from few requests go to the Gluon decode kernel instead (gluon_attention.py,
 on Hopper; `decode_launch` says when), which writes the same partials when it splits. Where its grid allows,
-`decode_attention_o` runs o_proj in the same launch (gluon_attention_o.py).
+`decode_attention_o` runs o_proj and the add + norm after it in the same launch (gluon_attention_o.py).
 Imported lazily: the CPU path never needs Triton.
 """
 
@@ -207,7 +207,7 @@ DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves
 DECODE_DEFAULT = "gluon"
 RING_ENV = "OUROBATCH_DECODE_RING"  # the Gluon kernel's ring: BLOCK_NxSTAGES
 EARLY_ENV = "OUROBATCH_DECODE_EARLY"  # 0: its loader waits for the kernel before first (a measuring control)
-FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 1 | 0: o_proj folded into the Gluon decode kernel where it applies
+FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 1 | 0: o_proj + add + norm in the Gluon decode kernel where it applies
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
 _FOLD: dict[int, bool] = {}
@@ -253,11 +253,14 @@ def fold_o_enabled(device: torch.device) -> bool:
 
 def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, query_start: torch.Tensor, max_rows: int, scale: float,
-                       tiles: torch.Tensor | None, wo: torch.Tensor, barrier: torch.Tensor) -> torch.Tensor | None:
-    """triton_paged_attention(...) @ wo.T as a one-split float32 partial [1, rows, hidden] from one Gluon launch
-    (gluon_attention_o.py), or None where that launch does not serve the call (then the caller runs attention
-    and o_proj apart): the Gluon decode kernel's one-CTA-per-pair grid, attention_dispatch.o_fold_applies, and
-    OUROBATCH_DECODE_FOLD_O not 0. `barrier`: the model's two int32 grid-barrier counters on q's device."""
+                       tiles: torch.Tensor | None, wo: torch.Tensor, barrier: torch.Tensor, h: torch.Tensor,
+                       w_branch: torch.Tensor, w_next: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """With o = triton_paged_attention(...) @ wo.T: (h + rms(o) w_branch, its rms times w_next) from one Gluon
+    launch (gluon_attention_o.py), or None where that launch does not serve the call (then the caller runs
+    attention, o_proj and the add + norm apart): the Gluon decode kernel's one-CTA-per-pair grid,
+    attention_dispatch.o_fold_applies, and OUROBATCH_DECODE_FOLD_O not 0. `barrier`: the model's two int32
+    grid-barrier counters on q's device."""
     if max_rows != 1 or tiles is not None:
         return None
     seqs = context_lens.shape[0]
@@ -265,16 +268,17 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
     if decode is None or not fold_o_enabled(q.device):
         return None
     rows, heads, d = q.shape
-    if not (o_fold_applies(decode, seqs, rows, heads, d, wo.shape[0], num_sms(q.device)) and wo.dtype == q.dtype
-            and wo.is_contiguous() and wo.shape[1] == heads * d and wo.data_ptr() % 16 == 0
-            and barrier.device == q.device):
+    if not (o_fold_applies(decode, seqs, rows, heads, d, wo.shape[0], num_sms(q.device))
+            and wo.dtype == h.dtype == w_branch.dtype == w_next.dtype == q.dtype and wo.is_contiguous()
+            and wo.shape[1] == heads * d and wo.data_ptr() % 16 == 0 and h.is_contiguous()
+            and h.shape == (rows, wo.shape[0]) and barrier.device == q.device):
         return None
     from . import gluon_attention, gluon_attention_o
 
     if not gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
         return None
     return gluon_attention_o.launch_decode_attention_o(q, k_plane, v_plane, block_tables, context_lens, query_start,
-                                                       scale, decode, wo, barrier)
+                                                       scale, decode, wo, barrier, h, w_branch, w_next, eps)
 
 
 def _gluon_importable() -> bool:

@@ -1,7 +1,8 @@
-"""The decode kernel with o_proj folded into its tail (engine/gluon_attention_o.py) against float64 references.
+"""The decode kernel with o_proj and its add + norm folded in (engine/gluon_attention_o.py) against float64 references.
 
 CUDA on Hopper only; tests/engine/test_gluon_attention_o_compile.py compiles it for sm90 without a GPU. The
-reference is the float64 paged attention (test_gpu_attention_kernels.Case) times the weights in float64.
+reference is the float64 paged attention (test_gpu_attention_kernels.Case) times the weights, then the add + norm +
+norm, in float64.
 """
 
 from __future__ import annotations
@@ -25,21 +26,43 @@ def _weights(hidden: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor
     return (torch.randn(hidden, k, generator=g) / k**0.5).to(dtype).cuda()
 
 
-def _fold(case: Case, wo: torch.Tensor, barrier: torch.Tensor, config: DecodeConfig) -> torch.Tensor:
+EPS = 1e-6
+
+
+class Residual:
+    """The residual rows and the two norm weights of a fold's add + norm, on the GPU and in float64."""
+
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.h = torch.randn(rows, hidden, generator=g).to(dtype)
+        self.wa, self.wb = ((1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype) for _ in range(2))
+        self.dev = [t.cuda() for t in (self.h, self.wa, self.wb)]
+
+    def reference(self, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def rms(x):
+            return x / (x.pow(2).mean(-1, keepdim=True) + EPS).sqrt()
+
+        h_new = self.h.double() + rms(o) * self.wa.double()
+        return h_new, rms(h_new) * self.wb.double()
+
+
+def _fold(case: Case, wo: torch.Tensor, barrier: torch.Tensor, config: DecodeConfig, res: Residual):
     from engine.gluon_attention_o import launch_decode_attention_o
 
     tables, ctx, starts, max_rows, scale = case.args
-    return launch_decode_attention_o(case.q, case.k, case.v, tables, ctx, starts, scale, config, wo, barrier)
+    return launch_decode_attention_o(case.q, case.k, case.v, tables, ctx, starts, scale, config, wo, barrier,
+                                     *res.dev, EPS)
 
 
-def _check(case: Case, wo: torch.Tensor, partials: torch.Tensor, ref_attention: torch.Tensor | None = None) -> None:
+def _check(case: Case, wo: torch.Tensor, res: Residual, got, ref_attention: torch.Tensor | None = None) -> None:
     ref_attention = case.ref if ref_attention is None else ref_attention
-    ref = ref_attention.reshape(ref_attention.shape[0], -1) @ wo.double().cpu().T
-    assert partials.shape == (1, *ref.shape) and partials.dtype == torch.float32
-    out = partials[0].cpu().double()
-    assert torch.isfinite(out).all()
-    err = float((out - ref).norm() / ref.norm())
-    assert err < 1.5e-2, err  # the attention rows are rounded to 16 bits before the GEMM, as in the engine
+    o = ref_attention.reshape(ref_attention.shape[0], -1) @ wo.double().cpu().T
+    for out, ref in zip(got, res.reference(o)):
+        assert out.shape == ref.shape and out.dtype == case.dtype
+        out = out.cpu().double()
+        assert torch.isfinite(out).all()
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 1.5e-2, err  # 16-bit attention rows, o and h, as in the engine
 
 
 SHAPES = [(16, 128, 2048), (2, 128, 256), (4, 64, 512), (8, 64, 1024)]  # heads, head_dim, hidden
@@ -54,9 +77,10 @@ def test_fold_matches_reference(dtype, heads, d, hidden, config):
     assert o_fold_applies(config, 8, 8, heads, d, hidden, torch.cuda.get_device_properties(0).multi_processor_count)
     case = Case(ctx, [1] * 8, heads, heads, d, dtype, seed=heads * d + hidden)
     wo = _weights(hidden, heads * d, dtype, seed=hidden)
+    res = Residual(8, hidden, dtype, seed=d)
     barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
-    _check(case, wo, _fold(case, wo, barrier, config))
-    assert barrier[0].item() == 0 and barrier[1].item() == 1  # reset by the last CTA; one generation
+    _check(case, wo, res, _fold(case, wo, barrier, config, res))
+    assert barrier[0].item() == 0 and barrier[1].item() == 2  # reset by the last CTA; two passes a launch
 
 
 def test_rows_of_requests_without_a_row():
@@ -64,7 +88,8 @@ def test_rows_of_requests_without_a_row():
     rows = [1, 0, 1, 1, 0, 1, 1, 1]
     case = Case([50, 70, 90, 3, 5, 700, 16, 17], rows, 16, 16, 128, torch.bfloat16, seed=5)
     wo = _weights(2048, 2048, torch.bfloat16, seed=6)
-    _check(case, wo, _fold(case, wo, torch.zeros(2, dtype=torch.int32, device="cuda"), DecodeConfig()))
+    res = Residual(6, 2048, torch.bfloat16, seed=6)
+    _check(case, wo, res, _fold(case, wo, torch.zeros(2, dtype=torch.int32, device="cuda"), DecodeConfig(), res))
 
 
 def test_barrier_serves_many_launches_eager_and_graphed():
@@ -72,20 +97,21 @@ def test_barrier_serves_many_launches_eager_and_graphed():
     # time): every launch must pass the barrier, read every CTA's rows and leave the count at zero
     case = Case([300, 20, 129, 7, 64, 65, 1, 500], [1] * 8, 16, 16, 128, torch.bfloat16, seed=7)
     wo = _weights(2048, 2048, torch.bfloat16, seed=8)
+    res = Residual(8, 2048, torch.bfloat16, seed=8)
     barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
     for _ in range(50):
-        out = _fold(case, wo, barrier, DecodeConfig())
-    _check(case, wo, out)
-    graph, out = capture(lambda: _fold(case, wo, barrier, DecodeConfig()))
+        out = _fold(case, wo, barrier, DecodeConfig(), res)
+    _check(case, wo, res, out)
+    graph, out = capture(lambda: _fold(case, wo, barrier, DecodeConfig(), res))
     g = torch.Generator().manual_seed(9)
     for _ in range(20):
         fresh = torch.randn(case.q.shape, generator=g).to(case.q.dtype)
         case.q.copy_(fresh.cuda())
         case.q_ref = fresh.double()
         graph.replay()
-        _check(case, wo, out, case.reference([300, 20, 129, 7, 64, 65, 1, 500]))
+        _check(case, wo, res, out, case.reference([300, 20, 129, 7, 64, 65, 1, 500]))
     torch.cuda.synchronize()
-    assert barrier[0].item() == 0 and barrier[1].item() == 50 + 1 + 20  # capture() runs the step once first
+    assert barrier[0].item() == 0 and barrier[1].item() == 2 * (50 + 1 + 20)  # capture() runs the step once first
 
 
 def test_dispatch_folds_only_where_it_applies(monkeypatch):
@@ -96,16 +122,18 @@ def test_dispatch_folds_only_where_it_applies(monkeypatch):
     barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
     wo = _weights(2048, 2048, torch.bfloat16, seed=10)
     eight = Case([40] * 8, [1] * 8, 16, 16, 128, torch.bfloat16, seed=11)
-    out = triton_attention.decode_attention_o(eight.q, eight.k, eight.v, *eight.args[:3], 1, eight.scale, None, wo,
-                                              barrier)
-    _check(eight, wo, out)
+    res8, res4 = Residual(8, 2048, torch.bfloat16, seed=11), Residual(4, 2048, torch.bfloat16, seed=12)
+
+    def call(case, res):
+        return triton_attention.decode_attention_o(case.q, case.k, case.v, *case.args[:3], 1, case.scale, None, wo,
+                                                   barrier, *res.dev, EPS)
+
+    _check(eight, wo, res8, call(eight, res8))
     four = Case([40] * 4, [1] * 4, 16, 16, 128, torch.bfloat16, seed=12)  # 64 CTAs for 128 output tiles
-    assert triton_attention.decode_attention_o(four.q, four.k, four.v, *four.args[:3], 1, four.scale, None, wo,
-                                               barrier) is None
+    assert call(four, res4) is None
     monkeypatch.setenv(triton_attention.FOLD_ENV, "0")
     monkeypatch.setattr(triton_attention, "_GLUON", {})
-    assert triton_attention.decode_attention_o(eight.q, eight.k, eight.v, *eight.args[:3], 1, eight.scale, None, wo,
-                                               barrier) is None
+    assert call(eight, res8) is None
     monkeypatch.setenv(triton_attention.FOLD_ENV, "yes")
     monkeypatch.setattr(triton_attention, "_GLUON", {})
     with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_O must be 0 or 1"):
@@ -114,9 +142,10 @@ def test_dispatch_folds_only_where_it_applies(monkeypatch):
 
 @pytest.fixture(scope="module")
 def fold_ckpt(tmp_path_factory):
-    # 2 heads of 128 and hidden 256: 16 output tiles, so a decode call of 8 requests (16 CTAs) folds o_proj
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("fold") / "m", seed=4, eos_token_id=None, hidden_size=256,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+    # 8 heads of 128 and hidden 1024: 64 output tiles, so a decode call of 8 requests (64 CTAs, one key share
+    # each: 64 pairs leave no SMs idle enough to split) folds o_proj
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fold") / "m", seed=4, eos_token_id=None, hidden_size=1024,
+                                num_attention_heads=8, num_key_value_heads=8, head_dim=128, intermediate_size=2048,
                                 vocab_size=97)
 
 
