@@ -109,24 +109,25 @@ if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU
     done
   done
 fi
-if [ "$what" = fold_o ]; then  # o_proj folded into the Gluon decode kernel (engine/gluon_attention_o.py): its GPU
-  # tests and the warm-up's, then the decode harness with the fold off / on (OUROBATCH_DECODE_FOLD_O=0 / 1, each run
-  # its own process, FO_ROUNDS rounds, default 2; FO_SCENARIOS, default 8x512x256), then FO_PROFILE=1: the step
-  # profile's kernel counts with each
-  timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Gluon decode kernel
+  # (engine/gluon_attention_o.py): its GPU tests and FO_TESTS, then the decode harness with each FO_VARIANTS value of
+  # OUROBATCH_DECODE_FOLD_O (default "0 1 1:cta 2:cta"), each run its own process, FO_ROUNDS rounds (default 2),
+  # FO_SCENARIOS (default 8x512x256); FO_PROFILE=1: the step profile's kernel counts with the first and last variant
+  timeout -k 10 300 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
     tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   status=${PIPESTATUS[0]}
+  variants=${FO_VARIANTS:-0 1 1:cta 2:cta}
   for r in $(seq 1 "${FO_ROUNDS:-2}"); do
-    for f in 0 1; do
-      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/fo/fold${f}_r$r" \
-        --configs interval1 --scenarios "${FO_SCENARIOS:-8x512x256}" "$@" 2>&1 | tee "$OUT/fo_fold${f}_r$r.log" \
-        | grep '^|' | tail -3
+    for f in $variants; do
+      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/fo/fold${f/:/_}_r$r" \
+        --configs interval1 --scenarios "${FO_SCENARIOS:-8x512x256}" "$@" 2>&1 | tee "$OUT/fo_fold${f/:/_}_r$r.log" \
+        | grep '^|' | tail -1 | sed "s/^/fold $f: /"
     done
   done
   if [ "${FO_PROFILE:-0}" = 1 ]; then
-    for f in 0 1; do
-      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 200 python3 benchmarks/step_profile.py --out "$OUT/fo_profile$f" \
-        --ns 8 --configs interval1 2>&1 | tee "$OUT/fo_profile$f.log" | tail -4
+    for f in ${variants%% *} ${variants##* }; do
+      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 200 python3 benchmarks/step_profile.py --out "$OUT/fo_profile${f/:/_}" \
+        --ns 8 --configs interval1 2>&1 | tee "$OUT/fo_profile${f/:/_}.log" | tail -4
     done
   fi
 fi

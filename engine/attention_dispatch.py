@@ -143,6 +143,28 @@ O_BLOCK_N, O_BLOCK_K, O_ROWS = 16, 256, 8
 HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
 
 
+@dataclass(frozen=True)
+class FoldConfig:
+    """What the decode kernel folds into its tail (gluon_attention_o.py), past o_proj itself."""
+
+    norm: bool = False  # the add + norm + norm after o_proj too (a second pass of the grid barrier)
+    stager: int = 0  # who copies the attention rows for the o warp: 0 the o warp itself, 1 the 4 attention warps
+
+    def __post_init__(self) -> None:
+        if self.stager not in (0, 1):
+            raise ValueError(f"FoldConfig.stager must be 0 or 1, got {self.stager}")
+
+
+def parse_fold(text: str) -> FoldConfig | None:
+    """OUROBATCH_DECODE_FOLD_O: "0" (no fold), "1" (o_proj, the default), "2" (o_proj and its add + norm), with an
+    optional ":cta" for the 4 attention warps copying the rows (e.g. "1:cta"); None for "0"."""
+    level, _, stager = text.strip().partition(":")
+    if level not in ("0", "1", "2") or stager not in ("", "warp", "cta"):
+        raise ValueError(f"OUROBATCH_DECODE_FOLD_O must be 0, 1 or 2, optionally followed by :warp or :cta, "
+                         f"got {text!r}")
+    return None if level == "0" else FoldConfig(norm=level == "2", stager=int(stager == "cta"))
+
+
 def o_fold_applies(config: DecodeConfig | None, seqs: int, rows: int, heads: int, head_dim: int, hidden: int,
                    num_sms: int, elem_bytes: int = 2) -> bool:
     """Whether the decode launch `config` of `seqs` requests (`rows` query rows) can fold o_proj (hidden x

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import attention_dispatch
-from .attention_dispatch import O_ROWS, DecodeConfig
+from .attention_dispatch import O_ROWS, DecodeConfig, FoldConfig
 from .gluon_attention import _attend, _descriptor, _kv_loader, _pdl_kwargs
 
 O_BLOCK_N = gl.constexpr(attention_dispatch.O_BLOCK_N)  # output columns of a tile (the MMA's M)
@@ -83,12 +83,14 @@ def _grid_barrier(bar_ptr, programs):
 
 
 @gluon.jit
-def _stage_rows(a_ptr, a_smem, a_ready, rows, K: gl.constexpr, BM: gl.constexpr):
-    # the attention output's rows (contiguous: K a row) into shared memory by the 4 warps, every 256-column
-    # chunk's copies in flight at once (cp.async, a commit group each), each chunk signalled as it lands
+def _stage_rows(a_ptr, a_smem, a_ready, rows, K: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr,
+                SIGNAL: gl.constexpr):
+    # the attention output's rows (contiguous: K a row) into shared memory, every 256-column chunk's copies in
+    # flight at once (cp.async, a commit group each); SIGNAL: each chunk signalled (a_ready) as it lands (else
+    # the caller waits for chunk c's group itself)
     BK: gl.constexpr = O_BLOCK_K
     NKB: gl.constexpr = K // BK
-    stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, stage))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, stage))
     for c in gl.static_range(NKB):
@@ -96,10 +98,11 @@ def _stage_rows(a_ptr, a_smem, a_ready, rows, K: gl.constexpr, BM: gl.constexpr)
                                                a_ptr + rm[:, None] * K + (c * BK + rk)[None, :],
                                                mask=(rm < rows)[:, None])
         async_copy.commit_group()
-    for c in gl.static_range(NKB):
-        async_copy.wait_group(NKB - 1 - c)
-        gl.thread_barrier()
-        mbarrier.arrive(a_ready.index(c), count=1)
+    if SIGNAL:
+        for c in gl.static_range(NKB):
+            async_copy.wait_group(NKB - 1 - c)
+            gl.thread_barrier()
+            mbarrier.arrive(a_ready.index(c), count=1)
 
 
 @gluon.jit
@@ -129,21 +132,27 @@ def _attend_stage_norm(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr,
                        qk_scale, kv_heads, bar_ptr, a_smem, a_ready, o_done, po_ptr, h_ptr, wa_ptr, wb_ptr,
                        h_out_ptr, x_out_ptr, rows, eps, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, TILES: gl.constexpr,
-                       K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr):
+                       K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr, NORM: gl.constexpr,
+                       STAGER: gl.constexpr):
     # the default partition: attention for its (request, head); once every CTA's row is written, the rows for
-    # the o warp; once every o tile is written, the add + norm + norm of row `cta` (CTAs below `rows`)
+    # the o warp (STAGER 1; STAGER 0: only the go, a_ready[0], the o warp copies them); NORM: once every o tile
+    # is written, the add + norm + norm of row `cta` (CTAs below `rows`)
     _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
             query_start_ptr, stride_q_row, stride_q_head, 0, K, stride_o_head, 0, 0, stride_bt, qk_scale,
             kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
     cta = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
     programs = gl.num_programs(0) * gl.num_programs(1)
     _grid_barrier(bar_ptr, programs)
-    if cta < TILES:
-        _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM)
-    mbarrier.wait(o_done, 0)
-    _grid_barrier(bar_ptr, programs)  # the counters are reused: the first barrier's last CTA reset the count
-    if cta < rows:
-        _add_norm_row(po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, cta, eps, TILES * O_BLOCK_N, BLOCK_H)
+    if STAGER:
+        if cta < TILES:
+            _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM, 4, True)
+    else:
+        mbarrier.arrive(a_ready.index(0), count=1)
+    if NORM:
+        mbarrier.wait(o_done, 0)
+        _grid_barrier(bar_ptr, programs)  # the counters are reused: the first barrier's last CTA reset the count
+        if cta < rows:
+            _add_norm_row(po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, cta, eps, TILES * O_BLOCK_N, BLOCK_H)
 
 
 @gluon.jit
@@ -157,9 +166,10 @@ def _loader(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tabl
 
 
 @gluon.jit
-def _o_project(wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, po_ptr, rows, TILES: gl.constexpr, K: gl.constexpr,
-               BM: gl.constexpr):
-    # the CTA's tile of o = a @ wo.T: its weights at launch, each chunk of the rows as it lands; then o_done
+def _o_project(wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, o_ptr, po_ptr, rows, TILES: gl.constexpr,
+               K: gl.constexpr, BM: gl.constexpr, STAGER: gl.constexpr):
+    # the CTA's tile of o = a @ wo.T: its weights at launch, each chunk of the rows as it lands (STAGER 0: this
+    # warp copies them once a_ready[0] says go); then o_done
     tile = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
     if tile < TILES:
         BN: gl.constexpr = O_BLOCK_N
@@ -175,9 +185,16 @@ def _o_project(wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, po_ptr, rows, TI
         acc1 = gl.zeros([BN, BM], gl.float32, mma)
         acc2 = gl.zeros([BN, BM], gl.float32, mma)
         acc3 = gl.zeros([BN, BM], gl.float32, mma)
+        if not STAGER:
+            mbarrier.wait(a_ready.index(0), 0)
+            _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM, 1, False)
         mbarrier.wait(w_ready, 0)
         for kb in gl.static_range(NKB):
-            mbarrier.wait(a_ready.index(kb), 0)
+            if STAGER:
+                mbarrier.wait(a_ready.index(kb), 0)
+            else:
+                async_copy.wait_group(NKB - 1 - kb)
+                gl.thread_barrier()  # every lane's copies of the chunk have landed
             acc0, acc1, acc2, acc3 = multiply_box(wbuf.index(kb), a_smem.slice(kb * BK, BK, dim=1), acc0, acc1,
                                                   acc2, acc3, a_layout, b_layout, BK, 4)
         acc = (acc0 + acc1) + (acc2 + acc3)
@@ -193,7 +210,8 @@ def decode_attention_o_kernel(k_desc, v_desc, wo_desc, q_ptr, o_ptr, po_ptr, bar
                               stride_q_row, stride_q_head, stride_o_head, stride_bt, qk_scale, kv_heads, rows, eps,
                               a_layout: gl.constexpr, PAGE: gl.constexpr, HEAD_DIM: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-                              TILES: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr):
+                              TILES: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BLOCK_H: gl.constexpr,
+                              NORM: gl.constexpr, STAGER: gl.constexpr):
     kring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     vring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -215,11 +233,11 @@ def decode_attention_o_kernel(k_desc, v_desc, wo_desc, q_ptr, o_ptr, po_ptr, bar
                               context_lens_ptr, query_start_ptr, stride_q_row, stride_q_head, stride_o_head,
                               stride_bt, qk_scale, kv_heads, bar_ptr, a_smem, a_ready, o_done, po_ptr, h_ptr, wa_ptr,
                               wb_ptr, h_out_ptr, x_out_ptr, rows, eps, PAGE, HEAD_DIM, BLOCK_N, STAGES, USE_PDL,
-                              TILES, K, BM, BLOCK_H)),
+                              TILES, K, BM, BLOCK_H, NORM, STAGER)),
         (_loader, (k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, block_tables_ptr, context_lens_ptr,
                    query_start_ptr, stride_q_row, stride_q_head, stride_o_head, stride_bt, qk_scale, kv_heads, PAGE,
                    HEAD_DIM, BLOCK_N, STAGES, USE_PDL, K)),
-        (_o_project, (wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, po_ptr, rows, TILES, K, BM)),
+        (_o_project, (wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, o_ptr, po_ptr, rows, TILES, K, BM, STAGER)),
     ], [1, 1], [48, 152])
 
 
@@ -232,12 +250,12 @@ def smem_layouts(rows_block: int, k: int):
 def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                               scale: float, config: DecodeConfig, wo: torch.Tensor, barrier: torch.Tensor,
-                              h: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
-                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                              h: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor, eps: float,
+                              fold: FoldConfig = FoldConfig()) -> tuple[torch.Tensor, torch.Tensor]:
     """gluon_attention.launch_decode_attention, o_proj and triton_gemm.add_rms_norm2_partials in one launch:
     with o = attention(q) @ wo.T, returns h + rms(o) w_branch and its rms times w_next ([rows, hidden] each).
     The caller checked attention_dispatch.o_fold_applies; `barrier`: two int32 zeros on q's device, kept for
-    later launches; h contiguous."""
+    later launches; h contiguous. fold.norm False: the add + norm runs as triton_gemm's kernel after the launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, heads, d = q.shape
@@ -245,7 +263,7 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
     hidden, K = wo.shape
     out = torch.empty_like(q)
     partials = torch.empty((rows, hidden), dtype=torch.float32, device=q.device)
-    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    h_out, x_out = (torch.empty_like(h), torch.empty_like(h)) if fold.norm else (h, h)
     w_layout, a_layout = smem_layouts(O_ROWS, K)
     wo_desc = TensorDescriptor.from_tensor(wo, [O_BLOCK_N.value, O_BLOCK_K.value], w_layout)
     decode_attention_o_kernel[(seqs, heads, 1)](
@@ -254,5 +272,9 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
         block_tables.stride(0), scale * 1.4426950408889634, heads, rows, eps, a_layout=a_layout,
         PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
         TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS, BLOCK_H=max(128, 1 << (hidden - 1).bit_length()),
-        num_warps=4, **_pdl_kwargs(q.device, config))
-    return h_out, x_out
+        NORM=fold.norm, STAGER=fold.stager, num_warps=4, **_pdl_kwargs(q.device, config))
+    if fold.norm:
+        return h_out, x_out
+    from .triton_gemm import add_rms_norm2_partials
+
+    return add_rms_norm2_partials(h, partials.view(1, rows, hidden), w_branch, w_next, eps)

@@ -89,17 +89,17 @@ def folds_o(s: KernelShapes, seqs: int, config, device: torch.device) -> bool:
     """Whether the engine's decode calls of `seqs` requests run o_proj and its add + norm inside the Gluon decode
     kernel (model._attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
     from .attention_dispatch import o_fold_applies
-    from .triton_attention import fold_o_enabled
+    from .triton_attention import fold_config
 
     return (s.triton_attention and s.dtype in (torch.bfloat16, torch.float16) and gemm_config(seqs) is not None
-            and fold_o_enabled(device)
+            and fold_config(device) is not None
             and o_fold_applies(config, seqs, seqs, s.num_heads, s.head_dim, s.hidden_size, s.num_sms))
 
 
 def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
     """The decode kernel with o_proj and its add + norm folded in, for `seqs` requests of one row at position 0."""
     from .gluon_attention_o import launch_decode_attention_o
-    from .triton_attention import decode_launch
+    from .triton_attention import decode_launch, fold_config
 
     config = decode_launch(seqs, s.num_kv_heads, device)
     q = torch.zeros(seqs, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
@@ -112,7 +112,7 @@ def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
     h, w = torch.zeros(seqs, s.hidden_size, dtype=s.dtype, device=device), torch.ones(s.hidden_size, dtype=s.dtype,
                                                                                          device=device)
     launch_decode_attention_o(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config, wo, barrier, h, w, w,
-                              s.eps)
+                              s.eps, fold_config(device))
 
 
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:

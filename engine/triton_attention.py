@@ -31,8 +31,8 @@ import triton.language as tl
 
 from . import pdl
 from .attention_combine import combine_splits
-from .attention_dispatch import (DecodeConfig, LaunchConfig, choose_config, decode_config, o_fold_applies, parse_ring,
-                                 query_tiling)
+from .attention_dispatch import (DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config, o_fold_applies,
+                                 parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -207,10 +207,10 @@ DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves
 DECODE_DEFAULT = "gluon"
 RING_ENV = "OUROBATCH_DECODE_RING"  # the Gluon kernel's ring: BLOCK_NxSTAGES
 EARLY_ENV = "OUROBATCH_DECODE_EARLY"  # 0: its loader waits for the kernel before first (a measuring control)
-FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 1 | 0: o_proj + add + norm in the Gluon decode kernel where it applies
+FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 0 | 1 | 2 [:warp|:cta]: what the Gluon decode kernel folds in (parse_fold)
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
-_FOLD: dict[int, bool] = {}
+_FOLD: dict[int, FoldConfig | None] = {}
 
 
 def gluon_decode(device: torch.device) -> bool:
@@ -227,7 +227,7 @@ def gluon_decode(device: torch.device) -> bool:
         _GLUON[index] = value == "gluon" and pdl.hopper(device) and _gluon_importable()
         ring = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
         _RING[index] = replace(ring, early=_flag(EARLY_ENV, "1"))
-        _FOLD[index] = _flag(FOLD_ENV, "1")
+        _FOLD[index] = parse_fold(os.environ.get(FOLD_ENV, "").strip() or "1")
     return _GLUON[index]
 
 
@@ -246,9 +246,9 @@ def decode_launch(seqs: int, kv_heads: int, device: torch.device) -> DecodeConfi
     return decode_config(seqs, kv_heads, num_sms(device), _RING[pdl.device_index(device)])
 
 
-def fold_o_enabled(device: torch.device) -> bool:
-    """Whether decode calls on `device` may fold o_proj into the Gluon decode kernel (OUROBATCH_DECODE_FOLD_O)."""
-    return gluon_decode(device) and _FOLD[pdl.device_index(device)]
+def fold_config(device: torch.device) -> FoldConfig | None:
+    """What decode calls on `device` fold into the Gluon decode kernel (OUROBATCH_DECODE_FOLD_O), or None."""
+    return _FOLD[pdl.device_index(device)] if gluon_decode(device) else None
 
 
 def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
@@ -265,7 +265,8 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
         return None
     seqs = context_lens.shape[0]
     decode = decode_launch(seqs, k_plane.shape[2], q.device)
-    if decode is None or not fold_o_enabled(q.device):
+    fold = fold_config(q.device)
+    if decode is None or fold is None:
         return None
     rows, heads, d = q.shape
     if not (o_fold_applies(decode, seqs, rows, heads, d, wo.shape[0], num_sms(q.device))
@@ -278,7 +279,7 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
     if not gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
         return None
     return gluon_attention_o.launch_decode_attention_o(q, k_plane, v_plane, block_tables, context_lens, query_start,
-                                                       scale, decode, wo, barrier, h, w_branch, w_next, eps)
+                                                       scale, decode, wo, barrier, h, w_branch, w_next, eps, fold)
 
 
 def _gluon_importable() -> bool:

@@ -189,3 +189,16 @@ def test_o_fold_applies_where_every_cta_is_resident_and_owns_a_tile():
     assert 2 * 16 * 32 * 128 * 2 + 24 * 2048 * 2 > HOPPER_SMEM_PER_CTA
     assert not o_fold_applies(big, 8, 8, 16, 128, 2048, 132)
     assert o_fold_applies(DecodeConfig(32, 6), 8, 8, 2, 128, 256, 132)  # the GPU tests' small model: 16 tiles
+
+
+def test_fold_env_values():
+    from engine.attention_dispatch import FoldConfig, parse_fold
+
+    assert parse_fold("0") is None
+    assert parse_fold("1") == FoldConfig() and parse_fold("2:cta") == FoldConfig(norm=True, stager=1)
+    assert parse_fold("1:warp") == FoldConfig(norm=False, stager=0)
+    for bad in ("3", "1:x", "yes", ""):
+        with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_O must be 0, 1 or 2"):
+            parse_fold(bad)
+    with pytest.raises(ValueError, match="FoldConfig.stager must be 0 or 1"):
+        FoldConfig(stager=2)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.attention_dispatch import HOPPER_SMEM_PER_CTA, DecodeConfig, o_fold_applies
+from engine.attention_dispatch import HOPPER_SMEM_PER_CTA, DecodeConfig, FoldConfig, o_fold_applies, parse_fold
 
 pytest.importorskip("triton.experimental.gluon")
 
 
 def compile_fold(config: DecodeConfig, head_dim: int = 128, heads: int = 16, hidden: int = 2048,
-                 use_pdl: int = 1) -> dict:
+                 use_pdl: int = 1, fold: FoldConfig = FoldConfig()) -> dict:
     from benchmarks.ws_chain import compile_sm90
     from engine.gluon_attention import smem_layout
     from engine.gluon_attention_o import decode_attention_o_kernel, smem_layouts
@@ -30,7 +30,7 @@ def compile_fold(config: DecodeConfig, head_dim: int = 128, heads: int = 16, hid
                  "qk_scale": "fp32", "kv_heads": "i32", "rows": "i32", "eps": "fp32"}
     constexprs = {"a_layout": a_layout, "PAGE": page, "HEAD_DIM": head_dim, "BLOCK_N": config.block_n,
                   "STAGES": config.stages, "USE_PDL": use_pdl, "TILES": hidden // 16, "K": K, "BM": 8,
-                  "BLOCK_H": hidden}
+                  "BLOCK_H": hidden, "NORM": fold.norm, "STAGER": fold.stager}
     # the launcher specializes these as 16-byte aligned (torch's allocations)
     aligned = ("q_ptr", "o_ptr", "po_ptr", "h_ptr", "wa_ptr", "wb_ptr", "h_out_ptr", "x_out_ptr")
     return compile_sm90(decode_attention_o_kernel, signature, constexprs, aligned)
@@ -38,12 +38,15 @@ def compile_fold(config: DecodeConfig, head_dim: int = 128, heads: int = 16, hid
 
 @pytest.mark.parametrize("config", [DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 4)],
                          ids=lambda c: f"n{c.block_n}s{c.stages}")
-def test_fold_compiles_with_its_loads_and_fits(config):
+@pytest.mark.parametrize("fold", ["1", "1:cta", "2", "2:warp"])
+def test_fold_compiles_with_its_loads_and_fits(config, fold):
     assert o_fold_applies(config, 8, 8, 16, 128, 2048, 132)
-    built = compile_fold(config)
+    fold = parse_fold(fold)
+    built = compile_fold(config, fold=fold)
     # K / V: a box per page of a slot; o: 8 boxes of 16 x 256, each four 128-byte-wide TMA copies (the swizzle's span)
     assert built["tma_loads"] == 2 * (config.block_n // 16) + 8 * 4, built
-    assert built["cp_async"] == 8 * 2  # 8 rows x 2048 staged by 4 warps: 16 16-byte copies per lane
+    # 8 rows x 2048 staged: by one warp 64 16-byte copies per lane, by 4 warps 16
+    assert built["cp_async"] == (16 if fold.stager else 64), built
     assert built["mma"] == 2048 // 16  # m16n8k16 over K = 2048: one output tile of 16 columns x 8 rows
     ring = 2 * config.stages * config.block_n * 128 * 2
     assert ring + 24 * 2048 * 2 <= built["shared"] <= HOPPER_SMEM_PER_CTA, built
@@ -57,3 +60,4 @@ def test_smaller_heads_compile():
 def test_pdl_waits_only_with_pdl():
     assert compile_fold(DecodeConfig(), use_pdl=1)["gdc_wait"] == 2
     assert compile_fold(DecodeConfig(), use_pdl=0)["gdc_wait"] == 0
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention_dispatch import DecodeConfig, o_fold_applies
+from engine.attention_dispatch import DecodeConfig, FoldConfig, o_fold_applies, parse_fold
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -46,12 +46,13 @@ class Residual:
         return h_new, rms(h_new) * self.wb.double()
 
 
-def _fold(case: Case, wo: torch.Tensor, barrier: torch.Tensor, config: DecodeConfig, res: Residual):
+def _fold(case: Case, wo: torch.Tensor, barrier: torch.Tensor, config: DecodeConfig, res: Residual,
+          fold: FoldConfig = FoldConfig()):
     from engine.gluon_attention_o import launch_decode_attention_o
 
     tables, ctx, starts, max_rows, scale = case.args
     return launch_decode_attention_o(case.q, case.k, case.v, tables, ctx, starts, scale, config, wo, barrier,
-                                     *res.dev, EPS)
+                                     *res.dev, EPS, fold)
 
 
 def _check(case: Case, wo: torch.Tensor, res: Residual, got, ref_attention: torch.Tensor | None = None) -> None:
@@ -68,41 +69,51 @@ def _check(case: Case, wo: torch.Tensor, res: Residual, got, ref_attention: torc
 SHAPES = [(16, 128, 2048), (2, 128, 256), (4, 64, 512), (8, 64, 1024)]  # heads, head_dim, hidden
 
 
+FOLDS = ["1", "1:cta", "2", "2:cta"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,d,hidden", SHAPES)
 @pytest.mark.parametrize("config", [DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 4, early=False)],
                          ids=lambda c: f"n{c.block_n}s{c.stages}{'' if c.early else 'late'}")
-def test_fold_matches_reference(dtype, heads, d, hidden, config):
+@pytest.mark.parametrize("fold", FOLDS)
+def test_fold_matches_reference(dtype, heads, d, hidden, config, fold):
+    fold = parse_fold(fold)
     ctx = [1, 15, 16, 17, 33, 100, 640, 1000]
     assert o_fold_applies(config, 8, 8, heads, d, hidden, torch.cuda.get_device_properties(0).multi_processor_count)
     case = Case(ctx, [1] * 8, heads, heads, d, dtype, seed=heads * d + hidden)
     wo = _weights(hidden, heads * d, dtype, seed=hidden)
     res = Residual(8, hidden, dtype, seed=d)
     barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
-    _check(case, wo, res, _fold(case, wo, barrier, config, res))
-    assert barrier[0].item() == 0 and barrier[1].item() == 2  # reset by the last CTA; two passes a launch
+    _check(case, wo, res, _fold(case, wo, barrier, config, res, fold))
+    passes = 2 if fold.norm else 1  # the add + norm's pass
+    assert barrier[0].item() == 0 and barrier[1].item() == passes  # reset by the last CTA; one generation a pass
 
 
-def test_rows_of_requests_without_a_row():
+@pytest.mark.parametrize("fold", FOLDS)
+def test_rows_of_requests_without_a_row(fold):
     # a bucket's padding: 8 requests, two of them without a new row (6 query rows)
     rows = [1, 0, 1, 1, 0, 1, 1, 1]
     case = Case([50, 70, 90, 3, 5, 700, 16, 17], rows, 16, 16, 128, torch.bfloat16, seed=5)
     wo = _weights(2048, 2048, torch.bfloat16, seed=6)
     res = Residual(6, 2048, torch.bfloat16, seed=6)
-    _check(case, wo, res, _fold(case, wo, torch.zeros(2, dtype=torch.int32, device="cuda"), DecodeConfig(), res))
+    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    _check(case, wo, res, _fold(case, wo, barrier, DecodeConfig(), res, parse_fold(fold)))
 
 
-def test_barrier_serves_many_launches_eager_and_graphed():
+@pytest.mark.parametrize("fold", ["1", "2:cta"])
+def test_barrier_serves_many_launches_eager_and_graphed(fold):
     # the counters persist across launches (eager ones and a CUDA graph's replays, with fresh queries each
     # time): every launch must pass the barrier, read every CTA's rows and leave the count at zero
     case = Case([300, 20, 129, 7, 64, 65, 1, 500], [1] * 8, 16, 16, 128, torch.bfloat16, seed=7)
     wo = _weights(2048, 2048, torch.bfloat16, seed=8)
     res = Residual(8, 2048, torch.bfloat16, seed=8)
     barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    fold = parse_fold(fold)
     for _ in range(50):
-        out = _fold(case, wo, barrier, DecodeConfig(), res)
+        out = _fold(case, wo, barrier, DecodeConfig(), res, fold)
     _check(case, wo, res, out)
-    graph, out = capture(lambda: _fold(case, wo, barrier, DecodeConfig(), res))
+    graph, out = capture(lambda: _fold(case, wo, barrier, DecodeConfig(), res, fold))
     g = torch.Generator().manual_seed(9)
     for _ in range(20):
         fresh = torch.randn(case.q.shape, generator=g).to(case.q.dtype)
@@ -111,7 +122,8 @@ def test_barrier_serves_many_launches_eager_and_graphed():
         graph.replay()
         _check(case, wo, res, out, case.reference([300, 20, 129, 7, 64, 65, 1, 500]))
     torch.cuda.synchronize()
-    assert barrier[0].item() == 0 and barrier[1].item() == 2 * (50 + 1 + 20)  # capture() runs the step once first
+    passes = 2 if fold.norm else 1
+    assert barrier[0].item() == 0 and barrier[1].item() == passes * (50 + 1 + 20)  # capture() runs it once first
 
 
 def test_dispatch_folds_only_where_it_applies(monkeypatch):
@@ -136,7 +148,7 @@ def test_dispatch_folds_only_where_it_applies(monkeypatch):
     assert call(eight, res8) is None
     monkeypatch.setenv(triton_attention.FOLD_ENV, "yes")
     monkeypatch.setattr(triton_attention, "_GLUON", {})
-    with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_O must be 0 or 1"):
+    with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_O must be 0, 1 or 2"):
         triton_attention.gluon_decode(eight.q.device)
 
 
@@ -168,10 +180,15 @@ def test_engine_with_the_fold_agrees_with_the_engine_without(fold_ckpt, monkeypa
             assert launches, "the folded kernel served the decode calls"
             seen = len(launches)
     assert len(launches) == seen  # none with the fold off
-    agree = 0
+    # o's float32 sums run in another order, so bf16 roundings differ now and then, and the tiny model's
+    # loops amplify them (as in test_gpu.py's bf16 test): the first draws agree closely, the rest on average
+    agree, first, diffs = 0, [], []
     for a, b in zip(outs["1"], outs["0"]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         agree += ta[:4] == tb[:4]
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-        assert a.outputs[0].logprobs[:n] == pytest.approx(b.outputs[0].logprobs[:n], abs=0.05)
+        d = [abs(x - y) for x, y in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n])]
+        first += d[:1]
+        diffs += d
     assert agree >= 6  # bf16 may flip a near-tie of a draw
+    assert max(first) < 0.05 and sum(diffs) / len(diffs) < 0.05, (first, diffs)
