@@ -72,12 +72,14 @@ SHAPES = [(16, 128, 2048), (2, 128, 256), (4, 64, 512), (8, 64, 1024)]  # heads,
 FOLDS = ["1", "1:cta", "2", "2:cta"]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads,d,hidden", SHAPES)
-@pytest.mark.parametrize("config", [DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 4, early=False)],
-                         ids=lambda c: f"n{c.block_n}s{c.stages}{'' if c.early else 'late'}")
-@pytest.mark.parametrize("fold", FOLDS)
-def test_fold_matches_reference(dtype, heads, d, hidden, config, fold):
+CASES = ([(dtype, shape, config, "1") for dtype in (torch.bfloat16, torch.float16) for shape in SHAPES
+          for config in (DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 4, early=False))]
+         + [(torch.bfloat16, shape, DecodeConfig(32, 6), fold) for shape in SHAPES for fold in FOLDS[1:]])
+
+
+@pytest.mark.parametrize("dtype,shape,config,fold", CASES, ids=lambda v: getattr(v, "__name__", None) or str(v))
+def test_fold_matches_reference(dtype, shape, config, fold):
+    heads, d, hidden = shape
     fold = parse_fold(fold)
     ctx = [1, 15, 16, 17, 33, 100, 640, 1000]
     assert o_fold_applies(config, 8, 8, heads, d, hidden, torch.cuda.get_device_properties(0).multi_processor_count)
