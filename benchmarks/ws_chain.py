@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from engine.gluon_attention_o import multiply_box as _multiply_box  # one weight box times the staged rows
+from engine.gluon_attention_o import stage_rows
 
 BOX_ROWS, BLOCK_K_WS = 16, 256  # one TMA box of weights: 16 rows x 256 (8 KB)
 
@@ -91,30 +93,6 @@ def _stage_activations(x_ptr, x_smem, M, stride_y, K: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _multiply_box(slot, xs, acc0, acc1, acc2, acc3, a_layout: gl.constexpr, b_layout: gl.constexpr,
-                  BLOCK_K: gl.constexpr, CHAINS: gl.constexpr):
-    # one weight box times the staged activations' same K range; CHAINS 4: its four 64-wide quarters go to
-    # four accumulators, so the MMAs form four independent chains instead of one chain of BLOCK_K / 16
-    if CHAINS == 1:
-        acc0 = mma_v2(slot.load(a_layout), xs.permute((1, 0)).load(b_layout), acc0)
-    else:
-        Q: gl.constexpr = BLOCK_K // 4
-        a0 = slot.slice(0, Q, dim=1).load(a_layout)
-        a1 = slot.slice(Q, Q, dim=1).load(a_layout)
-        a2 = slot.slice(2 * Q, Q, dim=1).load(a_layout)
-        a3 = slot.slice(3 * Q, Q, dim=1).load(a_layout)
-        b0 = xs.slice(0, Q, dim=1).permute((1, 0)).load(b_layout)
-        b1 = xs.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout)
-        b2 = xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
-        b3 = xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
-        acc0 = mma_v2(a0, b0, acc0)
-        acc1 = mma_v2(a1, b1, acc1)
-        acc2 = mma_v2(a2, b2, acc2)
-        acc3 = mma_v2(a3, b3, acc3)
-    return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
 def _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_empty, num_phases, M, stride_y,
               slot, K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, CHAINS: gl.constexpr, SKIP: gl.constexpr, WARPS: gl.constexpr,
@@ -171,21 +149,8 @@ def _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_e
 @gluon.jit
 def _stage_per_chunk(x_ptr, xb, x_ready, first, M, stride_y, K: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
-    # every chunk's copies in flight at once (cp.async, one commit group per chunk), then each chunk
-    # signalled (x_ready[first + chunk]) as soon as it has landed
-    NCH: gl.constexpr = K // BLOCK_K
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    for c in gl.static_range(NCH):
-        async_copy.async_copy_global_to_shared(xb.slice(c * BLOCK_K, BLOCK_K, dim=1),
-                                               x_ptr + rm[:, None] * stride_y + (c * BLOCK_K + rk)[None, :],
-                                               mask=(rm < M)[:, None])
-        async_copy.commit_group()
-    for c in gl.static_range(NCH):
-        async_copy.wait_group(NCH - 1 - c)
-        gl.thread_barrier()
-        mbarrier.arrive(x_ready.index(first + c), count=1)
+    # every chunk's copies in flight at once, each chunk signalled (x_ready[first + chunk]) as soon as it landed
+    stage_rows(x_ptr, xb, x_ready, first, M, stride_y, K, BLOCK_M, BLOCK_K, WARPS, True)
 
 
 @gluon.jit

@@ -83,26 +83,25 @@ def _grid_barrier(bar_ptr, programs):
 
 
 @gluon.jit
-def _stage_rows(a_ptr, a_smem, a_ready, rows, K: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr,
-                SIGNAL: gl.constexpr):
-    # the attention output's rows (contiguous: K a row) into shared memory, every 256-column chunk's copies in
-    # flight at once (cp.async, a commit group each); SIGNAL: each chunk signalled (a_ready) as it lands (else
-    # the caller waits for chunk c's group itself)
-    BK: gl.constexpr = O_BLOCK_K
+def stage_rows(x_ptr, xb, x_ready, first, rows, stride, K: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+               WARPS: gl.constexpr, SIGNAL: gl.constexpr):
+    """`rows` rows of K columns (`stride` apart) into the shared buffer xb [BM, K], every BK-column chunk's
+    copies in flight at once (cp.async, a commit group each); SIGNAL: chunk c signalled (x_ready[first + c]) as
+    soon as it has landed (else the caller waits for chunk c's group itself)."""
     NKB: gl.constexpr = K // BK
-    stage: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, stage))
-    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, stage))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(NKB):
-        async_copy.async_copy_global_to_shared(a_smem.slice(c * BK, BK, dim=1),
-                                               a_ptr + rm[:, None] * K + (c * BK + rk)[None, :],
+        async_copy.async_copy_global_to_shared(xb.slice(c * BK, BK, dim=1),
+                                               x_ptr + rm[:, None] * stride + (c * BK + rk)[None, :],
                                                mask=(rm < rows)[:, None])
         async_copy.commit_group()
     if SIGNAL:
         for c in gl.static_range(NKB):
             async_copy.wait_group(NKB - 1 - c)
             gl.thread_barrier()
-            mbarrier.arrive(a_ready.index(c), count=1)
+            mbarrier.arrive(x_ready.index(first + c), count=1)
 
 
 @gluon.jit
@@ -145,7 +144,7 @@ def _attend_stage_norm(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr,
     _grid_barrier(bar_ptr, programs)
     if STAGER:
         if cta < TILES:
-            _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM, 4, True)
+            stage_rows(o_ptr, a_smem, a_ready, 0, rows, K, K, BM, O_BLOCK_K, 4, True)  # the rows: contiguous
     else:
         mbarrier.arrive(a_ready.index(0), count=1)
     if NORM:
@@ -187,7 +186,7 @@ def _o_project(wo_desc, wbuf, w_ready, a_smem, a_ready, o_done, o_ptr, po_ptr, r
         acc3 = gl.zeros([BN, BM], gl.float32, mma)
         if not STAGER:
             mbarrier.wait(a_ready.index(0), 0)
-            _stage_rows(o_ptr, a_smem, a_ready, rows, K, BM, 1, False)
+            stage_rows(o_ptr, a_smem, a_ready, 0, rows, K, K, BM, O_BLOCK_K, 1, False)
         mbarrier.wait(w_ready, 0)
         for kb in gl.static_range(NKB):
             if STAGER:
