@@ -21,7 +21,8 @@ boundary. Here the decode kernel of gluon_attention.py (one CTA per (request, kv
 A grid barrier needs every CTA resident at once: attention_dispatch.o_fold_applies allows it only where
 the grid has no more CTAs than SMs and at least one CTA per output tile and per row. The barrier's two
 counters belong to the model (OuroForCausalLM.o_barrier), one pair per engine, since launches on one stream
-never overlap.
+never overlap. Two such launches running at once on one GPU (two engines sharing it through MPS) could each hold
+part of the SMs and wait for the other: OUROBATCH_DECODE_FOLD_O=0 is for that (docs/api.md).
 """
 
 from __future__ import annotations
