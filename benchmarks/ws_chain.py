@@ -147,13 +147,6 @@ def _consumer(y_ptr, cnt_ptr, cols_ptr, ring, ready, empty, x_smem, x_ready, x_e
 
 
 @gluon.jit
-def _stage_per_chunk(x_ptr, xb, x_ready, first, M, stride_y, K: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
-    # every chunk's copies in flight at once, each chunk signalled (x_ready[first + chunk]) as soon as it landed
-    stage_rows(x_ptr, xb, x_ready, first, M, stride_y, K, BLOCK_M, BLOCK_K, WARPS, True)
-
-
-@gluon.jit
 def _stager(y_ptr, cnt_ptr, x_smem, x_ready, x_empty, num_phases, M, stride_y, slot, STAGE_K: gl.constexpr,
             BLOCK_M: gl.constexpr, SKIP: gl.constexpr, WARPS: gl.constexpr, CHUNKS: gl.constexpr,
             K: gl.constexpr, BLOCK_K: gl.constexpr, PER_CHUNK: gl.constexpr):
@@ -167,8 +160,8 @@ def _stager(y_ptr, cnt_ptr, x_smem, x_ready, x_empty, num_phases, M, stride_y, s
         if p > 0 and SKIP != 2:
             _wait_for_phase(cnt_ptr + p - 1, programs)
         if PER_CHUNK:
-            _stage_per_chunk(y_ptr + p * slot, x_smem.index(p % 2), x_ready, (p % 2) * (K // BLOCK_K), M, stride_y,
-                             K, BLOCK_M, BLOCK_K, WARPS)
+            stage_rows(y_ptr + p * slot, x_smem.index(p % 2), x_ready, (p % 2) * (K // BLOCK_K), M, stride_y, K,
+                       BLOCK_M, BLOCK_K, WARPS, True)  # each chunk signalled as soon as it has landed
         else:
             _stage_activations(y_ptr + p * slot, x_smem.index(p % 2), M, stride_y, STAGE_K, BLOCK_M, WARPS, CHUNKS)
             mbarrier.arrive(x_ready.index((p % 2) * (K // BLOCK_K)), count=1)

@@ -31,8 +31,8 @@ import triton.language as tl
 
 from . import pdl
 from .attention_combine import combine_splits
-from .attention_dispatch import (DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config, o_fold_applies,
-                                 parse_fold, parse_ring, query_tiling)
+from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
+                                 o_fold_applies, parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -261,7 +261,7 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
     attention, o_proj and the add + norm apart): the Gluon decode kernel's one-CTA-per-pair grid,
     attention_dispatch.o_fold_applies, and OUROBATCH_DECODE_FOLD_O not 0. `barrier`: the model's two int32
     grid-barrier counters on q's device."""
-    if max_rows != 1 or tiles is not None:
+    if max_rows != 1 or tiles is not None or q.shape[0] > O_ROWS:  # o_fold_applies' row bound, before any lookup
         return None
     seqs = context_lens.shape[0]
     decode = decode_launch(seqs, k_plane.shape[2], q.device)
