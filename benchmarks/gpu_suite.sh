@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -109,27 +109,37 @@ if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU
     done
   done
 fi
-if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Gluon decode kernel
-  # (engine/gluon_attention_o.py): its GPU tests and FO_TESTS, then the decode harness with each FO_VARIANTS value of
-  # OUROBATCH_DECODE_FOLD_O (default "0 1 1:cta 2:cta"), each run its own process, FO_ROUNDS rounds (default 2),
-  # FO_SCENARIOS (default 8x512x256); FO_PROFILE=1: the step profile's kernel counts with the first and last variant
-  timeout -k 10 300 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
-    tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+env_variants() {  # $1: an env variable, $2: its values, $3: a tag, then throughput.py's args: GPU tests first
+  # (FV_TESTS), then the decode harness with each value, each run its own process, FV_ROUNDS rounds (default 2),
+  # FV_SCENARIOS (default 8x512x256); FV_PROFILE=1: the step profile's kernel counts with the first and last value
+  local var=$1 values=$2 tag=$3 r f; shift 3
+  timeout -k 10 420 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x $FV_TESTS 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
   status=${PIPESTATUS[0]}
-  variants=${FO_VARIANTS:-0 1 1:cta 2:cta}
-  for r in $(seq 1 "${FO_ROUNDS:-2}"); do
-    for f in $variants; do
-      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/fo/fold${f/:/_}_r$r" \
-        --configs interval1 --scenarios "${FO_SCENARIOS:-8x512x256}" "$@" 2>&1 | tee "$OUT/fo_fold${f/:/_}_r$r.log" \
-        | grep '^|' | tail -1 | sed "s/^/fold $f: /"
+  [ "$status" -eq 0 ] || return  # a wrong or hung kernel: no timings
+  for r in $(seq 1 "${FV_ROUNDS:-2}"); do
+    for f in $values; do
+      env "$var=$f" timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/$tag/$tag${f/:/_}_r$r" \
+        --configs interval1 --scenarios "${FV_SCENARIOS:-8x512x256}" "$@" 2>&1 | tee "$OUT/$tag${f/:/_}_r$r.log" \
+        | grep '^|' | tail -1 | sed "s/^/$var=$f: /"
     done
   done
-  if [ "${FO_PROFILE:-0}" = 1 ]; then
-    for f in ${variants%% *} ${variants##* }; do
-      OUROBATCH_DECODE_FOLD_O=$f timeout -k 10 200 python3 benchmarks/step_profile.py --out "$OUT/fo_profile${f/:/_}" \
-        --ns 8 --configs interval1 2>&1 | tee "$OUT/fo_profile${f/:/_}.log" | tail -4
+  if [ "${FV_PROFILE:-0}" = 1 ]; then
+    for f in ${values%% *} ${values##* }; do
+      env "$var=$f" timeout -k 10 200 python3 benchmarks/step_profile.py --out "$OUT/${tag}_profile${f/:/_}" \
+        --ns 8 --configs interval1 2>&1 | tee "$OUT/${tag}_profile${f/:/_}.log" | tail -4
     done
   fi
+}
+if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Gluon decode kernel
+  # (engine/gluon_attention_o.py): env_variants over OUROBATCH_DECODE_FOLD_O's FO_VARIANTS (default "0 1 1:cta 2:cta")
+  FV_TESTS="tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py}" \
+    env_variants OUROBATCH_DECODE_FOLD_O "${FO_VARIANTS:-0 1 1:cta 2:cta}" fo "$@"
+fi
+if [ "$what" = fold_mlp ]; then  # the MLP as one Gluon launch (engine/gluon_mlp.py): env_variants over
+  # OUROBATCH_DECODE_FOLD_MLP's FM_VARIANTS (default "0 1")
+  FV_TESTS="tests/gpu/test_gpu_gluon_mlp.py ${FM_TESTS:-tests/gpu/test_gpu_warmup.py}" \
+    env_variants OUROBATCH_DECODE_FOLD_MLP "${FM_VARIANTS:-0 1}" fm "$@"
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)

@@ -178,17 +178,18 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, pool
 
 def attend_o(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, meta: "BatchMeta", scale: float, backend: str,
              wo: torch.Tensor, barrier: torch.Tensor | None, h: torch.Tensor, w_branch: torch.Tensor,
-             w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+             w_next: torch.Tensor, eps: float,
+             partials_only: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """With o = attend(q, None, None, ...) @ wo.T: (h + rms(o) w_branch, its rms times w_next) in one launch where
     the Gluon decode kernel folds o_proj and the add + norm into its tail (triton_attention.decode_attention_o);
-    None elsewhere (the caller runs them apart)."""
+    None elsewhere (the caller runs them apart). partials_only: o itself, float32 [1, rows, hidden]."""
     if backend != "triton" or barrier is None or (meta.prefill and meta.prefill_attention is not None):
         return None
     from .triton_attention import decode_attention_o
 
     k_blocks, v_blocks = pool.block_plane(loop, layer)
     return decode_attention_o(q, k_blocks, v_blocks, meta.block_tables, meta.context_lens, meta.query_start,
-                              meta.max_rows, scale, meta.tiles, wo, barrier, h, w_branch, w_next, eps)
+                              meta.max_rows, scale, meta.tiles, wo, barrier, h, w_branch, w_next, eps, partials_only)
 
 
 def spans_on_device(meta: "BatchMeta", block_size: int) -> list[SeqSpan]:

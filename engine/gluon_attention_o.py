@@ -251,11 +251,14 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
                               block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                               scale: float, config: DecodeConfig, wo: torch.Tensor, barrier: torch.Tensor,
                               h: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor, eps: float,
-                              fold: FoldConfig = FoldConfig()) -> tuple[torch.Tensor, torch.Tensor]:
+                              fold: FoldConfig = FoldConfig(),
+                              partials_only: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """gluon_attention.launch_decode_attention, o_proj and triton_gemm.add_rms_norm2_partials in one launch:
     with o = attention(q) @ wo.T, returns h + rms(o) w_branch and its rms times w_next ([rows, hidden] each).
     The caller checked attention_dispatch.o_fold_applies; `barrier`: two int32 zeros on q's device, kept for
-    later launches; h contiguous. fold.norm False: the add + norm runs as triton_gemm's kernel after the launch."""
+    later launches; h contiguous. fold.norm False: the add + norm runs as triton_gemm's kernel after the launch.
+    partials_only (fold.norm False): o itself, float32 [1, rows, hidden], for the MLP launch (gluon_mlp.py)
+    that runs the add + norm."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, heads, d = q.shape
@@ -275,6 +278,8 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
         NORM=fold.norm, STAGER=fold.stager, num_warps=4, **_pdl_kwargs(q.device, config))
     if fold.norm:
         return h_out, x_out
+    if partials_only:
+        return partials.view(1, rows, hidden)
     from .triton_gemm import add_rms_norm2_partials
 
     return add_rms_norm2_partials(h, partials.view(1, rows, hidden), w_branch, w_next, eps)

@@ -31,6 +31,7 @@ from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
 from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d
+from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
 
@@ -119,6 +120,21 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(m_tiles), tiles > 0)
     combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
     return paged + strides, combine
+
+
+def mlp_keys(s: KernelShapes, folds_of) -> dict[tuple, tuple[int, int]]:
+    """The MLP launch's specializations (engine/gluon_mlp.py), each with a (rows, o_proj's split count) call that
+    compiles it, for the calls of up to MLP_ROWS rows that `folds_of(rows)` sends there: o_proj's partials come in
+    one split from the decode kernel that folds o_proj, else in gemm_config(rows).splits_o. Triton keys its rows
+    and split count by int class; the shapes and dtype are the engine's."""
+    found: dict[tuple, tuple[int, int]] = {}
+    for rows in range(1, MLP_ROWS + 1):
+        cfg = gemm_config(rows)
+        if cfg is None or not folds_of(rows):
+            continue
+        for splits in (1, cfg.splits_o):
+            found.setdefault(("gluon_mlp", int_class(rows), int_class(splits)), (rows, splits))
+    return found
 
 
 def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:

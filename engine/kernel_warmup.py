@@ -31,7 +31,7 @@ import torch
 
 from . import fork_compile
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
-                           decode_keys, gemm_keys, gemm_rows)
+                           decode_keys, gemm_keys, gemm_rows, mlp_keys)
 from .gemm_dispatch import gemm_config
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
@@ -113,6 +113,28 @@ def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
                                                                                          device=device)
     launch_decode_attention_o(q, plane, plane, tables, lens, starts, s.head_dim ** -0.5, config, wo, barrier, h, w, w,
                               s.eps, fold_config(device))
+
+
+def folds_mlp(s: KernelShapes, rows: int, device: torch.device) -> bool:
+    """Whether the engine's calls of `rows` rows run the MLP as one Gluon launch (model._attention_mlp: the fused
+    path's GEMMs, triton_attention.mlp_folds's rule)."""
+    from .mlp_dispatch import mlp_fold_applies
+    from .triton_attention import mlp_fold_on
+
+    return (s.triton_attention and s.dtype in (torch.bfloat16, torch.float16) and gemm_config(rows) is not None
+            and mlp_fold_on(device) and mlp_fold_applies(rows, s.hidden_size, s.intermediate_size))
+
+
+def launch_mlp(s: KernelShapes, rows: int, splits: int, weights: dict[str, torch.Tensor],
+               device: torch.device) -> None:
+    """The MLP launch (engine/gluon_mlp.py) for `rows` rows and o_proj's partials in `splits` splits, on zeros."""
+    from .gluon_mlp import launch_mlp as launch
+
+    h = torch.zeros(rows, s.hidden_size, dtype=s.dtype, device=device)
+    w = torch.ones(s.hidden_size, dtype=s.dtype, device=device)
+    partials = torch.zeros(splits, rows, s.hidden_size, dtype=torch.float32, device=device)
+    barrier = torch.zeros(2, dtype=torch.int32, device=device)  # its own: launches in other threads run at once
+    launch(h, partials, w, w, weights["gate_up"], weights["down"], barrier, s.eps)
 
 
 def launch_combine(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -255,18 +277,27 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
     uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "norm_partials": ()}
 
-    def gemm(rows: int, key: tuple) -> None:
+    def scratch(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         with made:
-            for name in uses[key[0]]:
+            for name in names:
                 if name not in weights:
                     weights[name] = torch.zeros(shapes[name], dtype=s.dtype, device=device)
-        launch_gemm(s, rows, key, weights, device)
+        return weights
+
+    def gemm(rows: int, key: tuple) -> None:
+        launch_gemm(s, rows, key, scratch(uses[key[0]]), device)
 
     for rows in gemm_rows(s):
         for key in sorted(gemm_keys(rows, head_dim=s.head_dim)):
             if key not in covered:
                 covered.add(key)
                 tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0]}), (key,)))
+    if device.type == "cuda":
+        def mlp(rows: int, splits: int) -> None:
+            launch_mlp(s, rows, splits, scratch(("gate_up", "down")), device)
+
+        for key, (rows, splits) in mlp_keys(s, lambda r: folds_mlp(s, r, device)).items():
+            tasks.append(Task("gemm", lambda r=rows, n=splits: mlp(r, n), frozenset({"gluon_mlp"}), (key,)))
     return tasks
 
 
@@ -299,9 +330,13 @@ def _prepare(device: torch.device) -> bool:
 
         modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
         if triton_attention.gluon_decode(device):
-            from . import gluon_attention
+            from . import gluon_attention, gluon_attention_o
 
-            modules.append(gluon_attention)
+            modules += [gluon_attention, gluon_attention_o]
+        if triton_attention.mlp_fold_on(device):
+            from . import gluon_mlp
+
+            modules.append(gluon_mlp)
         with torch.cuda.device(device):
             index = triton.runtime.driver.active.get_current_device()
             for module in modules:

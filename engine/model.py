@@ -251,6 +251,7 @@ class OuroForCausalLM(nn.Module):
         # the grid barrier's two counters of the decode kernel that folds o_proj (gluon_attention_o.py): made
         # with the fused backend, outside any graph capture, and kept (graphs capture their address)
         self.o_barrier: torch.Tensor | None = None
+        self.mlp_barrier: torch.Tensor | None = None  # the same for the MLP launch (gluon_mlp.py)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
@@ -269,6 +270,7 @@ class OuroForCausalLM(nn.Module):
         device = self.lm_head.weight.device
         if self.fused_kernels and device.type == "cuda" and self.o_barrier is None:
             self.o_barrier = torch.zeros(2, dtype=torch.int32, device=device)
+            self.mlp_barrier = torch.zeros(2, dtype=torch.int32, device=device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
@@ -316,16 +318,51 @@ class OuroForCausalLM(nn.Module):
                 attn = layer.self_attn
                 k_plane, v_plane = pool.plane(loop, layer.layer)
                 q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
-                h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
-                m = _gate_up_silu(x, layer.mlp.gate_up_weight, gemm)
                 w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-                h, x = _linear_add_norm(h, m, layer.mlp.down_proj.weight, gemm, "down",
-                                        layer.post_attention_layernorm_2.weight, w_next, eps)
+                h, x = self._attention_mlp(h, q, layer, meta, pool, loop, gemm, w_next)
             readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
             if loop < last_loop:
                 h = x
                 x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         return readouts
+
+    def _attention_mlp(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
+                       pool: KVPool, loop: int, gemm: GemmConfig | None,
+                       w_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer after q: attention, o_proj, the add + norm, the MLP, the add + norm into w_next.
+        Where the MLP runs as one Gluon launch (triton_attention.mlp_folds), o_proj's float32 output goes to it
+        unreduced and the add + norm after attention runs inside it (gluon_mlp.py)."""
+        mlp, eps = layer.mlp, self.config.rms_norm_eps
+        w_out = layer.post_attention_layernorm_2.weight
+        if gemm is not None and self.mlp_barrier is not None:
+            from .triton_attention import mlp_folds
+
+            if mlp_folds(h, mlp.gate_up_weight, mlp.down_proj.weight):
+                from . import gluon_mlp, triton_gemm
+
+                h_mid, down = gluon_mlp.launch_mlp(h, self._o_partials(h, q, layer, meta, pool, loop, gemm),
+                                                   layer.input_layernorm_2.weight,
+                                                   layer.post_attention_layernorm.weight, mlp.gate_up_weight,
+                                                   mlp.down_proj.weight, self.mlp_barrier, eps)
+                return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
+        h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
+        m = _gate_up_silu(x, mlp.gate_up_weight, gemm)
+        return _linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps)
+
+    def _o_partials(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta, pool: KVPool,
+                    loop: int, gemm: GemmConfig) -> torch.Tensor:
+        """attention(q) @ o_proj.T as float32 partial sums [splits, rows, hidden]: from the decode kernel that folds
+        o_proj in where it serves the call, else attention, then o_proj's split-K partials."""
+        from . import triton_gemm
+
+        attn, eps = layer.self_attn, self.config.rms_norm_eps
+        w = layer.input_layernorm_2.weight  # unused by a partials-only launch: it runs no add + norm
+        folded = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
+                          self.o_barrier, h, w, w, eps, partials_only=True)
+        if folded is not None:
+            return folded
+        a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
+        return triton_gemm.linear_partials(a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm.splits_o, gemm)
 
     def _attention_add_norm(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
                             pool: KVPool, loop: int, gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,8 @@ from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
                                  o_fold_applies, parse_fold, parse_ring, query_tiling)
+from .mlp_dispatch import FOLD_ENV as MLP_FOLD_ENV
+from .mlp_dispatch import MLP_ROWS, mlp_fold_applies, parse_fold_mlp
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -211,6 +213,7 @@ FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 0 | 1 | 2 [:warp|:cta]: what the Gluon d
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
 _FOLD: dict[int, FoldConfig | None] = {}
+_FOLD_MLP: dict[int, bool] = {}  # OUROBATCH_DECODE_FOLD_MLP on, with Gluon on a Hopper GPU (mlp_folds)
 
 
 def gluon_decode(device: torch.device) -> bool:
@@ -254,13 +257,14 @@ def fold_config(device: torch.device) -> FoldConfig | None:
 def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, query_start: torch.Tensor, max_rows: int, scale: float,
                        tiles: torch.Tensor | None, wo: torch.Tensor, barrier: torch.Tensor, h: torch.Tensor,
-                       w_branch: torch.Tensor, w_next: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       w_branch: torch.Tensor, w_next: torch.Tensor, eps: float,
+                       partials_only: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """With o = triton_paged_attention(...) @ wo.T: (h + rms(o) w_branch, its rms times w_next) from one Gluon
     launch (gluon_attention_o.py), or None where that launch does not serve the call (then the caller runs
     attention, o_proj and the add + norm apart): the Gluon decode kernel's one-CTA-per-pair grid,
     attention_dispatch.o_fold_applies, and OUROBATCH_DECODE_FOLD_O not 0. `barrier`: the model's two int32
-    grid-barrier counters on q's device."""
+    grid-barrier counters on q's device. partials_only: o itself (float32 [1, rows, hidden]) for the MLP launch,
+    which runs the add + norm (gluon_mlp.py)."""
     if max_rows != 1 or tiles is not None or q.shape[0] > O_ROWS:  # o_fold_applies' row bound, before any lookup
         return None
     seqs = context_lens.shape[0]
@@ -278,8 +282,37 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
 
     if not gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
         return None
+    if partials_only:
+        fold = replace(fold, norm=False)
     return gluon_attention_o.launch_decode_attention_o(q, k_plane, v_plane, block_tables, context_lens, query_start,
-                                                       scale, decode, wo, barrier, h, w_branch, w_next, eps, fold)
+                                                       scale, decode, wo, barrier, h, w_branch, w_next, eps, fold,
+                                                       partials_only)
+
+
+def mlp_fold_on(device: torch.device) -> bool:
+    """Whether `device` runs the decode step's MLP as one Gluon launch where mlp_dispatch.mlp_fold_applies: a
+    Hopper GPU with Gluon and OUROBATCH_DECODE_FOLD_MLP not 0 (read once per device)."""
+    if device.type != "cuda":
+        return False
+    index = pdl.device_index(device)
+    if index not in _FOLD_MLP:
+        _FOLD_MLP[index] = parse_fold_mlp(os.environ.get(MLP_FOLD_ENV, "")) and pdl.hopper(device) and (
+            _gluon_importable())
+    return _FOLD_MLP[index]
+
+
+def mlp_folds(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the decode step's MLP over the rows h [rows, hidden] runs as one Gluon launch (gluon_mlp.py):
+    mlp_fold_on, 16-bit weights in h's dtype that TMA can load, and mlp_dispatch.mlp_fold_applies."""
+    if h.shape[0] > MLP_ROWS or not mlp_fold_on(h.device):  # the rule's row bound, before any lookup
+        return False
+    rows, hidden = h.shape
+    inter = w_down.shape[1]
+    return (h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
+            and w_gate_up.dtype == w_down.dtype == h.dtype and w_gate_up.shape == (2 * inter, hidden)
+            and w_down.shape == (hidden, inter) and w_gate_up.is_contiguous() and w_down.is_contiguous()
+            and w_gate_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0
+            and mlp_fold_applies(rows, hidden, inter))
 
 
 def _gluon_importable() -> bool:

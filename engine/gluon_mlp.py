@@ -1,0 +1,287 @@
+"""The decode step's MLP as one warp-specialized Gluon launch (Hopper, up to 8 rows): the add + norm after
+attention, gate_up + SiLU and down_proj, instead of three kernels.
+
+At N = 8 a layer and loop ran the add + norm kernel (2.5 us, no bytes to speak of), gate_up + SiLU (13.9 us
+against 10.7 us of weights) and down_proj's split-K partials (8.0 against 5.4), each a kernel boundary: its
+first loads, its last wave, the wait for the kernel before (docs/benchmarks.md, sessions 9-16). Session 14's
+probe (benchmarks/ws_chain.py, ws_layer.py) measured the alternative: one CTA per SM whose weight stream never
+waits at a phase boundary, 1.7 us per phase above the bytes against 3.7 for PDL-chained kernels. Here, one CTA
+per SM and three partitions:
+
+- the loader warp TMA-loads every weight box (16 rows x 256) of the CTA's gate_up tiles (a gate box and an up
+  box per K step) and then of its down tiles into a ring of shared-memory slots (gluon_ring.py). Weights are no
+  kernel's output, so it starts at launch, before the wait for the kernel before, and never waits for a phase;
+- the stager (4 warps) waits for the kernel before (PDL), reads o_proj's float32 partials and the residual
+  rows, and runs triton_fused.add_norm2_store's math on all rows at once (h + rms(o) w_branch, then its rms
+  times w_next, the same roundings), writes its share of the new residual rows, and puts the normed rows into
+  shared memory for the consumer. Then it waits at the grid barrier for every CTA's gate_up tiles, and copies
+  SiLU x up's rows (rows x intermediate) into shared memory, signalling each 256-column chunk as it lands;
+- the consumer warp multiplies (mma.sync, the weight rows as the MMA's M, four accumulator chains), writes its
+  SiLU x up columns, arrives at the grid barrier, then multiplies its down tiles as the chunks land and writes
+  float32 columns of down's output for triton_gemm.add_rms_norm2_partials (the add + norm after the MLP).
+
+The grid barrier needs every CTA resident: one CTA per SM, and mlp_dispatch.mlp_fold_applies bounds the
+shared memory (SiLU x up's rows and the ring) to what one CTA may use. Its counters are the model's
+(OuroForCausalLM.mlp_barrier). Two engines sharing a GPU through MPS could deadlock on it, as on the decode
+kernel's (docs/api.md): OUROBATCH_DECODE_FOLD_MLP=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from . import mlp_dispatch, pdl
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait
+from .gluon_ring import give, grid_arrive, grid_generation, grid_wait, load_box, take, weight_ring
+
+BN = gl.constexpr(mlp_dispatch.MLP_BLOCK_N)  # output columns of a tile (the MMA's M)
+BK = gl.constexpr(mlp_dispatch.MLP_BLOCK_K)  # K of a weight box and of a staged chunk
+BM = gl.constexpr(mlp_dispatch.MLP_ROWS)  # rows the MMA's N holds
+
+
+@gluon.jit
+def _chunk(xs, rest, c: gl.constexpr):
+    # chunk c (BM x BK) of SiLU x up's staged rows: the first H / BK in xs [BM, H] (the normed rows' buffer
+    # before), the others in rest [power of two, BM, BK]
+    if c * BK < xs.shape[1]:
+        return xs.slice(c * BK, BK, dim=1)
+    else:
+        return rest.index(c - xs.shape[1] // BK)
+
+
+@gluon.jit
+def _load_weights(wgu_desc, wd_desc, ring, ready, empty, H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr):
+    # every box of the CTA's gate_up tiles (gate, then up, per K step), then of its down tiles
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    i = pid * 0
+    for t in range(pid, I // BN, programs):
+        for kb in range(H // BK):
+            load_box(wgu_desc, t * BN, kb * BK, ring, ready, empty, i, STAGES)
+            load_box(wgu_desc, I + t * BN, kb * BK, ring, ready, empty, i + 1, STAGES)
+            i += 2
+    for t in range(pid, H // BN, programs):
+        for kb in range(I // BK):
+            load_box(wd_desc, t * BN, kb * BK, ring, ready, empty, i, STAGES)
+            i += 1
+
+
+@gluon.jit
+def _quarters(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constexpr):
+    # acc_j += slot's j-th quarter (16 x BK / 4) @ b_j: four independent MMA chains
+    Q: gl.constexpr = BK // 4
+    acc0 = mma_v2(slot.slice(0, Q, dim=1).load(a_layout), b0, acc0)
+    acc1 = mma_v2(slot.slice(Q, Q, dim=1).load(a_layout), b1, acc1)
+    acc2 = mma_v2(slot.slice(2 * Q, Q, dim=1).load(a_layout), b2, acc2)
+    acc3 = mma_v2(slot.slice(3 * Q, Q, dim=1).load(a_layout), b3, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _operands(xs, b_layout: gl.constexpr):
+    # the staged rows' K chunk xs [BM, BK] as the MMA's four B operands (BK / 4 x BM each)
+    Q: gl.constexpr = BK // 4
+    return (xs.slice(0, Q, dim=1).permute((1, 0)).load(b_layout), xs.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout),
+            xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout),
+            xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout))
+
+
+@gluon.jit
+def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
+                   STAGES: gl.constexpr):
+    # the CTA's tiles of silu(x gate.T) * (x up.T), rounded as triton_gemm's gate_up + SiLU kernel rounds
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    for t in range(pid, I // BN, programs):
+        g0 = gl.zeros([BN, BM], gl.float32, mma)
+        g1 = gl.zeros([BN, BM], gl.float32, mma)
+        g2 = gl.zeros([BN, BM], gl.float32, mma)
+        g3 = gl.zeros([BN, BM], gl.float32, mma)
+        u0 = gl.zeros([BN, BM], gl.float32, mma)
+        u1 = gl.zeros([BN, BM], gl.float32, mma)
+        u2 = gl.zeros([BN, BM], gl.float32, mma)
+        u3 = gl.zeros([BN, BM], gl.float32, mma)
+        for kb in gl.static_range(H // BK):  # static: a shared-memory slice starts at a constant
+            b0, b1, b2, b3 = _operands(xs.slice(kb * BK, BK, dim=1), b_layout)
+            g0, g1, g2, g3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, a_layout)
+            give(empty, i, STAGES)
+            u0, u1, u2, u3 = _quarters(take(ring, ready, i + 1, STAGES), b0, b1, b2, b3, u0, u1, u2, u3, a_layout)
+            give(empty, i + 1, STAGES)
+            i += 2
+        dtype: gl.constexpr = act_ptr.dtype.element_ty
+        gate = ((g0 + g1) + (g2 + g3)).to(dtype).to(gl.float32)  # rounded as F.linear's output is
+        up = ((u0 + u1) + (u2 + u3)).to(dtype).to(gl.float32)
+        y = (gate / (1.0 + gl.exp(-gate)) * up).to(dtype)
+        rn = t * BN + rn0
+        gl.store(act_ptr + rr[None, :] * I + rn[:, None], y, mask=(rr < rows)[None, :])
+    return i
+
+
+@gluon.jit
+def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
+                STAGES: gl.constexpr):
+    # the CTA's float32 tiles of act @ down.T, each chunk of act multiplied as it lands
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    for t in range(pid, H // BN, programs):
+        acc0 = gl.zeros([BN, BM], gl.float32, mma)
+        acc1 = gl.zeros([BN, BM], gl.float32, mma)
+        acc2 = gl.zeros([BN, BM], gl.float32, mma)
+        acc3 = gl.zeros([BN, BM], gl.float32, mma)
+        for kb in gl.static_range(I // BK):
+            mbarrier.wait(a_ready.index(kb), 0)
+            b0, b1, b2, b3 = _operands(_chunk(act_a, act_b, kb), b_layout)
+            acc0, acc1, acc2, acc3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, acc0, acc1, acc2, acc3,
+                                               a_layout)
+            give(empty, i, STAGES)
+            i += 1
+        rn = t * BN + rn0
+        gl.store(pd_ptr + rr[None, :] * H + rn[:, None], (acc0 + acc1) + (acc2 + acc3), mask=(rr < rows)[None, :])
+    return i
+
+
+@gluon.jit
+def _multiply(ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H: gl.constexpr,
+              I: gl.constexpr, STAGES: gl.constexpr):
+    # the consumer: gate_up once the normed rows are in (every CTA waits for them, tiles or not, so that its
+    # stager has read the barrier's generation before this CTA can arrive), the barrier, then down
+    mbarrier.wait(x_ready.index(0), 0)
+    i = _gate_up_tiles(ring, ready, empty, act_a, act_ptr, rows,
+                       gl.program_id(0) * 0, H, I, STAGES)  # the ring's box count, a loop-carried int
+    grid_arrive(bar_ptr, gl.num_programs(0))
+    _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES)
+
+
+@gluon.jit
+def _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, xs, rows, eps, H: gl.constexpr,
+                   WARPS: gl.constexpr):
+    # triton_fused.add_norm2_store on every row at once, the same roundings: y = the partials' sum in the model
+    # dtype, h + rms(y) wa -> h_out (this CTA's share of the columns), rms(h_out) wb -> xs [BM, H] (shared memory)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, H, layout=gl.SliceLayout(0, layout))
+    mask = (rm < rows)[:, None]
+    offs = rm[:, None] * H + cols[None, :]
+    y = gl.load(po_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        y += gl.load(po_ptr + s * split_stride + offs, mask=mask, other=0.0)
+    h = gl.load(h_ptr + offs, mask=mask, other=0.0)
+    y = y.to(h.dtype).to(gl.float32)
+    ynorm = y * gl.rsqrt(gl.sum(y * y, axis=1) / H + eps)[:, None]
+    wa = gl.load(wa_ptr + cols)
+    h_new = (h.to(gl.float32) + (ynorm.to(wa.dtype) * wa[None, :]).to(gl.float32)).to(h.dtype)
+    share = gl.cdiv(H, gl.num_programs(0))
+    mine = (cols >= gl.program_id(0) * share) & (cols < gl.program_id(0) * share + share)
+    gl.store(h_out_ptr + offs, h_new, mask=mask & mine[None, :])
+    hf = h_new.to(gl.float32)
+    hnorm = hf * gl.rsqrt(gl.sum(hf * hf, axis=1) / H + eps)[:, None]
+    wb = gl.load(wb_ptr + cols)
+    xs.store(hnorm.to(wb.dtype) * wb[None, :])
+
+
+@gluon.jit
+def _stage_act(act_ptr, act_a, act_b, a_ready, rows, I: gl.constexpr, WARPS: gl.constexpr):
+    # SiLU x up's rows into the chunks, every copy in flight at once (cp.async), each chunk signalled as it lands
+    NC: gl.constexpr = I // BK
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(NC):
+        async_copy.async_copy_global_to_shared(_chunk(act_a, act_b, c), act_ptr + rm[:, None] * I + (c * BK + rk)[None, :],
+                                               mask=(rm < rows)[:, None])
+        async_copy.commit_group()
+    for c in gl.static_range(NC):
+        async_copy.wait_group(NC - 1 - c)
+        gl.thread_barrier()  # every lane's copies of the chunk have landed
+        mbarrier.arrive(a_ready.index(c), count=1)
+
+
+@gluon.jit
+def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b, x_ready,
+           a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr):
+    # the default partition: the add + norm into shared memory, then SiLU x up's rows once every CTA wrote its own
+    if USE_PDL:  # o's partials and the residual rows are the kernels before's output
+        _gdc_wait()
+        _gdc_launch_dependents()
+    # the barrier's generation: after the wait (a launch before this one on the same counters has bumped it by
+    # then) and before this CTA's consumer can arrive (it waits for x_ready first)
+    gen = grid_generation(bar_ptr)
+    _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_a, rows, eps, H, WARPS)
+    gl.thread_barrier()  # every warp's rows are in shared memory
+    mbarrier.arrive(x_ready.index(0), count=1)
+    grid_wait(bar_ptr, gen)
+    _stage_act(act_ptr, act_a, act_b, a_ready, rows, I, WARPS)
+
+
+@gluon.jit
+def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, pd_ptr, bar_ptr, split_stride,
+               splits, rows, eps, x_layout: gl.constexpr, chunk_layout: gl.constexpr, H: gl.constexpr,
+               I: gl.constexpr, REST: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+               num_warps: gl.constexpr):
+    # the normed rows [BM, H], whose buffer then holds SiLU x up's first H columns, and REST (a power of two, at
+    # least (I - H) / BK) chunks of BK columns for the others (mlp_dispatch.rest_chunks)
+    ring, ready, empty = weight_ring(wgu_desc, STAGES)
+    act_a = gl.allocate_shared_memory(wgu_desc.dtype, [BM, H], x_layout)
+    act_b = gl.allocate_shared_memory(wgu_desc.dtype, [REST, BM, BK], chunk_layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [H // BK + REST, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(x_ready.index(0), count=1)
+    for c in gl.static_range(H // BK + REST):
+        mbarrier.init(a_ready.index(c), count=1)
+    gl.warp_specialize([
+        (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b,
+                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps)),
+        (_multiply, (ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I, STAGES)),
+        (_load_weights, (wgu_desc, wd_desc, ring, ready, empty, H, I, STAGES)),
+    ], [1, 1], [192, 40])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def smem_layouts(dtype: torch.dtype, hidden: int):
+    """The shared-memory layouts of the weight boxes (their TMA descriptors'), the normed rows [8, hidden] and a
+    staged chunk [8, 256]."""
+    gl_dtype = _GL_DTYPES[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([BN.value, BK.value], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([BM.value, hidden], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([BM.value, BK.value], gl_dtype))
+
+
+def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
+               w_gate_up: torch.Tensor, w_down: torch.Tensor, barrier: torch.Tensor, eps: float,
+               stages: int = mlp_dispatch.MLP_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: [rows, hidden] residual rows; partials_o: o_proj's float32 partial sums [splits, rows, hidden]. With
+    h_mid = h + rms(o) w_branch and x = rms(h_mid) w_next: returns (h_mid, the float32 partials [1, rows, hidden]
+    of down(silu(x gate.T) * (x up.T))), for triton_gemm.add_rms_norm2_partials. The caller checked
+    mlp_dispatch.mlp_fold_applies; `barrier`: two int32s on h's device, kept for later launches."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, hidden = h.shape
+    inter = w_down.shape[1]
+    h_mid = torch.empty_like(h)
+    act = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
+    pd = torch.empty(1, rows, hidden, dtype=torch.float32, device=h.device)
+    w_layout, x_layout, chunk_layout = smem_layouts(h.dtype, hidden)
+    box = [BN.value, BK.value]
+    mlp_kernel[(pdl.num_sms(h.device),)](
+        TensorDescriptor.from_tensor(w_gate_up, box, w_layout), TensorDescriptor.from_tensor(w_down, box, w_layout),
+        partials_o, h, w_branch, w_next, h_mid, act, pd, barrier, partials_o.stride(0), partials_o.shape[0], rows, eps,
+        x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter,
+        REST=mlp_dispatch.rest_chunks(hidden, inter), STAGES=stages,
+        num_warps=4, **pdl.launch_kwargs(h.device))
+    return h_mid, pd

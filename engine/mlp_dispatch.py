@@ -1,0 +1,55 @@
+"""Where the decode step's MLP runs as one warp-specialized Gluon launch (engine/gluon_mlp.py; Triton-free, so the
+rule is tested without a GPU).
+
+The launch replaces the add + norm after attention, gate_up + SiLU and down_proj's split-K partials for calls of
+up to MLP_ROWS rows. Its grid is one CTA per SM, and a grid barrier between gate_up and down needs all of them
+resident at once: so one CTA's shared memory (SiLU x up's rows and the weight ring) must fit, and the rule reads
+only host ints that are fixed per CUDA graph bucket. OUROBATCH_DECODE_FOLD_MLP: 1 (the default) or 0 (off).
+"""
+
+from __future__ import annotations
+
+import os
+
+MLP_BLOCK_N, MLP_BLOCK_K, MLP_ROWS = 16, 256, 8  # tile columns (the MMA's M), weight box / chunk K, rows
+MLP_STAGES = 12  # weight-ring slots of 16 x 256 (session 14's probe: 10-12 best, 6 and 18 slower)
+MLP_MAX_HIDDEN = 2048  # the stager holds every row's hidden values in registers (8 x 2048 over 128 threads)
+HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
+FOLD_ENV = "OUROBATCH_DECODE_FOLD_MLP"
+
+
+def rest_chunks(hidden: int, intermediate: int) -> int:
+    """SiLU x up's rows are staged in MLP_BLOCK_K-column chunks: the first hidden columns in the normed rows'
+    buffer, the rest in a buffer of this many chunks (a power of two, Gluon's shapes; at least 1)."""
+    rest = max(1, (intermediate - hidden) // MLP_BLOCK_K)
+    return 1 << (rest - 1).bit_length()
+
+
+def mlp_smem(hidden: int, intermediate: int, stages: int = MLP_STAGES, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA: the normed rows (then SiLU x up's first columns), the other chunks, the weight
+    ring and the mbarriers."""
+    rest = rest_chunks(hidden, intermediate)
+    return (MLP_ROWS * (hidden + rest * MLP_BLOCK_K) + stages * MLP_BLOCK_N * MLP_BLOCK_K) * elem_bytes + 8 * (
+        2 * stages + 1 + hidden // MLP_BLOCK_K + rest)
+
+
+def mlp_fold_applies(rows: int, hidden: int, intermediate: int, stages: int = MLP_STAGES, elem_bytes: int = 2) -> bool:
+    """Whether a call of `rows` rows can run its MLP in the one launch: 1..MLP_ROWS rows; hidden a power of two
+    from MLP_BLOCK_K to MLP_MAX_HIDDEN; the intermediate width a whole number of chunks and at least hidden (the
+    normed rows sit where SiLU x up's rows go later); one CTA's shared memory within the sm90 limit."""
+    return (1 <= rows <= MLP_ROWS and MLP_BLOCK_K <= hidden <= MLP_MAX_HIDDEN and hidden & (hidden - 1) == 0
+            and intermediate % MLP_BLOCK_K == 0 and intermediate >= hidden
+            and mlp_smem(hidden, intermediate, stages, elem_bytes) <= HOPPER_SMEM_PER_CTA)
+
+
+def parse_fold_mlp(text: str) -> bool:
+    """OUROBATCH_DECODE_FOLD_MLP: "1" (on, the default for an empty value) or "0"."""
+    value = text.strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FOLD_ENV} must be 0 (off) or 1 (on), got {text!r}")
+    return value == "1"
+
+
+def fold_mlp_enabled() -> bool:
+    """OUROBATCH_DECODE_FOLD_MLP read now (the caller caches it per device)."""
+    return parse_fold_mlp(os.environ.get(FOLD_ENV, ""))
