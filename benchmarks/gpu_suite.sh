@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|mlp_probe|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -135,6 +135,10 @@ if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Glu
   # (engine/gluon_attention_o.py): env_variants over OUROBATCH_DECODE_FOLD_O's FO_VARIANTS (default "0 1 1:cta 2:cta")
   FV_TESTS="tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py}" \
     env_variants OUROBATCH_DECODE_FOLD_O "${FO_VARIANTS:-0 1 1:cta 2:cta}" fo "$@"
+fi
+if [ "$what" = mlp_probe ]; then  # the MLP alone: the engine's kernels against the Gluon launch and its
+  # diagnostics (benchmarks/mlp_probe.py; its --ways)
+  timeout -k 10 300 python3 benchmarks/mlp_probe.py --out "$OUT/mlp_probe" "$@" 2>&1 | tee "$OUT/mlp_probe.log" | tail -12
 fi
 if [ "$what" = fold_mlp ]; then  # the MLP as one Gluon launch (engine/gluon_mlp.py): env_variants over
   # OUROBATCH_DECODE_FOLD_MLP's FM_VARIANTS (default "0 1")

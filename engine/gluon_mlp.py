@@ -92,7 +92,7 @@ def _operands(xs, b_layout: gl.constexpr):
 
 @gluon.jit
 def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, DIAG: gl.constexpr):
     # the CTA's tiles of silu(x gate.T) * (x up.T), rounded as triton_gemm's gate_up + SiLU kernel rounds
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -111,11 +111,18 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I:
         u2 = gl.zeros([BN, BM], gl.float32, mma)
         u3 = gl.zeros([BN, BM], gl.float32, mma)
         for kb in gl.static_range(H // BK):  # static: a shared-memory slice starts at a constant
-            b0, b1, b2, b3 = _operands(xs.slice(kb * BK, BK, dim=1), b_layout)
-            g0, g1, g2, g3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, a_layout)
-            give(empty, i, STAGES)
-            u0, u1, u2, u3 = _quarters(take(ring, ready, i + 1, STAGES), b0, b1, b2, b3, u0, u1, u2, u3, a_layout)
-            give(empty, i + 1, STAGES)
+            if DIAG == 1:  # diagnostic: the stream without the MMAs
+                take(ring, ready, i, STAGES)
+                give(empty, i, STAGES)
+                take(ring, ready, i + 1, STAGES)
+                give(empty, i + 1, STAGES)
+            else:
+                b0, b1, b2, b3 = _operands(xs.slice(kb * BK, BK, dim=1), b_layout)
+                g0, g1, g2, g3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, a_layout)
+                give(empty, i, STAGES)
+                u0, u1, u2, u3 = _quarters(take(ring, ready, i + 1, STAGES), b0, b1, b2, b3, u0, u1, u2, u3,
+                                           a_layout)
+                give(empty, i + 1, STAGES)
             i += 2
         dtype: gl.constexpr = act_ptr.dtype.element_ty
         gate = ((g0 + g1) + (g2 + g3)).to(dtype).to(gl.float32)  # rounded as F.linear's output is
@@ -128,7 +135,7 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I:
 
 @gluon.jit
 def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, DIAG: gl.constexpr):
     # the CTA's float32 tiles of act @ down.T, each chunk of act multiplied as it lands
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -144,9 +151,12 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
         acc3 = gl.zeros([BN, BM], gl.float32, mma)
         for kb in gl.static_range(I // BK):
             mbarrier.wait(a_ready.index(kb), 0)
-            b0, b1, b2, b3 = _operands(_chunk(act_a, act_b, kb), b_layout)
-            acc0, acc1, acc2, acc3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, acc0, acc1, acc2, acc3,
-                                               a_layout)
+            if DIAG == 1:
+                take(ring, ready, i, STAGES)
+            else:
+                b0, b1, b2, b3 = _operands(_chunk(act_a, act_b, kb), b_layout)
+                acc0, acc1, acc2, acc3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, acc0, acc1, acc2,
+                                                   acc3, a_layout)
             give(empty, i, STAGES)
             i += 1
         rn = t * BN + rn0
@@ -156,14 +166,15 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
 
 @gluon.jit
 def _multiply(ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H: gl.constexpr,
-              I: gl.constexpr, STAGES: gl.constexpr):
+              I: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr):
     # the consumer: gate_up once the normed rows are in (every CTA waits for them, tiles or not, so that its
     # stager has read the barrier's generation before this CTA can arrive), the barrier, then down
     mbarrier.wait(x_ready.index(0), 0)
     i = _gate_up_tiles(ring, ready, empty, act_a, act_ptr, rows,
-                       gl.program_id(0) * 0, H, I, STAGES)  # the ring's box count, a loop-carried int
-    grid_arrive(bar_ptr, gl.num_programs(0))
-    _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES)
+                       gl.program_id(0) * 0, H, I, STAGES, DIAG)  # the ring's box count, a loop-carried int
+    if DIAG != 2:
+        grid_arrive(bar_ptr, gl.num_programs(0))
+    _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES, DIAG)
 
 
 @gluon.jit
@@ -212,7 +223,8 @@ def _stage_act(act_ptr, act_a, act_b, a_ready, rows, I: gl.constexpr, WARPS: gl.
 
 @gluon.jit
 def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b, x_ready,
-           a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr):
+           a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr,
+           DIAG: gl.constexpr):
     # the default partition: the add + norm into shared memory, then SiLU x up's rows once every CTA wrote its own
     if USE_PDL:  # o's partials and the residual rows are the kernels before's output
         _gdc_wait()
@@ -220,10 +232,12 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
     # the barrier's generation: after the wait (a launch before this one on the same counters has bumped it by
     # then) and before this CTA's consumer can arrive (it waits for x_ready first)
     gen = grid_generation(bar_ptr)
-    _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_a, rows, eps, H, WARPS)
+    if DIAG != 3:  # diagnostic 3: no add + norm (the MMAs read whatever is there)
+        _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_a, rows, eps, H, WARPS)
     gl.thread_barrier()  # every warp's rows are in shared memory
     mbarrier.arrive(x_ready.index(0), count=1)
-    grid_wait(bar_ptr, gen)
+    if DIAG != 2:  # diagnostic 2: no grid barrier (SiLU x up's rows staged whenever: wrong output)
+        grid_wait(bar_ptr, gen)
     _stage_act(act_ptr, act_a, act_b, a_ready, rows, I, WARPS)
 
 
@@ -231,7 +245,9 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
 def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, pd_ptr, bar_ptr, split_stride,
                splits, rows, eps, x_layout: gl.constexpr, chunk_layout: gl.constexpr, H: gl.constexpr,
                I: gl.constexpr, REST: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-               num_warps: gl.constexpr):
+               num_warps: gl.constexpr, DIAG: gl.constexpr = 0):
+    # DIAG (diagnostics for benchmarks/mlp_probe.py; the output is then wrong): 1 no MMAs, 2 no grid barrier,
+    # 3 no add + norm
     # the normed rows [BM, H], whose buffer then holds SiLU x up's first H columns, and REST (a power of two, at
     # least (I - H) / BK) chunks of BK columns for the others (mlp_dispatch.rest_chunks)
     ring, ready, empty = weight_ring(wgu_desc, STAGES)
@@ -244,8 +260,9 @@ def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_
         mbarrier.init(a_ready.index(c), count=1)
     gl.warp_specialize([
         (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b,
-                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps)),
-        (_multiply, (ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I, STAGES)),
+                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG)),
+        (_multiply, (ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I, STAGES,
+                     DIAG)),
         (_load_weights, (wgu_desc, wd_desc, ring, ready, empty, H, I, STAGES)),
     ], [1, 1], [192, 40])
 
@@ -264,7 +281,7 @@ def smem_layouts(dtype: torch.dtype, hidden: int):
 
 def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
                w_gate_up: torch.Tensor, w_down: torch.Tensor, barrier: torch.Tensor, eps: float,
-               stages: int = mlp_dispatch.MLP_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
+               stages: int = mlp_dispatch.MLP_STAGES, diag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """h: [rows, hidden] residual rows; partials_o: o_proj's float32 partial sums [splits, rows, hidden]. With
     h_mid = h + rms(o) w_branch and x = rms(h_mid) w_next: returns (h_mid, the float32 partials [1, rows, hidden]
     of down(silu(x gate.T) * (x up.T))), for triton_gemm.add_rms_norm2_partials. The caller checked
@@ -283,5 +300,5 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
         partials_o, h, w_branch, w_next, h_mid, act, pd, barrier, partials_o.stride(0), partials_o.shape[0], rows, eps,
         x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter,
         REST=mlp_dispatch.rest_chunks(hidden, inter), STAGES=stages,
-        num_warps=4, **pdl.launch_kwargs(h.device))
+        num_warps=4, DIAG=diag, **pdl.launch_kwargs(h.device))
     return h_mid, pd

@@ -1,0 +1,97 @@
+"""The decode step's MLP at 8 rows: the engine's three kernels against the one Gluon launch (engine/gluon_mlp.py),
+alone, on 24 layers of Ouro-1.4B-shaped random weights (distinct per layer: 1.66 GB, no L2 reuse).
+
+Each way runs a layer's MLP 24 times in a row (each layer's output the next one's input), captured in a CUDA
+graph and timed as phase_probe.py times its chains (PDL on, as in the engine):
+- kernels: triton_gemm.add_rms_norm2_partials, gate_up_silu, linear_partials (the engine's path without the fold);
+- mlp: gluon_mlp.launch_mlp, with STAGES ring slots; diagnostics (the output then wrong): d1 no MMAs, d2 no grid
+  barrier, d3 no add + norm.
+Every way twice in turn; us per layer and above the weights' bytes floor (gate_up + down at 4.3 TB/s).
+
+    python benchmarks/mlp_probe.py --out DIR [--ways kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3] [--layers 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from phase_probe import COPY_TBPS, timed  # noqa: E402
+from provenance import commit  # noqa: E402
+
+HIDDEN, INTER, ROWS, EPS = 2048, 5632, 8, 1e-6
+
+
+class Layers:
+    def __init__(self, layers: int, rows: int = ROWS) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        bf16 = dict(dtype=torch.bfloat16, device="cuda")
+        self.gate_up = [(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
+                        for _ in range(layers)]
+        self.down = [(torch.randn(HIDDEN, INTER, generator=g, device="cuda") / INTER**0.5).to(torch.bfloat16)
+                     for _ in range(layers)]
+        self.w = torch.ones(HIDDEN, **bf16)
+        self.h = torch.randn(rows, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        self.po = torch.randn(1, rows, HIDDEN, generator=g, device="cuda")
+        self.barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    def kernels(self) -> None:
+        from engine import triton_gemm
+        from engine.gemm_dispatch import gemm_config
+
+        cfg, h, po = gemm_config(self.h.shape[0]), self.h, self.po
+        for gu, down in zip(self.gate_up, self.down):
+            h, x = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
+            po = triton_gemm.linear_partials(triton_gemm.gate_up_silu(x, gu, cfg), down, cfg.splits_down, cfg)
+
+    def mlp(self, stages: int, diag: int) -> None:
+        from engine.gluon_mlp import launch_mlp
+
+        h, po = self.h, self.po
+        for gu, down in zip(self.gate_up, self.down):
+            h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag)
+
+    def way(self, name: str):
+        if name == "kernels":
+            return self.kernels
+        m = re.fullmatch(r"mlp(\d+)(?:d(\d))?", name)
+        if not m:
+            raise ValueError(f"--ways: kernels or mlpSTAGES[dDIAG] (e.g. mlp12, mlp12d1), got {name!r}")
+        return lambda: self.mlp(int(m[1]), int(m[2] or 0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ways", default="kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3")
+    ap.add_argument("--layers", type=int, default=24)
+    args = ap.parse_args(argv)
+    layers = Layers(args.layers)
+    floor_us = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2 / (COPY_TBPS * 1e6)
+    ways = {name: layers.way(name) for name in args.ways.split(",")}
+    result = {"commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
+    for _ in range(2):
+        for name, fn in ways.items():
+            us = timed(fn) * 1e3 / args.layers
+            result["ways"].setdefault(name, []).append(us)
+            print(f"{name:12s} {us:7.2f} us per layer ({us - floor_us:+.2f} above the {floor_us:.2f} us floor)",
+                  flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mlp_probe.json").write_text(json.dumps(result, indent=1))
+    lines = ["| way | us per layer (two rounds) | above the floor |", "|---|---|---|"]
+    lines += [f"| {n} | {' / '.join(f'{u:.2f}' for u in v)} | {min(v) - floor_us:+.2f} |" for n, v in result["ways"].items()]
+    (out / "mlp_probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
