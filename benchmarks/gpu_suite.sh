@@ -133,7 +133,7 @@ env_variants() {  # $1: an env variable, $2: its values, $3: a tag, then through
 }
 if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Gluon decode kernel
   # (engine/gluon_attention_o.py): env_variants over OUROBATCH_DECODE_FOLD_O's FO_VARIANTS (default "0 1 1:cta 2:cta")
-  FV_TESTS="tests/gpu/test_gpu_gluon_attention_o.py ${FO_TESTS:-tests/gpu/test_gpu_warmup.py}" \
+  FV_TESTS="${FO_TESTS:-tests/gpu/test_gpu_gluon_attention_o.py tests/gpu/test_gpu_warmup.py}" \
     env_variants OUROBATCH_DECODE_FOLD_O "${FO_VARIANTS:-0 1 1:cta 2:cta}" fo "$@"
 fi
 if [ "$what" = mlp_probe ]; then  # the MLP alone: the engine's kernels against the Gluon launch and its
@@ -142,7 +142,7 @@ if [ "$what" = mlp_probe ]; then  # the MLP alone: the engine's kernels against 
 fi
 if [ "$what" = fold_mlp ]; then  # the MLP as one Gluon launch (engine/gluon_mlp.py): env_variants over
   # OUROBATCH_DECODE_FOLD_MLP's FM_VARIANTS (default "0 1")
-  FV_TESTS="tests/gpu/test_gpu_gluon_mlp.py ${FM_TESTS:-tests/gpu/test_gpu_warmup.py}" \
+  FV_TESTS="${FM_TESTS:-tests/gpu/test_gpu_gluon_mlp.py tests/gpu/test_gpu_warmup.py}" \
     env_variants OUROBATCH_DECODE_FOLD_MLP "${FM_VARIANTS:-0 1}" fm "$@"
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm

@@ -4,7 +4,8 @@ alone, on 24 layers of Ouro-1.4B-shaped random weights (distinct per layer: 1.66
 Each way runs a layer's MLP 24 times in a row (each layer's output the next one's input), captured in a CUDA
 graph and timed as phase_probe.py times its chains (PDL on, as in the engine):
 - kernels: triton_gemm.add_rms_norm2_partials, gate_up_silu, linear_partials (the engine's path without the fold);
-- mlp: gluon_mlp.launch_mlp, with STAGES ring slots; diagnostics (the output then wrong): d1 no MMAs, d2 no grid
+- mlp: gluon_mlp.launch_mlp, with STAGES ring slots (mlpSTAGES), a stager of WARPS warps (wWARPS, default 4), the
+  barrier polled by volatile loads (p1; p0: atomics); diagnostics (the output then wrong): d1 no MMAs, d2 no grid
   barrier, d3 no add + norm.
 Every way twice in turn; us per layer and above the weights' bytes floor (gate_up + down at 4.3 TB/s).
 
@@ -51,20 +52,22 @@ class Layers:
             h, x = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
             po = triton_gemm.linear_partials(triton_gemm.gate_up_silu(x, gu, cfg), down, cfg.splits_down, cfg)
 
-    def mlp(self, stages: int, diag: int) -> None:
+    def mlp(self, stages: int, diag: int, warps: int, poll: int) -> None:
         from engine.gluon_mlp import launch_mlp
 
         h, po = self.h, self.po
         for gu, down in zip(self.gate_up, self.down):
-            h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag)
+            h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag,
+                               warps=warps, poll=poll)
 
     def way(self, name: str):
         if name == "kernels":
             return self.kernels
-        m = re.fullmatch(r"mlp(\d+)(?:d(\d))?", name)
+        m = re.fullmatch(r"mlp(\d+)(?:w(\d))?(?:p(\d))?(?:d(\d))?", name)
         if not m:
-            raise ValueError(f"--ways: kernels or mlpSTAGES[dDIAG] (e.g. mlp12, mlp12d1), got {name!r}")
-        return lambda: self.mlp(int(m[1]), int(m[2] or 0))
+            raise ValueError(f"--ways: kernels or mlpSTAGES[wWARPS][pPOLL][dDIAG] (e.g. mlp12, mlp8w8p1, mlp12d1), "
+                             f"got {name!r}")
+        return lambda: self.mlp(int(m[1]), int(m[4] or 0), int(m[2] or 4), int(m[3] or 0))
 
 
 def main(argv=None) -> int:
