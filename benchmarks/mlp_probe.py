@@ -10,6 +10,7 @@ graph and timed as phase_probe.py times its chains (PDL on, as in the engine):
 Every way twice in turn; us per layer and above the weights' bytes floor (gate_up + down at 4.3 TB/s).
 
     python benchmarks/mlp_probe.py --out DIR [--ways kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3] [--layers 24]
+        [--between MB]   # a torch copy of MB between layers (timed in both ways; no PDL overlap across it)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ HIDDEN, INTER, ROWS, EPS = 2048, 5632, 8, 1e-6
 
 
 class Layers:
-    def __init__(self, layers: int, rows: int = ROWS) -> None:
+    def __init__(self, layers: int, rows: int = ROWS, between_mb: int = 0) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         bf16 = dict(dtype=torch.bfloat16, device="cuda")
         self.gate_up = [(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
@@ -42,13 +43,22 @@ class Layers:
         self.h = torch.randn(rows, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
         self.po = torch.randn(1, rows, HIDDEN, generator=g, device="cuda")
         self.barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+        # --between: a torch copy (no PDL) between layers, as the step's attention sits between two MLPs
+        n = between_mb * 2**20 // 2
+        self.copies = [(torch.empty(n, **bf16), torch.empty(n, **bf16)) for _ in range(layers)] if n else []
+
+    def _between(self, layer: int) -> None:
+        if self.copies:
+            dst, src = self.copies[layer]
+            dst.copy_(src)
 
     def kernels(self) -> None:
         from engine import triton_gemm
         from engine.gemm_dispatch import gemm_config
 
         cfg, h, po = gemm_config(self.h.shape[0]), self.h, self.po
-        for gu, down in zip(self.gate_up, self.down):
+        for layer, (gu, down) in enumerate(zip(self.gate_up, self.down)):
+            self._between(layer)
             h, x = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
             po = triton_gemm.linear_partials(triton_gemm.gate_up_silu(x, gu, cfg), down, cfg.splits_down, cfg)
 
@@ -56,7 +66,8 @@ class Layers:
         from engine.gluon_mlp import launch_mlp
 
         h, po = self.h, self.po
-        for gu, down in zip(self.gate_up, self.down):
+        for layer, (gu, down) in enumerate(zip(self.gate_up, self.down)):
+            self._between(layer)
             h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag,
                                warps=warps, poll=poll)
 
@@ -75,11 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ways", default="kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--between", type=int, default=0, help="MB copied by a torch kernel between layers (0: none)")
     args = ap.parse_args(argv)
-    layers = Layers(args.layers)
+    layers = Layers(args.layers, between_mb=args.between)
     floor_us = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2 / (COPY_TBPS * 1e6)
     ways = {name: layers.way(name) for name in args.ways.split(",")}
-    result = {"commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
+    result = {"between_mb": args.between, "commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
     for _ in range(2):
         for name, fn in ways.items():
             us = timed(fn) * 1e3 / args.layers
@@ -88,10 +100,11 @@ def main(argv=None) -> int:
                   flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mlp_probe.json").write_text(json.dumps(result, indent=1))
+    tag = f"_between{args.between}" if args.between else ""
+    (out / f"mlp_probe{tag}.json").write_text(json.dumps(result, indent=1))
     lines = ["| way | us per layer (two rounds) | above the floor |", "|---|---|---|"]
     lines += [f"| {n} | {' / '.join(f'{u:.2f}' for u in v)} | {min(v) - floor_us:+.2f} |" for n, v in result["ways"].items()]
-    (out / "mlp_probe.md").write_text("\n".join(lines) + "\n")
+    (out / f"mlp_probe{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
