@@ -11,6 +11,8 @@ Every way twice in turn; us per layer and above the weights' bytes floor (gate_u
 
     python benchmarks/mlp_probe.py --out DIR [--ways kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3] [--layers 24]
         [--between MB]   # a torch copy of MB between layers (timed in both ways; no PDL overlap across it)
+        [--attention L]  # the step's attention with o_proj folded in before each MLP (L keys per row), and the
+                         # add + norm after it: the step's layer without its qkv kernel
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ HIDDEN, INTER, ROWS, EPS = 2048, 5632, 8, 1e-6
 
 
 class Layers:
-    def __init__(self, layers: int, rows: int = ROWS, between_mb: int = 0) -> None:
+    def __init__(self, layers: int, rows: int = ROWS, between_mb: int = 0, context: int = 0) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         bf16 = dict(dtype=torch.bfloat16, device="cuda")
         self.gate_up = [(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
@@ -46,6 +48,30 @@ class Layers:
         # --between: a torch copy (no PDL) between layers, as the step's attention sits between two MLPs
         n = between_mb * 2**20 // 2
         self.copies = [(torch.empty(n, **bf16), torch.empty(n, **bf16)) for _ in range(layers)] if n else []
+        # --attention: the step's decode attention with o_proj folded in (gluon_attention_o.py) before each MLP, one
+        # request per row, `context` keys each, a KV plane and o_proj weights per layer
+        self.context = context
+        if context:
+            page, heads, d = 16, 16, 128
+            pages = -(-context // page)
+            self.planes = [[torch.randn(rows * pages, page, heads, d, generator=g, device="cuda").to(torch.bfloat16)
+                            for _ in range(2)] for _ in range(layers)]
+            self.wo = [(torch.randn(HIDDEN, heads * d, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
+                       for _ in range(layers)]
+            self.q = torch.randn(rows, heads, d, generator=g, device="cuda").to(torch.bfloat16)
+            self.tables = torch.arange(rows * pages, dtype=torch.int32, device="cuda").view(rows, pages)
+            self.lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
+            self.starts = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+            self.o_barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    def _attention(self, layer: int, h: torch.Tensor, partials_only: bool):
+        from engine.attention_dispatch import DecodeConfig
+        from engine.gluon_attention_o import launch_decode_attention_o
+
+        k, v = self.planes[layer]
+        return launch_decode_attention_o(self.q, k, v, self.tables, self.lens, self.starts, 128**-0.5, DecodeConfig(),
+                                         self.wo[layer], self.o_barrier, h, self.w, self.w, EPS,
+                                         partials_only=partials_only)
 
     def _between(self, layer: int) -> None:
         if self.copies:
@@ -59,8 +85,13 @@ class Layers:
         cfg, h, po = gemm_config(self.h.shape[0]), self.h, self.po
         for layer, (gu, down) in enumerate(zip(self.gate_up, self.down)):
             self._between(layer)
-            h, x = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
+            if self.context:  # attention, o_proj and the add + norm (one launch and the add + norm kernel)
+                h, x = self._attention(layer, h, False)
+            else:
+                h, x = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
             po = triton_gemm.linear_partials(triton_gemm.gate_up_silu(x, gu, cfg), down, cfg.splits_down, cfg)
+            if self.context:  # the add + norm after the MLP
+                h, _ = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
 
     def mlp(self, stages: int, diag: int, warps: int, poll: int) -> None:
         from engine.gluon_mlp import launch_mlp
@@ -68,8 +99,14 @@ class Layers:
         h, po = self.h, self.po
         for layer, (gu, down) in enumerate(zip(self.gate_up, self.down)):
             self._between(layer)
+            if self.context:
+                po = self._attention(layer, h, True)
             h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag,
                                warps=warps, poll=poll)
+            if self.context:
+                from engine import triton_gemm
+
+                h, _ = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
 
     def way(self, name: str):
         if name == "kernels":
@@ -87,11 +124,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ways", default="kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--between", type=int, default=0, help="MB copied by a torch kernel between layers (0: none)")
+    ap.add_argument("--attention", type=int, default=0,
+                    help="keys per request of a decode attention (o_proj folded in) before each MLP, as in the step")
     args = ap.parse_args(argv)
-    layers = Layers(args.layers, between_mb=args.between)
+    layers = Layers(args.layers, between_mb=args.between, context=args.attention)
     floor_us = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2 / (COPY_TBPS * 1e6)
+    if args.attention:  # o_proj's weights and the keys and values
+        floor_us += (HIDDEN * 2048 + 2 * ROWS * args.attention * 2048) * 2 / (COPY_TBPS * 1e6)
     ways = {name: layers.way(name) for name in args.ways.split(",")}
-    result = {"between_mb": args.between, "commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
+    result = {"between_mb": args.between, "attention_context": args.attention, "commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
     for _ in range(2):
         for name, fn in ways.items():
             us = timed(fn) * 1e3 / args.layers
@@ -100,7 +141,7 @@ def main(argv=None) -> int:
                   flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"_between{args.between}" if args.between else ""
+    tag = (f"_between{args.between}" if args.between else "") + (f"_attention{args.attention}" if args.attention else "")
     (out / f"mlp_probe{tag}.json").write_text(json.dumps(result, indent=1))
     lines = ["| way | us per layer (two rounds) | above the floor |", "|---|---|---|"]
     lines += [f"| {n} | {' / '.join(f'{u:.2f}' for u in v)} | {min(v) - floor_us:+.2f} |" for n, v in result["ways"].items()]
