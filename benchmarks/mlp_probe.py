@@ -59,7 +59,8 @@ class Layers:
             self.wo = [(torch.randn(HIDDEN, heads * d, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
                        for _ in range(layers)]
             self.q = torch.randn(rows, heads, d, generator=g, device="cuda").to(torch.bfloat16)
-            self.tables = torch.arange(rows * pages, dtype=torch.int32, device="cuda").view(rows, pages)
+            self.tables = torch.zeros(rows, pages + 2, dtype=torch.int32, device="cuda")  # padded as the engine's
+            self.tables[:, :pages] = torch.arange(rows * pages, dtype=torch.int32, device="cuda").view(rows, pages)
             self.lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
             self.starts = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
             self.o_barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
