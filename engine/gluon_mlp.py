@@ -177,12 +177,20 @@ def _multiply(ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_pt
     _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES, DIAG)
 
 
+@gluon.constexpr_function
+def _rows_layout(warps):
+    # BM rows x columns over the stager's warps: a warp per row up to BM warps, then warps side by side in a row
+    # (no two warps hold the same element)
+    rows_w = min(warps, BM.value)
+    return gl.BlockedLayout([1, 8], [1, 32], [rows_w, warps // rows_w], [1, 0])
+
+
 @gluon.jit
 def _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, xs, rows, eps, H: gl.constexpr,
                    WARPS: gl.constexpr):
     # triton_fused.add_norm2_store on every row at once, the same roundings: y = the partials' sum in the model
     # dtype, h + rms(y) wa -> h_out (this CTA's share of the columns), rms(h_out) wb -> xs [BM, H] (shared memory)
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    layout: gl.constexpr = _rows_layout(WARPS)
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, H, layout=gl.SliceLayout(0, layout))
     mask = (rm < rows)[:, None]
@@ -208,7 +216,7 @@ def _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_pt
 def _stage_act(act_ptr, act_a, act_b, a_ready, rows, I: gl.constexpr, WARPS: gl.constexpr):
     # SiLU x up's rows into the chunks, every copy in flight at once (cp.async), each chunk signalled as it lands
     NC: gl.constexpr = I // BK
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    layout: gl.constexpr = _rows_layout(WARPS)
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(NC):
@@ -281,7 +289,7 @@ def smem_layouts(dtype: torch.dtype, hidden: int):
 
 def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
                w_gate_up: torch.Tensor, w_down: torch.Tensor, barrier: torch.Tensor, eps: float,
-               stages: int = mlp_dispatch.MLP_STAGES, diag: int = 0, warps: int = 4,
+               stages: int = mlp_dispatch.MLP_STAGES, diag: int = 0, warps: int = mlp_dispatch.MLP_WARPS,
                poll: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """h: [rows, hidden] residual rows; partials_o: o_proj's float32 partial sums [splits, rows, hidden]. With
     h_mid = h + rms(o) w_branch and x = rms(h_mid) w_next: returns (h_mid, the float32 partials [1, rows, hidden]

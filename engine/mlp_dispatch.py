@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 
 MLP_BLOCK_N, MLP_BLOCK_K, MLP_ROWS = 16, 256, 8  # tile columns (the MMA's M), weight box / chunk K, rows
-MLP_STAGES = 12  # weight-ring slots of 16 x 256 (session 14's probe: 10-12 best, 6 and 18 slower)
+MLP_STAGES = 8  # weight-ring slots of 16 x 256 (benchmarks/mlp_probe.py: 8 faster than 12, 12 than 16)
+MLP_WARPS = 8  # the stager's warps (the add + norm on every row: 8 warps 3 us faster than 4 per layer)
 MLP_MAX_HIDDEN = 2048  # the stager holds every row's hidden values in registers (8 x 2048 over 128 threads)
 HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
 FOLD_ENV = "OUROBATCH_DECODE_FOLD_MLP"

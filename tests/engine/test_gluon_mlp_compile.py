@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.mlp_dispatch import HOPPER_SMEM_PER_CTA, mlp_fold_applies, mlp_smem, rest_chunks
+from engine.mlp_dispatch import HOPPER_SMEM_PER_CTA, MLP_WARPS, mlp_fold_applies, mlp_smem, rest_chunks
 
 pytest.importorskip("triton.experimental.gluon")
 
 
-def compile_mlp(hidden: int, inter: int, dtype: str = "bf16", use_pdl: int = 1, stages: int = 12) -> dict:
+def compile_mlp(hidden: int, inter: int, dtype: str = "bf16", use_pdl: int = 1, stages: int = 8,
+                warps: int = MLP_WARPS) -> dict:
     import torch
 
     from benchmarks.ws_chain import compile_sm90
@@ -24,7 +25,7 @@ def compile_mlp(hidden: int, inter: int, dtype: str = "bf16", use_pdl: int = 1, 
                  "wb_ptr": f"*{dtype}", "h_out_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "pd_ptr": "*fp32",
                  "bar_ptr": "*i32", "split_stride": "i32", "splits": "i32", "rows": "i32", "eps": "fp32"}
     constexprs = {"x_layout": x_layout, "chunk_layout": chunk_layout, "H": hidden, "I": inter,
-                  "REST": rest_chunks(hidden, inter), "STAGES": stages, "USE_PDL": use_pdl, "num_warps": 4}
+                  "REST": rest_chunks(hidden, inter), "STAGES": stages, "USE_PDL": use_pdl, "num_warps": warps}
     # the launcher specializes these as 16-byte aligned (torch's allocations)
     aligned = ("po_ptr", "h_ptr", "wa_ptr", "wb_ptr", "h_out_ptr", "act_ptr", "pd_ptr")
     return compile_sm90(mlp_kernel, signature, constexprs, aligned)
@@ -38,11 +39,17 @@ def test_mlp_compiles_with_its_loads_and_fits(hidden, inter, dtype):
     # three box loads in the code (gate, up, down), each four 128-byte-wide TMA copies (the swizzle's span); the
     # compiler may peel a loop of one K step (hidden 256) into more copies of them
     assert built["tma_loads"] >= 3 * 4 and built["tma_loads"] % 4 == 0, built
-    # SiLU x up's rows: per 256-column chunk of 8 rows, 2 16-byte copies per lane of the 4 stager warps
-    assert built["cp_async"] == 2 * inter // 256, built
+    # SiLU x up's rows: per 256-column chunk of 8 rows (4 KB), 16-byte copies spread over the stager's lanes
+    assert built["cp_async"] == (inter // 256) * 8 // MLP_WARPS, built
     # m16n8k16 over K: gate and up per hidden column, down per intermediate column
     assert built["mma"] == 2 * hidden // 16 + inter // 16, built
     assert mlp_smem(hidden, inter) <= built["shared"] <= min(mlp_smem(hidden, inter) + 1024, HOPPER_SMEM_PER_CTA), built
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_stager_warps(warps):
+    built = compile_mlp(2048, 5632, warps=warps)
+    assert built["cp_async"] == 22 * 8 // warps and built["mma"] == 2 * 2048 // 16 + 5632 // 16, built
 
 
 def test_pdl_waits_only_with_pdl():
