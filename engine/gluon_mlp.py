@@ -41,6 +41,8 @@ from .gluon_ring import give, grid_arrive, grid_generation, grid_wait, load_box,
 BN = gl.constexpr(mlp_dispatch.MLP_BLOCK_N)  # output columns of a tile (the MMA's M)
 BK = gl.constexpr(mlp_dispatch.MLP_BLOCK_K)  # K of a weight box and of a staged chunk
 BM = gl.constexpr(mlp_dispatch.MLP_ROWS)  # rows the MMA's N holds
+GROUP_CHUNKS = gl.constexpr(mlp_dispatch.MLP_GROUP_CHUNKS)  # SiLU x up's chunks staged together
+GROUP_TILES = gl.constexpr(mlp_dispatch.MLP_GROUP_CHUNKS * mlp_dispatch.MLP_BLOCK_K // mlp_dispatch.MLP_BLOCK_N)
 
 
 @gluon.jit
@@ -91,8 +93,8 @@ def _operands(xs, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
-                   STAGES: gl.constexpr, DIAG: gl.constexpr):
+def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
+                   STAGES: gl.constexpr, DIAG: gl.constexpr, GROUPS: gl.constexpr):
     # the CTA's tiles of silu(x gate.T) * (x up.T), rounded as triton_gemm's gate_up + SiLU kernel rounds
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -130,6 +132,9 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, rows, i, H: gl.constexpr, I:
         y = (gate / (1.0 + gl.exp(-gate)) * up).to(dtype)
         rn = t * BN + rn0
         gl.store(act_ptr + rr[None, :] * I + rn[:, None], y, mask=(rr < rows)[None, :])
+        if GROUPS:  # one more tile of its chunk group written (released to the stagers that poll the group)
+            gl.thread_barrier()
+            gl.atomic_add(flags_ptr + t // GROUP_TILES, 1, sem="release", scope="gpu")
     return i
 
 
@@ -166,12 +171,12 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
 
 @gluon.jit
 def _multiply(ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H: gl.constexpr,
-              I: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr):
+              I: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr, GROUPS: gl.constexpr):
     # the consumer: gate_up once the normed rows are in (every CTA waits for them, tiles or not, so that its
     # stager has read the barrier's generation before this CTA can arrive), the barrier, then down
     mbarrier.wait(x_ready.index(0), 0)
-    i = _gate_up_tiles(ring, ready, empty, act_a, act_ptr, rows,
-                       gl.program_id(0) * 0, H, I, STAGES, DIAG)  # the ring's box count, a loop-carried int
+    i = _gate_up_tiles(ring, ready, empty, act_a, act_ptr, bar_ptr + 2, rows,
+                       gl.program_id(0) * 0, H, I, STAGES, DIAG, GROUPS)  # the ring's box count, a loop-carried int
     if DIAG != 2:
         grid_arrive(bar_ptr, gl.num_programs(0))
     _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES, DIAG)
@@ -213,26 +218,56 @@ def _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_pt
 
 
 @gluon.jit
-def _stage_act(act_ptr, act_a, act_b, a_ready, rows, I: gl.constexpr, WARPS: gl.constexpr):
-    # SiLU x up's rows into the chunks, every copy in flight at once (cp.async), each chunk signalled as it lands
-    NC: gl.constexpr = I // BK
+def _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, C0: gl.constexpr, C1: gl.constexpr, I: gl.constexpr,
+                  WARPS: gl.constexpr):
+    # SiLU x up's chunks C0..C1-1 into shared memory, every copy in flight at once (cp.async), each chunk
+    # signalled as it lands
     layout: gl.constexpr = _rows_layout(WARPS)
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    for c in gl.static_range(NC):
+    for c in gl.static_range(C0, C1):
         async_copy.async_copy_global_to_shared(_chunk(act_a, act_b, c), act_ptr + rm[:, None] * I + (c * BK + rk)[None, :],
                                                mask=(rm < rows)[:, None])
         async_copy.commit_group()
-    for c in gl.static_range(NC):
-        async_copy.wait_group(NC - 1 - c)
+    for c in gl.static_range(C0, C1):
+        async_copy.wait_group(C1 - 1 - c)
         gl.thread_barrier()  # every lane's copies of the chunk have landed
         mbarrier.arrive(a_ready.index(c), count=1)
 
 
 @gluon.jit
+def _wait_tiles(flag_ptr, expected):
+    # until the group's tile count reaches `expected` (int32 arithmetic that wraps: the counts only grow)
+    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    while seen - expected < 0:
+        seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I: gl.constexpr, WARPS: gl.constexpr,
+               DIAG: gl.constexpr, POLL: gl.constexpr, GROUPS: gl.constexpr):
+    # SiLU x up's rows once written: GROUPS, each group of GROUP_CHUNKS chunks as soon as its GROUP_TILES tiles
+    # are (their count in launch `gen` reaches (gen + 1) x the group's tiles: the counts are never reset); else
+    # all chunks after the grid barrier
+    NC: gl.constexpr = I // BK
+    if GROUPS:
+        for g in gl.static_range((NC + GROUP_CHUNKS - 1) // GROUP_CHUNKS):
+            C0: gl.constexpr = g * GROUP_CHUNKS
+            C1: gl.constexpr = min(C0 + GROUP_CHUNKS, NC)
+            if DIAG != 2:
+                _wait_tiles(bar_ptr + 2 + g, (gen + 1) * ((C1 - C0) * (BK // BN)))
+            _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, C0, C1, I, WARPS)
+    else:
+        if DIAG != 2:  # diagnostic 2: no grid barrier (SiLU x up's rows staged whenever: wrong output)
+            grid_wait(bar_ptr, gen, POLL)
+        _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, 0, NC, I, WARPS)
+
+
+@gluon.jit
 def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b, x_ready,
            a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr,
-           DIAG: gl.constexpr, POLL: gl.constexpr):
+           DIAG: gl.constexpr, POLL: gl.constexpr, GROUPS: gl.constexpr):
     # the default partition: the add + norm into shared memory, then SiLU x up's rows once every CTA wrote its own
     if USE_PDL:  # o's partials and the residual rows are the kernels before's output
         _gdc_wait()
@@ -244,16 +279,14 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
         _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_a, rows, eps, H, WARPS)
     gl.thread_barrier()  # every warp's rows are in shared memory
     mbarrier.arrive(x_ready.index(0), count=1)
-    if DIAG != 2:  # diagnostic 2: no grid barrier (SiLU x up's rows staged whenever: wrong output)
-        grid_wait(bar_ptr, gen, POLL)
-    _stage_act(act_ptr, act_a, act_b, a_ready, rows, I, WARPS)
+    _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I, WARPS, DIAG, POLL, GROUPS)
 
 
 @gluon.jit
 def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, pd_ptr, bar_ptr, split_stride,
                splits, rows, eps, x_layout: gl.constexpr, chunk_layout: gl.constexpr, H: gl.constexpr,
                I: gl.constexpr, REST: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-               num_warps: gl.constexpr, DIAG: gl.constexpr = 0, POLL: gl.constexpr = 0):
+               num_warps: gl.constexpr, DIAG: gl.constexpr = 0, POLL: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     # DIAG (diagnostics for benchmarks/mlp_probe.py; the output is then wrong): 1 no MMAs, 2 no grid barrier,
     # 3 no add + norm
     # the normed rows [BM, H], whose buffer then holds SiLU x up's first H columns, and REST (a power of two, at
@@ -268,9 +301,9 @@ def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_
         mbarrier.init(a_ready.index(c), count=1)
     gl.warp_specialize([
         (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b,
-                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG, POLL)),
+                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG, POLL, GROUPS)),
         (_multiply, (ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I, STAGES,
-                     DIAG)),
+                     DIAG, GROUPS)),
         (_load_weights, (wgu_desc, wd_desc, ring, ready, empty, H, I, STAGES)),
     ], [1, 1], [192, 40])
 
@@ -290,7 +323,7 @@ def smem_layouts(dtype: torch.dtype, hidden: int):
 def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
                w_gate_up: torch.Tensor, w_down: torch.Tensor, barrier: torch.Tensor, eps: float,
                stages: int = mlp_dispatch.MLP_STAGES, diag: int = 0, warps: int = mlp_dispatch.MLP_WARPS,
-               poll: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               poll: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """h: [rows, hidden] residual rows; partials_o: o_proj's float32 partial sums [splits, rows, hidden]. With
     h_mid = h + rms(o) w_branch and x = rms(h_mid) w_next: returns (h_mid, the float32 partials [1, rows, hidden]
     of down(silu(x gate.T) * (x up.T))), for triton_gemm.add_rms_norm2_partials. The caller checked
@@ -299,6 +332,9 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
 
     rows, hidden = h.shape
     inter = w_down.shape[1]
+    if barrier.dtype != torch.int32 or barrier.numel() < 2 + mlp_dispatch.MLP_MAX_GROUPS:
+        raise ValueError(f"launch_mlp: barrier must be mlp_dispatch.new_counters' int32[{2 + mlp_dispatch.MLP_MAX_GROUPS}], "
+                         f"got {barrier.dtype}[{barrier.numel()}]")
     h_mid = torch.empty_like(h)
     act = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     pd = torch.empty(1, rows, hidden, dtype=torch.float32, device=h.device)
@@ -309,5 +345,5 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
         partials_o, h, w_branch, w_next, h_mid, act, pd, barrier, partials_o.stride(0), partials_o.shape[0], rows, eps,
         x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter,
         REST=mlp_dispatch.rest_chunks(hidden, inter), STAGES=stages,
-        num_warps=warps, DIAG=diag, POLL=poll, **pdl.launch_kwargs(h.device))
+        num_warps=warps, DIAG=diag, POLL=poll, GROUPS=groups, **pdl.launch_kwargs(h.device))
     return h_mid, pd

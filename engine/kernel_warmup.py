@@ -129,11 +129,12 @@ def launch_mlp(s: KernelShapes, rows: int, splits: int, weights: dict[str, torch
                device: torch.device) -> None:
     """The MLP launch (engine/gluon_mlp.py) for `rows` rows and o_proj's partials in `splits` splits, on zeros."""
     from .gluon_mlp import launch_mlp as launch
+    from .mlp_dispatch import new_counters
 
     h = torch.zeros(rows, s.hidden_size, dtype=s.dtype, device=device)
     w = torch.ones(s.hidden_size, dtype=s.dtype, device=device)
     partials = torch.zeros(splits, rows, s.hidden_size, dtype=torch.float32, device=device)
-    barrier = torch.zeros(2, dtype=torch.int32, device=device)  # its own: launches in other threads run at once
+    barrier = new_counters(device)  # its own: launches in other threads run at once
     launch(h, partials, w, w, weights["gate_up"], weights["down"], barrier, s.eps)
 
 

@@ -1,5 +1,5 @@
 """Where the decode step's MLP runs as one warp-specialized Gluon launch (engine/gluon_mlp.py; Triton-free, so the
-rule is tested without a GPU).
+rule is tested without a GPU), and the launch's counters.
 
 The launch replaces the add + norm after attention, gate_up + SiLU and down_proj's split-K partials for calls of
 up to MLP_ROWS rows. Its grid is one CTA per SM, and a grid barrier between gate_up and down needs all of them
@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 MLP_BLOCK_N, MLP_BLOCK_K, MLP_ROWS = 16, 256, 8  # tile columns (the MMA's M), weight box / chunk K, rows
 MLP_STAGES = 8  # weight-ring slots of 16 x 256 (benchmarks/mlp_probe.py: 8 faster than 12, 12 than 16)
 MLP_WARPS = 8  # the stager's warps (the add + norm on every row: 8 warps 3 us faster than 4 per layer)
+MLP_GROUP_CHUNKS = 8  # SiLU x up's chunks staged together, once their gate_up tiles are written (a counter each)
+MLP_MAX_GROUPS = 8  # counters the model keeps (OuroForCausalLM.mlp_barrier: 2 for the grid barrier, then these)
 MLP_MAX_HIDDEN = 2048  # the stager holds every row's hidden values in registers (8 x 2048 over 128 threads)
 HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
 FOLD_ENV = "OUROBATCH_DECODE_FOLD_MLP"
@@ -39,8 +43,15 @@ def mlp_fold_applies(rows: int, hidden: int, intermediate: int, stages: int = ML
     from MLP_BLOCK_K to MLP_MAX_HIDDEN; the intermediate width a whole number of chunks and at least hidden (the
     normed rows sit where SiLU x up's rows go later); one CTA's shared memory within the sm90 limit."""
     return (1 <= rows <= MLP_ROWS and MLP_BLOCK_K <= hidden <= MLP_MAX_HIDDEN and hidden & (hidden - 1) == 0
-            and intermediate % MLP_BLOCK_K == 0 and intermediate >= hidden
+            and intermediate % MLP_BLOCK_K == 0 and hidden <= intermediate <= MLP_MAX_GROUPS * MLP_GROUP_CHUNKS * MLP_BLOCK_K
             and mlp_smem(hidden, intermediate, stages, elem_bytes) <= HOPPER_SMEM_PER_CTA)
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """The launch's counters on `device`, zeroed: the grid barrier's arrival count and generation (one generation
+    per launch), then one count of written gate_up tiles per chunk group. Kept across launches (graphs capture
+    their address): the tile counts only grow, a launch waiting for (generation + 1) x the group's tiles."""
+    return torch.zeros(2 + MLP_MAX_GROUPS, dtype=torch.int32, device=device)
 
 
 def parse_fold_mlp(text: str) -> bool:

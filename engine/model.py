@@ -19,6 +19,7 @@ from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
+from .mlp_dispatch import new_counters
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -270,7 +271,7 @@ class OuroForCausalLM(nn.Module):
         device = self.lm_head.weight.device
         if self.fused_kernels and device.type == "cuda" and self.o_barrier is None:
             self.o_barrier = torch.zeros(2, dtype=torch.int32, device=device)
-            self.mlp_barrier = torch.zeros(2, dtype=torch.int32, device=device)
+            self.mlp_barrier = new_counters(device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

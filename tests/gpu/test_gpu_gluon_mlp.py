@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.mlp_dispatch import new_counters
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -43,11 +44,11 @@ class Mlp:
         self.dev["partials"].copy_(self.partials)
         self.dev["h"].copy_(self.h)
 
-    def launch(self, barrier: torch.Tensor):
+    def launch(self, barrier: torch.Tensor, **kwargs):
         from engine.gluon_mlp import launch_mlp
 
         d = self.dev
-        return launch_mlp(d["h"], d["partials"], d["wa"], d["wb"], d["gate_up"], d["down"], barrier, EPS)
+        return launch_mlp(d["h"], d["partials"], d["wa"], d["wb"], d["gate_up"], d["down"], barrier, EPS, **kwargs)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         def rms(x):
@@ -83,16 +84,34 @@ def test_mlp_matches_reference(dtype, shape, rows, splits):
     hidden, inter = shape
     assert mlp_fold_applies(rows, hidden, inter)
     call = Mlp(rows, hidden, inter, splits, dtype, seed=hidden + inter + rows)
-    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    barrier = new_counters("cuda")
     call.check(call.launch(barrier))
     assert barrier[0].item() == 0 and barrier[1].item() == 1  # reset by the last CTA; one generation a launch
+    assert barrier[2:].tolist() == _group_tiles(inter)  # every gate_up tile counted in its chunk group
+
+
+def _group_tiles(inter: int) -> list[int]:
+    from engine.mlp_dispatch import MLP_GROUP_CHUNKS, MLP_MAX_GROUPS
+
+    tiles = [min(MLP_GROUP_CHUNKS * 16, inter // 16 - MLP_GROUP_CHUNKS * 16 * g) for g in range(MLP_MAX_GROUPS)]
+    return [max(0, t) for t in tiles]
+
+
+@pytest.mark.parametrize("shape", [(2048, 5632), (256, 512)], ids=str)
+def test_the_whole_grid_barrier_variant(shape):
+    # groups=0: SiLU x up's rows staged after a grid barrier instead of group by group (a measuring control)
+    hidden, inter = shape
+    call = Mlp(8, hidden, inter, 1, torch.bfloat16, seed=inter)
+    barrier = new_counters("cuda")
+    call.check(call.launch(barrier, groups=0))
+    assert barrier[:2].tolist() == [0, 1] and not barrier[2:].any()
 
 
 def test_barrier_serves_many_launches_eager_and_graphed():
     # the counters persist across launches (eager ones and a graph's replays with fresh inputs): every launch
     # must pass the barrier, stage every CTA's SiLU x up columns and leave the count at zero
     call = Mlp(8, 2048, 5632, 1, torch.bfloat16, seed=3)
-    barrier = torch.zeros(2, dtype=torch.int32, device="cuda")
+    barrier = new_counters("cuda")
     for _ in range(50):
         out = call.launch(barrier)
     call.check(out)
@@ -103,6 +122,7 @@ def test_barrier_serves_many_launches_eager_and_graphed():
         call.check(out)
     torch.cuda.synchronize()
     assert barrier[0].item() == 0 and barrier[1].item() == 50 + 1 + 20  # capture() runs it once first
+    assert barrier[2:].tolist() == [71 * t for t in _group_tiles(5632)]
 
 
 def test_dispatch(monkeypatch):
