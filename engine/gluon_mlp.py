@@ -235,6 +235,12 @@ def _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, C0: gl.constexpr, C1: gl
         mbarrier.arrive(a_ready.index(c), count=1)
 
 
+@gluon.constexpr_function
+def _group_end(g, chunks):
+    # one past chunk group g's last chunk
+    return min((g + 1) * GROUP_CHUNKS.value, chunks)
+
+
 @gluon.jit
 def _wait_tiles(flag_ptr, expected):
     # until the group's tile count reaches `expected` (int32 arithmetic that wraps: the counts only grow)
@@ -252,12 +258,10 @@ def _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I: gl.constex
     # all chunks after the grid barrier
     NC: gl.constexpr = I // BK
     if GROUPS:
-        for g in gl.static_range((NC + GROUP_CHUNKS - 1) // GROUP_CHUNKS):
-            C0: gl.constexpr = g * GROUP_CHUNKS
-            C1: gl.constexpr = min(C0 + GROUP_CHUNKS, NC)
-            if DIAG != 2:
-                _wait_tiles(bar_ptr + 2 + g, (gen + 1) * ((C1 - C0) * (BK // BN)))
-            _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, C0, C1, I, WARPS)
+        for g in gl.static_range((NC + GROUP_CHUNKS - 1) // GROUP_CHUNKS):  # (no constexpr assigned in here:
+            if DIAG != 2:                                                    # an unrolled body may not reassign one)
+                _wait_tiles(bar_ptr + 2 + g, (gen + 1) * ((_group_end(g, NC) - g * GROUP_CHUNKS) * (BK // BN)))
+            _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, g * GROUP_CHUNKS, _group_end(g, NC), I, WARPS)
     else:
         if DIAG != 2:  # diagnostic 2: no grid barrier (SiLU x up's rows staged whenever: wrong output)
             grid_wait(bar_ptr, gen, POLL)
