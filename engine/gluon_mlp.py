@@ -46,13 +46,12 @@ GROUP_TILES = gl.constexpr(mlp_dispatch.MLP_GROUP_CHUNKS * mlp_dispatch.MLP_BLOC
 
 
 @gluon.jit
-def _chunk(xs, rest, c: gl.constexpr):
-    # chunk c (BM x BK) of SiLU x up's staged rows: the first H / BK in xs [BM, H] (the normed rows' buffer
-    # before), the others in rest [power of two, BM, BK]
-    if c * BK < xs.shape[1]:
-        return xs.slice(c * BK, BK, dim=1)
+def _chunk(act_a, act_b, c: gl.constexpr):
+    # chunk c (BM x BK) of SiLU x up's staged rows: the first buffer's power of two of chunks, then the second's
+    if c < act_a.shape[0]:
+        return act_a.index(c)
     else:
-        return rest.index(c - xs.shape[1] // BK)
+        return act_b.index(c - act_a.shape[0])
 
 
 @gluon.jit
@@ -94,7 +93,7 @@ def _operands(xs, b_layout: gl.constexpr):
 
 @gluon.jit
 def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.constexpr, I: gl.constexpr,
-                   STAGES: gl.constexpr, DIAG: gl.constexpr, GROUPS: gl.constexpr):
+                   STAGES: gl.constexpr, DIAG: gl.constexpr):
     # the CTA's tiles of silu(x gate.T) * (x up.T), rounded as triton_gemm's gate_up + SiLU kernel rounds
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -132,9 +131,10 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.co
         y = (gate / (1.0 + gl.exp(-gate)) * up).to(dtype)
         rn = t * BN + rn0
         gl.store(act_ptr + rr[None, :] * I + rn[:, None], y, mask=(rr < rows)[None, :])
-        if GROUPS:  # one more tile of its chunk group written (released to the stagers that poll the group)
-            gl.thread_barrier()
-            gl.atomic_add(flags_ptr + t // GROUP_TILES, 1, sem="release", scope="gpu")
+        # one more tile of its chunk group written (released to the stagers that poll the group; counted with
+        # GROUPS off too, so that launches of either kind can share the counters)
+        gl.thread_barrier()
+        gl.atomic_add(flags_ptr + t // GROUP_TILES, 1, sem="release", scope="gpu")
     return i
 
 
@@ -170,15 +170,14 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
 
 
 @gluon.jit
-def _multiply(ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H: gl.constexpr,
-              I: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr, GROUPS: gl.constexpr):
+def _multiply(ring, ready, empty, xs, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows,
+              H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr):
     # the consumer: gate_up once the normed rows are in (every CTA waits for them, tiles or not, so that its
     # stager has read the barrier's generation before this CTA can arrive), the barrier, then down
     mbarrier.wait(x_ready.index(0), 0)
-    i = _gate_up_tiles(ring, ready, empty, act_a, act_ptr, bar_ptr + 2, rows,
-                       gl.program_id(0) * 0, H, I, STAGES, DIAG, GROUPS)  # the ring's box count, a loop-carried int
-    if DIAG != 2:
-        grid_arrive(bar_ptr, gl.num_programs(0))
+    i = _gate_up_tiles(ring, ready, empty, xs, act_ptr, bar_ptr + 2, rows,
+                       gl.program_id(0) * 0, H, I, STAGES, DIAG)  # the ring's box count, a loop-carried int
+    grid_arrive(bar_ptr, gl.num_programs(0))  # (always: the generation counts launches, which the tile counts need)
     _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H, I, STAGES, DIAG)
 
 
@@ -269,7 +268,7 @@ def _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I: gl.constex
 
 
 @gluon.jit
-def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b, x_ready,
+def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, xs, act_a, act_b, x_ready,
            a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr,
            DIAG: gl.constexpr, POLL: gl.constexpr, GROUPS: gl.constexpr):
     # the default partition: the add + norm into shared memory, then SiLU x up's rows once every CTA wrote its own
@@ -280,7 +279,7 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
     # then) and before this CTA's consumer can arrive (it waits for x_ready first)
     gen = grid_generation(bar_ptr)
     if DIAG != 3:  # diagnostic 3: no add + norm (the MMAs read whatever is there)
-        _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_a, rows, eps, H, WARPS)
+        _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, xs, rows, eps, H, WARPS)
     gl.thread_barrier()  # every warp's rows are in shared memory
     mbarrier.arrive(x_ready.index(0), count=1)
     _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I, WARPS, DIAG, POLL, GROUPS)
@@ -289,25 +288,27 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
 @gluon.jit
 def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, pd_ptr, bar_ptr, split_stride,
                splits, rows, eps, x_layout: gl.constexpr, chunk_layout: gl.constexpr, H: gl.constexpr,
-               I: gl.constexpr, REST: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+               I: gl.constexpr, CHUNKS_A: gl.constexpr, CHUNKS_B: gl.constexpr, STAGES: gl.constexpr,
+               USE_PDL: gl.constexpr,
                num_warps: gl.constexpr, DIAG: gl.constexpr = 0, POLL: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     # DIAG (diagnostics for benchmarks/mlp_probe.py; the output is then wrong): 1 no MMAs, 2 no grid barrier,
     # 3 no add + norm
-    # the normed rows [BM, H], whose buffer then holds SiLU x up's first H columns, and REST (a power of two, at
-    # least (I - H) / BK) chunks of BK columns for the others (mlp_dispatch.rest_chunks)
+    # the normed rows [BM, H], and SiLU x up's rows in chunks of BK columns: CHUNKS_A then CHUNKS_B (powers of two,
+    # at least I / BK in all: mlp_dispatch.chunk_split)
     ring, ready, empty = weight_ring(wgu_desc, STAGES)
-    act_a = gl.allocate_shared_memory(wgu_desc.dtype, [BM, H], x_layout)
-    act_b = gl.allocate_shared_memory(wgu_desc.dtype, [REST, BM, BK], chunk_layout)
+    xs = gl.allocate_shared_memory(wgu_desc.dtype, [BM, H], x_layout)
+    act_a = gl.allocate_shared_memory(wgu_desc.dtype, [CHUNKS_A, BM, BK], chunk_layout)
+    act_b = gl.allocate_shared_memory(wgu_desc.dtype, [CHUNKS_B, BM, BK], chunk_layout)
     x_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    a_ready = gl.allocate_shared_memory(gl.int64, [H // BK + REST, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [CHUNKS_A + CHUNKS_B, 1], mbarrier.MBarrierLayout())
     mbarrier.init(x_ready.index(0), count=1)
-    for c in gl.static_range(H // BK + REST):
+    for c in gl.static_range(CHUNKS_A + CHUNKS_B):
         mbarrier.init(a_ready.index(c), count=1)
     gl.warp_specialize([
-        (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, act_a, act_b,
+        (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, xs, act_a, act_b,
                   x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG, POLL, GROUPS)),
-        (_multiply, (ring, ready, empty, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I, STAGES,
-                     DIAG, GROUPS)),
+        (_multiply, (ring, ready, empty, xs, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I,
+                     STAGES, DIAG)),
         (_load_weights, (wgu_desc, wd_desc, ring, ready, empty, H, I, STAGES)),
     ], [1, 1], [192, 40])
 
@@ -343,11 +344,12 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
     act = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     pd = torch.empty(1, rows, hidden, dtype=torch.float32, device=h.device)
     w_layout, x_layout, chunk_layout = smem_layouts(h.dtype, hidden)
+    chunks_a, chunks_b = mlp_dispatch.chunk_split(inter)
     box = [BN.value, BK.value]
     mlp_kernel[(pdl.num_sms(h.device),)](
         TensorDescriptor.from_tensor(w_gate_up, box, w_layout), TensorDescriptor.from_tensor(w_down, box, w_layout),
         partials_o, h, w_branch, w_next, h_mid, act, pd, barrier, partials_o.stride(0), partials_o.shape[0], rows, eps,
-        x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter,
-        REST=mlp_dispatch.rest_chunks(hidden, inter), STAGES=stages,
+        x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter, CHUNKS_A=chunks_a, CHUNKS_B=chunks_b,
+        STAGES=stages,
         num_warps=warps, DIAG=diag, POLL=poll, GROUPS=groups, **pdl.launch_kwargs(h.device))
     return h_mid, pd

@@ -23,27 +23,29 @@ HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (
 FOLD_ENV = "OUROBATCH_DECODE_FOLD_MLP"
 
 
-def rest_chunks(hidden: int, intermediate: int) -> int:
-    """SiLU x up's rows are staged in MLP_BLOCK_K-column chunks: the first hidden columns in the normed rows'
-    buffer, the rest in a buffer of this many chunks (a power of two, Gluon's shapes; at least 1)."""
-    rest = max(1, (intermediate - hidden) // MLP_BLOCK_K)
-    return 1 << (rest - 1).bit_length()
+def chunk_split(intermediate: int) -> tuple[int, int]:
+    """SiLU x up's rows are staged in MLP_BLOCK_K-column chunks held by two shared buffers whose chunk counts are
+    powers of two (Gluon's shapes): the largest power of two within the chunks, then the rest rounded up (>= 1)."""
+    chunks = max(1, intermediate // MLP_BLOCK_K)
+    first = 1 << (chunks.bit_length() - 1)
+    rest = max(1, chunks - first)
+    return first, 1 << (rest - 1).bit_length()
 
 
 def mlp_smem(hidden: int, intermediate: int, stages: int = MLP_STAGES, elem_bytes: int = 2) -> int:
-    """Shared memory of one CTA: the normed rows (then SiLU x up's first columns), the other chunks, the weight
-    ring and the mbarriers."""
-    rest = rest_chunks(hidden, intermediate)
-    return (MLP_ROWS * (hidden + rest * MLP_BLOCK_K) + stages * MLP_BLOCK_N * MLP_BLOCK_K) * elem_bytes + 8 * (
-        2 * stages + 1 + hidden // MLP_BLOCK_K + rest)
+    """Shared memory of one CTA: the normed rows, SiLU x up's chunks, the weight ring and the mbarriers."""
+    a, b = chunk_split(intermediate)
+    b = b if intermediate // MLP_BLOCK_K > a else 0  # a second buffer nothing indexes is compiled away
+    return (MLP_ROWS * (hidden + (a + b) * MLP_BLOCK_K) + stages * MLP_BLOCK_N * MLP_BLOCK_K) * elem_bytes + 8 * (
+        2 * stages + 1 + a + b)
 
 
 def mlp_fold_applies(rows: int, hidden: int, intermediate: int, stages: int = MLP_STAGES, elem_bytes: int = 2) -> bool:
     """Whether a call of `rows` rows can run its MLP in the one launch: 1..MLP_ROWS rows; hidden a power of two
-    from MLP_BLOCK_K to MLP_MAX_HIDDEN; the intermediate width a whole number of chunks and at least hidden (the
-    normed rows sit where SiLU x up's rows go later); one CTA's shared memory within the sm90 limit."""
+    from MLP_BLOCK_K to MLP_MAX_HIDDEN; the intermediate width a whole number of chunks, in at most MLP_MAX_GROUPS
+    groups; one CTA's shared memory within the sm90 limit."""
     return (1 <= rows <= MLP_ROWS and MLP_BLOCK_K <= hidden <= MLP_MAX_HIDDEN and hidden & (hidden - 1) == 0
-            and intermediate % MLP_BLOCK_K == 0 and hidden <= intermediate <= MLP_MAX_GROUPS * MLP_GROUP_CHUNKS * MLP_BLOCK_K
+            and intermediate % MLP_BLOCK_K == 0 and intermediate <= MLP_MAX_GROUPS * MLP_GROUP_CHUNKS * MLP_BLOCK_K
             and mlp_smem(hidden, intermediate, stages, elem_bytes) <= HOPPER_SMEM_PER_CTA)
 
 
