@@ -1,29 +1,34 @@
 """The decode step's MLP as one warp-specialized Gluon launch (Hopper, up to 8 rows): the add + norm after
-attention, gate_up + SiLU and down_proj, instead of three kernels.
+attention, gate_up + SiLU and down_proj, instead of three kernels. Off by default (OUROBATCH_DECODE_FOLD_MLP=1 turns
+it on): in the full-depth step at N = 8 it measured between 0.03 ms slower and 0.06 ms faster than the kernels,
+inside the runs' spread (docs/benchmarks.md, session 17), so it is kept as a measured alternative.
 
 At N = 8 a layer and loop ran the add + norm kernel (2.5 us, no bytes to speak of), gate_up + SiLU (13.9 us
-against 10.7 us of weights) and down_proj's split-K partials (8.0 against 5.4), each a kernel boundary: its
-first loads, its last wave, the wait for the kernel before (docs/benchmarks.md, sessions 9-16). Session 14's
-probe (benchmarks/ws_chain.py, ws_layer.py) measured the alternative: one CTA per SM whose weight stream never
-waits at a phase boundary, 1.7 us per phase above the bytes against 3.7 for PDL-chained kernels. Here, one CTA
-per SM and three partitions:
+against 10.7 us of weights) and down_proj's split-K partials (8.0 against 5.4), each a kernel boundary.
+Session 14's probe (benchmarks/ws_chain.py) measured the alternative, one CTA per SM whose weight stream never waits
+at a phase boundary. Here, one CTA per SM and three partitions:
 
 - the loader warp TMA-loads every weight box (16 rows x 256) of the CTA's gate_up tiles (a gate box and an up
   box per K step) and then of its down tiles into a ring of shared-memory slots (gluon_ring.py). Weights are no
   kernel's output, so it starts at launch, before the wait for the kernel before, and never waits for a phase;
-- the stager (4 warps) waits for the kernel before (PDL), reads o_proj's float32 partials and the residual
-  rows, and runs triton_fused.add_norm2_store's math on all rows at once (h + rms(o) w_branch, then its rms
-  times w_next, the same roundings), writes its share of the new residual rows, and puts the normed rows into
-  shared memory for the consumer. Then it waits at the grid barrier for every CTA's gate_up tiles, and copies
-  SiLU x up's rows (rows x intermediate) into shared memory, signalling each 256-column chunk as it lands;
+- the stager (8 warps: with 4 the step lost 0.7 ms) waits for the kernel before (PDL), reads o_proj's float32
+  partials and the residual rows, runs triton_fused.add_norm2_store's math on all rows at once (h + rms(o)
+  w_branch, then its rms times w_next, the same roundings), writes its share of the new residual rows and puts
+  the normed rows into shared memory for the consumer. Then it copies SiLU x up's rows into shared memory group by
+  group (8 chunks of 256 columns), each group as soon as its 128 gate_up tiles are written, each chunk signalled as
+  it lands (cp.async);
 - the consumer warp multiplies (mma.sync, the weight rows as the MMA's M, four accumulator chains), writes its
-  SiLU x up columns, arrives at the grid barrier, then multiplies its down tiles as the chunks land and writes
-  float32 columns of down's output for triton_gemm.add_rms_norm2_partials (the add + norm after the MLP).
+  SiLU x up columns and counts each tile in its group's counter (release), then multiplies its down tiles as the
+  chunks land and writes float32 columns of down's output for triton_gemm.add_rms_norm2_partials (the add + norm
+  after the MLP).
 
-The grid barrier needs every CTA resident: one CTA per SM, and mlp_dispatch.mlp_fold_applies bounds the
-shared memory (SiLU x up's rows and the ring) to what one CTA may use. Its counters are the model's
-(OuroForCausalLM.mlp_barrier). Two engines sharing a GPU through MPS could deadlock on it, as on the decode
-kernel's (docs/api.md): OUROBATCH_DECODE_FOLD_MLP=0 turns it off.
+Tiles go to CTAs round-robin (tile t to CTA t mod 132), so the first groups are complete long before the last CTA
+ends its gate_up tiles, and no CTA waits for the slowest one as behind a grid barrier (groups=0 keeps that barrier
+as a control). The counters (mlp_dispatch.new_counters, OuroForCausalLM.mlp_barrier) are never reset: each launch
+adds its tiles, and the grid barrier's generation (bumped once per launch by the consumers' arrivals, never waited
+on with groups) tells a launch which count to wait for. Every CTA must be resident at once: one CTA per SM, and
+mlp_dispatch.mlp_fold_applies bounds the shared memory. Two engines sharing a GPU through MPS could deadlock on
+the counters, as on the decode kernel's barrier (docs/api.md).
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ rule is tested without a GPU), and the launch's counters.
 The launch replaces the add + norm after attention, gate_up + SiLU and down_proj's split-K partials for calls of
 up to MLP_ROWS rows. Its grid is one CTA per SM, and a grid barrier between gate_up and down needs all of them
 resident at once: so one CTA's shared memory (SiLU x up's rows and the weight ring) must fit, and the rule reads
-only host ints that are fixed per CUDA graph bucket. OUROBATCH_DECODE_FOLD_MLP: 1 (the default) or 0 (off).
+only host ints that are fixed per CUDA graph bucket. OUROBATCH_DECODE_FOLD_MLP: 0 (off, the default) or 1. It is a
+measured alternative, not the default: in the full-depth decode step at N = 8 it measured from 0.03 ms slower to
+0.06 ms faster than the three kernels (docs/benchmarks.md, session 17), inside the runs' spread.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -57,13 +57,8 @@ def new_counters(device: torch.device | str) -> torch.Tensor:
 
 
 def parse_fold_mlp(text: str) -> bool:
-    """OUROBATCH_DECODE_FOLD_MLP: "1" (on, the default for an empty value) or "0"."""
-    value = text.strip() or "1"
+    """OUROBATCH_DECODE_FOLD_MLP: "0" (off, the default for an empty value) or "1"."""
+    value = text.strip() or "0"
     if value not in ("0", "1"):
         raise ValueError(f"{FOLD_ENV} must be 0 (off) or 1 (on), got {text!r}")
     return value == "1"
-
-
-def fold_mlp_enabled() -> bool:
-    """OUROBATCH_DECODE_FOLD_MLP read now (the caller caches it per device)."""
-    return parse_fold_mlp(os.environ.get(FOLD_ENV, ""))

@@ -291,7 +291,7 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
 
 def mlp_fold_on(device: torch.device) -> bool:
     """Whether `device` runs the decode step's MLP as one Gluon launch where mlp_dispatch.mlp_fold_applies: a
-    Hopper GPU with Gluon and OUROBATCH_DECODE_FOLD_MLP not 0 (read once per device)."""
+    Hopper GPU with Gluon and OUROBATCH_DECODE_FOLD_MLP=1 (off by default; read once per device)."""
     if device.type != "cuda":
         return False
     index = pdl.device_index(device)

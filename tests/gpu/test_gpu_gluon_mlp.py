@@ -130,6 +130,10 @@ def test_dispatch(monkeypatch):
 
     call = Mlp(8, 2048, 5632, 1, torch.bfloat16, seed=4)
     d = call.dev
+    monkeypatch.delenv("OUROBATCH_DECODE_FOLD_MLP", raising=False)
+    monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
+    assert not triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])  # off by default
+    monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", "1")
     monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
     assert triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])
     nine = torch.zeros(9, 2048, dtype=torch.bfloat16, device="cuda")
