@@ -6,51 +6,19 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from engine.gluon_attention_o import multiply_box as _multiply_box  # one weight box times the staged rows
 from engine.gluon_attention_o import stage_rows
+from engine.gluon_ring import give as _give  # the weight ring (ws_layer.py imports these names from here)
+from engine.gluon_ring import load_box as _load_box
+from engine.gluon_ring import take as _take
+from engine.gluon_ring import weight_ring as _weight_ring
 
 BOX_ROWS, BLOCK_K_WS = 16, 256  # one TMA box of weights: 16 rows x 256 (8 KB)
 
 
 # ---------------------------------------------------------------------------- the weight ring (every kernel's)
-
-@gluon.jit
-def _weight_ring(desc, STAGES: gl.constexpr):
-    # STAGES slots of one of desc's boxes each, a `ready` barrier (the box landed) and an `empty` one (given back)
-    ring = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    return ring, ready, empty
-
-
-@gluon.jit
-def _load_box(desc, row, col, ring, ready, empty, i, STAGES: gl.constexpr):
-    # the stream's i-th box into its slot once the consumer gave the slot back; `ready` counts its bytes in
-    s = i % STAGES
-    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], ready.index(s), ring.index(s))
-
-
-@gluon.jit
-def _take(ring, ready, i, STAGES: gl.constexpr):
-    # the slot of the stream's i-th box, once it has landed
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    return ring.index(s)
-
-
-@gluon.jit
-def _give(empty, i, STAGES: gl.constexpr):
-    # the i-th box's slot back to the loader
-    fence_async_shared()  # the slot's reads are ordered before the next TMA write into it
-    mbarrier.arrive(empty.index(i % STAGES), count=1)
-
 
 @gluon.jit
 def _weight_loader(w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases,

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from . import attention_dispatch
 from .attention_dispatch import O_ROWS, DecodeConfig, FoldConfig
 from .gluon_attention import _attend, _descriptor, _kv_loader, _pdl_kwargs
+from .gluon_ring import grid_barrier
 
 O_BLOCK_N = gl.constexpr(attention_dispatch.O_BLOCK_N)  # output columns of a tile (the MMA's M)
 O_BLOCK_K = gl.constexpr(attention_dispatch.O_BLOCK_K)  # K of a weight box
@@ -64,23 +65,6 @@ def multiply_box(slot, xs, acc0, acc1, acc2, acc3, a_layout: gl.constexpr, b_lay
         acc2 = mma_v2(a2, b2, acc2)
         acc3 = mma_v2(a3, b3, acc3)
     return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _grid_barrier(bar_ptr, programs):
-    # bar_ptr[0]: CTAs arrived in this launch; bar_ptr[1]: the generation, bumped once all have. The generation
-    # is read before arriving (it cannot move before this CTA arrives); the last CTA resets the count first
-    gen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()  # every warp's output stores are issued
-    arrived = gl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == programs - 1:
-        gl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-        gl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
-    else:
-        seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-        while seen == gen:
-            seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -142,7 +126,7 @@ def _attend_stage_norm(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr,
             kv_heads, 1, PAGE, HEAD_DIM, BLOCK_N, STAGES, False, USE_PDL, False)
     cta = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
     programs = gl.num_programs(0) * gl.num_programs(1)
-    _grid_barrier(bar_ptr, programs)
+    grid_barrier(bar_ptr, programs)
     if STAGER:
         if cta < TILES:
             stage_rows(o_ptr, a_smem, a_ready, 0, rows, K, K, BM, O_BLOCK_K, 4, True)  # the rows: contiguous
@@ -150,7 +134,7 @@ def _attend_stage_norm(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr,
         mbarrier.arrive(a_ready.index(0), count=1)
     if NORM:
         mbarrier.wait(o_done, 0)
-        _grid_barrier(bar_ptr, programs)  # the counters are reused: the first barrier's last CTA reset the count
+        grid_barrier(bar_ptr, programs)  # the counters are reused: the first barrier's last CTA reset the count
         if cta < rows:
             _add_norm_row(po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, cta, eps, TILES * O_BLOCK_N, BLOCK_H)
 

@@ -2,8 +2,8 @@
 rule is tested without a GPU), and the launch's counters.
 
 The launch replaces the add + norm after attention, gate_up + SiLU and down_proj's split-K partials for calls of
-up to MLP_ROWS rows. Its grid is one CTA per SM, and a grid barrier between gate_up and down needs all of them
-resident at once: so one CTA's shared memory (SiLU x up's rows and the weight ring) must fit, and the rule reads
+up to MLP_ROWS rows. Its grid is one CTA per SM, and its waits for other CTAs' gate_up tiles need all of them
+resident at once: so one CTA's shared memory (the rows and the weight ring) must fit, and the rule reads
 only host ints that are fixed per CUDA graph bucket. OUROBATCH_DECODE_FOLD_MLP: 0 (off, the default) or 1. It is a
 measured alternative, not the default: in the full-depth decode step at N = 8 it measured from 0.03 ms slower to
 0.06 ms faster than the three kernels (docs/benchmarks.md, session 17), inside the runs' spread.
