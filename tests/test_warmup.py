@@ -536,3 +536,23 @@ def test_decode_calls_that_fold_o_proj_get_their_own_key(kw):
     assert {k: n for k, n in found.items() if k[0] != "gluon_o"} == plain
     assert folded == {("gluon_o", 32, 6, ""): 8}
     assert kernel_cases.decode_keys(s, config_of, lambda n, c: False) == plain
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(N=8), dict(graphs=False, N=12)])
+def test_calls_that_run_the_mlp_launch_get_its_keys(kw):
+    """mlp_keys: every row class (1, or 2-8) of the calls the rule sends to the MLP launch, each with o_proj's partials
+    in one split (from the decode kernel that folds o_proj) and in the GEMM table's split count; none where it is off."""
+    from engine.gemm_dispatch import gemm_config
+    from engine.mlp_dispatch import MLP_ROWS, mlp_fold_applies
+
+    s = shapes(**kw)
+    found = kernel_cases.mlp_keys(s, lambda rows: mlp_fold_applies(rows, s.hidden_size, s.intermediate_size))
+    rows = [r for r in range(1, MLP_ROWS + 1) if gemm_config(r) is not None]
+    assert rows
+    want = {("gluon_mlp", kernel_cases.int_class(r), kernel_cases.int_class(n)) for r in rows
+            for n in (1, gemm_config(r).splits_o)}
+    assert set(found) == want
+    for key, (r, n) in found.items():  # each key's call compiles that key
+        assert key == ("gluon_mlp", kernel_cases.int_class(r), kernel_cases.int_class(n)) and 1 <= r <= MLP_ROWS
+    assert kernel_cases.mlp_keys(s, lambda rows: False) == {}
+
