@@ -19,11 +19,13 @@ from pathlib import Path
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ws_chain import _give, _load_box, _take, _wait_for_phase, _weight_ring  # noqa: E402
+
+from engine.gluon_mlp import quarters as _quarter_mma  # noqa: E402 - a box's four quarters, four MMA chains
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
          "BN": 16, "BK": 256, "BM": 8, "XCHUNKS": 32}  # tile columns, box K, batch rows, staged chunks (2^k >= 22)
@@ -55,16 +57,6 @@ def _loader(wq, wo, wgu, wd, ring, ready, empty, xbuf, x_ready, scales, acts, no
         i = _load_boxes(wgu, ring, ready, empty, i, layer * 2 * INTER, pid, programs, INTER // BN, H // BK, True,
                         INTER, STAGES)
         i = _load_boxes(wd, ring, ready, empty, i, layer * H, pid, programs, H // BN, INTER // BK, False, 0, STAGES)
-
-
-@gluon.jit
-def _quarter_mma(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constexpr):
-    Q: gl.constexpr = BK // 4
-    acc0 = mma_v2(slot.slice(0, Q, dim=1).load(a_layout), b0, acc0)
-    acc1 = mma_v2(slot.slice(Q, Q, dim=1).load(a_layout), b1, acc1)
-    acc2 = mma_v2(slot.slice(2 * Q, Q, dim=1).load(a_layout), b2, acc2)
-    acc3 = mma_v2(slot.slice(3 * Q, Q, dim=1).load(a_layout), b3, acc3)
-    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit

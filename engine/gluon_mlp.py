@@ -46,6 +46,9 @@ from .gluon_ring import give, grid_arrive, grid_generation, grid_wait, load_box,
 BN = gl.constexpr(mlp_dispatch.MLP_BLOCK_N)  # output columns of a tile (the MMA's M)
 BK = gl.constexpr(mlp_dispatch.MLP_BLOCK_K)  # K of a weight box and of a staged chunk
 BM = gl.constexpr(mlp_dispatch.MLP_ROWS)  # rows the MMA's N holds
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))  # 1 warp
+A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))  # a weight box's rows
+B_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))  # the staged rows
 GROUP_CHUNKS = gl.constexpr(mlp_dispatch.MLP_GROUP_CHUNKS)  # SiLU x up's chunks staged together
 GROUP_TILES = gl.constexpr(mlp_dispatch.MLP_GROUP_CHUNKS * mlp_dispatch.MLP_BLOCK_K // mlp_dispatch.MLP_BLOCK_N)
 
@@ -77,8 +80,8 @@ def _load_weights(wgu_desc, wd_desc, ring, ready, empty, H: gl.constexpr, I: gl.
 
 
 @gluon.jit
-def _quarters(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constexpr):
-    # acc_j += slot's j-th quarter (16 x BK / 4) @ b_j: four independent MMA chains
+def quarters(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constexpr):
+    """acc_j += slot's j-th quarter (16 x BK / 4) @ b_j: four independent MMA chains (benchmarks/ws_layer.py's too)."""
     Q: gl.constexpr = BK // 4
     acc0 = mma_v2(slot.slice(0, Q, dim=1).load(a_layout), b0, acc0)
     acc1 = mma_v2(slot.slice(Q, Q, dim=1).load(a_layout), b1, acc1)
@@ -88,12 +91,12 @@ def _quarters(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constex
 
 
 @gluon.jit
-def _operands(xs, b_layout: gl.constexpr):
+def _operands(xs):
     # the staged rows' K chunk xs [BM, BK] as the MMA's four B operands (BK / 4 x BM each)
     Q: gl.constexpr = BK // 4
-    return (xs.slice(0, Q, dim=1).permute((1, 0)).load(b_layout), xs.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout),
-            xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout),
-            xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout))
+    return (xs.slice(0, Q, dim=1).permute((1, 0)).load(B_LAYOUT), xs.slice(Q, Q, dim=1).permute((1, 0)).load(B_LAYOUT),
+            xs.slice(2 * Q, Q, dim=1).permute((1, 0)).load(B_LAYOUT),
+            xs.slice(3 * Q, Q, dim=1).permute((1, 0)).load(B_LAYOUT))
 
 
 @gluon.jit
@@ -102,20 +105,17 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.co
     # the CTA's tiles of silu(x gate.T) * (x up.T), rounded as triton_gemm's gate_up + SiLU kernel rounds
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     for t in range(pid, I // BN, programs):
-        g0 = gl.zeros([BN, BM], gl.float32, mma)
-        g1 = gl.zeros([BN, BM], gl.float32, mma)
-        g2 = gl.zeros([BN, BM], gl.float32, mma)
-        g3 = gl.zeros([BN, BM], gl.float32, mma)
-        u0 = gl.zeros([BN, BM], gl.float32, mma)
-        u1 = gl.zeros([BN, BM], gl.float32, mma)
-        u2 = gl.zeros([BN, BM], gl.float32, mma)
-        u3 = gl.zeros([BN, BM], gl.float32, mma)
+        g0 = gl.zeros([BN, BM], gl.float32, MMA)
+        g1 = gl.zeros([BN, BM], gl.float32, MMA)
+        g2 = gl.zeros([BN, BM], gl.float32, MMA)
+        g3 = gl.zeros([BN, BM], gl.float32, MMA)
+        u0 = gl.zeros([BN, BM], gl.float32, MMA)
+        u1 = gl.zeros([BN, BM], gl.float32, MMA)
+        u2 = gl.zeros([BN, BM], gl.float32, MMA)
+        u3 = gl.zeros([BN, BM], gl.float32, MMA)
         for kb in gl.static_range(H // BK):  # static: a shared-memory slice starts at a constant
             if DIAG == 1:  # diagnostic: the stream without the MMAs
                 take(ring, ready, i, STAGES)
@@ -123,11 +123,11 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.co
                 take(ring, ready, i + 1, STAGES)
                 give(empty, i + 1, STAGES)
             else:
-                b0, b1, b2, b3 = _operands(xs.slice(kb * BK, BK, dim=1), b_layout)
-                g0, g1, g2, g3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, a_layout)
+                b0, b1, b2, b3 = _operands(xs.slice(kb * BK, BK, dim=1))
+                g0, g1, g2, g3 = quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, A_LAYOUT)
                 give(empty, i, STAGES)
-                u0, u1, u2, u3 = _quarters(take(ring, ready, i + 1, STAGES), b0, b1, b2, b3, u0, u1, u2, u3,
-                                           a_layout)
+                u0, u1, u2, u3 = quarters(take(ring, ready, i + 1, STAGES), b0, b1, b2, b3, u0, u1, u2, u3,
+                                           A_LAYOUT)
                 give(empty, i + 1, STAGES)
             i += 2
         dtype: gl.constexpr = act_ptr.dtype.element_ty
@@ -149,24 +149,21 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
     # the CTA's float32 tiles of act @ down.T, each chunk of act multiplied as it lands
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    rr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     for t in range(pid, H // BN, programs):
-        acc0 = gl.zeros([BN, BM], gl.float32, mma)
-        acc1 = gl.zeros([BN, BM], gl.float32, mma)
-        acc2 = gl.zeros([BN, BM], gl.float32, mma)
-        acc3 = gl.zeros([BN, BM], gl.float32, mma)
+        acc0 = gl.zeros([BN, BM], gl.float32, MMA)
+        acc1 = gl.zeros([BN, BM], gl.float32, MMA)
+        acc2 = gl.zeros([BN, BM], gl.float32, MMA)
+        acc3 = gl.zeros([BN, BM], gl.float32, MMA)
         for kb in gl.static_range(I // BK):
             mbarrier.wait(a_ready.index(kb), 0)
             if DIAG == 1:
                 take(ring, ready, i, STAGES)
             else:
-                b0, b1, b2, b3 = _operands(_chunk(act_a, act_b, kb), b_layout)
-                acc0, acc1, acc2, acc3 = _quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, acc0, acc1, acc2,
-                                                   acc3, a_layout)
+                b0, b1, b2, b3 = _operands(_chunk(act_a, act_b, kb))
+                acc0, acc1, acc2, acc3 = quarters(take(ring, ready, i, STAGES), b0, b1, b2, b3, acc0, acc1, acc2,
+                                                   acc3, A_LAYOUT)
             give(empty, i, STAGES)
             i += 1
         rn = t * BN + rn0

@@ -16,6 +16,7 @@ from ourobatch.testing import make_tiny_checkpoint
 
 from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
+from .test_gpu_gluon_attention_o import assert_bf16_agreement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
               pytest.mark.timeout(120)]
@@ -177,14 +178,4 @@ def test_engine_with_the_mlp_launch_agrees_with_the_engine_without(mlp_ckpt, mon
             seen = len(launches)
     assert len(launches) == seen  # none with it off
     # float32 sums in another order: bf16 roundings differ now and then and the tiny model's loops amplify them
-    # (test_gpu.py's bf16 test bounds them the same way)
-    agree, first, diffs = 0, [], []
-    for a, b in zip(outs["1"], outs["0"]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        agree += ta[:4] == tb[:4]
-        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-        d = [abs(x - y) for x, y in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n])]
-        first += d[:1]
-        diffs += d
-    assert agree >= requests - 2  # bf16 may flip a near-tie of a draw
-    assert max(first) < 0.05 and sum(diffs) / len(diffs) < 0.05, (first, diffs)
+    assert_bf16_agreement(outs["1"], outs["0"], min_agree=requests - 2)
