@@ -145,10 +145,12 @@ def main(argv=None) -> int:
                   flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = (f"_between{args.between}" if args.between else "") + (f"_attention{args.attention}" if args.attention else "")
+    tag = (f"_between{args.between}" if args.between else "") + (
+        f"_attention{args.attention}" if args.attention else "")
     (out / f"mlp_probe{tag}.json").write_text(json.dumps(result, indent=1))
     lines = ["| way | us per layer (two rounds) | above the floor |", "|---|---|---|"]
-    lines += [f"| {n} | {' / '.join(f'{u:.2f}' for u in v)} | {min(v) - floor_us:+.2f} |" for n, v in result["ways"].items()]
+    lines += [f"| {n} | {' / '.join(f'{u:.2f}' for u in v)} | {min(v) - floor_us:+.2f} |"
+              for n, v in result["ways"].items()]
     (out / f"mlp_probe{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

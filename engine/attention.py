@@ -192,6 +192,23 @@ def attend_o(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, meta: "Batc
                               meta.max_rows, scale, meta.tiles, wo, barrier, h, w_branch, w_next, eps, partials_only)
 
 
+def attend_o_partials(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, meta: "BatchMeta", scale: float,
+                      backend: str, wo: torch.Tensor, barrier: torch.Tensor | None, h: torch.Tensor,
+                      gemm) -> torch.Tensor:
+    """attend(q, None, None, ...) @ wo.T as float32 partial sums [splits, rows, hidden] (the fused path's GEMM
+    config `gemm`): from the decode kernel that folds o_proj where it serves the call, else attention, then o_proj's
+    split-K partials (triton_gemm.linear_partials). h: the residual rows (the folded launch's signature)."""
+    unused = h[0]  # the norm weights of an add + norm that a partials-only launch does not run
+    folded = attend_o(q, pool, loop, layer, meta, scale, backend, wo, barrier, h, unused, unused, 0.0,
+                      partials_only=True)
+    if folded is not None:
+        return folded
+    from .triton_gemm import linear_partials
+
+    a = attend(q, None, None, pool, loop, layer, meta, scale, backend)
+    return linear_partials(a.reshape(q.shape[0], -1), wo, gemm.splits_o, gemm)
+
+
 def spans_on_device(meta: "BatchMeta", block_size: int) -> list[SeqSpan]:
     """The host spans of metadata that lives on the device only (waits for the device: reference path)."""
     starts, ctx = meta.query_start.tolist(), meta.context_lens.tolist()

@@ -227,7 +227,8 @@ def _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, C0: gl.constexpr, C1: gl
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(C0, C1):
-        async_copy.async_copy_global_to_shared(_chunk(act_a, act_b, c), act_ptr + rm[:, None] * I + (c * BK + rk)[None, :],
+        async_copy.async_copy_global_to_shared(_chunk(act_a, act_b, c),
+                                               act_ptr + rm[:, None] * I + (c * BK + rk)[None, :],
                                                mask=(rm < rows)[:, None])
         async_copy.commit_group()
     for c in gl.static_range(C0, C1):
@@ -340,8 +341,8 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
     rows, hidden = h.shape
     inter = w_down.shape[1]
     if barrier.dtype != torch.int32 or barrier.numel() < 2 + mlp_dispatch.MLP_MAX_GROUPS:
-        raise ValueError(f"launch_mlp: barrier must be mlp_dispatch.new_counters' int32[{2 + mlp_dispatch.MLP_MAX_GROUPS}], "
-                         f"got {barrier.dtype}[{barrier.numel()}]")
+        raise ValueError(f"launch_mlp: barrier must be mlp_dispatch.new_counters' "
+                         f"int32[{2 + mlp_dispatch.MLP_MAX_GROUPS}], got {barrier.dtype}[{barrier.numel()}]")
     h_mid = torch.empty_like(h)
     act = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     pd = torch.empty(1, rows, hidden, dtype=torch.float32, device=h.device)

@@ -253,17 +253,7 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
             tasks.append(Task("attention", lambda c=c: launch_combine(s, c, device), frozenset({"combine"}),
                               (combine,)))
         covered.update(k for k in (paged, combine) if k is not None)
-    if device.type == "cuda":
-        from .triton_attention import decode_launch
-
-        for key, seqs in decode_keys(s, lambda n: decode_launch(n, s.num_kv_heads, device),
-                                     lambda n, c: folds_o(s, n, c, device)).items():
-            if key[0] == "gluon_o":
-                tasks.append(Task("attention", lambda n=seqs: launch_decode_o(s, n, device), frozenset({"gluon_o"}),
-                                  (key,)))
-                continue
-            kernels = frozenset({"gluon"} | ({"combine"} if key[4] else set()))
-            tasks.append(Task("attention", lambda n=seqs: launch_decode(s, n, device), kernels, (key,)))
+    tasks += _decode_tasks(s, device)
     if s.triton_attention:
         tasks += [Task("fused", lambda k=k: launch_fused(s, k, device), frozenset({f"fused.{k}"}), (("fused", k),))
                   for k in FUSED]
@@ -271,8 +261,31 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
               for r in (1, 2)]
     tasks.append(Task("sampler", lambda: launch_sampler(s, 2, device, filtered=True), frozenset({"sampler"}),
                       (("sampler", "filtered"),)))
-    weights: dict[str, torch.Tensor] = {}  # the GEMMs' scratch weights, made by the first launch that needs them
-    made = threading.Lock()  # launches run in threads
+    return tasks + _gemm_tasks(s, device, covered)
+
+
+def _decode_tasks(s: KernelShapes, device: torch.device) -> list[Task]:
+    """The Gluon decode kernel's launches (CUDA), the o-folded one's where decode calls fold o_proj."""
+    if device.type != "cuda":
+        return []
+    from .triton_attention import decode_launch
+
+    tasks = []
+    for key, seqs in decode_keys(s, lambda n: decode_launch(n, s.num_kv_heads, device),
+                                 lambda n, c: folds_o(s, n, c, device)).items():
+        if key[0] == "gluon_o":
+            tasks.append(Task("attention", lambda n=seqs: launch_decode_o(s, n, device), frozenset({"gluon_o"}),
+                              (key,)))
+            continue
+        kernels = frozenset({"gluon"} | ({"combine"} if key[4] else set()))
+        tasks.append(Task("attention", lambda n=seqs: launch_decode(s, n, device), kernels, (key,)))
+    return tasks
+
+
+def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Task]:
+    """The skinny GEMMs' launches, each kernel apart, then the MLP launch's where it is on (CUDA); the scratch
+    weights are made by the first launch that needs them (launches run in threads)."""
+    tasks, weights, made = [], {}, threading.Lock()
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
@@ -285,20 +298,16 @@ def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
                     weights[name] = torch.zeros(shapes[name], dtype=s.dtype, device=device)
         return weights
 
-    def gemm(rows: int, key: tuple) -> None:
-        launch_gemm(s, rows, key, scratch(uses[key[0]]), device)
-
     for rows in gemm_rows(s):
         for key in sorted(gemm_keys(rows, head_dim=s.head_dim)):
             if key not in covered:
                 covered.add(key)
-                tasks.append(Task("gemm", lambda r=rows, k=key: gemm(r, k), frozenset({key[0]}), (key,)))
+                tasks.append(Task("gemm", lambda r=rows, k=key: launch_gemm(s, r, k, scratch(uses[k[0]]), device),
+                                  frozenset({key[0]}), (key,)))
     if device.type == "cuda":
-        def mlp(rows: int, splits: int) -> None:
-            launch_mlp(s, rows, splits, scratch(("gate_up", "down")), device)
-
         for key, (rows, splits) in mlp_keys(s, lambda r: folds_mlp(s, r, device)).items():
-            tasks.append(Task("gemm", lambda r=rows, n=splits: mlp(r, n), frozenset({"gluon_mlp"}), (key,)))
+            tasks.append(Task("gemm", lambda r=rows, n=splits: launch_mlp(s, r, n, scratch(("gate_up", "down")),
+                                                                          device), frozenset({"gluon_mlp"}), (key,)))
     return tasks
 
 

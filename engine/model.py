@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend, attend_o
+from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
@@ -341,29 +341,16 @@ class OuroForCausalLM(nn.Module):
             if mlp_folds(h, mlp.gate_up_weight, mlp.down_proj.weight):
                 from . import gluon_mlp, triton_gemm
 
-                h_mid, down = gluon_mlp.launch_mlp(h, self._o_partials(h, q, layer, meta, pool, loop, gemm),
-                                                   layer.input_layernorm_2.weight,
+                attn = layer.self_attn
+                o = attend_o_partials(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
+                                      self.o_barrier, h, gemm)
+                h_mid, down = gluon_mlp.launch_mlp(h, o, layer.input_layernorm_2.weight,
                                                    layer.post_attention_layernorm.weight, mlp.gate_up_weight,
                                                    mlp.down_proj.weight, self.mlp_barrier, eps)
                 return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
         h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
         m = _gate_up_silu(x, mlp.gate_up_weight, gemm)
         return _linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps)
-
-    def _o_partials(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta, pool: KVPool,
-                    loop: int, gemm: GemmConfig) -> torch.Tensor:
-        """attention(q) @ o_proj.T as float32 partial sums [splits, rows, hidden]: from the decode kernel that folds
-        o_proj in where it serves the call, else attention, then o_proj's split-K partials."""
-        from . import triton_gemm
-
-        attn, eps = layer.self_attn, self.config.rms_norm_eps
-        w = layer.input_layernorm_2.weight  # unused by a partials-only launch: it runs no add + norm
-        folded = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
-                          self.o_barrier, h, w, w, eps, partials_only=True)
-        if folded is not None:
-            return folded
-        a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
-        return triton_gemm.linear_partials(a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm.splits_o, gemm)
 
     def _attention_add_norm(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
                             pool: KVPool, loop: int, gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,8 @@ def compile_mlp(hidden: int, inter: int, dtype: str = "bf16", use_pdl: int = 1, 
                  "wb_ptr": f"*{dtype}", "h_out_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "pd_ptr": "*fp32",
                  "bar_ptr": "*i32", "split_stride": "i32", "splits": "i32", "rows": "i32", "eps": "fp32"}
     constexprs = {"x_layout": x_layout, "chunk_layout": chunk_layout, "H": hidden, "I": inter,
-                  "CHUNKS_A": chunk_split(inter)[0], "CHUNKS_B": chunk_split(inter)[1], "STAGES": stages, "USE_PDL": use_pdl, "num_warps": warps}
+                  "CHUNKS_A": chunk_split(inter)[0], "CHUNKS_B": chunk_split(inter)[1], "STAGES": stages,
+                  "USE_PDL": use_pdl, "num_warps": warps}
     # the launcher specializes these as 16-byte aligned (torch's allocations)
     aligned = ("po_ptr", "h_ptr", "wa_ptr", "wb_ptr", "h_out_ptr", "act_ptr", "pd_ptr")
     return compile_sm90(mlp_kernel, signature, constexprs, aligned)
