@@ -117,9 +117,8 @@ def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
 
 def folds_mlp(s: KernelShapes, rows: int, device: torch.device) -> bool:
     """Whether the engine's calls of `rows` rows run the MLP as one Gluon launch (model._attention_mlp: the fused
-    path's GEMMs, triton_attention.mlp_folds's rule)."""
-    from .mlp_dispatch import mlp_fold_applies
-    from .triton_attention import mlp_fold_on
+    path's GEMMs, mlp_dispatch.mlp_folds's rule)."""
+    from .mlp_dispatch import mlp_fold_applies, mlp_fold_on
 
     return (s.triton_attention and s.dtype in (torch.bfloat16, torch.float16) and gemm_config(rows) is not None
             and mlp_fold_on(device) and mlp_fold_applies(rows, s.hidden_size, s.intermediate_size))
@@ -336,14 +335,14 @@ def _prepare(device: torch.device) -> bool:
         import triton
         from triton.runtime.jit import JITFunction
 
-        from . import attention_combine, triton_attention, triton_fused, triton_gemm, triton_sampler
+        from . import attention_combine, mlp_dispatch, triton_attention, triton_fused, triton_gemm, triton_sampler
 
         modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
         if triton_attention.gluon_decode(device):
             from . import gluon_attention, gluon_attention_o
 
             modules += [gluon_attention, gluon_attention_o]
-        if triton_attention.mlp_fold_on(device):
+        if mlp_dispatch.mlp_fold_on(device):
             from . import gluon_mlp
 
             modules.append(gluon_mlp)

@@ -1,5 +1,5 @@
 """Where the decode step's MLP runs as one warp-specialized Gluon launch (engine/gluon_mlp.py; Triton-free, so the
-rule is tested without a GPU), and the launch's counters.
+rule is tested without a GPU), the per-device switch (mlp_fold_on, mlp_folds) and the launch's counters.
 
 The launch replaces the add + norm after attention, gate_up + SiLU and down_proj's split-K partials for calls of
 up to MLP_ROWS rows. Its grid is one CTA per SM, and its waits for other CTAs' gate_up tiles need all of them
@@ -11,7 +11,12 @@ measured alternative, not the default: in the full-depth decode step at N = 8 it
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from . import pdl
+from .attention_dispatch import HOPPER_SMEM_PER_CTA  # noqa: F401 - the rule's bound (its tests read it here)
 
 MLP_BLOCK_N, MLP_BLOCK_K, MLP_ROWS = 16, 256, 8  # tile columns (the MMA's M), weight box / chunk K, rows
 MLP_STAGES = 8  # weight-ring slots of 16 x 256 (benchmarks/mlp_probe.py: 8 faster than 12, 12 than 16)
@@ -19,7 +24,6 @@ MLP_WARPS = 8  # the stager's warps (the add + norm on every row: 8 warps 3 us f
 MLP_GROUP_CHUNKS = 8  # SiLU x up's chunks staged together, once their gate_up tiles are written (a counter each)
 MLP_MAX_GROUPS = 8  # counters the model keeps (OuroForCausalLM.mlp_barrier: 2 for the grid barrier, then these)
 MLP_MAX_HIDDEN = 2048  # the stager holds every row's hidden values in registers (8 x 2048 over 128 threads)
-HOPPER_SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm90 (H100 / H200)
 FOLD_ENV = "OUROBATCH_DECODE_FOLD_MLP"
 
 
@@ -62,3 +66,32 @@ def parse_fold_mlp(text: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{FOLD_ENV} must be 0 (off) or 1 (on), got {text!r}")
     return value == "1"
+
+
+_FOLD_MLP: dict[int, bool] = {}  # per device: OUROBATCH_DECODE_FOLD_MLP on, with Gluon on a Hopper GPU
+
+
+def mlp_fold_on(device: torch.device) -> bool:
+    """Whether `device` runs the decode step's MLP as one Gluon launch where mlp_fold_applies: a Hopper GPU with
+    Gluon and OUROBATCH_DECODE_FOLD_MLP=1 (off by default; read once per device)."""
+    if device.type != "cuda":
+        return False
+    index = pdl.device_index(device)
+    if index not in _FOLD_MLP:
+        _FOLD_MLP[index] = parse_fold_mlp(os.environ.get(FOLD_ENV, "")) and pdl.hopper(device) and (
+            pdl.gluon_importable())
+    return _FOLD_MLP[index]
+
+
+def mlp_folds(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the decode step's MLP over the rows h [rows, hidden] runs as one Gluon launch (gluon_mlp.py):
+    mlp_fold_on, 16-bit weights in h's dtype that TMA can load, and mlp_fold_applies."""
+    if h.shape[0] > MLP_ROWS or not mlp_fold_on(h.device):  # the rule's row bound, before any lookup
+        return False
+    rows, hidden = h.shape
+    inter = w_down.shape[1]
+    return (h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
+            and w_gate_up.dtype == w_down.dtype == h.dtype and w_gate_up.shape == (2 * inter, hidden)
+            and w_down.shape == (hidden, inter) and w_gate_up.is_contiguous() and w_down.is_contiguous()
+            and w_gate_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0
+            and mlp_fold_applies(rows, hidden, inter))

@@ -19,7 +19,7 @@ from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
-from .mlp_dispatch import new_counters
+from .mlp_dispatch import mlp_folds, new_counters
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -331,23 +331,21 @@ class OuroForCausalLM(nn.Module):
                        pool: KVPool, loop: int, gemm: GemmConfig | None,
                        w_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of the layer after q: attention, o_proj, the add + norm, the MLP, the add + norm into w_next.
-        Where the MLP runs as one Gluon launch (triton_attention.mlp_folds), o_proj's float32 output goes to it
+        Where the MLP runs as one Gluon launch (mlp_dispatch.mlp_folds), o_proj's float32 output goes to it
         unreduced and the add + norm after attention runs inside it (gluon_mlp.py)."""
         mlp, eps = layer.mlp, self.config.rms_norm_eps
         w_out = layer.post_attention_layernorm_2.weight
-        if gemm is not None and self.mlp_barrier is not None:
-            from .triton_attention import mlp_folds
+        if gemm is not None and self.mlp_barrier is not None and mlp_folds(h, mlp.gate_up_weight,
+                                                                            mlp.down_proj.weight):
+            from . import gluon_mlp, triton_gemm
 
-            if mlp_folds(h, mlp.gate_up_weight, mlp.down_proj.weight):
-                from . import gluon_mlp, triton_gemm
-
-                attn = layer.self_attn
-                o = attend_o_partials(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
-                                      self.o_barrier, h, gemm)
-                h_mid, down = gluon_mlp.launch_mlp(h, o, layer.input_layernorm_2.weight,
-                                                   layer.post_attention_layernorm.weight, mlp.gate_up_weight,
-                                                   mlp.down_proj.weight, self.mlp_barrier, eps)
-                return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
+            attn = layer.self_attn
+            o = attend_o_partials(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
+                                  self.o_barrier, h, gemm)
+            h_mid, down = gluon_mlp.launch_mlp(h, o, layer.input_layernorm_2.weight,
+                                               layer.post_attention_layernorm.weight, mlp.gate_up_weight,
+                                               mlp.down_proj.weight, self.mlp_barrier, eps)
+            return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
         h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
         m = _gate_up_silu(x, mlp.gate_up_weight, gemm)
         return _linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps)

@@ -63,6 +63,15 @@ def hopper(device: torch.device) -> bool:
     return _HOPPER[index]
 
 
+def gluon_importable() -> bool:
+    """Whether Triton's Gluon (triton.experimental.gluon, Triton >= 3.5: the warp-specialized kernels) imports."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def enabled(device: torch.device) -> bool:
     """Whether the Triton kernels launched on `device` use PDL (cached per device)."""
     if device.type != "cuda":

@@ -33,8 +33,6 @@ from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
                                  o_fold_applies, parse_fold, parse_ring, query_tiling)
-from .mlp_dispatch import FOLD_ENV as MLP_FOLD_ENV
-from .mlp_dispatch import MLP_ROWS, mlp_fold_applies, parse_fold_mlp
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -213,7 +211,6 @@ FOLD_ENV = "OUROBATCH_DECODE_FOLD_O"  # 0 | 1 | 2 [:warp|:cta]: what the Gluon d
 _GLUON: dict[int, bool] = {}
 _RING: dict[int, DecodeConfig] = {}
 _FOLD: dict[int, FoldConfig | None] = {}
-_FOLD_MLP: dict[int, bool] = {}  # OUROBATCH_DECODE_FOLD_MLP on, with Gluon on a Hopper GPU (mlp_folds)
 
 
 def gluon_decode(device: torch.device) -> bool:
@@ -227,7 +224,7 @@ def gluon_decode(device: torch.device) -> bool:
         value = os.environ.get(DECODE_ENV, "").strip() or DECODE_DEFAULT
         if value not in ("gluon", "triton"):
             raise ValueError(f"{DECODE_ENV} must be gluon or triton, got {value!r}")
-        _GLUON[index] = value == "gluon" and pdl.hopper(device) and _gluon_importable()
+        _GLUON[index] = value == "gluon" and pdl.hopper(device) and pdl.gluon_importable()
         ring = parse_ring(os.environ.get(RING_ENV, "").strip() or "32x6")
         _RING[index] = replace(ring, early=_flag(EARLY_ENV, "1"))
         _FOLD[index] = parse_fold(os.environ.get(FOLD_ENV, "").strip() or "1")
@@ -287,40 +284,6 @@ def decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Te
     return gluon_attention_o.launch_decode_attention_o(q, k_plane, v_plane, block_tables, context_lens, query_start,
                                                        scale, decode, wo, barrier, h, w_branch, w_next, eps, fold,
                                                        partials_only)
-
-
-def mlp_fold_on(device: torch.device) -> bool:
-    """Whether `device` runs the decode step's MLP as one Gluon launch where mlp_dispatch.mlp_fold_applies: a
-    Hopper GPU with Gluon and OUROBATCH_DECODE_FOLD_MLP=1 (off by default; read once per device)."""
-    if device.type != "cuda":
-        return False
-    index = pdl.device_index(device)
-    if index not in _FOLD_MLP:
-        _FOLD_MLP[index] = parse_fold_mlp(os.environ.get(MLP_FOLD_ENV, "")) and pdl.hopper(device) and (
-            _gluon_importable())
-    return _FOLD_MLP[index]
-
-
-def mlp_folds(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether the decode step's MLP over the rows h [rows, hidden] runs as one Gluon launch (gluon_mlp.py):
-    mlp_fold_on, 16-bit weights in h's dtype that TMA can load, and mlp_dispatch.mlp_fold_applies."""
-    if h.shape[0] > MLP_ROWS or not mlp_fold_on(h.device):  # the rule's row bound, before any lookup
-        return False
-    rows, hidden = h.shape
-    inter = w_down.shape[1]
-    return (h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
-            and w_gate_up.dtype == w_down.dtype == h.dtype and w_gate_up.shape == (2 * inter, hidden)
-            and w_down.shape == (hidden, inter) and w_gate_up.is_contiguous() and w_down.is_contiguous()
-            and w_gate_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0
-            and mlp_fold_applies(rows, hidden, inter))
-
-
-def _gluon_importable() -> bool:
-    try:
-        import triton.experimental.gluon  # noqa: F401 - Triton >= 3.5
-    except ImportError:
-        return False
-    return True
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:

@@ -14,6 +14,8 @@ from engine.mlp_dispatch import (
     MLP_ROWS,
     chunk_split,
     mlp_fold_applies,
+    mlp_fold_on,
+    mlp_folds,
     mlp_smem,
     new_counters,
     parse_fold_mlp,
@@ -70,3 +72,13 @@ def test_switch_values():
     for bad in ("yes", "2", "on"):
         with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_MLP must be 0 .off. or 1 .on., got"):
             parse_fold_mlp(bad)
+
+
+def test_no_launch_off_a_gpu(monkeypatch):
+    # a CPU engine never asks for the switch (its env is not even read) and never folds, whatever it says
+    monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", "1")
+    h = torch.zeros(8, 2048, dtype=torch.bfloat16)
+    assert not mlp_fold_on(h.device)
+    assert not mlp_folds(h, torch.zeros(2 * 5632, 2048, dtype=torch.bfloat16), torch.zeros(2048, 5632,
+                                                                                          dtype=torch.bfloat16))
+

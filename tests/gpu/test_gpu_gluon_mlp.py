@@ -127,26 +127,26 @@ def test_barrier_serves_many_launches_eager_and_graphed():
 
 
 def test_dispatch(monkeypatch):
-    from engine import triton_attention
+    from engine import mlp_dispatch
 
     call = Mlp(8, 2048, 5632, 1, torch.bfloat16, seed=4)
     d = call.dev
     monkeypatch.delenv("OUROBATCH_DECODE_FOLD_MLP", raising=False)
-    monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
-    assert not triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])  # off by default
+    monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
+    assert not mlp_dispatch.mlp_folds(d["h"], d["gate_up"], d["down"])  # off by default
     monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", "1")
-    monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
-    assert triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])
+    monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
+    assert mlp_dispatch.mlp_folds(d["h"], d["gate_up"], d["down"])
     nine = torch.zeros(9, 2048, dtype=torch.bfloat16, device="cuda")
-    assert not triton_attention.mlp_folds(nine, d["gate_up"], d["down"])
-    assert not triton_attention.mlp_folds(d["h"].float(), d["gate_up"], d["down"])
+    assert not mlp_dispatch.mlp_folds(nine, d["gate_up"], d["down"])
+    assert not mlp_dispatch.mlp_folds(d["h"].float(), d["gate_up"], d["down"])
     monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", "0")
-    monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
-    assert not triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])
+    monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
+    assert not mlp_dispatch.mlp_folds(d["h"], d["gate_up"], d["down"])
     monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", "yes")
-    monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
+    monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
     with pytest.raises(ValueError, match="OUROBATCH_DECODE_FOLD_MLP must be 0"):
-        triton_attention.mlp_folds(d["h"], d["gate_up"], d["down"])
+        mlp_dispatch.mlp_folds(d["h"], d["gate_up"], d["down"])
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def mlp_ckpt(tmp_path_factory):
 @pytest.mark.parametrize("requests", [8, 3])
 def test_engine_with_the_mlp_launch_agrees_with_the_engine_without(mlp_ckpt, monkeypatch, requests):
     # 8 requests: o_proj's partials from the folded decode kernel; 3: from attention and the split-K partials
-    from engine import gluon_mlp, triton_attention
+    from engine import gluon_mlp, mlp_dispatch
 
     prompts = [[1 + i, 2 + i, 3] for i in range(requests)]
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(requests)]
@@ -169,7 +169,7 @@ def test_engine_with_the_mlp_launch_agrees_with_the_engine_without(mlp_ckpt, mon
     monkeypatch.setattr(gluon_mlp, "launch_mlp", lambda *a, **k: launches.append(1) or real(*a, **k))
     for fold in ("1", "0"):
         monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", fold)
-        monkeypatch.setattr(triton_attention, "_FOLD_MLP", {})
+        monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
         cfg = EngineConfig(model=str(mlp_ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
         with SyncEngine(cfg) as llm:
             outs[fold] = llm.generate_batch(prompts, params)
