@@ -4,9 +4,8 @@ alone, on 24 layers of Ouro-1.4B-shaped random weights (distinct per layer: 1.66
 Each way runs a layer's MLP 24 times in a row (each layer's output the next one's input), captured in a CUDA
 graph and timed as phase_probe.py times its chains (PDL on, as in the engine):
 - kernels: triton_gemm.add_rms_norm2_partials, gate_up_silu, linear_partials (the engine's path without the fold);
-- mlp: gluon_mlp.launch_mlp, with STAGES ring slots (mlpSTAGES), a stager of WARPS warps (wWARPS, default 8), the
-  grid barrier polled by volatile loads (p1; p0: atomics), SiLU x up staged group by group (g1, the default) or
-  after the grid barrier (g0); diagnostics (the output then wrong): d1 no MMAs, d2 no waits for SiLU x up, d3 no
+- mlp: gluon_mlp.launch_mlp, with STAGES ring slots (mlpSTAGES), a stager of WARPS warps (wWARPS, default 8),
+  SiLU x up staged group by group (g1, the default) or after the grid barrier (g0); diagnostics (the output then wrong): d1 no MMAs, d2 no waits for SiLU x up, d3 no
   add + norm.
 Every way twice in turn; us per layer and above the weights' bytes floor (gate_up + down at 4.3 TB/s).
 
@@ -97,7 +96,7 @@ class Layers:
             if self.context:  # the add + norm after the MLP
                 h, _ = triton_gemm.add_rms_norm2_partials(h, po, self.w, self.w, EPS)
 
-    def mlp(self, stages: int, diag: int, warps: int, poll: int, groups: int) -> None:
+    def mlp(self, stages: int, diag: int, warps: int, groups: int) -> None:
         from engine.gluon_mlp import launch_mlp
 
         h, po = self.h, self.po
@@ -106,7 +105,7 @@ class Layers:
             if self.context:
                 po = self._attention(layer, h, True)
             h, po = launch_mlp(h, po, self.w, self.w, gu, down, self.barrier, EPS, stages=stages, diag=diag,
-                               warps=warps, poll=poll, groups=groups)
+                               warps=warps, groups=groups)
             if self.context:
                 from engine import triton_gemm
 
@@ -115,11 +114,11 @@ class Layers:
     def way(self, name: str):
         if name == "kernels":
             return self.kernels
-        m = re.fullmatch(r"mlp(\d+)(?:w(\d+))?(?:p(\d))?(?:g(\d))?(?:d(\d))?", name)
+        m = re.fullmatch(r"mlp(\d+)(?:w(\d+))?(?:g(\d))?(?:d(\d))?", name)
         if not m:
-            raise ValueError(f"--ways: kernels or mlpSTAGES[wWARPS][pPOLL][gGROUPS][dDIAG] (e.g. mlp8, mlp8w4g0, "
-                             f"mlp8d1), got {name!r}")
-        return lambda: self.mlp(int(m[1]), int(m[5] or 0), int(m[2] or 8), int(m[3] or 0), int(m[4] or 1))
+            raise ValueError(f"--ways: kernels or mlpSTAGES[wWARPS][gGROUPS][dDIAG] (e.g. mlp8, mlp8w4g0, mlp8d1), "
+                             f"got {name!r}")
+        return lambda: self.mlp(int(m[1]), int(m[4] or 0), int(m[2] or 8), int(m[3] or 1))
 
 
 def main(argv=None) -> int:

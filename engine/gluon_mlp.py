@@ -254,7 +254,7 @@ def _wait_tiles(flag_ptr, expected):
 
 @gluon.jit
 def _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I: gl.constexpr, WARPS: gl.constexpr,
-               DIAG: gl.constexpr, POLL: gl.constexpr, GROUPS: gl.constexpr):
+               DIAG: gl.constexpr, GROUPS: gl.constexpr):
     # SiLU x up's rows once written: GROUPS, each group of GROUP_CHUNKS chunks as soon as its GROUP_TILES tiles
     # are (their count in launch `gen` reaches (gen + 1) x the group's tiles: the counts are never reset); else
     # all chunks after the grid barrier
@@ -266,14 +266,14 @@ def _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I: gl.constex
             _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, g * GROUP_CHUNKS, _group_end(g, NC), I, WARPS)
     else:
         if DIAG != 2:  # diagnostic 2: no grid barrier (SiLU x up's rows staged whenever: wrong output)
-            grid_wait(bar_ptr, gen, POLL)
+            grid_wait(bar_ptr, gen)
         _stage_chunks(act_ptr, act_a, act_b, a_ready, rows, 0, NC, I, WARPS)
 
 
 @gluon.jit
 def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, xs, act_a, act_b, x_ready,
            a_ready, rows, eps, H: gl.constexpr, I: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr,
-           DIAG: gl.constexpr, POLL: gl.constexpr, GROUPS: gl.constexpr):
+           DIAG: gl.constexpr, GROUPS: gl.constexpr):
     # the default partition: the add + norm into shared memory, then SiLU x up's rows once every CTA wrote its own
     if USE_PDL:  # o's partials and the residual rows are the kernels before's output
         _gdc_wait()
@@ -285,7 +285,7 @@ def _stage(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_p
         _add_norm_rows(po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, xs, rows, eps, H, WARPS)
     gl.thread_barrier()  # every warp's rows are in shared memory
     mbarrier.arrive(x_ready.index(0), count=1)
-    _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I, WARPS, DIAG, POLL, GROUPS)
+    _stage_act(act_ptr, act_a, act_b, a_ready, bar_ptr, gen, rows, I, WARPS, DIAG, GROUPS)
 
 
 @gluon.jit
@@ -293,7 +293,7 @@ def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_
                splits, rows, eps, x_layout: gl.constexpr, chunk_layout: gl.constexpr, H: gl.constexpr,
                I: gl.constexpr, CHUNKS_A: gl.constexpr, CHUNKS_B: gl.constexpr, STAGES: gl.constexpr,
                USE_PDL: gl.constexpr,
-               num_warps: gl.constexpr, DIAG: gl.constexpr = 0, POLL: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
+               num_warps: gl.constexpr, DIAG: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     # DIAG (diagnostics for benchmarks/mlp_probe.py; the output is then wrong): 1 no MMAs, 2 no grid barrier,
     # 3 no add + norm
     # the normed rows [BM, H], and SiLU x up's rows in chunks of BK columns: CHUNKS_A then CHUNKS_B (powers of two,
@@ -309,7 +309,7 @@ def mlp_kernel(wgu_desc, wd_desc, po_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_
         mbarrier.init(a_ready.index(c), count=1)
     gl.warp_specialize([
         (_stage, (po_ptr, split_stride, splits, h_ptr, wa_ptr, wb_ptr, h_out_ptr, act_ptr, bar_ptr, xs, act_a, act_b,
-                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG, POLL, GROUPS)),
+                  x_ready, a_ready, rows, eps, H, I, USE_PDL, num_warps, DIAG, GROUPS)),
         (_multiply, (ring, ready, empty, xs, act_a, act_b, x_ready, a_ready, act_ptr, pd_ptr, bar_ptr, rows, H, I,
                      STAGES, DIAG)),
         (_load_weights, (wgu_desc, wd_desc, ring, ready, empty, H, I, STAGES)),
@@ -331,7 +331,7 @@ def smem_layouts(dtype: torch.dtype, hidden: int):
 def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
                w_gate_up: torch.Tensor, w_down: torch.Tensor, barrier: torch.Tensor, eps: float,
                stages: int = mlp_dispatch.MLP_STAGES, diag: int = 0, warps: int = mlp_dispatch.MLP_WARPS,
-               poll: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """h: [rows, hidden] residual rows; partials_o: o_proj's float32 partial sums [splits, rows, hidden]. With
     h_mid = h + rms(o) w_branch and x = rms(h_mid) w_next: returns (h_mid, the float32 partials [1, rows, hidden]
     of down(silu(x gate.T) * (x up.T))), for triton_gemm.add_rms_norm2_partials. The caller checked
@@ -354,5 +354,5 @@ def launch_mlp(h: torch.Tensor, partials_o: torch.Tensor, w_branch: torch.Tensor
         partials_o, h, w_branch, w_next, h_mid, act, pd, barrier, partials_o.stride(0), partials_o.shape[0], rows, eps,
         x_layout=x_layout, chunk_layout=chunk_layout, H=hidden, I=inter, CHUNKS_A=chunks_a, CHUNKS_B=chunks_b,
         STAGES=stages,
-        num_warps=warps, DIAG=diag, POLL=poll, GROUPS=groups, **pdl.launch_kwargs(h.device))
+        num_warps=warps, DIAG=diag, GROUPS=groups, **pdl.launch_kwargs(h.device))
     return h_mid, pd

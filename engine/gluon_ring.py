@@ -75,24 +75,12 @@ def grid_arrive(bar_ptr, programs):
 
 
 @gluon.jit
-def _fence_acquire():
-    # after a relaxed (volatile) load that saw the release: orders this thread's later loads after it
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def grid_wait(bar_ptr, gen, POLL: gl.constexpr = 0):
-    """Until the generation moves past `gen` (grid_generation's): every CTA has arrived. POLL 0: acquire atomics
-    (read-modify-writes of one L2 line by every waiting CTA); 1: volatile loads, then an acquire fence."""
-    if POLL:
-        seen = gl.load(bar_ptr + 1, volatile=True)
-        while seen == gen:
-            seen = gl.load(bar_ptr + 1, volatile=True)
-        _fence_acquire()
-    else:
+def grid_wait(bar_ptr, gen):
+    """Until the generation moves past `gen` (grid_generation's): every CTA has arrived (acquire atomics; polling
+    with volatile loads and a fence measured slower, docs/benchmarks.md session 17)."""
+    seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+    while seen == gen:
         seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-        while seen == gen:
-            seen = gl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
 
 
