@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ws_chain import _give, _load_box, _take, _wait_for_phase, _weight_ring  # noqa: E402
 
 from engine.gluon_mlp import quarters as _quarter_mma  # noqa: E402 - a box's four quarters, four MMA chains
+from engine.gluon_mlp import zeros4 as _zeros4  # noqa: E402 - their accumulators (the same 16 x 8 tile)
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
          "BN": 16, "BK": 256, "BM": 8, "XCHUNKS": 32}  # tile columns, box K, batch rows, staged chunks (2^k >= 22)
@@ -78,14 +79,8 @@ def _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_
         if SCALED:
             mbarrier.wait(scale_ready.index(0), (p // 2) & 1)
     for t in range(pid, NT, programs):
-        g0 = gl.zeros([BN, BM], gl.float32, mma)
-        g1 = gl.zeros([BN, BM], gl.float32, mma)
-        g2 = gl.zeros([BN, BM], gl.float32, mma)
-        g3 = gl.zeros([BN, BM], gl.float32, mma)
-        u0 = gl.zeros([BN, BM], gl.float32, mma)
-        u1 = gl.zeros([BN, BM], gl.float32, mma)
-        u2 = gl.zeros([BN, BM], gl.float32, mma)
-        u3 = gl.zeros([BN, BM], gl.float32, mma)
+        g0, g1, g2, g3 = _zeros4()
+        u0, u1, u2, u3 = _zeros4()
         for kb in range(NKB):
             # chunks 0-7 are staged every phase, 8-21 only in down phases (one in four)
             mbarrier.wait(x_ready.index(kb), gl.where(kb < H // BK, p, layer) & 1)

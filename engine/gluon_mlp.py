@@ -91,6 +91,13 @@ def quarters(slot, b0, b1, b2, b3, acc0, acc1, acc2, acc3, a_layout: gl.constexp
 
 
 @gluon.jit
+def zeros4():
+    """Four float32 accumulators of a tile (BN weight rows x BM rows) in the MMA's layout: quarters' four chains."""
+    z = gl.zeros([BN, BM], gl.float32, MMA)
+    return z, z, z, z
+
+
+@gluon.jit
 def _operands(xs):
     # the staged rows' K chunk xs [BM, BK] as the MMA's four B operands (BK / 4 x BM each)
     Q: gl.constexpr = BK // 4
@@ -108,14 +115,8 @@ def _gate_up_tiles(ring, ready, empty, xs, act_ptr, flags_ptr, rows, i, H: gl.co
     rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     rr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     for t in range(pid, I // BN, programs):
-        g0 = gl.zeros([BN, BM], gl.float32, MMA)
-        g1 = gl.zeros([BN, BM], gl.float32, MMA)
-        g2 = gl.zeros([BN, BM], gl.float32, MMA)
-        g3 = gl.zeros([BN, BM], gl.float32, MMA)
-        u0 = gl.zeros([BN, BM], gl.float32, MMA)
-        u1 = gl.zeros([BN, BM], gl.float32, MMA)
-        u2 = gl.zeros([BN, BM], gl.float32, MMA)
-        u3 = gl.zeros([BN, BM], gl.float32, MMA)
+        g0, g1, g2, g3 = zeros4()
+        u0, u1, u2, u3 = zeros4()
         for kb in gl.static_range(H // BK):  # static: a shared-memory slice starts at a constant
             if DIAG == 1:  # diagnostic: the stream without the MMAs
                 take(ring, ready, i, STAGES)
@@ -152,10 +153,7 @@ def _down_tiles(ring, ready, empty, act_a, act_b, a_ready, pd_ptr, rows, i, H: g
     rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     rr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     for t in range(pid, H // BN, programs):
-        acc0 = gl.zeros([BN, BM], gl.float32, MMA)
-        acc1 = gl.zeros([BN, BM], gl.float32, MMA)
-        acc2 = gl.zeros([BN, BM], gl.float32, MMA)
-        acc3 = gl.zeros([BN, BM], gl.float32, MMA)
+        acc0, acc1, acc2, acc3 = zeros4()
         for kb in gl.static_range(I // BK):
             mbarrier.wait(a_ready.index(kb), 0)
             if DIAG == 1:
