@@ -166,25 +166,34 @@ def fold_ckpt(tmp_path_factory):
 def test_engine_with_the_fold_agrees_with_the_engine_without(fold_ckpt, monkeypatch):
     from engine import gluon_attention_o, triton_attention
 
-    prompts = [[1 + i, 2 + i, 3] for i in range(8)]
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
-    outs, launches = {}, []
-    real = gluon_attention_o.launch_decode_attention_o
-    monkeypatch.setattr(gluon_attention_o, "launch_decode_attention_o",
-                        lambda *a, **k: launches.append(1) or real(*a, **k))
-    for fold in ("1", "0"):
-        monkeypatch.setenv(triton_attention.FOLD_ENV, fold)
+    def switch(value: str) -> None:
+        monkeypatch.setenv(triton_attention.FOLD_ENV, value)
         monkeypatch.setattr(triton_attention, "_GLUON", {})
-        cfg = EngineConfig(model=str(fold_ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
-        with SyncEngine(cfg) as llm:
-            outs[fold] = llm.generate_batch(prompts, params)
-        if fold == "1":
-            assert launches, "the folded kernel served the decode calls"
-            seen = len(launches)
-    assert len(launches) == seen  # none with the fold off
+
+    outs = outputs_on_and_off(fold_ckpt, 8, monkeypatch, gluon_attention_o, "launch_decode_attention_o", switch)
     # o's float32 sums run in another order, so bf16 roundings differ now and then, and the tiny model's
     # loops amplify them (as in test_gpu.py's bf16 test)
     assert_bf16_agreement(outs["1"], outs["0"], min_agree=6)
+
+
+def outputs_on_and_off(ckpt, requests: int, monkeypatch, module, launcher: str, switch) -> dict:
+    """`requests` sampled requests through a bf16 SyncEngine of ckpt with switch("1"), then switch("0"): their
+    outputs by value; `module.launcher`, the launch the switch turns on, must have served calls with "1" only."""
+    prompts = [[1 + i, 2 + i, 3] for i in range(requests)]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(requests)]
+    outs, launches = {}, []
+    real = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **k: launches.append(1) or real(*a, **k))
+    for value in ("1", "0"):
+        switch(value)
+        cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
+        with SyncEngine(cfg) as llm:
+            outs[value] = llm.generate_batch(prompts, params)
+        if value == "1":
+            assert launches, f"{launcher} served the decode calls"
+            seen = len(launches)
+    assert len(launches) == seen  # none with it off
+    return outs
 
 
 def assert_bf16_agreement(outs_a, outs_b, min_agree: int) -> None:

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from engine.mlp_dispatch import new_counters
-from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
 from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_attention_o import assert_bf16_agreement
+from .test_gpu_gluon_attention_o import assert_bf16_agreement, outputs_on_and_off
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
               pytest.mark.timeout(120)]
@@ -162,20 +161,10 @@ def test_engine_with_the_mlp_launch_agrees_with_the_engine_without(mlp_ckpt, mon
     # 8 requests: o_proj's partials from the folded decode kernel; 3: from attention and the split-K partials
     from engine import gluon_mlp, mlp_dispatch
 
-    prompts = [[1 + i, 2 + i, 3] for i in range(requests)]
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(requests)]
-    outs, launches = {}, []
-    real = gluon_mlp.launch_mlp
-    monkeypatch.setattr(gluon_mlp, "launch_mlp", lambda *a, **k: launches.append(1) or real(*a, **k))
-    for fold in ("1", "0"):
-        monkeypatch.setenv("OUROBATCH_DECODE_FOLD_MLP", fold)
+    def switch(value: str) -> None:
+        monkeypatch.setenv(mlp_dispatch.FOLD_ENV, value)
         monkeypatch.setattr(mlp_dispatch, "_FOLD_MLP", {})
-        cfg = EngineConfig(model=str(mlp_ckpt), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
-        with SyncEngine(cfg) as llm:
-            outs[fold] = llm.generate_batch(prompts, params)
-        if fold == "1":
-            assert launches, "the MLP launch served the decode calls"
-            seen = len(launches)
-    assert len(launches) == seen  # none with it off
+
+    outs = outputs_on_and_off(mlp_ckpt, requests, monkeypatch, gluon_mlp, "launch_mlp", switch)
     # float32 sums in another order: bf16 roundings differ now and then and the tiny model's loops amplify them
     assert_bf16_agreement(outs["1"], outs["0"], min_agree=requests - 2)
