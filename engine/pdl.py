@@ -13,8 +13,8 @@ registers (session 9, docs/benchmarks.md).
 
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
 ``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0
-turns it off. Read once per device; ``launch_kwargs`` are a launch's extra arguments. ``hopper`` and
-``num_sms`` are the device facts the kernels' dispatch reads (cached per device, ``device_index``). On the
+turns it off. Read once per device; ``launch_kwargs`` are a launch's extra arguments. ``hopper``, ``num_sms`` and
+``gluon_importable`` are the device facts the kernels' dispatch reads (cached per device, ``device_index``). On the
 H200 it took the full-depth decode step from 6.16-6.21 to 5.90-5.95 ms at N = 8 and from 13.06-13.13 to 12.71-12.73 ms
 at N = 64 (docs/benchmarks.md, session 8), once the qkv GEMM there was a Triton kernel too. Prefetching
 each GEMM's weight rows into L2 before the wait (CUTLASS's "GEMM with L2 weight prefetch") was measured
