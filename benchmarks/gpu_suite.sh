@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|mlp_probe|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -161,6 +161,15 @@ if [ "$what" = mixed ]; then  # a step that prefills k tokens beside N decode ro
 fi
 if [ "$what" = profile ]; then  # kernels per step, GEMM bandwidth, graph gaps (benchmarks/step_profile.py)
   python3 benchmarks/step_profile.py --out "$OUT/profile" "$@" 2>&1 | tee "$OUT/profile.log" | tail -120
+fi
+if [ "$what" = timeline ]; then  # what each kernel adds to the graphed step, overlap included
+  # (benchmarks/graph_timeline.py): one process per value of the env switch TL_VAR in TL_VALUES ("-": unset)
+  for v in ${TL_VALUES:--}; do
+    envs=(); tag=default
+    [ "$v" = - ] || { envs=("${TL_VAR:?TL_VAR names the switch TL_VALUES sets}=$v"); tag=${v//[:\/]/_}; }
+    env "${envs[@]}" timeout -k 10 300 python3 benchmarks/graph_timeline.py --out "$OUT/timeline/$tag" "$@" 2>&1 \
+      | tee "$OUT/timeline_$tag.log" | grep '^###\|^| _\|^| decode\|^| nvjet' | head -40
+  done
 fi
 if [ "$what" = gemm ]; then  # fused skinny GEMMs vs cuBLAS per rows, then the decode step with them on and off
   # GEMM_SWEEP_ARGS: gemm_sweep.py's arguments (default --inductor); GEMM_PROFILE=0 skips the step profile
