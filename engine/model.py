@@ -18,7 +18,9 @@ from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
+from . import layer_stack
 from .kv_cache import KVPool
+from .layer_stack import layers_run
 from .mlp_dispatch import mlp_folds, new_counters
 
 
@@ -253,12 +255,14 @@ class OuroForCausalLM(nn.Module):
         # with the fused backend, outside any graph capture, and kept (graphs capture their address)
         self.o_barrier: torch.Tensor | None = None
         self.mlp_barrier: torch.Tensor | None = None  # the same for the MLP launch (gluon_mlp.py)
+        self.layer_stack = None  # the stacked weights of the loop-pass launch (layer_stack.py), where it runs
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single GEMMs (the named weights stay, as views)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.layer_stack = layer_stack.stack_layers(self) if layer_stack.wanted(self) else None
 
     def set_attention_backend(self, backend: str) -> None:
         """"torch": the reference path. "triton": the Triton attention kernel plus the fused elementwise
@@ -283,6 +287,10 @@ class OuroForCausalLM(nn.Module):
         h: [rows, hidden], the input of first_loop (embeddings for loop 1, else loop first_loop-1's
         readout). Writes each loop's keys and values at the rows' slots in that loop's plane.
         """
+        if self.fused_kernels and layers_run(self.layer_stack, h, meta, pool):
+            from .gluon_layers import run_loops  # every layer of a loop pass as one launch
+
+            return run_loops(self, h, meta, pool, first_loop, last_loop)
         if self.fused_kernels:
             return self._run_loops_fused(h, meta, pool, first_loop, last_loop)
         readouts = []

@@ -1,0 +1,248 @@
+"""The stager of gluon_layers.py's loop-pass kernel (4 warps): the norms and the residual stream between the GEMM
+phases, and each CTA's (request, head) item of attention. Imported lazily (Gluon)."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from . import layers_dispatch as ld
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait
+from .gluon_ring import give, take
+
+BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
+PHASES = gl.constexpr(ld.PHASES)
+
+
+@gluon.jit
+def _copy_rows(x_ptr, xbuf, x_ready, M, W: gl.constexpr, WARPS: gl.constexpr):
+    # W / BK chunks of x_ptr's rows (row stride W) into the staging buffer, each signalled as it lands
+    NC: gl.constexpr = W // BK
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(NC):
+        async_copy.async_copy_global_to_shared(xbuf.index(c), x_ptr + rm[:, None] * W + (c * BK + rk)[None, :],
+                                               mask=(rm < M)[:, None])
+        async_copy.commit_group()
+    for c in gl.static_range(NC):
+        async_copy.wait_group(NC - 1 - c)
+        gl.thread_barrier()
+        mbarrier.arrive(x_ready.index(c), count=1)
+
+
+@gluon.jit
+def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, scales, M, pid, eps, H: gl.constexpr,
+              HAS_Y: gl.constexpr, SIGNAL: gl.constexpr, WARPS: gl.constexpr):
+    # h = a + rms(y) wb (HAS_Y; else h = a), rounded to the model dtype; this CTA's 16 columns of h to res_ptr.
+    # SIGNAL: each chunk of h wn is staged and signalled as it is made, the rows' 1 / rms(h) follows in
+    # `scales` for the consumer's epilogue; else (the loop's readout) this CTA's columns of rms(h) wn go to out_ptr
+    NC: gl.constexpr = H // BK
+    scale_smem, scale_ready = scales
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    rows = (rm < M)[:, None]
+    for c in gl.static_range(NC):
+        async_copy.async_copy_global_to_shared(xbuf.index(c), a_ptr + rm[:, None] * H + (c * BK + rk)[None, :],
+                                               mask=rows)
+        if HAS_Y:
+            async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + (c * BK + rk)[None, :],
+                                                   mask=rows)
+        async_copy.commit_group()
+    s1 = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+    if HAS_Y:  # rms(y) needs y's whole rows first
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        for c in gl.static_range(NC):
+            y = xbuf.index(NC + c).load(layout).to(gl.float32)
+            s1 += gl.sum(y * y, axis=1)
+        s1 = gl.rsqrt(s1 / H + eps)
+    ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+    for c in gl.static_range(NC):
+        if not HAS_Y:
+            async_copy.wait_group(NC - 1 - c)
+            gl.thread_barrier()
+        cols = c * BK + rk
+        h = xbuf.index(c).load(layout).to(gl.float32)
+        if HAS_Y:
+            wb = gl.load(wb_ptr + cols).to(gl.float32)
+            h = h + xbuf.index(NC + c).load(layout).to(gl.float32) * s1[:, None] * wb[None, :]
+        h = h.to(xbuf.dtype)
+        mine = (cols >= pid * BN) & (cols < pid * BN + BN)
+        if SIGNAL:
+            gl.store(res_ptr + rm[:, None] * H + cols[None, :], h, mask=rows & mine[None, :])
+        hf = h.to(gl.float32)
+        ss += gl.sum(hf * hf, axis=1)
+        if SIGNAL:
+            wn = gl.load(wn_ptr + cols).to(gl.float32)
+            xbuf.index(c).store((hf * wn[None, :]).to(xbuf.dtype))
+            gl.thread_barrier()
+            mbarrier.arrive(x_ready.index(c), count=1)
+        else:
+            xbuf.index(c).store(h)
+    s2 = gl.rsqrt(ss / H + eps)
+    if SIGNAL:
+        scale_smem.store(s2)
+        gl.thread_barrier()
+        mbarrier.arrive(scale_ready.index(0), count=1)
+    else:
+        gl.thread_barrier()
+        _readout(xbuf, s2, wn_ptr, out_ptr, M, pid, H, WARPS)
+
+
+@gluon.jit
+def _readout(xbuf, s2, wn_ptr, out_ptr, M, pid, H: gl.constexpr, WARPS: gl.constexpr):
+    # this CTA's columns of rms(h) wn, h's rows staged in xbuf and s2 their 1 / rms
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(H // BK):
+        cols = c * BK + rk
+        mine = (cols >= pid * BN) & (cols < pid * BN + BN)
+        wn = gl.load(wn_ptr + cols).to(gl.float32)
+        x = xbuf.index(c).load(layout).to(gl.float32) * s2[:, None] * wn[None, :]
+        gl.store(out_ptr + rm[:, None] * H + cols[None, :], x.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & mine[None, :])
+
+
+@gluon.jit
+def _rope(row_ptr, offs_d, cs, sn, D: gl.constexpr):
+    # a head's row after RoPE (rotate-half pairs d, d + D / 2), float32
+    half: gl.constexpr = D // 2
+    x = gl.load(row_ptr + offs_d).to(gl.float32)
+    partner = gl.load(row_ptr + (offs_d + half) % D).to(gl.float32)
+    return x * cs + gl.where(offs_d < half, -partner, partner) * sn
+
+
+@gluon.jit
+def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, meta, qk_scale, pid, QKV: gl.constexpr,
+            HEADS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    # the item (row pid // HEADS, head pid % HEADS): RoPE on q and k, the new key and value to their slot, then the
+    # online softmax over the streamed pages (per key slot: running max, mass, weighted values), the new position
+    # (masked in its page: its slot may be streamed before it is written) merged from registers
+    k_ptr, v_ptr, inv_freq_ptr = kv
+    pos_ptr, slots_ptr, tables_ptr, stride_bt, ctx_ptr = meta
+    layout: gl.constexpr = gl.BlockedLayout([1, D // 16], [2, 16], [4, 1], [1, 0])
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    offs_n = gl.arange(0, PAGE, layout=gl.SliceLayout(1, layout))
+    r = pid // HEADS
+    head = pid % HEADS
+    ang = gl.load(pos_ptr + r).to(gl.float32) * gl.load(inv_freq_ptr + offs_d % (D // 2))
+    cs = gl.cos(ang)
+    sn = gl.sin(ang)
+    row = qkv_ptr + r * QKV + head * D
+    q = _rope(row, offs_d, cs, sn, D) * qk_scale
+    k_new = _rope(row + HEADS * D, offs_d, cs, sn, D).to(k_ptr.dtype.element_ty)
+    v_new = gl.load(row + 2 * HEADS * D + offs_d)
+    dst = (layer_row0 + gl.load(slots_ptr + r)) * (HEADS * D) + head * D + offs_d
+    gl.store(k_ptr + dst, k_new)
+    gl.store(v_ptr + dst, v_new)
+    new = gl.load(ctx_ptr + r) - 1
+    m = gl.full([PAGE], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+    mass = gl.zeros([PAGE], gl.float32, gl.SliceLayout(1, layout))
+    acc = gl.zeros([PAGE, D], gl.float32, layout)
+    for t in range((new + PAGE) // PAGE):
+        slot = take(kv_ring, ready, i, STAGES)
+        k = slot.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
+        score = gl.where(t * PAGE + offs_n < new, gl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = gl.maximum(m, score)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        p = gl.exp2(score - m_safe)
+        mass = mass * alpha + p
+        v = slot.slice(PAGE, PAGE, dim=0).load(layout).to(gl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m = m_new
+        gl.thread_barrier()  # every warp has read the slot
+        give(empty, i, STAGES)
+        i += 1
+    s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)
+    top = gl.maximum(gl.max(m, axis=0), s_new)
+    w = gl.exp2(m - top)
+    w_new = gl.exp2(s_new - top)
+    out = (gl.sum(acc * w[:, None], axis=0) + w_new * v_new.to(gl.float32)) / (gl.sum(mass * w, axis=0) + w_new)
+    gl.store(attn_ptr + r * (HEADS * D) + head * D + offs_d, out.to(attn_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _wait_count(cnt_ptr, base, programs):
+    # until every CTA has added to this count in this launch (wrapping int32 differences)
+    seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen - base < programs:
+        seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _count(cnt_ptr):
+    gl.thread_barrier()  # the partition's stores are issued
+    gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def tiles(n_tiles, pid, programs):
+    """How many of range(pid, n_tiles, programs): the CTA's tiles of a phase."""
+    return gl.maximum(n_tiles - pid + programs - 1, 0) // programs
+
+
+@gluon.jit
+def kv_pages(ctx_ptr, M, pid, HEADS: gl.constexpr, PAGE: gl.constexpr):
+    """The key pages this CTA's (request, head) item streams per layer (0: no item)."""
+    has = pid < M * HEADS
+    ctx = gl.load(ctx_ptr + gl.where(has, pid // HEADS, 0))
+    return gl.where(has, (ctx + PAGE - 1) // PAGE, 0)
+
+
+@gluon.jit
+def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, cnt_ptr, num_layers, M, layer_rows,
+           eps, qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr,
+           D: gl.constexpr, PAGE: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    """The default partition: each layer's four stagings and the CTA's attention item, then the readout; the
+    last CTA to finish bumps the generation (cnt_ptr[0])."""
+    hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr = acts
+    h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr = io
+    n_in, n_in2, n_post, n_post2, n_final = norms
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    if USE_PDL:  # the loop's input is the kernel before's output
+        _gdc_wait()
+    base = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") * programs
+    qkv_boxes = tiles(QKV // BN, pid, programs) * (H // BK)
+    per_layer = (qkv_boxes + kv_pages(meta[4], M, pid, HEADS, PAGE) + tiles(H // BN, pid, programs) * (H // BK)
+                 + tiles(INTER // BN, pid, programs) * (2 * H // BK) + tiles(H // BN, pid, programs) * (INTER // BK))
+    for layer in range(num_layers):
+        c = cnt_ptr + 1 + PHASES * layer
+        lh = layer * BM * H
+        if layer == 0:
+            _sandwich(h_in_ptr, h_in_ptr, n_in, n_in, hq_ptr, out_ptr, xbuf, x_ready, scales, M, pid, eps, H, False,
+                      True, WARPS)
+        else:
+            _wait_count(c - 1, base, programs)
+            _sandwich(hm_ptr + lh - BM * H, d_ptr + lh - BM * H, n_post2 + (layer - 1) * H, n_in + layer * H,
+                      hq_ptr + lh, out_ptr, xbuf, x_ready, scales, M, pid, eps, H, True, True, WARPS)
+        _wait_count(c, base, programs)
+        if pid < M * HEADS:
+            _attend(kv_ring, ready, empty, layer * per_layer + qkv_boxes, qkv_ptr + layer * BM * QKV, attn_ptr + lh,
+                    (k_ptr, v_ptr, inv_freq_ptr), layer.to(gl.int64) * layer_rows, meta, qk_scale, pid, QKV, HEADS,
+                    D, PAGE, STAGES)
+        _count(c + 1)
+        _wait_count(c + 1, base, programs)
+        _copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, WARPS)
+        _wait_count(c + 2, base, programs)
+        _sandwich(hq_ptr + lh, o_ptr + lh, n_in2 + layer * H, n_post + layer * H, hm_ptr + lh, out_ptr, xbuf,
+                  x_ready, scales, M, pid, eps, H, True, True, WARPS)
+        _wait_count(c + 3, base, programs)
+        _copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, WARPS)
+    last = (num_layers - 1) * BM * H
+    _wait_count(cnt_ptr + PHASES * num_layers, base, programs)
+    _sandwich(hm_ptr + last, d_ptr + last, n_post2 + (num_layers - 1) * H, n_final, hq_ptr, out_ptr, xbuf, x_ready,
+              scales, M, pid, eps, H, True, False, WARPS)
+    if USE_PDL:
+        _gdc_launch_dependents()
+    gl.thread_barrier()
+    done = gl.atomic_add(cnt_ptr + 1 + PHASES * num_layers, 1, sem="acq_rel", scope="gpu")
+    if done - base == programs - 1:
+        gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")

@@ -1,0 +1,140 @@
+"""Every layer of a decode loop pass as one Gluon launch (engine/gluon_layers.py) against the model's reference
+path in float64 (OuroForCausalLM.run_loops with the torch backend: the path the CPU tests hold to the dense
+float64 oracle), on the same weights and the same paged key / value history.
+
+CUDA on Hopper only; tests/engine/test_gluon_layers_compile.py compiles the kernel for sm90 without a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import gluon_layers, layers_dispatch
+from engine.batch import BlockTables, SeqSpan, uniform_meta
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from ourobatch.testing import make_tiny_checkpoint
+
+from .test_gpu_attention_kernels import capture
+from .test_gpu_gluon_attention import _hopper
+from .test_gpu_gluon_attention_o import assert_bf16_agreement, outputs_on_and_off
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
+              pytest.mark.timeout(180)]
+
+# 8 heads of 128: the launch's head size; 3 layers, 2 loops; the vocabulary does not matter here
+SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=128, intermediate_size=2816,
+             num_hidden_layers=3, total_ut_steps=2, vocab_size=97)
+PAGE = layers_dispatch.PAGE
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("layers") / "m", seed=5, eos_token_id=None, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def models(ckpt):
+    fast = load_model(ckpt, torch.bfloat16, "cuda")
+    fast.fuse_projections()
+    fast.set_attention_backend("triton")
+    assert fast.layer_stack is not None, "the launch applies to this shape on this GPU"
+    ref = load_model(ckpt, torch.float64, "cuda")  # the torch backend: the reference path
+    return fast, ref
+
+
+class Decode:
+    """`contexts[i]` positions for request i (its new row the last), scattered pages of random history in both
+    pools (bf16, and the same values in float64), random input rows."""
+
+    def __init__(self, cfg, contexts: list[int], seed: int) -> None:
+        rng = random.Random(seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        blocks = sum(-(-c // PAGE) for c in contexts) + 8
+        self.pool = KVPool.for_model(cfg, blocks, PAGE, torch.bfloat16, "cuda")
+        self.pool.k.copy_(torch.randn(self.pool.shape, generator=g, device="cuda"))
+        self.pool.v.copy_(torch.randn(self.pool.shape, generator=g, device="cuda"))
+        self.ref_pool = KVPool.for_model(cfg, blocks, PAGE, torch.float64, "cuda")
+        self.ref_pool.k.copy_(self.pool.k)
+        self.ref_pool.v.copy_(self.pool.v)
+        free = list(range(blocks))
+        rng.shuffle(free)
+        tables = BlockTables(8, max(-(-c // PAGE) for c in contexts), self.pool.scratch_block, torch.device("cuda"))
+        spans = []
+        for i, c in enumerate(contexts):
+            ids = tuple(free.pop() for _ in range(-(-c // PAGE)))
+            tables.row(f"r{i}", ids)
+            spans.append(SeqSpan(i, 1, c, ids))
+        rows = torch.tensor([tables.row_of[f"r{i}"] for i in range(len(contexts))], device="cuda")
+        self.meta = uniform_meta(tables, rows, torch.tensor(contexts, device="cuda") - 1, 1, PAGE, spans)
+        self.h = torch.randn(len(contexts), cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+        self.spans = spans
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("contexts", [[1, 16, 17, 200, 33, 64, 5, 130], [47], [300, 2, 16]])
+def test_a_loop_pass_launch_matches_the_float64_reference(models, contexts, monkeypatch):
+    fast, ref = models
+    calls = []
+    real = gluon_layers.launch_layers
+    monkeypatch.setattr(gluon_layers, "launch_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    d = Decode(fast.config, contexts, seed=len(contexts))
+    got = fast.run_loops(d.h, d.meta, d.pool, 1, 2)
+    want = ref.run_loops(d.h.double(), d.meta, d.ref_pool, 1, 2)
+    assert len(calls) == 2  # one launch per loop pass
+    for loop in range(2):  # bf16 roundings over 3 layers (the engine's other bf16 paths: the same order)
+        assert rel(got[loop], want[loop]) < 2e-2, (loop, rel(got[loop], want[loop]))
+    for loop in range(2):  # every layer's new key and value at the rows' slots (after RoPE)
+        for span in d.spans:
+            pos = span.context_len - 1
+            blk, off = span.block_ids[pos // PAGE], pos % PAGE
+            for layer in range(fast.config.num_hidden_layers):
+                for name in ("k", "v"):
+                    a = getattr(d.pool, name)[loop, layer, blk, off]
+                    b = getattr(d.ref_pool, name)[loop, layer, blk, off]
+                    assert rel(a, b) < 2e-2, (loop, layer, name, span.context_len, rel(a, b))
+
+
+def test_repeated_launches_and_a_graph_replay_agree(models):
+    # the counters are never reset: each launch must find the generation the last one left
+    fast, _ = models
+    d = Decode(fast.config, [40, 9, 100], seed=7)
+    before = int(fast.layer_stack.counters[0])
+    first = fast.run_loops(d.h, d.meta, d.pool, 1, 2)
+    for _ in range(20):
+        again = fast.run_loops(d.h, d.meta, d.pool, 1, 2)
+    torch.cuda.synchronize()
+    assert int(fast.layer_stack.counters[0]) == before + 42
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    graph, out = capture(lambda: fast.run_loops(d.h, d.meta, d.pool, 1, 2))
+    fresh = torch.randn_like(d.h.float()).to(d.h.dtype)
+    d.h.copy_(fresh)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    eager = fast.run_loops(fresh, d.meta, d.pool, 1, 2)
+    for a, b in zip(out, eager):
+        assert torch.equal(a, b)
+
+
+def test_calls_the_launch_does_not_serve_take_the_kernels():
+    assert layers_dispatch.call_fits(8, 1, False, False)
+    assert not layers_dispatch.call_fits(9, 1, False, False)  # more rows than the MMA holds
+    assert not layers_dispatch.call_fits(4, 2, False, False)  # a deep call's rows per request
+    assert not layers_dispatch.call_fits(4, 1, True, False)  # prefill
+
+
+@pytest.mark.parametrize("requests", [8, 3])
+def test_engine_with_the_launch_agrees_with_the_engine_without(ckpt, monkeypatch, requests):
+    def switch(value: str) -> None:
+        monkeypatch.setenv(layers_dispatch.ENV, value)
+
+    outs = outputs_on_and_off(ckpt, requests, monkeypatch, gluon_layers, "launch_layers", switch)
+    assert_bf16_agreement(outs["1"], outs["0"], min_agree=requests - 2)
