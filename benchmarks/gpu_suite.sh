@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_attn_layer|decode_attn|fold_o|fold_mlp|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_attn_layer|decode_attn|fold_o|fold_mlp|layers|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -144,6 +144,11 @@ if [ "$what" = fold_mlp ]; then  # the MLP as one Gluon launch (engine/gluon_mlp
   # OUROBATCH_DECODE_FOLD_MLP's FM_VARIANTS (default "0 1")
   FV_TESTS="${FM_TESTS:-tests/gpu/test_gpu_gluon_mlp.py tests/gpu/test_gpu_warmup.py}" \
     env_variants OUROBATCH_DECODE_FOLD_MLP "${FM_VARIANTS:-0 1}" fm "$@"
+fi
+if [ "$what" = layers ]; then  # every layer of a decode loop pass as one Gluon launch (engine/gluon_layers.py):
+  # env_variants over OUROBATCH_DECODE_LAYERS's LV_VARIANTS (default "0 1")
+  FV_TESTS="${LV_TESTS:-tests/gpu/test_gpu_gluon_layers.py}" \
+    env_variants OUROBATCH_DECODE_LAYERS "${LV_VARIANTS:-0 1}" layers "$@"
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)
