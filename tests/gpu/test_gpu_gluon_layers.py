@@ -80,16 +80,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("contexts", [[1, 16, 17, 200, 33, 64, 5, 130], [47], [300, 2, 16]])
 def test_a_loop_pass_launch_matches_the_float64_reference(models, contexts, monkeypatch):
+    # bounded by the error of the engine's per-kernel bf16 path on the same inputs (its own roundings, another
+    # summation order): the launch must be as close to float64 as the path it replaces, give or take half
     fast, ref = models
     calls = []
     real = gluon_layers.launch_layers
     monkeypatch.setattr(gluon_layers, "launch_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     d = Decode(fast.config, contexts, seed=len(contexts))
+    kernels_pool = KVPool.for_model(fast.config, d.pool.num_blocks, PAGE, torch.bfloat16, "cuda")
+    kernels_pool.k.copy_(d.pool.k)
+    kernels_pool.v.copy_(d.pool.v)
     got = fast.run_loops(d.h, d.meta, d.pool, 1, 2)
-    want = ref.run_loops(d.h.double(), d.meta, d.ref_pool, 1, 2)
     assert len(calls) == 2  # one launch per loop pass
-    for loop in range(2):  # bf16 roundings over 3 layers (the engine's other bf16 paths: the same order)
-        assert rel(got[loop], want[loop]) < 2e-2, (loop, rel(got[loop], want[loop]))
+    stack, fast.layer_stack = fast.layer_stack, None
+    try:
+        kernels = fast.run_loops(d.h, d.meta, kernels_pool, 1, 2)
+    finally:
+        fast.layer_stack = stack
+    assert len(calls) == 2
+    want = ref.run_loops(d.h.double(), d.meta, d.ref_pool, 1, 2)
+    errors = [(rel(got[i], want[i]), rel(kernels[i], want[i])) for i in range(2)]
+    for launch, per_kernel in errors:
+        assert launch < max(1.5 * per_kernel, 1e-2), errors
     for loop in range(2):  # every layer's new key and value at the rows' slots (after RoPE)
         for span in d.spans:
             pos = span.context_len - 1
@@ -98,7 +110,9 @@ def test_a_loop_pass_launch_matches_the_float64_reference(models, contexts, monk
                 for name in ("k", "v"):
                     a = getattr(d.pool, name)[loop, layer, blk, off]
                     b = getattr(d.ref_pool, name)[loop, layer, blk, off]
-                    assert rel(a, b) < 2e-2, (loop, layer, name, span.context_len, rel(a, b))
+                    c = getattr(kernels_pool, name)[loop, layer, blk, off]
+                    assert rel(a, b) < max(1.5 * rel(c, b), 1e-2), (loop, layer, name, span.context_len, rel(a, b),
+                                                                    rel(c, b))
 
 
 def test_repeated_launches_and_a_graph_replay_agree(models):
