@@ -16,11 +16,12 @@ from engine import gluon_layers, layers_dispatch
 from engine.batch import BlockTables, SeqSpan, uniform_meta
 from engine.kv_cache import KVPool
 from engine.loader import load_model
+from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
 from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_attention_o import assert_bf16_agreement, outputs_on_and_off
+from .test_gpu_gluon_attention_o import outputs_on_and_off
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
               pytest.mark.timeout(180)]
@@ -151,10 +152,31 @@ def engine_ckpt(tmp_path_factory):  # the checkpoint's own loop count (4): the e
     return make_tiny_checkpoint(tmp_path_factory.mktemp("layers_engine") / "m", seed=6, eos_token_id=None, **shape)
 
 
+def logprob_gap(outs_a, outs_b) -> float:
+    """Mean |log-prob difference| of two runs' sampled tokens, each request up to its first different token."""
+    diffs = []
+    for a, b in zip(outs_a, outs_b):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        diffs += [abs(x - y) for x, y in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n])]
+    return sum(diffs) / len(diffs)
+
+
 @pytest.mark.parametrize("requests", [8, 3])
 def test_engine_with_the_launch_agrees_with_the_engine_without(engine_ckpt, monkeypatch, requests):
+    # the launch rounds in other places than the kernels (qkv before RoPE, the norms' chains in float32), and
+    # the tiny model's loops amplify bf16 roundings: its log-probs must stay as close to the kernels' as the
+    # kernels' are to a float32 engine's, give or take half
     def switch(value: str) -> None:
         monkeypatch.setenv(layers_dispatch.ENV, value)
 
     outs = outputs_on_and_off(engine_ckpt, requests, monkeypatch, gluon_layers, "launch_layers", switch)
-    assert_bf16_agreement(outs["1"], outs["0"], min_agree=requests - 2)
+    prompts = [[1 + i, 2 + i, 3] for i in range(requests)]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(requests)]
+    cfg = EngineConfig(model=str(engine_ckpt), device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=8)
+    with SyncEngine(cfg) as llm:
+        fp32 = llm.generate_batch(prompts, params)
+    agree = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(outs["1"], outs["0"]))
+    assert agree >= requests - 2, agree
+    gaps = dict(launch=logprob_gap(outs["1"], outs["0"]), bf16=logprob_gap(outs["0"], fp32))
+    assert gaps["launch"] <= 1.5 * gaps["bf16"] + 0.01, gaps
