@@ -45,12 +45,15 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     rows = (rm < M)[:, None]
+    # chunk c of a, y, wb and wn (each row the same weights) into xbuf[c + (0, 1, 2, 3) NC]: no loads in the loop
     for c in gl.static_range(NC):
         async_copy.async_copy_global_to_shared(xbuf.index(c), a_ptr + rm[:, None] * H + (c * BK + rk)[None, :],
                                                mask=rows)
         if HAS_Y:
             async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + (c * BK + rk)[None, :],
                                                    mask=rows)
+            async_copy.async_copy_global_to_shared(xbuf.index(2 * NC + c), wb_ptr + rm[:, None] * 0 + (c * BK + rk)[None, :])
+        async_copy.async_copy_global_to_shared(xbuf.index(3 * NC + c), wn_ptr + rm[:, None] * 0 + (c * BK + rk)[None, :])
         async_copy.commit_group()
     s1 = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     if HAS_Y:  # rms(y) needs y's whole rows first
@@ -68,8 +71,8 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
         cols = c * BK + rk
         h = xbuf.index(c).load(layout).to(gl.float32)
         if HAS_Y:
-            wb = gl.load(wb_ptr + cols).to(gl.float32)
-            h = h + xbuf.index(NC + c).load(layout).to(gl.float32) * s1[:, None] * wb[None, :]
+            wb = xbuf.index(2 * NC + c).load(layout).to(gl.float32)
+            h = h + xbuf.index(NC + c).load(layout).to(gl.float32) * s1[:, None] * wb
         h = h.to(xbuf.dtype)
         mine = (cols >= pid * BN) & (cols < pid * BN + BN)
         if SIGNAL:
@@ -77,8 +80,8 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
         hf = h.to(gl.float32)
         ss += gl.sum(hf * hf, axis=1)
         if SIGNAL:
-            wn = gl.load(wn_ptr + cols).to(gl.float32)
-            xbuf.index(c).store((hf * wn[None, :]).to(xbuf.dtype))
+            wn = xbuf.index(3 * NC + c).load(layout).to(gl.float32)
+            xbuf.index(c).store((hf * wn).to(xbuf.dtype))
             gl.thread_barrier()
             mbarrier.arrive(x_ready.index(c), count=1)
         else:
@@ -90,20 +93,20 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
         mbarrier.arrive(scale_ready.index(0), count=1)
     else:
         gl.thread_barrier()
-        _readout(xbuf, s2, wn_ptr, out_ptr, M, pid, H, WARPS)
+        _readout(xbuf, s2, out_ptr, M, pid, H, WARPS)
 
 
 @gluon.jit
-def _readout(xbuf, s2, wn_ptr, out_ptr, M, pid, H: gl.constexpr, WARPS: gl.constexpr):
-    # this CTA's columns of rms(h) wn, h's rows staged in xbuf and s2 their 1 / rms
+def _readout(xbuf, s2, out_ptr, M, pid, H: gl.constexpr, WARPS: gl.constexpr):
+    # this CTA's columns of rms(h) wn: h's rows staged in xbuf[c], wn in xbuf[3 NC + c], s2 the rows' 1 / rms
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(H // BK):
         cols = c * BK + rk
         mine = (cols >= pid * BN) & (cols < pid * BN + BN)
-        wn = gl.load(wn_ptr + cols).to(gl.float32)
-        x = xbuf.index(c).load(layout).to(gl.float32) * s2[:, None] * wn[None, :]
+        wn = xbuf.index(3 * (H // BK) + c).load(layout).to(gl.float32)
+        x = xbuf.index(c).load(layout).to(gl.float32) * s2[:, None] * wn
         gl.store(out_ptr + rm[:, None] * H + cols[None, :], x.to(out_ptr.dtype.element_ty),
                  mask=(rm < M)[:, None] & mine[None, :])
 
@@ -118,42 +121,42 @@ def _rope(row_ptr, offs_d, cs, sn, D: gl.constexpr):
 
 
 @gluon.jit
-def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, meta, qk_scale, pid, QKV: gl.constexpr,
+def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, qk_scale, pid, QKV: gl.constexpr,
             HEADS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
     # the item (row pid // HEADS, head pid % HEADS): RoPE on q and k, the new key and value to their slot, then the
     # online softmax over the streamed pages (per key slot: running max, mass, weighted values), the new position
-    # (masked in its page: its slot may be streamed before it is written) merged from registers
-    k_ptr, v_ptr, inv_freq_ptr = kv
-    pos_ptr, slots_ptr, tables_ptr, stride_bt, ctx_ptr = meta
+    # (masked in its page: its slot may be streamed before it is written) merged from registers. `item`: the
+    # row's launch-constant values (_item_constants), read once per launch
+    k_ptr, v_ptr = kv
+    freq, pos, slot, new = item
     layout: gl.constexpr = gl.BlockedLayout([1, D // 16], [2, 16], [4, 1], [1, 0])
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     offs_n = gl.arange(0, PAGE, layout=gl.SliceLayout(1, layout))
     r = pid // HEADS
     head = pid % HEADS
-    ang = gl.load(pos_ptr + r).to(gl.float32) * gl.load(inv_freq_ptr + offs_d % (D // 2))
+    ang = pos * freq
     cs = gl.cos(ang)
     sn = gl.sin(ang)
     row = qkv_ptr + r * QKV + head * D
     q = _rope(row, offs_d, cs, sn, D) * qk_scale
     k_new = _rope(row + HEADS * D, offs_d, cs, sn, D).to(k_ptr.dtype.element_ty)
     v_new = gl.load(row + 2 * HEADS * D + offs_d)
-    dst = (layer_row0 + gl.load(slots_ptr + r)) * (HEADS * D) + head * D + offs_d
+    dst = (layer_row0 + slot) * (HEADS * D) + head * D + offs_d
     gl.store(k_ptr + dst, k_new)
     gl.store(v_ptr + dst, v_new)
-    new = gl.load(ctx_ptr + r) - 1
     m = gl.full([PAGE], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
     mass = gl.zeros([PAGE], gl.float32, gl.SliceLayout(1, layout))
     acc = gl.zeros([PAGE, D], gl.float32, layout)
     for t in range((new + PAGE) // PAGE):
-        slot = take(kv_ring, ready, i, STAGES)
-        k = slot.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
+        page = take(kv_ring, ready, i, STAGES)
+        k = page.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
         score = gl.where(t * PAGE + offs_n < new, gl.sum(k * q[None, :], axis=1), float("-inf"))
         m_new = gl.maximum(m, score)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_safe)
         p = gl.exp2(score - m_safe)
         mass = mass * alpha + p
-        v = slot.slice(PAGE, PAGE, dim=0).load(layout).to(gl.float32)
+        v = page.slice(PAGE, PAGE, dim=0).load(layout).to(gl.float32)
         acc = acc * alpha[:, None] + p[:, None] * v
         m = m_new
         gl.thread_barrier()  # every warp has read the slot
@@ -165,6 +168,17 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, meta, q
     w_new = gl.exp2(s_new - top)
     out = (gl.sum(acc * w[:, None], axis=0) + w_new * v_new.to(gl.float32)) / (gl.sum(mass * w, axis=0) + w_new)
     gl.store(attn_ptr + r * (HEADS * D) + head * D + offs_d, out.to(attn_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _item_constants(meta, inv_freq_ptr, M, pid, HEADS: gl.constexpr, D: gl.constexpr):
+    # the CTA's attention row's RoPE frequencies (_attend's layout), position, KV slot and new position's index
+    pos_ptr, slots_ptr, tables_ptr, stride_bt, ctx_ptr = meta
+    layout: gl.constexpr = gl.BlockedLayout([1, D // 16], [2, 16], [4, 1], [1, 0])
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    r = gl.minimum(pid // HEADS, M - 1)
+    freq = gl.load(inv_freq_ptr + offs_d % (D // 2))
+    return freq, gl.load(pos_ptr + r).to(gl.float32), gl.load(slots_ptr + r), gl.load(ctx_ptr + r) - 1
 
 
 @gluon.jit
@@ -213,6 +227,7 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, 
     qkv_boxes = tiles(QKV // BN, pid, programs) * (H // BK)
     per_layer = (qkv_boxes + kv_pages(meta[4], M, pid, HEADS, PAGE) + tiles(H // BN, pid, programs) * (H // BK)
                  + tiles(INTER // BN, pid, programs) * (2 * H // BK) + tiles(H // BN, pid, programs) * (INTER // BK))
+    item = _item_constants(meta, inv_freq_ptr, M, pid, HEADS, D)
     for layer in range(num_layers):
         c = cnt_ptr + 1 + PHASES * layer
         lh = layer * BM * H
@@ -226,8 +241,8 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, 
         _wait_count(c, base, programs)
         if pid < M * HEADS:
             _attend(kv_ring, ready, empty, layer * per_layer + qkv_boxes, qkv_ptr + layer * BM * QKV, attn_ptr + lh,
-                    (k_ptr, v_ptr, inv_freq_ptr), layer.to(gl.int64) * layer_rows, meta, qk_scale, pid, QKV, HEADS,
-                    D, PAGE, STAGES)
+                    (k_ptr, v_ptr), layer.to(gl.int64) * layer_rows, item, qk_scale, pid, QKV, HEADS, D, PAGE,
+                    STAGES)
         _count(c + 1)
         _wait_count(c + 1, base, programs)
         _copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, WARPS)

@@ -20,9 +20,9 @@ ENV = "OUROBATCH_DECODE_LAYERS"
 
 
 def staged_chunks(hidden: int, inter: int) -> int:
-    """The staging buffer's chunks of ROWS x BLOCK_K: two rows' worth of hidden (a norm's residual and branch) and
-    the intermediate rows, rounded up to a power of two."""
-    need = max(2 * hidden, inter) // BLOCK_K
+    """The staging buffer's chunks of ROWS x BLOCK_K: four rows' worth of hidden (a norm's residual, its branch and
+    its two norm weights) or the intermediate rows, rounded up to a power of two."""
+    need = max(4 * hidden, inter) // BLOCK_K
     return 1 << (need - 1).bit_length()
 
 
@@ -34,7 +34,7 @@ def smem_bytes(hidden: int, inter: int, elem: int = 2) -> int:
 def shape_fits(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, page: int, num_sms: int) -> bool:
     """Whether the launch tiles this model shape on a GPU of num_sms SMs (at ROWS requests)."""
     return (heads == kv_heads and head_dim == HEAD_DIM and page == PAGE and heads * head_dim == hidden
-            and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0 and 2 * hidden // BLOCK_K <= staged_chunks(hidden, inter)
+            and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0 and 4 * hidden // BLOCK_K <= staged_chunks(hidden, inter)
             and ROWS * heads <= num_sms and hidden <= BLOCK_N * num_sms
             and smem_bytes(hidden, inter) <= HOPPER_SMEM_PER_CTA)
 
