@@ -99,16 +99,19 @@ def _loader(wq, wo, wgu, wd, k_desc, v_desc, ring, kv_ring, ready, empty, meta, 
 
 
 @gluon.jit
-def _multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, M, pid, programs, NT: gl.constexpr,
-              K: gl.constexpr, PAIR: gl.constexpr, OUT_W: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr,
-              SCALED: gl.constexpr):
+def _multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, sums_ptr, M, pid, programs,
+              NT: gl.constexpr, K: gl.constexpr, PAIR: gl.constexpr, OUT_W: gl.constexpr, H: gl.constexpr,
+              STAGES: gl.constexpr, SCALED: gl.constexpr):
     # the CTA's tiles of one phase; p is the staging's index (four a layer): chunks below H / BK are staged
     # every time, the others (down's K) once a layer. SCALED: the staged rows are h * n and the rows' 1 / rms
-    # (scales, published once the whole rows are in) is applied in the epilogue; PAIR: gate and up, SiLU x up
+    # (scales, published once the whole rows are in) is applied in the epilogue; PAIR: gate and up, SiLU x up.
+    # Unscaled phases (o, down: a norm follows) also write the rows' sums of squares over the CTA's columns
+    # (sums_ptr[pid]), so the stager need not read the whole rows before it can normalize them
     rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     rm = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     scale_smem, scale_ready = scales
     Q: gl.constexpr = BK // 4
+    sq = gl.zeros([BM], gl.float32, gl.SliceLayout(0, MMA))
     if pid >= NT:  # no tile: still take the chunks' signals, or a later wait for the same parity passes early
         for kb in range(K // BK):
             mbarrier.wait(x_ready.index(kb), gl.where(kb < H // BK, p, layer) & 1)
@@ -141,12 +144,19 @@ def _multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, M
         if PAIR:
             y = y / (1.0 + gl.exp(-y)) * u
         rn = t * BN + rn0
-        gl.store(out_ptr + rm[None, :] * OUT_W + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :])
+        yq = y.to(out_ptr.dtype.element_ty)
+        gl.store(out_ptr + rm[None, :] * OUT_W + rn[:, None], yq, mask=(rm < M)[None, :])
+        if not SCALED:
+            yf = yq.to(gl.float32)
+            sq += gl.sum(yf * yf, axis=0)
+    if not SCALED:
+        gl.store(sums_ptr + pid * BM + rm, sq)
     return i
 
 
 @gluon.jit
-def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, cnt_ptr, ctx_ptr, num_layers, M, H: gl.constexpr,
+def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, num_layers, M,
+              H: gl.constexpr,
               QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
     hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr = acts
     pid = gl.program_id(0)
@@ -156,25 +166,26 @@ def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, cnt_ptr, ctx_ptr,
     for layer in range(num_layers):
         s = 4 * layer
         c = cnt_ptr + 1 + PHASES * layer
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s, layer, qkv_ptr + layer * BM * QKV, M, pid,
-                      programs, QKV // BN, H, False, QKV, H, STAGES, True)
+        sums = sums_ptr + layer * 2 * programs * BM  # this layer's o and down row sums
+        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s, layer, qkv_ptr + layer * BM * QKV, sums, M,
+                      pid, programs, QKV // BN, H, False, QKV, H, STAGES, True)
         _count(c)
         i += pages
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 1, layer, o_ptr + layer * BM * H, M, pid,
-                      programs, H // BN, H, False, H, H, STAGES, False)
+        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 1, layer, o_ptr + layer * BM * H, sums, M,
+                      pid, programs, H // BN, H, False, H, H, STAGES, False)
         _count(c + 2)
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 2, layer, act_ptr + layer * BM * INTER, M,
-                      pid, programs, INTER // BN, H, True, INTER, H, STAGES, True)
+        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 2, layer, act_ptr + layer * BM * INTER, sums,
+                      M, pid, programs, INTER // BN, H, True, INTER, H, STAGES, True)
         _count(c + 3)
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 3, layer, d_ptr + layer * BM * H, M, pid,
-                      programs, H // BN, INTER, False, H, H, STAGES, False)
+        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 3, layer, d_ptr + layer * BM * H,
+                      sums + programs * BM, M, pid, programs, H // BN, INTER, False, H, H, STAGES, False)
         _count(c + 4)
 
 
 @gluon.jit
 def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, hq_ptr, hm_ptr,
                   qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, n_in, n_in2, n_post, n_post2, n_final, pos_ptr, slots_ptr,
-                  tables_ptr, stride_bt, ctx_ptr, cnt_ptr, num_layers, M, layer_rows, eps, qk_scale,
+                  tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, num_layers, M, layer_rows, eps, qk_scale,
                   H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
                   PAGE: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr, STAGES: gl.constexpr,
                   USE_PDL: gl.constexpr, num_warps: gl.constexpr):
@@ -188,15 +199,18 @@ def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_p
     scale_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     scale_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(scale_ready.index(0), count=1)
+    landed = gl.allocate_shared_memory(gl.int64, [H // BK, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(H // BK):  # a staging's chunk c has landed: every stager thread's copies arrive
+        mbarrier.init(landed.index(c), count=num_warps * 32)
     fence_async_shared()
     scales = (scale_smem, scale_ready)
     acts = (hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr)
     meta = (pos_ptr, slots_ptr, tables_ptr, stride_bt, ctx_ptr)
     gl.warp_specialize([
-        (stager, (kv_ring, ready, empty, xbuf, x_ready, scales, acts, (h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr),
+        (stager, (kv_ring, ready, empty, xbuf, x_ready, (scale_smem, scale_ready, landed, sums_ptr), acts, (h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr),
                   (n_in, n_in2, n_post, n_post2, n_final), meta, cnt_ptr, num_layers, M, layer_rows, eps, qk_scale,
                   H, QKV, INTER, HEADS, D, PAGE, num_warps, STAGES, USE_PDL)),
-        (_consumer, (ring, ready, empty, xbuf, x_ready, scales, acts, cnt_ptr, ctx_ptr, num_layers, M, H, QKV, INTER,
+        (_consumer, (ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, num_layers, M, H, QKV, INTER,
                      HEADS, PAGE, STAGES)),
         (_loader, (wq, wo, wgu, wd, k_desc, v_desc, ring, kv_ring, ready, empty, meta, num_layers, M, layer_rows, H,
                    QKV, INTER, HEADS, D, PAGE, STAGES, USE_PDL)),
@@ -235,6 +249,7 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     layers_kernel[(pdl.num_sms(h.device),)](
         *_descriptors(stack, k, v), h, out, k, v, inv_freq, *scratch, *stack.norms, stack.final_norm,
         meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens, stack.counters,
+        stack.row_sums,
         L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634, H=hidden, QKV=stack.qkv_width,
         INTER=stack.inter, HEADS=heads, D=d, PAGE=page, XCHUNKS=ld.staged_chunks(hidden, stack.inter),
         x_layout=x_layout, STAGES=ld.STAGES, num_warps=4, **pdl.launch_kwargs(h.device))

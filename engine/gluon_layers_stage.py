@@ -14,6 +14,7 @@ from .gluon_ring import give, take
 
 BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
 PHASES = gl.constexpr(ld.PHASES)
+MAX_PROGRAMS = gl.constexpr(ld.MAX_SMS)
 
 
 @gluon.jit
@@ -34,15 +35,16 @@ def _copy_rows(x_ptr, xbuf, x_ready, M, W: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, scales, M, pid, eps, H: gl.constexpr,
-              HAS_Y: gl.constexpr, SIGNAL: gl.constexpr, WARPS: gl.constexpr):
+def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, bufs, y_sums, n, M, pid, eps,
+              H: gl.constexpr, HAS_Y: gl.constexpr, SIGNAL: gl.constexpr, WARPS: gl.constexpr):
     # h = a + rms(y) wb (HAS_Y; else h = a), rounded to the model dtype; this CTA's 16 columns of h to res_ptr.
-    # SIGNAL: each chunk of h wn is staged and signalled as it is made, the rows' 1 / rms(h) follows in
-    # `scales` for the consumer's epilogue; else (the loop's readout) this CTA's columns of rms(h) wn go to out_ptr.
-    # Loops over chunks are not unrolled: the kernel's code must stay small enough for the instruction cache
-    # (unrolled, this function's four call sites took the launch from ~48 to ~73 us a layer at Ouro-1.4B's shape)
+    # rms(y) from its producers' row sums (y_sums: one [ROWS] per CTA), so each chunk of h is made as its copies
+    # land (n: this launch's staging count, the `landed` barriers' parity). SIGNAL: each chunk of h wn is
+    # signalled to the consumer, the rows' 1 / rms(h) follows in `scales` for its epilogue; else (the loop's
+    # readout) this CTA's columns of rms(h) wn go to out_ptr. Loops over chunks are not unrolled: the kernel's
+    # code must fit the instruction cache (unrolled, the launch took ~73 us a layer against ~53)
     NC: gl.constexpr = H // BK
-    scale_smem, scale_ready = scales
+    scale_smem, scale_ready, landed, sums_ptr = bufs
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
@@ -55,17 +57,13 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
             async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + cols, mask=rows)
             async_copy.async_copy_global_to_shared(xbuf.index(2 * NC + c), wb_ptr + rm[:, None] * 0 + cols)
         async_copy.async_copy_global_to_shared(xbuf.index(3 * NC + c), wn_ptr + rm[:, None] * 0 + cols)
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    gl.thread_barrier()
+        async_copy.mbarrier_arrive(landed.index(c), increment_count=False)
     s1 = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
-    if HAS_Y:  # rms(y) needs y's whole rows first
-        for c in range(NC):
-            y = xbuf.index(NC + c).load(layout).to(gl.float32)
-            s1 += gl.sum(y * y, axis=1)
-        s1 = gl.rsqrt(s1 / H + eps)
+    if HAS_Y:
+        s1 = gl.rsqrt(_row_sums(y_sums, gl.num_programs(0), layout, WARPS) / H + eps)
     ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     for c in range(NC):
+        mbarrier.wait(landed.index(c), n & 1)
         cols = c * BK + rk
         h = xbuf.index(c).load(layout).to(gl.float32)
         if HAS_Y:
@@ -90,6 +88,16 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, sca
     else:
         gl.thread_barrier()
         _readout(xbuf, s2, out_ptr, M, pid, H, WARPS)
+
+
+@gluon.jit
+def _row_sums(y_sums, programs, layout: gl.constexpr, WARPS: gl.constexpr):
+    # the rows' sums of squares: the producers' per-CTA partial sums ([programs, ROWS]) added up
+    parts: gl.constexpr = gl.BlockedLayout([1, BM], [32, 1], [WARPS, 1], [1, 0])
+    rp = gl.arange(0, MAX_PROGRAMS, layout=gl.SliceLayout(1, parts))
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(0, parts))
+    p = gl.load(y_sums + rp[:, None] * BM + rm[None, :], mask=(rp < programs)[:, None], other=0.0)
+    return gl.convert_layout(gl.sum(p, axis=0), gl.SliceLayout(1, layout))
 
 
 @gluon.jit
@@ -205,7 +213,7 @@ def kv_pages(ctx_ptr, M, pid, HEADS: gl.constexpr, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, cnt_ptr, num_layers, M, layer_rows,
+def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cnt_ptr, num_layers, M, layer_rows,
            eps, qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr,
            D: gl.constexpr, PAGE: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
     """The default partition: each layer's four stagings and the CTA's attention item, then the readout; the
@@ -225,13 +233,15 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, 
     for layer in range(num_layers):
         c = cnt_ptr + 1 + PHASES * layer
         lh = layer * BM * H
+        sums = bufs[3] + layer * 2 * programs * BM  # this layer's o and down row sums
         if layer == 0:
-            _sandwich(h_in_ptr, h_in_ptr, n_in, n_in, hq_ptr, out_ptr, xbuf, x_ready, scales, M, pid, eps, H, False,
-                      True, WARPS)
+            _sandwich(h_in_ptr, h_in_ptr, n_in, n_in, hq_ptr, out_ptr, xbuf, x_ready, bufs, sums, 0, M, pid, eps, H,
+                      False, True, WARPS)
         else:
             _wait_count(c - 1, base, programs)
             _sandwich(hm_ptr + lh - BM * H, d_ptr + lh - BM * H, n_post2 + (layer - 1) * H, n_in + layer * H,
-                      hq_ptr + lh, out_ptr, xbuf, x_ready, scales, M, pid, eps, H, True, True, WARPS)
+                      hq_ptr + lh, out_ptr, xbuf, x_ready, bufs, sums - programs * BM, 2 * layer, M, pid, eps, H,
+                      True, True, WARPS)
         _wait_count(c, base, programs)
         if pid < M * HEADS:
             _attend(kv_ring, ready, empty, layer * per_layer + qkv_boxes, qkv_ptr + layer * BM * QKV, attn_ptr + lh,
@@ -242,13 +252,13 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, scales, acts, io, norms, meta, 
         _copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, WARPS)
         _wait_count(c + 2, base, programs)
         _sandwich(hq_ptr + lh, o_ptr + lh, n_in2 + layer * H, n_post + layer * H, hm_ptr + lh, out_ptr, xbuf,
-                  x_ready, scales, M, pid, eps, H, True, True, WARPS)
+                  x_ready, bufs, sums, 2 * layer + 1, M, pid, eps, H, True, True, WARPS)
         _wait_count(c + 3, base, programs)
         _copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, WARPS)
     last = (num_layers - 1) * BM * H
     _wait_count(cnt_ptr + PHASES * num_layers, base, programs)
     _sandwich(hm_ptr + last, d_ptr + last, n_post2 + (num_layers - 1) * H, n_final, hq_ptr, out_ptr, xbuf, x_ready,
-              scales, M, pid, eps, H, True, False, WARPS)
+              bufs, bufs[3] + (2 * num_layers - 1) * programs * BM, 2 * num_layers, M, pid, eps, H, True, False, WARPS)
     if USE_PDL:
         _gdc_launch_dependents()
     gl.thread_barrier()

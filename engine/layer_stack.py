@@ -34,6 +34,8 @@ class LayerStack:
         self.counters = torch.zeros(2 + ld.PHASES * layers, dtype=torch.int32, device=device)
         widths = (hidden, hidden, self.qkv_width, hidden, hidden, self.inter, hidden)  # hq hm qkv attn o act d
         self.rows = tuple(torch.zeros(layers, ld.ROWS, w, dtype=wq.dtype, device=device) for w in widths)
+        # per layer, o_proj's and down's rows' sums of squares, one [ROWS] per CTA (written every launch)
+        self.row_sums = torch.zeros(layers, 2, ld.MAX_SMS, ld.ROWS, dtype=torch.float32, device=device)
         self.descriptors: dict = {}
 
     def scratch(self, device: torch.device) -> tuple[torch.Tensor, ...]:

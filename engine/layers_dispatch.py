@@ -15,6 +15,7 @@ BLOCK_N, BLOCK_K, ROWS = 16, 256, 8  # a tile's output columns, a weight box's K
 PHASES = 5  # grid-wide counts per layer: qkv, attention, o, gate_up, down
 STAGES = 10  # ring slots of 8 KB (a weight box, or a page of keys and one of values)
 HEAD_DIM, PAGE = 128, 16
+MAX_SMS = 256  # the grid's CTAs (one per SM) whose row sums the stager adds up in one load
 HOPPER_SMEM_PER_CTA = 232448
 ENV = "OUROBATCH_DECODE_LAYERS"
 
@@ -35,7 +36,7 @@ def shape_fits(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int
     """Whether the launch tiles this model shape on a GPU of num_sms SMs (at ROWS requests)."""
     return (heads == kv_heads and head_dim == HEAD_DIM and page == PAGE and heads * head_dim == hidden
             and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0 and 4 * hidden // BLOCK_K <= staged_chunks(hidden, inter)
-            and ROWS * heads <= num_sms and hidden <= BLOCK_N * num_sms
+            and ROWS * heads <= num_sms <= MAX_SMS and hidden <= BLOCK_N * num_sms
             and smem_bytes(hidden, inter) <= HOPPER_SMEM_PER_CTA)
 
 

@@ -29,14 +29,14 @@ def compile_layers(hidden: int = 2048, inter: int = 5632, use_pdl: int = 1) -> d
             "d_ptr", "n_in", "n_in2", "n_post", "n_post2", "n_final")
     signature.update({n: "*bf16" for n in bf16})
     signature.update(inv_freq_ptr="*fp32", pos_ptr="*i64", slots_ptr="*i64", tables_ptr="*i32", stride_bt="i32",
-                     ctx_ptr="*i32", cnt_ptr="*i32", num_layers="i32", M="i32", layer_rows="i32", eps="fp32",
+                     ctx_ptr="*i32", cnt_ptr="*i32", sums_ptr="*fp32", num_layers="i32", M="i32", layer_rows="i32", eps="fp32",
                      qk_scale="fp32")
     heads = hidden // ld.HEAD_DIM
     constexprs = {"H": hidden, "QKV": 3 * hidden, "INTER": inter, "HEADS": heads, "D": ld.HEAD_DIM, "PAGE": ld.PAGE,
                   "XCHUNKS": ld.staged_chunks(hidden, inter), "x_layout": x_layout, "STAGES": ld.STAGES,
                   "USE_PDL": use_pdl, "num_warps": 4}
     return compile_sm90(layers_kernel, signature, constexprs, bf16 + ("inv_freq_ptr", "pos_ptr", "slots_ptr",
-                                                                       "tables_ptr", "ctx_ptr", "cnt_ptr"))
+                                                                       "tables_ptr", "ctx_ptr", "cnt_ptr", "sums_ptr"))
 
 
 @pytest.mark.parametrize("hidden,inter", [(2048, 5632), (1024, 2816)])

@@ -24,7 +24,7 @@ from .test_gpu_gluon_attention import _hopper
 from .test_gpu_gluon_attention_o import outputs_on_and_off
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
-              pytest.mark.timeout(180)]
+              pytest.mark.timeout(120)]
 
 # 8 heads of 128: the launch's head size; 3 layers, 2 loops; the vocabulary does not matter here
 SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=128, intermediate_size=2816,
