@@ -25,6 +25,8 @@ be resident at once (one per SM: layers_dispatch bounds the grid and the shared 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import layers_dispatch as ld
 from . import pdl
+from . import layer_stack
 from .layer_stack import LayerStack
 from .gluon_attention import _gdc_wait
 from .gluon_layers_stage import _count, kv_pages, stager
@@ -265,3 +268,21 @@ def run_loops(model, h: torch.Tensor, meta, pool, first_loop: int, last_loop: in
                           cfg.rms_norm_eps, cfg.head_dim**-0.5)
         readouts.append(h)
     return readouts
+
+
+def warm_launch(s, rows: int, layers: int, device: torch.device) -> None:
+    """One loop-pass launch of `rows` requests through `layers` layers on zeros, for the startup's compile pass
+    (kernel_warmup): weights for two layers only (the TMA reads past them come back as zeros), everything the
+    launch writes or reads by pointer for all of them; a table row as wide as the engine's."""
+    H, inter, heads, d = s.hidden_size, s.intermediate_size, s.num_heads, s.head_dim
+    z = dict(dtype=s.dtype, device=device)
+    qkv = (heads + 2 * s.num_kv_heads) * d
+    stack = LayerStack(torch.zeros(2 * qkv, H, **z), torch.zeros(2 * H, H, **z), torch.zeros(4 * inter, H, **z),
+                       torch.zeros(2 * H, inter, **z), torch.ones(len(layer_stack.NORMS), layers, H, **z), torch.ones(H, **z),
+                       torch.ones(d // 2, dtype=torch.float32, device=device), layers, weight_layers=2)
+    k = torch.zeros(layers, 2, s.block_size, s.num_kv_heads, d, **z)
+    meta = SimpleNamespace(positions=torch.zeros(rows, dtype=torch.int64, device=device),
+                           slots=torch.zeros(rows, dtype=torch.int64, device=device),
+                           block_tables=torch.zeros(rows, s.table_width, dtype=torch.int32, device=device),
+                           context_lens=torch.ones(rows, dtype=torch.int32, device=device))
+    launch_layers(torch.zeros(rows, H, **z), stack, k, torch.zeros_like(k), meta, stack.inv_freq, s.eps, d**-0.5)

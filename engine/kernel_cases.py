@@ -59,6 +59,7 @@ class KernelShapes:
     buckets: tuple[int, ...] | None  # the graphed calls' batch sizes (None: decode calls run eagerly)
     triton_attention: bool  # the paged kernel and the fused elementwise kernels run (attention_backend triton)
     prefill_buckets: tuple[int, ...] = ()  # the graphed prefill's token buckets (prefill_graph; () without graphs)
+    num_layers: int = 0  # the layer stack's depth (the loop-pass launch's layer count; 0: unknown, no such launch)
 
     @property
     def group(self) -> int:
@@ -135,6 +136,17 @@ def mlp_keys(s: KernelShapes, folds_of) -> dict[tuple, tuple[int, int]]:
         for splits in (1, cfg.splits_o):
             found.setdefault(("gluon_mlp", int_class(rows), int_class(splits)), (rows, splits))
     return found
+
+
+def layers_keys(s: KernelShapes, runs: bool) -> dict[tuple, tuple[int, int]]:
+    """The loop-pass launch's specializations (engine/gluon_layers.py), where `runs`: each with (rows, layers) that
+    compile it. Triton keys the rows (1, or 2-8 requests) and the layer count by int class; a launch of that many
+    layers compiles what the engine's does (the strides and page rows are multiples of 16 in both)."""
+    if not runs or s.num_layers < 1:
+        return {}
+    layers = s.num_layers if s.num_layers == 1 else (16 if s.num_layers % 16 == 0 else 2)
+    return {("gluon_layers", int_class(rows), int_class(s.num_layers)): (rows, layers)
+            for rows in (1, 2) if rows <= s.max_num_seqs}
 
 
 def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:
@@ -313,5 +325,6 @@ def kernel_shapes(cfg, dtype: torch.dtype, head_dtype: torch.dtype | None, *, bl
         table_width=table_width, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, mode=mode, deep_interval=deep_interval, num_sms=num_sms,
         buckets=tuple(batch_buckets(max_num_seqs)) if cuda_graphs else None, triton_attention=attention == "triton",
-        prefill_buckets=tuple(prefill_buckets(max_num_batched_tokens)) if cuda_graphs else ())
+        prefill_buckets=tuple(prefill_buckets(max_num_batched_tokens)) if cuda_graphs else (),
+        num_layers=cfg.num_hidden_layers)
 

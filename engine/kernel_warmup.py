@@ -11,15 +11,15 @@ fork (``OUROBATCH_FORK_COMPILE=0``, or a Triton without AsyncCompileMode) 8 thre
 stages (``_staged``): the first launch of each specialization (two threads would both compile it) and of
 each kernel (it builds the kernel's per-device cache, which two threads would race to create) ends before
 any other launch of it starts, and the very first launch runs alone (Triton builds its launcher utilities
-once). The engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs
-it again, as a check that costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py
-checks on the GPU that the graph captures and a first round of requests compile nothing, and that a
-second process compiles nothing.
+once). The engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it
+again, as a check that costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py checks on the
+GPU that the graph captures and a first round of requests compile nothing, nor a second process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import time
@@ -29,28 +29,28 @@ from typing import Callable
 
 import torch
 
-from . import fork_compile
+from . import fork_compile, layer_stack
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
-                           decode_keys, gemm_keys, gemm_rows, mlp_keys)
+                           decode_keys, gemm_keys, gemm_rows, layers_keys, mlp_keys)
 from .gemm_dispatch import gemm_config
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
 
 
 PARENT_SLOTS = 4  # forked compiles: threads working in this process at once (fork_compile.parent_slot)
+_layers = lambda: importlib.import_module(".gluon_layers", __package__)  # noqa: E731 - Gluon, imported lazily
 
 
 def default_threads(forking: bool) -> int:
-    """Threads that wait on forked compiles: one per core but two (the children are niced below the weight
-    load beside them; only PARENT_SLOTS threads run here at once: 16 threads loading cached kernels slowed
-    the load through the GIL); threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
+    """Threads that wait on forked compiles: one per core but two (the children are niced below the weight load
+    beside them; PARENT_SLOTS run here at once: 16 loading cached kernels slowed the load through the GIL);
+    threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
     cores = os.cpu_count() or 1
     return max(1, min(14, cores - 2)) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
-    """The paged kernel's launch for `case` (its dispatch's config; never the Gluon decode kernel, whose
-    launches are launch_decode's)."""
+    """The paged kernel's launch for `case` (its dispatch's config; the Gluon decode kernel's: launch_decode)."""
     from .triton_attention import launch_paged_attention
 
     q = torch.zeros(case.rows, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
@@ -69,8 +69,7 @@ def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device)
 
 
 def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
-    """The Gluon decode kernel for `seqs` requests of one row at position 0 (triton_attention.decode_launch's
-    ring and split count): kernel_cases.decode_keys's case."""
+    """The Gluon decode kernel for `seqs` one-row requests at position 0 (decode_launch's ring and splits)."""
     from .gluon_attention import launch_decode_attention, supports
     from .triton_attention import decode_launch
 
@@ -282,8 +281,8 @@ def _decode_tasks(s: KernelShapes, device: torch.device) -> list[Task]:
 
 
 def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Task]:
-    """The skinny GEMMs' launches, each kernel apart, then the MLP launch's where it is on (CUDA); the scratch
-    weights are made by the first launch that needs them (launches run in threads)."""
+    """The skinny GEMMs' launches, each kernel apart, then the MLP launch's and the loop-pass launch's where they
+    run (CUDA); the scratch weights are made by the first launch that needs them (launches run in threads)."""
     tasks, weights, made = [], {}, threading.Lock()
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
@@ -307,6 +306,9 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
         for key, (rows, splits) in mlp_keys(s, lambda r: folds_mlp(s, r, device)).items():
             tasks.append(Task("gemm", lambda r=rows, n=splits: launch_mlp(s, r, n, scratch(("gate_up", "down")),
                                                                           device), frozenset({"gluon_mlp"}), (key,)))
+        for key, (rows, layers) in layers_keys(s, layer_stack.warm_runs(s, device)).items():  # the loop-pass launch
+            tasks.append(Task("gemm", lambda r=rows, n=layers: _layers().warm_launch(s, r, n, device),
+                              frozenset({"gluon_layers"}), (key,)))
     return tasks
 
 
@@ -328,14 +330,14 @@ def _staged(tasks: list[Task]) -> list[list[Task]]:
 
 
 def _prepare(device: torch.device) -> bool:
-    """Triton's driver utilities and every kernel's per-device cache (its binder), made here before the
-    threads start, so two first launches of one kernel cannot race to make it (the loser's compiled kernel
-    would land in a cache nobody reads). False where Triton's internals differ: staged threads then."""
+    """Triton's driver utilities and every kernel's per-device cache (its binder), made before the threads start,
+    so two first launches of one kernel cannot race to make it. False where Triton's internals differ: staged."""
     try:
         import triton
         from triton.runtime.jit import JITFunction
 
-        from . import attention_combine, mlp_dispatch, triton_attention, triton_fused, triton_gemm, triton_sampler
+        from . import (attention_combine, layers_dispatch, mlp_dispatch, pdl, triton_attention, triton_fused,
+                       triton_gemm, triton_sampler)
 
         modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
         if triton_attention.gluon_decode(device):
@@ -346,6 +348,8 @@ def _prepare(device: torch.device) -> bool:
             from . import gluon_mlp
 
             modules.append(gluon_mlp)
+        if layers_dispatch.switch_on() and pdl.hopper(device) and pdl.gluon_importable():
+            modules.append(_layers())
         with torch.cuda.device(device):
             index = triton.runtime.driver.active.get_current_device()
             for module in modules:

@@ -23,11 +23,13 @@ class LayerStack:
     """The stacked weights, the RoPE frequencies, the launch's counters and scratch rows, its descriptors."""
 
     def __init__(self, wq: torch.Tensor, wo: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, norms: torch.Tensor,
-                 final_norm: torch.Tensor, inv_freq: torch.Tensor, layers: int) -> None:
+                 final_norm: torch.Tensor, inv_freq: torch.Tensor, layers: int, weight_layers: int | None = None) -> None:
+        # weight_layers: the layers the weight tensors hold (the warm-up's launch: fewer; the launch's TMA reads
+        # past them come back as zeros), `layers` those of everything else
         self.wq, self.wo, self.wgu, self.wd = wq, wo, wgu, wd
         self.norms = tuple(norms[k] for k in range(len(NORMS)))  # [layers, hidden] each, views
         self.final_norm, self.inv_freq, self.layers = final_norm, inv_freq, layers
-        self.qkv_width = wq.shape[0] // layers
+        self.qkv_width = wq.shape[0] // (weight_layers or layers)
         self.inter = wd.shape[1]
         hidden, device = wo.shape[1], wq.device
         # never reset: a generation, then PHASES counts per layer and the launch's end count (gluon_layers.py)
@@ -98,3 +100,12 @@ def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
     return (stack is not None and h.dtype == stack.wq.dtype and pool.k is not None and pool.k.dtype == h.dtype
             and pool.block_size == ld.PAGE
             and ld.call_fits(h.shape[0], meta.max_rows, meta.prefill, meta.tiles is not None))
+
+
+def warm_runs(s, device: torch.device) -> bool:
+    """Whether an engine of these KernelShapes (kernel_cases) runs its decode loop passes as one launch each."""
+    if not (device.type == "cuda" and s.triton_attention and s.dtype == torch.bfloat16 and ld.switch_on()):
+        return False
+    return (pdl.hopper(device) and pdl.gluon_importable() and ld.shape_fits(
+        s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_sms))
+

@@ -556,3 +556,16 @@ def test_calls_that_run_the_mlp_launch_get_its_keys(kw):
         assert key == ("gluon_mlp", kernel_cases.int_class(r), kernel_cases.int_class(n)) and 1 <= r <= MLP_ROWS
     assert kernel_cases.mlp_keys(s, lambda rows: False) == {}
 
+
+
+def test_layers_keys_cover_each_row_class_and_the_layer_count_class():
+    # the loop-pass launch (engine/gluon_layers.py) keys its row count (1, or 2-8) and layer count by int class
+    s = kernel_cases.KernelShapes(**{**shapes(N=64).__dict__, "num_layers": 24})
+    found = kernel_cases.layers_keys(s, True)
+    assert found == {("gluon_layers", "1", ""): (1, 2), ("gluon_layers", "", ""): (2, 2)}
+    for rows, layers in found.values():  # the warm-up's call has the engine's classes
+        assert kernel_cases.int_class(layers) == kernel_cases.int_class(24) and rows <= 8
+    deep = kernel_cases.KernelShapes(**{**s.__dict__, "num_layers": 48, "max_num_seqs": 1})
+    assert kernel_cases.layers_keys(deep, True) == {("gluon_layers", "1", "16"): (1, 16)}
+    assert kernel_cases.layers_keys(s, False) == {}
+    assert kernel_cases.layers_keys(kernel_cases.KernelShapes(**{**s.__dict__, "num_layers": 0}), True) == {}
