@@ -91,6 +91,8 @@ def stack_layers(model) -> LayerStack:
             norms[k, i].copy_(getattr(layer, name).weight)
             getattr(layer, name).weight = _param(norms[k, i])
     inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=ref.device, dtype=torch.float32) / d)
+    if ref.device.type == "cuda":  # the per-layer copies' blocks: cached, they would count as this process's in
+        torch.cuda.empty_cache()  # the KV pool's sizing (assembly.auto_num_blocks) and shrink it by the weights
     return LayerStack(wq, wo, wgu, wd, norms, model.model.norm.weight, inv_freq, L)
 
 
