@@ -100,7 +100,7 @@ def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
     """Whether this run_loops call goes to the loop-pass launch: a stack, decode rows it serves, a bf16 pool of
     16-position pages."""
     return (stack is not None and h.dtype == stack.wq.dtype and pool.k is not None and pool.k.dtype == h.dtype
-            and pool.block_size == ld.PAGE
+            and pool.block_size == ld.PAGE and meta.context_lens.shape[0] == h.shape[0]  # row r is request r's
             and ld.call_fits(h.shape[0], meta.max_rows, meta.prefill, meta.tiles is not None))
 
 

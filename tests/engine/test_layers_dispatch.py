@@ -68,3 +68,22 @@ def test_stacked_parameters_are_views_and_updates_reach_the_stacks(tmp_path):
     copy_named_tensors(model, [("model.layers.0.input_layernorm_2.weight", n2)])
     assert torch.equal(stack.norms[1][0], n2)
     assert stack.inv_freq.shape == (cfg.head_dim // 2,) and stack.counters.dtype == torch.int32
+
+
+def test_only_calls_whose_row_r_is_request_rs_go_to_the_launch():
+    from types import SimpleNamespace
+
+    stack = SimpleNamespace(wq=torch.zeros(1, dtype=torch.bfloat16))
+    pool = SimpleNamespace(k=torch.zeros(1, dtype=torch.bfloat16), block_size=16)
+    h = torch.zeros(3, 8, dtype=torch.bfloat16)
+
+    def meta(seqs, max_rows=1, prefill=False):
+        return SimpleNamespace(context_lens=torch.ones(seqs), max_rows=max_rows, prefill=prefill, tiles=None)
+
+    assert layer_stack.layers_run(stack, h, meta(3), pool)
+    assert not layer_stack.layers_run(None, h, meta(3), pool)
+    assert not layer_stack.layers_run(stack, h, meta(4), pool)  # a request without a row
+    assert not layer_stack.layers_run(stack, h, meta(3, max_rows=2), pool)
+    assert not layer_stack.layers_run(stack, h.float(), meta(3), pool)
+    assert not layer_stack.layers_run(stack, h, meta(3), SimpleNamespace(k=pool.k, block_size=32))
+    assert not layer_stack.layers_run(stack, h, meta(3), SimpleNamespace(k=None, block_size=16))  # asleep
