@@ -1,7 +1,7 @@
 """engine/gluon_layers.py's loop-pass launch alone, at Ouro-1.4B's shape: us per layer against the bytes floor
 (weights + the layer's keys and values at 4.3 TB/s), with the history's pages contiguous in a small pool or
-scattered over a large one (as the engine's pool fills the GPU), for benchmarks/ws_attn_layer_probe.py's
-comparison (the same work without RoPE, the KV write, paged tables and Ouro's two extra norms).
+scattered over a large one (as the engine's pool fills the GPU). docs/benchmarks.md (session 18) compares it with
+the probe it grew from (the same work without RoPE, the key / value write, paged tables and two of Ouro's norms).
 
     python benchmarks/layers_probe.py --out DIR [--rows 8] [--context 640] [--pool-gb 0,60]
 """

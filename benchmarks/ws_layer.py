@@ -23,10 +23,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ws_chain import _give, _load_box, _take, _wait_for_phase, _weight_ring  # noqa: E402
+from ws_chain import _load_box, _wait_for_phase, _weight_ring  # noqa: E402
 
-from engine.gluon_mlp import quarters as _quarter_mma  # noqa: E402 - a box's four quarters, four MMA chains
-from engine.gluon_mlp import zeros4 as _zeros4  # noqa: E402 - their accumulators (the same 16 x 8 tile)
+from engine.gluon_layers import multiply  # noqa: E402 - a phase's tiles (the engine's loop-pass launch's consumer)
+from engine.gluon_layers_stage import copy_rows  # noqa: E402 - chunks of rows staged, each signalled as it lands
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
          "BN": 16, "BK": 256, "BM": 8, "XCHUNKS": 32}  # tile columns, box K, batch rows, staged chunks (2^k >= 22)
@@ -61,57 +61,6 @@ def _loader(wq, wo, wgu, wd, ring, ready, empty, xbuf, x_ready, scales, acts, no
 
 
 @gluon.jit
-def _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, M, pid, programs,
-                    NT: gl.constexpr, NKB: gl.constexpr, PAIR: gl.constexpr, OUT_W: gl.constexpr,
-                    STAGES: gl.constexpr, SCALED: gl.constexpr):
-    # SCALED: the staged chunks are h * n, not yet divided by the row's rms; the stager publishes the rows'
-    # 1 / rms (scales[0], signalled by scales[1]) once the whole rows are in, and the epilogue applies it
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    Q: gl.constexpr = BK // 4
-    rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    rm = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    scale_smem, scale_ready = scales
-    if pid >= NT:  # no tile here: still take this phase's chunk signals, or a later wait for the same parity
-        for kb in range(NKB):  # would pass on this phase's completion (a CTA ahead of its stager read stale x)
-            mbarrier.wait(x_ready.index(kb), gl.where(kb < H // BK, p, layer) & 1)
-        if SCALED:
-            mbarrier.wait(scale_ready.index(0), (p // 2) & 1)
-    for t in range(pid, NT, programs):
-        g0, g1, g2, g3 = _zeros4()
-        u0, u1, u2, u3 = _zeros4()
-        for kb in range(NKB):
-            # chunks 0-7 are staged every phase, 8-21 only in down phases (one in four)
-            mbarrier.wait(x_ready.index(kb), gl.where(kb < H // BK, p, layer) & 1)
-            xc = xbuf.index(kb)
-            b0 = xc.slice(0, Q, dim=1).permute((1, 0)).load(b_layout)
-            b1 = xc.slice(Q, Q, dim=1).permute((1, 0)).load(b_layout)
-            b2 = xc.slice(2 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
-            b3 = xc.slice(3 * Q, Q, dim=1).permute((1, 0)).load(b_layout)
-            g0, g1, g2, g3 = _quarter_mma(_take(ring, ready, i, STAGES), b0, b1, b2, b3, g0, g1, g2, g3, a_layout)
-            _give(empty, i, STAGES)
-            i += 1
-            if PAIR:
-                u0, u1, u2, u3 = _quarter_mma(_take(ring, ready, i, STAGES), b0, b1, b2, b3, u0, u1, u2, u3,
-                                              a_layout)
-                _give(empty, i, STAGES)
-                i += 1
-        y = (g0 + g1) + (g2 + g3)
-        u = (u0 + u1) + (u2 + u3)
-        if SCALED:  # two norm phases a layer (p = 4l and 4l + 2): the signal's parity is (p / 2) mod 2
-            mbarrier.wait(scale_ready.index(0), (p // 2) & 1)
-            rs = scale_smem.load(gl.SliceLayout(0, mma))
-            y = y * rs[None, :]
-            u = u * rs[None, :]
-        if PAIR:
-            y = y / (1.0 + gl.exp(-y)) * u
-        rn = t * BN + rn0
-        gl.store(out_ptr + rm[None, :] * OUT_W + rn[:, None], y.to(gl.bfloat16), mask=(rm < M)[None, :])
-    return i
-
-
-@gluon.jit
 def _finish_phase(cnt_ptr, p):
     gl.thread_barrier()  # the consumer's stores of this phase are issued
     gl.atomic_add(cnt_ptr + p, 1, sem="release", scope="gpu")
@@ -126,19 +75,17 @@ def _consumer_w(wq, wo, wgu, wd, ring, ready, empty, xbuf, x_ready, scales, acts
     i = 0
     for layer in range(num_layers):
         p = 4 * layer
-        i = _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, qkv_ptr + layer * BM * QKV, M,
-                            pid, programs, QKV // BN, H // BK, False, QKV, STAGES, EPILOGUE_NORM)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, qkv_ptr + layer * BM * QKV, qkv_ptr, M,
+                     pid, programs, QKV // BN, H, False, QKV, H, STAGES, EPILOGUE_NORM, False)
         _finish_phase(cnt_ptr, p)
-        i = _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p + 1, layer, o_ptr + layer * BM * H, M,
-                            pid, programs, H // BN, H // BK, False, H, STAGES, False)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, p + 1, layer, o_ptr + layer * BM * H, o_ptr, M, pid,
+                     programs, H // BN, H, False, H, H, STAGES, False, False)
         _finish_phase(cnt_ptr, p + 1)
-        i = _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p + 2, layer,
-                            act_ptr + layer * BM * INTER, M, pid, programs, INTER // BN, H // BK, True, INTER, STAGES,
-                            EPILOGUE_NORM)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, p + 2, layer, act_ptr + layer * BM * INTER, act_ptr,
+                     M, pid, programs, INTER // BN, H, True, INTER, H, STAGES, EPILOGUE_NORM, False)
         _finish_phase(cnt_ptr, p + 2)
-        i = _multiply_phase(ring, ready, empty, xbuf, x_ready, scales, i, p + 3, layer,
-                            d_ptr + (layer + 1) * BM * H, M, pid, programs, H // BN, INTER // BK, False, H, STAGES,
-                            False)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, p + 3, layer, d_ptr + (layer + 1) * BM * H, d_ptr, M,
+                     pid, programs, H // BN, INTER, False, H, H, STAGES, False, False)
         _finish_phase(cnt_ptr, p + 3)
 
 
@@ -197,26 +144,10 @@ def _stage_norm(a_ptr, b_ptr, res_ptr, n_ptr, xbuf, x_ready, scales, M, pid, WAR
 
 
 @gluon.jit
-def _stage_copy(x_ptr, xbuf, x_ready, M, W: gl.constexpr, NC: gl.constexpr, WARPS: gl.constexpr):
-    # NC chunks of x_ptr's rows (row stride W), every copy in flight at once, each chunk signalled as it lands
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    for c in gl.static_range(NC):
-        async_copy.async_copy_global_to_shared(xbuf.index(c), x_ptr + rm[:, None] * W + (c * BK + rk)[None, :],
-                                               mask=(rm < M)[:, None])
-        async_copy.commit_group()
-    for c in gl.static_range(NC):
-        async_copy.wait_group(NC - 1 - c)
-        gl.thread_barrier()
-        mbarrier.arrive(x_ready.index(c), count=1)
-
-
-@gluon.jit
 def _stage_in(a_ptr, b_ptr, res_ptr, n_ptr, xbuf, x_ready, scales, M, pid, WARPS: gl.constexpr, DIAG: gl.constexpr,
               EPILOGUE_NORM: gl.constexpr):
     if DIAG == 2:  # diagnostic: a norm phase staged as a plain copy of a (no sum, no norm, no residual)
-        _stage_copy(a_ptr, xbuf, x_ready, M, H, H // BK, WARPS)
+        copy_rows(a_ptr, xbuf, x_ready, M, H, H // BK, WARPS)
     else:
         _stage_norm(a_ptr, b_ptr, res_ptr, n_ptr, xbuf, x_ready, scales, M, pid, WARPS, EPILOGUE_NORM)
 
@@ -236,12 +167,12 @@ def _stager(xbuf, x_ready, scales, acts, norms, cnt_ptr, num_layers, M, WARPS: g
         _stage_in(hm_ptr + layer * BM * H, d_ptr + layer * BM * H, hq_ptr + layer * BM * H, n1_ptr + layer * H,
                   xbuf, x_ready, scales, M, pid, WARPS, DIAG, EPILOGUE_NORM)
         _wait_for_phase(cnt_ptr + p, programs)
-        _stage_copy(qkv_ptr + layer * BM * QKV, xbuf, x_ready, M, QKV, H // BK, WARPS)
+        copy_rows(qkv_ptr + layer * BM * QKV, xbuf, x_ready, M, QKV, H // BK, WARPS)
         _wait_for_phase(cnt_ptr + p + 1, programs)
         _stage_in(hq_ptr + layer * BM * H, o_ptr + layer * BM * H, hm_ptr + (layer + 1) * BM * H,
                   n2_ptr + layer * H, xbuf, x_ready, scales, M, pid, WARPS, DIAG, EPILOGUE_NORM)
         _wait_for_phase(cnt_ptr + p + 2, programs)
-        _stage_copy(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, INTER // BK, WARPS)
+        copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, INTER // BK, WARPS)
 
 
 @gluon.jit

@@ -102,14 +102,14 @@ def _loader(wq, wo, wgu, wd, k_desc, v_desc, ring, kv_ring, ready, empty, meta, 
 
 
 @gluon.jit
-def _multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, sums_ptr, M, pid, programs,
-              NT: gl.constexpr, K: gl.constexpr, PAIR: gl.constexpr, OUT_W: gl.constexpr, H: gl.constexpr,
-              STAGES: gl.constexpr, SCALED: gl.constexpr):
-    # the CTA's tiles of one phase; p is the staging's index (four a layer): chunks below H / BK are staged
-    # every time, the others (down's K) once a layer. SCALED: the staged rows are h * n and the rows' 1 / rms
-    # (scales, published once the whole rows are in) is applied in the epilogue; PAIR: gate and up, SiLU x up.
-    # Unscaled phases (o, down: a norm follows) also write the rows' sums of squares over the CTA's columns
-    # (sums_ptr[pid]), so the stager need not read the whole rows before it can normalize them
+def multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, sums_ptr, M, pid, programs,
+             NT: gl.constexpr, K: gl.constexpr, PAIR: gl.constexpr, OUT_W: gl.constexpr, H: gl.constexpr,
+             STAGES: gl.constexpr, SCALED: gl.constexpr, SUMS: gl.constexpr):
+    """The CTA's tiles of one phase (benchmarks/ws_layer.py's consumer too); p is the staging's index (four a layer):
+    chunks below H / BK are staged every time, the others (down's K) once a layer. SCALED: the staged rows are
+    h * n and the rows' 1 / rms (scales, published once the whole rows are in) is applied in the epilogue; PAIR:
+    gate and up, SiLU x up. SUMS: also the rows' sums of squares over the CTA's columns (sums_ptr[pid]), so the
+    stager of a norm after this phase need not read whole rows before it can normalize them."""
     rn0 = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     rm = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     scale_smem, scale_ready = scales
@@ -149,10 +149,10 @@ def _multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, s
         rn = t * BN + rn0
         yq = y.to(out_ptr.dtype.element_ty)
         gl.store(out_ptr + rm[None, :] * OUT_W + rn[:, None], yq, mask=(rm < M)[None, :])
-        if not SCALED:
+        if SUMS:
             yf = yq.to(gl.float32)
             sq += gl.sum(yf * yf, axis=0)
-    if not SCALED:
+    if SUMS:
         gl.store(sums_ptr + pid * BM + rm, sq)
     return i
 
@@ -170,18 +170,18 @@ def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr
         s = 4 * layer
         c = cnt_ptr + 1 + PHASES * layer
         sums = sums_ptr + layer * 2 * programs * BM  # this layer's o and down row sums
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s, layer, qkv_ptr + layer * BM * QKV, sums, M,
-                      pid, programs, QKV // BN, H, False, QKV, H, STAGES, True)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s, layer, qkv_ptr + layer * BM * QKV, sums, M,
+                      pid, programs, QKV // BN, H, False, QKV, H, STAGES, True, False)
         _count(c)
         i += pages
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 1, layer, o_ptr + layer * BM * H, sums, M,
-                      pid, programs, H // BN, H, False, H, H, STAGES, False)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 1, layer, o_ptr + layer * BM * H, sums, M,
+                      pid, programs, H // BN, H, False, H, H, STAGES, False, True)
         _count(c + 2)
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 2, layer, act_ptr + layer * BM * INTER, sums,
-                      M, pid, programs, INTER // BN, H, True, INTER, H, STAGES, True)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 2, layer, act_ptr + layer * BM * INTER, sums,
+                      M, pid, programs, INTER // BN, H, True, INTER, H, STAGES, True, False)
         _count(c + 3)
-        i = _multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 3, layer, d_ptr + layer * BM * H,
-                      sums + programs * BM, M, pid, programs, H // BN, INTER, False, H, H, STAGES, False)
+        i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 3, layer, d_ptr + layer * BM * H,
+                      sums + programs * BM, M, pid, programs, H // BN, INTER, False, H, H, STAGES, False, True)
         _count(c + 4)
 
 

@@ -18,9 +18,9 @@ MAX_PROGRAMS = gl.constexpr(ld.MAX_SMS)
 
 
 @gluon.jit
-def _copy_rows(x_ptr, xbuf, x_ready, M, W: gl.constexpr, WARPS: gl.constexpr):
-    # W / BK chunks of x_ptr's rows (row stride W) into the staging buffer, each signalled as it lands
-    NC: gl.constexpr = W // BK
+def copy_rows(x_ptr, xbuf, x_ready, M, W: gl.constexpr, NC: gl.constexpr, WARPS: gl.constexpr):
+    """NC chunks of x_ptr's rows (row stride W) into the staging buffer, each signalled as it lands (unrolled: the
+    waits count copy groups; benchmarks/ws_layer.py's stager too)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
@@ -249,12 +249,12 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
                     STAGES)
         _count(c + 1)
         _wait_count(c + 1, base, programs)
-        _copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, WARPS)
+        copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, H // BK, WARPS)
         _wait_count(c + 2, base, programs)
         _sandwich(hq_ptr + lh, o_ptr + lh, n_in2 + layer * H, n_post + layer * H, hm_ptr + lh, out_ptr, xbuf,
                   x_ready, bufs, sums, 2 * layer + 1, M, pid, eps, H, True, True, WARPS)
         _wait_count(c + 3, base, programs)
-        _copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, WARPS)
+        copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, INTER // BK, WARPS)
     last = (num_layers - 1) * BM * H
     _wait_count(cnt_ptr + PHASES * num_layers, base, programs)
     _sandwich(hm_ptr + last, d_ptr + last, n_post2 + (num_layers - 1) * H, n_final, hq_ptr, out_ptr, xbuf, x_ready,
