@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ws_chain import _load_box, _wait_for_phase, _weight_ring  # noqa: E402
 
-from engine.gluon_layers import multiply  # noqa: E402 - a phase's tiles (the engine's loop-pass launch's consumer)
+from engine.gluon_layers import multiply, staging  # noqa: E402 - a phase's tiles; the stager's buffers
 from engine.gluon_layers_stage import copy_rows  # noqa: E402 - chunks of rows staged, each signalled as it lands
 
 SIZES = {"H": 2048, "QKV": 6144, "INTER": 5632,  # Ouro-1.4B's hidden, qkv and intermediate widths
@@ -184,13 +184,7 @@ def ws_layer_kernel(wq, wo, wgu, wd, hm_ptr, d_ptr, hq_ptr, qkv_ptr, o_ptr, act_
     # the product, not before: within bf16 of the reference)
     gl.static_assert(DIAG != 2 or not EPILOGUE_NORM, "the copies publish no row scales: the epilogue would wait")
     ring, ready, empty = _weight_ring(wq, STAGES)
-    xbuf = gl.allocate_shared_memory(gl.bfloat16, [XCHUNKS, BM, BK], x_layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [XCHUNKS, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(XCHUNKS):
-        mbarrier.init(x_ready.index(c), count=1)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    scale_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(scale_ready.index(0), count=1)
+    xbuf, x_ready, scale_smem, scale_ready = staging(gl.bfloat16, XCHUNKS, x_layout)
     scales = (scale_smem, scale_ready)
     acts = (hm_ptr, d_ptr, hq_ptr, qkv_ptr, o_ptr, act_ptr)
     norms = (n1_ptr, n2_ptr)

@@ -186,6 +186,20 @@ def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr
 
 
 @gluon.jit
+def staging(dtype: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr):
+    """The stager's buffer of XCHUNKS chunks (ROWS x BLOCK_K) with a `ready` barrier each, and the rows' 1 / rms
+    with its barrier (benchmarks/ws_layer.py's kernel too)."""
+    xbuf = gl.allocate_shared_memory(dtype, [XCHUNKS, BM, BK], x_layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [XCHUNKS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(XCHUNKS):
+        mbarrier.init(x_ready.index(c), count=1)
+    scale_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    scale_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(scale_ready.index(0), count=1)
+    return xbuf, x_ready, scale_smem, scale_ready
+
+
+@gluon.jit
 def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, hq_ptr, hm_ptr,
                   qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, n_in, n_in2, n_post, n_post2, n_final, pos_ptr, slots_ptr,
                   tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, num_layers, M, layer_rows, eps, qk_scale,
@@ -195,13 +209,7 @@ def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_p
     gl.static_assert(BN * BK == 2 * PAGE * D, "a ring slot holds one weight box, or a page of keys and one of values")
     ring, ready, empty = weight_ring(wq, STAGES)
     kv_ring = ring._reinterpret(wq.dtype, [STAGES, 2 * PAGE, D], k_desc.layout)
-    xbuf = gl.allocate_shared_memory(wq.dtype, [XCHUNKS, BM, BK], x_layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [XCHUNKS, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(XCHUNKS):
-        mbarrier.init(x_ready.index(c), count=1)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    scale_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(scale_ready.index(0), count=1)
+    xbuf, x_ready, scale_smem, scale_ready = staging(wq.dtype, XCHUNKS, x_layout)
     landed = gl.allocate_shared_memory(gl.int64, [H // BK, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(H // BK):  # a staging's chunk c has landed: every stager thread's copies arrive
         mbarrier.init(landed.index(c), count=num_warps * 32)
