@@ -1,6 +1,7 @@
 """A whole loop pass of decode (every layer of the stack, attention included) as one warp-specialized Gluon
-launch (Hopper, up to 8 requests of one new row each). layers_dispatch.py says when it runs and holds what it
-needs (the stacked weights, the counters, the scratch rows); docs/benchmarks.md (session 18) what it measured.
+launch (Hopper, up to 8 requests of one new row each). layers_dispatch.py and layer_stack.layers_run say when
+it runs, layer_stack.py holds what it reads (the stacked weights, the counters, the scratch rows, the row sums),
+gluon_layers_stage.py is its stager; docs/benchmarks.md (session 18) says what it measured.
 
 One CTA per SM, three partitions, five phases per layer, each ended by a grid-wide count in global memory
 (every CTA adds one after its stores; a CTA that needs a phase's output waits for all of them):
@@ -9,9 +10,10 @@ One CTA per SM, three partitions, five phases per layer, each ended by a grid-wi
   attn  the stager (4 warps) of CTA r x heads + head: RoPE on the row's q and k, the new key and value into the
         loop's paged cache at the row's slot, then softmax(q K^T / sqrt(d)) V over the request's pages (the
         new position from registers: its slot in the streamed page may not be written yet)
-  o     the attention rows staged, times o_proj's weights
-  gu    hm = h + rms(o) n_in2 and x2 = rms(hm) n_post staged, SiLU(x2 Wg) (x2 Wu) written
-  down  SiLU x up's rows staged, times down's weights
+  o     the attention rows staged, times o_proj's weights; each CTA also writes its columns' sums of squares
+  gu    hm = h + rms(o) n_in2 and x2 = rms(hm) n_post staged chunk by chunk as they land (rms(o) from those
+        sums), SiLU(x2 Wg) (x2 Wu) written
+  down  SiLU x up's rows staged, times down's weights (and its sums of squares)
 and the next layer's h = hm + rms(d) n_post2; after the last layer each CTA writes its columns of the readout
 rms(h) n_final (model.norm: the loop's readout and the next loop's input). Each CTA owns 16 columns of the
 residual stream and writes them in the stagings. The loader warp TMA-streams, in the consumer's order, every
@@ -252,6 +254,7 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     """One loop pass over every layer: h [rows <= 8, hidden] (the loop's input) -> the loop's readout
     rms(h_out) * model.norm. k, v: the loop's planes [layers, blocks, page, kv_heads, d]; the rows' keys and values
     are written at meta.slots. layers_dispatch.layers_run says which calls come here."""
+    h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
     rows, hidden = h.shape
     L, _, page, heads, d = k.shape
     scratch = stack.scratch(h.device)
