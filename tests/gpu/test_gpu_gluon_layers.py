@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine import gluon_layers, layers_dispatch
+from engine import layers_dispatch
 from engine.batch import BlockTables, SeqSpan, uniform_meta
 from engine.kv_cache import KVPool
 from engine.loader import load_model
@@ -81,6 +81,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("contexts", [[1, 16, 17, 200, 33, 64, 5, 130], [47], [300, 2, 16]])
 def test_a_loop_pass_launch_matches_the_float64_reference(models, contexts, monkeypatch):
+    from engine import gluon_layers  # (Triton: imported where the GPU tests run)
+
     # bounded by the error of the engine's per-kernel bf16 path on the same inputs (its own roundings, another
     # summation order): the launch must be as close to float64 as the path it replaces, give or take half
     fast, ref = models
@@ -167,6 +169,8 @@ def test_engine_with_the_launch_agrees_with_the_engine_without(engine_ckpt, monk
     # the launch rounds in other places than the kernels (qkv before RoPE, the norms' chains in float32), and
     # the tiny model's loops amplify bf16 roundings: its log-probs must stay as close to the kernels' as the
     # kernels' are to a float32 engine's, give or take half
+    from engine import gluon_layers
+
     def switch(value: str) -> None:
         monkeypatch.setenv(layers_dispatch.ENV, value)
 
