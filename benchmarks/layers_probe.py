@@ -76,7 +76,7 @@ def main(argv=None) -> int:
               "floor_ms": floor_ms, "ways": {}}
     for gb in (float(x) for x in args.pool_gb.split(",")):
         k, v, meta = problem(args.rows, args.context, gb)
-        fn = lambda: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5)  # noqa: E731
+        fn = lambda k=k, v=v, meta=meta: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5)  # noqa: E731
         first_call_or_exit(fn, f"layers pool {gb} GB")
         for r in range(2):
             ms = timed(fn)
