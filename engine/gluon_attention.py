@@ -152,20 +152,26 @@ def _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, b
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             k = kring.index(s).load(layout).to(gl.float32)
             score = gl.where(t * BLOCK_N + offs_n < kv_len, gl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = gl.maximum(m, score)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_safe)
-            p = gl.exp2(score - m_safe)
-            mass = mass * alpha + p
-            v = vring.index(s).load(layout).to(gl.float32)
-            acc = acc * alpha[:, None] + p[:, None] * v
-            m = m_new
+            m, mass, acc = online_step(score, vring.index(s), layout, m, mass, acc)
             gl.thread_barrier()  # every warp has read the slot
             fence_async_shared()
             mbarrier.arrive(empty.index(s), count=1)
             i += 1
         _finish(o_ptr, lse_ptr, m, mass, acc, row, head, split, has_row, offs_d, stride_o_split, stride_o_row,
                 stride_o_head, stride_lse_split, stride_lse_row, HEAD_DIM, SPLIT)
+
+
+@gluon.jit
+def online_step(score, v_smem, layout: gl.constexpr, m, mass, acc):
+    """One tile of keys in the per-key-slot online softmax (base 2): `score` the slots' scores (-inf: masked),
+    v_smem their values; the running max m, mass and weighted values updated (gluon_layers_stage's attention too)."""
+    m_new = gl.maximum(m, score)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(score - m_safe)
+    mass = mass * alpha + p
+    v = v_smem.load(layout).to(gl.float32)
+    return m_new, mass, acc * alpha[:, None] + p[:, None] * v
 
 
 @gluon.jit

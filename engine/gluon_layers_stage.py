@@ -9,7 +9,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from . import layers_dispatch as ld
-from .gluon_attention import _gdc_launch_dependents, _gdc_wait
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait, online_step
 from .gluon_ring import give, take
 
 BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
@@ -152,14 +152,7 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
         page = take(kv_ring, ready, i, STAGES)
         k = page.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
         score = gl.where(t * PAGE + offs_n < new, gl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = gl.maximum(m, score)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_safe)
-        p = gl.exp2(score - m_safe)
-        mass = mass * alpha + p
-        v = page.slice(PAGE, PAGE, dim=0).load(layout).to(gl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * v
-        m = m_new
+        m, mass, acc = online_step(score, page.slice(PAGE, PAGE, dim=0), layout, m, mass, acc)
         gl.thread_barrier()  # every warp has read the slot
         give(empty, i, STAGES)
         i += 1
