@@ -38,13 +38,12 @@ from . import layers_dispatch as ld
 from . import pdl
 from . import layer_stack
 from .layer_stack import LayerStack
-from .gluon_attention import _gdc_wait
-from .gluon_layers_stage import _count, kv_pages, stager
-from .gluon_mlp import A_LAYOUT, B_LAYOUT, MMA, quarters, zeros4
+from .gluon_attention import _gdc_wait, smem_layout
+from .gluon_layers_stage import BK, BM, BN, PHASES, _count, kv_pages, stager
+from .gluon_mlp import A_LAYOUT, B_LAYOUT, MMA, quarters, smem_layouts, zeros4
 from .gluon_ring import give, load_box, take, weight_ring
 
-BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
-PHASES = gl.constexpr(ld.PHASES)
+X_LAYOUT = gl.NVMMASharedLayout.get_default_for([ld.ROWS, ld.BLOCK_K], gl.bfloat16)  # a staged chunk's
 
 
 @gluon.jit
@@ -238,12 +237,11 @@ def _descriptors(stack: "LayerStack", k: torch.Tensor, v: torch.Tensor) -> tuple
     key = (stack.wq.data_ptr(), k.data_ptr(), v.data_ptr())
     found = stack.descriptors.get(key)
     if found is None:
-        w_layout = gl.NVMMASharedLayout.get_default_for([ld.BLOCK_N, ld.BLOCK_K], gl.bfloat16)
-        kv_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        w_layout, _, _ = smem_layouts(torch.bfloat16, ld.BLOCK_K)  # gluon_mlp's weight boxes: the same tiles
         ws = tuple(TensorDescriptor.from_tensor(w, [ld.BLOCK_N, ld.BLOCK_K], w_layout)
                    for w in (stack.wq, stack.wo, stack.wgu, stack.wd))
         width = k.shape[-2] * k.shape[-1]
-        kvs = tuple(TensorDescriptor.from_tensor(t.view(-1, width), [k.shape[-3], k.shape[-1]], kv_layout)
+        kvs = tuple(TensorDescriptor.from_tensor(t.view(-1, width), [k.shape[-3], k.shape[-1]], smem_layout())
                     for t in (k, v))
         found = stack.descriptors[key] = ws + kvs
     return found
@@ -257,16 +255,14 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
     rows, hidden = h.shape
     L, _, page, heads, d = k.shape
-    scratch = stack.scratch(h.device)
     out = torch.empty_like(h)
-    x_layout = gl.NVMMASharedLayout.get_default_for([ld.ROWS, ld.BLOCK_K], gl.bfloat16)
     layers_kernel[(pdl.num_sms(h.device),)](
-        *_descriptors(stack, k, v), h, out, k, v, inv_freq, *scratch, *stack.norms, stack.final_norm,
+        *_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
         meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens, stack.counters,
         stack.row_sums,
         L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634, H=hidden, QKV=stack.qkv_width,
         INTER=stack.inter, HEADS=heads, D=d, PAGE=page, XCHUNKS=ld.staged_chunks(hidden, stack.inter),
-        x_layout=x_layout, STAGES=ld.STAGES, num_warps=4, **pdl.launch_kwargs(h.device))
+        x_layout=X_LAYOUT, STAGES=ld.STAGES, num_warps=4, **pdl.launch_kwargs(h.device))
     return out
 
 

@@ -34,26 +34,30 @@ class LayerStack:
         hidden, device = wo.shape[1], wq.device
         # never reset: a generation, then PHASES counts per layer and the launch's end count (gluon_layers.py)
         self.counters = torch.zeros(2 + ld.PHASES * layers, dtype=torch.int32, device=device)
-        widths = (hidden, hidden, self.qkv_width, hidden, hidden, self.inter, hidden)  # hq hm qkv attn o act d
+        # the launch's per-layer rows, made here (outside any graph capture): hq hm qkv attn o act d
+        widths = (hidden, hidden, self.qkv_width, hidden, hidden, self.inter, hidden)
         self.rows = tuple(torch.zeros(layers, ld.ROWS, w, dtype=wq.dtype, device=device) for w in widths)
         # per layer, o_proj's and down's rows' sums of squares, one [ROWS] per CTA (written every launch)
         self.row_sums = torch.zeros(layers, 2, ld.MAX_SMS, ld.ROWS, dtype=torch.float32, device=device)
         self.descriptors: dict = {}
 
-    def scratch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The launch's per-layer rows (made with the stack, outside any graph capture)."""
-        return self.rows
+
+def runs_on(device: torch.device, dtype: torch.dtype, hidden: int, inter: int, heads: int, kv_heads: int,
+            head_dim: int, page: int) -> bool:
+    """Whether a model of these shapes in `dtype` on `device` runs its decode loop passes as one launch each: the
+    switch on, bf16, a Hopper GPU with Gluon, a shape layers_dispatch.shape_fits (the model's and the warm-up's
+    rule: wanted, warm_runs)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not ld.switch_on():
+        return False
+    return (pdl.hopper(device) and pdl.gluon_importable()
+            and ld.shape_fits(hidden, inter, heads, kv_heads, head_dim, page, pdl.num_sms(device)))
 
 
 def wanted(model) -> bool:
-    """Whether `model` (fused, on its device) can run its decode loop passes as one launch each."""
+    """Whether `model` (fused, on its device) gets a stack: runs_on for its weights and 16-position pages."""
     cfg, w = model.config, model.lm_head.weight
-    if w.device.type != "cuda" or w.dtype != torch.bfloat16 or not ld.switch_on():
-        return False
-    if not (pdl.hopper(w.device) and pdl.gluon_importable()):
-        return False
-    return ld.shape_fits(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                         cfg.head_dim, ld.PAGE, pdl.num_sms(w.device))
+    return runs_on(w.device, w.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, ld.PAGE)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -106,8 +110,5 @@ def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
 
 def warm_runs(s, device: torch.device) -> bool:
     """Whether an engine of these KernelShapes (kernel_cases) runs its decode loop passes as one launch each."""
-    if not (device.type == "cuda" and s.triton_attention and s.dtype == torch.bfloat16 and ld.switch_on()):
-        return False
-    return (pdl.hopper(device) and pdl.gluon_importable() and ld.shape_fits(
-        s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_sms))
-
+    return s.triton_attention and runs_on(device, s.dtype, s.hidden_size, s.intermediate_size, s.num_heads,
+                                          s.num_kv_heads, s.head_dim, s.block_size)

@@ -50,3 +50,20 @@ def test_the_kernel_compiles_streams_through_tma_and_fits(hidden, inter):
 def test_pdl_waits_only_with_pdl():
     assert compile_layers(use_pdl=1)["gdc_wait"] >= 2  # the stager before the loop's input, the loader before meta
     assert compile_layers(use_pdl=0)["gdc_wait"] == 0
+
+
+def test_the_launch_builds_the_layouts_the_kernel_is_compiled_for():
+    # launch_layers takes its weight-box and page layouts from gluon_mlp and gluon_attention, its staged chunk's
+    # from X_LAYOUT: they must be the ones compile_layers names above
+    from triton.experimental.gluon import language as gl
+
+    import torch
+
+    from engine.gluon_attention import smem_layout
+    from engine.gluon_layers import X_LAYOUT
+    from engine.gluon_mlp import smem_layouts
+
+    assert smem_layouts(torch.bfloat16, ld.BLOCK_K)[0] == gl.NVMMASharedLayout.get_default_for(
+        [ld.BLOCK_N, ld.BLOCK_K], gl.bfloat16)
+    assert smem_layout() == gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    assert X_LAYOUT == gl.NVMMASharedLayout.get_default_for([ld.ROWS, ld.BLOCK_K], gl.bfloat16)
