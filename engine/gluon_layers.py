@@ -36,8 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import layers_dispatch as ld
 from . import pdl
-from . import layer_stack
-from .layer_stack import LayerStack
+from .layer_stack import NORMS, LayerStack
 from .gluon_attention import _gdc_wait, smem_layout
 from .gluon_layers_stage import BK, BM, BN, PHASES, _count, kv_pages, stager
 from .gluon_mlp import A_LAYOUT, B_LAYOUT, MMA, quarters, smem_layouts, zeros4
@@ -251,7 +250,7 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
                   inv_freq: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
     """One loop pass over every layer: h [rows <= 8, hidden] (the loop's input) -> the loop's readout
     rms(h_out) * model.norm. k, v: the loop's planes [layers, blocks, page, kv_heads, d]; the rows' keys and values
-    are written at meta.slots. layers_dispatch.layers_run says which calls come here."""
+    are written at meta.slots. layer_stack.layers_run says which calls come here."""
     h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
     rows, hidden = h.shape
     L, _, page, heads, d = k.shape
@@ -285,7 +284,7 @@ def warm_launch(s, rows: int, layers: int, device: torch.device) -> None:
     z = dict(dtype=s.dtype, device=device)
     qkv = (heads + 2 * s.num_kv_heads) * d
     stack = LayerStack(torch.zeros(2 * qkv, H, **z), torch.zeros(2 * H, H, **z), torch.zeros(4 * inter, H, **z),
-                       torch.zeros(2 * H, inter, **z), torch.ones(len(layer_stack.NORMS), layers, H, **z), torch.ones(H, **z),
+                       torch.zeros(2 * H, inter, **z), torch.ones(len(NORMS), layers, H, **z), torch.ones(H, **z),
                        torch.ones(d // 2, dtype=torch.float32, device=device), layers, weight_layers=2)
     k = torch.zeros(layers, 2, s.block_size, s.num_kv_heads, d, **z)
     meta = SimpleNamespace(positions=torch.zeros(rows, dtype=torch.int64, device=device),

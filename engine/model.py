@@ -18,9 +18,8 @@ from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
-from . import layer_stack
 from .kv_cache import KVPool
-from .layer_stack import layers_run
+from .layer_stack import layers_run, stack_layers, wanted as stack_wanted
 from .mlp_dispatch import mlp_folds, new_counters
 
 
@@ -262,7 +261,7 @@ class OuroForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.layer_stack = layer_stack.stack_layers(self) if layer_stack.wanted(self) else None
+        self.layer_stack = stack_layers(self) if stack_wanted(self) else None
 
     def set_attention_backend(self, backend: str) -> None:
         """"torch": the reference path. "triton": the Triton attention kernel plus the fused elementwise
