@@ -33,6 +33,7 @@ from . import fork_compile, layer_stack
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
                            decode_keys, gemm_keys, gemm_rows, layers_keys, mlp_keys)
 from .gemm_dispatch import gemm_config
+from .warmup_order import SLOWEST, Task, longest_first, staged  # noqa: F401 - SLOWEST: its tests read it here
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
 
@@ -224,17 +225,6 @@ class KernelReport:
     threads: int = 0  # threads it ran in
 
 
-@dataclass(frozen=True)
-class Task:
-    """One warm-up launch: the kernels it uses (each builds a per-device cache on its first launch) and the
-    specializations its launch compiles, the one it exists for first."""
-
-    name: str  # its family: attention, fused, sampler, gemm
-    launch: Callable[[], None]
-    kernels: frozenset[str]
-    keys: tuple[tuple, ...]
-
-
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     """Every launch, in a fixed order that depends only on `s`, each there for one specialization no earlier
     launch compiles (so the threads share the compiles evenly): an attention case only for a new paged-kernel
@@ -312,23 +302,6 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
     return tasks
 
 
-def _staged(tasks: list[Task]) -> list[list[Task]]:
-    """Stages (each runs after the one before ends) in which the first launch of every kernel and of every
-    specialization ends before any other launch of it starts (later ones find it compiled and may share a
-    stage); the very first launch alone. Greedy, in task order. (Forked compiles need none of it: `_prepare`
-    and fork_compile's per-key claim guard the same.)"""
-    stages: list[list[Task]] = []
-    first: dict[object, int] = {}  # kernel or specialization -> the stage of its first launch
-    for i, task in enumerate(tasks):
-        names = (*task.kernels, *task.keys)
-        stage = 0 if i == 0 else 1 + max((first[k] for k in names if k in first), default=0)
-        for k in names:
-            first.setdefault(k, stage)
-        stages += [[] for _ in range(stage + 1 - len(stages))]
-        stages[stage].append(task)
-    return stages
-
-
 def _prepare(device: torch.device) -> bool:
     """Triton's driver utilities and every kernel's per-device cache (its binder), made before the threads start,
     so two first launches of one kernel cannot race to make it. False where Triton's internals differ: staged."""
@@ -380,7 +353,7 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
     started = time.perf_counter()
     forking = device.type == "cuda" and fork_compile.available() and _prepare(device)
     tasks = task_list(s, device)
-    stages = [tasks] if forking else _staged(tasks)
+    stages = [longest_first(tasks)] if forking else staged(tasks)
     slots = threading.Semaphore(PARENT_SLOTS) if forking else None
     report.threads = threads or NUM_THREADS or default_threads(forking)
     with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:

@@ -371,11 +371,11 @@ def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fail
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sets(st.sampled_from("abc")), st.sets(st.integers(0, 5))), min_size=1, max_size=12))
 def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
-    """kernel_warmup._staged: the first launch alone; the first launch of every specialization and of every
+    """kernel_warmup.staged: the first launch alone; the first launch of every specialization and of every
     kernel in an earlier stage than its other launches (two launches of one stage may share one only once
     it is compiled); every launch once, in order."""
     tasks = [kernel_warmup.Task(f"t{i}", i, frozenset(kernels), tuple(keys)) for i, (kernels, keys) in enumerate(spec)]
-    stages = kernel_warmup._staged(tasks)
+    stages = kernel_warmup.staged(tasks)
     where = {t.launch: n for n, stage in enumerate(stages) for t in stage}
     assert sorted(where) == list(range(len(tasks))) and len(stages[0]) == 1 and stages[0][0].launch == 0
     assert all(stage for stage in stages) and all(where[i] >= 1 for i in range(1, len(tasks)))
@@ -383,6 +383,20 @@ def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
         for k in (*task.kernels, *task.keys):
             first = min(j for j, t in enumerate(tasks) if k in t.kernels or k in t.keys)
             assert first == i or where[first] < where[i]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sets(st.sampled_from(["gluon_layers", "gluon_mlp", "gluon_o", "paged", "gemm"])), max_size=12))
+def test_forked_compiles_start_with_the_slowest_kernels(spec):
+    """kernel_warmup.longest_first: every launch once; one using a slower kernel of SLOWEST before any that uses
+    only faster ones; launches of one rank in the list's order."""
+    tasks = [kernel_warmup.Task(f"t{i}", i, frozenset(kernels), ()) for i, kernels in enumerate(spec)]
+    order = kernel_warmup.longest_first(tasks)
+    slow = kernel_warmup.SLOWEST
+    rank = [min([slow.index(k) for k in t.kernels if k in slow] + [len(slow)]) for t in order]
+    assert sorted(t.launch for t in order) == list(range(len(tasks)))
+    assert rank == sorted(rank)
+    assert all(a.launch < b.launch for a, b, ra, rb in zip(order, order[1:], rank, rank[1:]) if ra == rb)
 
 
 def test_one_gemm_launch_per_tile_and_row_class():

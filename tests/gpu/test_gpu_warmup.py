@@ -65,6 +65,36 @@ def test_after_startup_a_first_round_compiles_and_captures_nothing(ckpt, mode, B
     assert warmed == cold
 
 
+# a shape the loop-pass launch (engine/gluon_layers.py) serves: heads of 128, no GQA, pages of 16
+LAUNCH_SHAPE = dict(vocab_size=257, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=8, head_dim=128, intermediate_size=2816)
+
+
+@pytest.mark.parametrize("mode,B", [("deferred", 1), ("deferred", 4)])
+def test_a_first_round_through_the_loop_pass_launch_compiles_nothing(tmp_path, mode, B, monkeypatch):
+    # the startup's compile pass launches it (kernel_cases.layers_keys, gluon_layers.warm_launch): its first
+    # decode calls of up to 8 requests must not compile it again (nor anything else), and they must run it
+    from engine import gluon_layers, layers_dispatch
+
+    if not layers_dispatch.switch_on() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the loop-pass launch runs on Hopper with OUROBATCH_DECODE_LAYERS on")
+    ckpt = make_tiny_checkpoint(tmp_path / "m", dtype=torch.bfloat16, **LAUNCH_SHAPE)
+    launches = []
+    real = gluon_layers.launch_layers
+    monkeypatch.setattr(gluon_layers, "launch_layers", lambda *a, **k: launches.append(1) or real(*a, **k))
+    counter = compile_cache.install_compile_counter()
+    prompts, params = first_round()
+    cfg = EngineConfig(model=str(ckpt), mode=mode, deep_interval=B, **{**CONFIG, "block_size": 16})
+    with SyncEngine(cfg) as engine:
+        names, before = dict(counter.names), counter.snapshot()
+        captured = len(launches)  # the startup's graphs of decode calls hold it; the round replays them
+        engine.generate_batch(prompts[:6], params[:6])  # 6 requests: every decode call is the launch's
+        after = counter.snapshot()
+    new = {k: v - names.get(k, 0) for k, v in counter.names.items() if v != names.get(k, 0)}
+    assert captured > 0, "the engine's decode calls go through the launch"
+    assert (after.compiled - before.compiled, after.loaded - before.loaded) == (0, 0), f"compiled in round 1: {new}"
+
+
 CHILD = """
 import json, sys
 from structlog.testing import capture_logs
