@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -149,6 +149,12 @@ if [ "$what" = layers ]; then  # every layer of a decode loop pass as one Gluon 
   # env_variants over OUROBATCH_DECODE_LAYERS's LV_VARIANTS (default "0 1")
   FV_TESTS="${LV_TESTS:-tests/gpu/test_gpu_gluon_layers.py}" \
     env_variants OUROBATCH_DECODE_LAYERS "${LV_VARIANTS:-0 1}" layers "$@"
+fi
+if [ "$what" = layers_probe ]; then  # the loop-pass launch alone (benchmarks/layers_probe.py; --trace: where a
+  # layer's time goes, from the measuring build's stamps); a hang exits
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/layers_probe.py --out "$OUT/layers_probe" "$@" 2>&1 \
+    | tee "$OUT/layers_probe.log" | tail -60
+  status=${PIPESTATUS[0]}
 fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)

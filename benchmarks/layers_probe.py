@@ -3,7 +3,11 @@
 scattered over a large one (as the engine's pool fills the GPU). docs/benchmarks.md (session 18) compares it with
 the probe it grew from (the same work without RoPE, the key / value write, paged tables and two of Ouro's norms).
 
-    python benchmarks/layers_probe.py --out DIR [--rows 8] [--context 640] [--pool-gb 0,60]
+    python benchmarks/layers_probe.py --out DIR [--rows 8] [--context 640] [--pool-gb 0,60] [--trace]
+
+--trace also runs the measuring build (gluon_layers_stage.stamp: each CTA's global timer at its phase events) and
+prints where a layer's time goes: each phase's span on the critical path (from the grid's end of the phase
+before to the grid's end of this one) and, inside it, how long CTAs take to see a count, stage and attend.
 """
 
 from __future__ import annotations
@@ -17,10 +21,51 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_probe import COPY_TBPS, timed  # noqa: E402
-from phase_probe_ws import first_call_or_exit  # noqa: E402
 
 H, INTER, HEADS, D, PAGE, LAYERS = 2048, 5632, 16, 128, 16, 24
+# gluon_layers_stage.stamp's events: the stager's (0-9, 14 after the readout) and the consumer's (10-13)
+DOWN_SEEN, SAND_A, QKV_SEEN, ATTENDED, ATTN_SEEN, ATTN_STAGED, O_SEEN, SAND_B, GU_SEEN, ACT_STAGED = range(10)
+QKV_DONE, O_DONE, GU_DONE, DOWN_DONE, READOUT = 10, 11, 12, 13, 14
+
+
+def trace_table(t) -> dict[str, float]:
+    """A measuring launch's stamps [CTAs, layers, events] (ns, int64 tensor) -> us a layer, the mean over layers 1..:
+    each phase's span on the critical path (grid end of the phase before -> grid end of this one), the span's parts
+    (the CTAs' median time to see the count, stage, attend; the slowest CTA's attention) and the whole launch."""
+    t = t.double()
+    end = {k: t[:, :, k].max(dim=0).values for k in (QKV_DONE, ATTENDED, O_DONE, GU_DONE, DOWN_DONE)}
+    prev_down = end[DOWN_DONE][:-1]  # layer l's start: layer l - 1's down, complete
+
+    def span(a, b):
+        return a[1:] - b
+
+    def med(a, b):  # the CTAs' median of stamp a - stamp b, per layer from 1
+        return (t[:, 1:, a] - t[:, 1:, b]).median(dim=0).values
+
+    def seen(a, grid_end):  # how long after the grid's end a CTA sees it (median)
+        return (t[:, 1:, a] - grid_end[None, :]).median(dim=0).values
+
+    rows = {
+        "qkv (sandwich, qkv GEMM)": span(end[QKV_DONE], prev_down),
+        "  down count seen": seen(DOWN_SEEN, prev_down),
+        "  sandwich A": med(SAND_A, DOWN_SEEN),
+        "attention": span(end[ATTENDED], end[QKV_DONE][1:]),
+        "  qkv count seen": seen(QKV_SEEN, end[QKV_DONE][1:]),
+        "  attend (median CTA)": med(ATTENDED, QKV_SEEN),
+        "o (stage, o GEMM)": span(end[O_DONE], end[ATTENDED][1:]),
+        "  attention count seen": seen(ATTN_SEEN, end[ATTENDED][1:]),
+        "  attention rows staged": med(ATTN_STAGED, ATTN_SEEN),
+        "gate_up (sandwich, GEMM)": span(end[GU_DONE], end[O_DONE][1:]),
+        "  o count seen": seen(O_SEEN, end[O_DONE][1:]),
+        "  sandwich B": med(SAND_B, O_SEEN),
+        "down (stage, GEMM)": span(end[DOWN_DONE], end[GU_DONE][1:]),
+        "  gate_up count seen": seen(GU_SEEN, end[GU_DONE][1:]),
+        "  act rows staged": med(ACT_STAGED, GU_SEEN),
+    }
+    out = {name: float(v.mean()) / 1e3 for name, v in rows.items()}
+    out["layer (down to down)"] = float((end[DOWN_DONE][1:] - prev_down).mean()) / 1e3
+    out["launch (first stamp to last readout)"] = float(t[:, -1, READOUT].max() - t[:, 0, DOWN_SEEN].min()) / 1e3
+    return out
 
 
 def stack(seed: int = 0):
@@ -56,7 +101,32 @@ def problem(rows: int, context: int, pool_gb: float, seed: int = 1):
     return k, v, meta
 
 
+def traced(fn, path: Path, launches: int = 5) -> dict[str, float]:
+    """`launches` measuring launches (fn(trace=...)): each one's trace_table, the mean printed; stamps saved."""
+    from engine import layers_dispatch as ld
+
+    traces, tables = [], []
+    for _ in range(launches):
+        t = torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count, LAYERS, ld.TRACE_EVENTS,
+                        dtype=torch.int64, device="cuda")
+        fn(trace=t)
+        torch.cuda.synchronize()
+        traces.append(t.cpu())
+        tables.append(trace_table(traces[-1]))
+    torch.save(torch.stack(traces), path)
+    mean = {k: sum(tb[k] for tb in tables[1:]) / (launches - 1) for k in tables[0]}  # the first: a cold launch
+    steps = torch.stack(traces)[..., :15].diff(dim=-1).abs().flatten()
+    mean["timer step (smallest nonzero difference), ns"] = float(steps[steps > 0].min())
+    print("| where a layer's time goes (measuring build) | us |\n|---|---|")
+    for name, v in mean.items():
+        print(f"| {name} | {v:.2f} |", flush=True)
+    return mean
+
+
 def main(argv=None) -> int:
+    from phase_probe import COPY_TBPS, timed  # Triton: imported here (tests read trace_table without it)
+    from phase_probe_ws import first_call_or_exit
+
     from engine.gluon_layers import launch_layers
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--pool-gb", default="0,60", help="pool sizes (0: just the pages read, contiguous)")
+    ap.add_argument("--trace", action="store_true", help="also the measuring build: where a layer's time goes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,13 +147,16 @@ def main(argv=None) -> int:
               "floor_ms": floor_ms, "ways": {}}
     for gb in (float(x) for x in args.pool_gb.split(",")):
         k, v, meta = problem(args.rows, args.context, gb)
-        fn = lambda k=k, v=v, meta=meta: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5)  # noqa: E731
+        fn = lambda k=k, v=v, meta=meta, **kw: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5,  # noqa: E731
+                                                              **kw)
         first_call_or_exit(fn, f"layers pool {gb} GB")
         for r in range(2):
             ms = timed(fn)
             result["ways"].setdefault(f"pool_{gb:g}gb", []).append(ms)
             print(f"pool {gb:g} GB round {r}: {ms:.3f} ms = {ms * 1e3 / LAYERS:.2f} us/layer (floor "
                   f"{floor_ms * 1e3 / LAYERS:.2f})", flush=True)
+        if args.trace:
+            result.setdefault("trace", {})[f"pool_{gb:g}gb"] = traced(fn, out / f"trace_pool_{gb:g}gb.pt")
         (out / "layers_probe.json").write_text(json.dumps(result, indent=1))
         del k, v
         torch.cuda.empty_cache()

@@ -38,7 +38,7 @@ from . import layers_dispatch as ld
 from . import pdl
 from .layer_stack import NORMS, LayerStack
 from .gluon_attention import _gdc_wait, smem_layout
-from .gluon_layers_stage import BK, BM, BN, PHASES, _count, kv_pages, stager
+from .gluon_layers_stage import BK, BM, BN, PHASES, _count, kv_pages, stager, stamp
 from .gluon_mlp import A_LAYOUT, B_LAYOUT, MMA, quarters, smem_layouts, zeros4
 from .gluon_ring import give, load_box, take, weight_ring
 
@@ -158,9 +158,9 @@ def multiply(ring, ready, empty, xbuf, x_ready, scales, i, p, layer, out_ptr, su
 
 
 @gluon.jit
-def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, num_layers, M,
-              H: gl.constexpr,
-              QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, trace, num_layers, M,
+              H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr, TRACE: gl.constexpr):
     hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr = acts
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -173,16 +173,20 @@ def _consumer(ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr
         i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s, layer, qkv_ptr + layer * BM * QKV, sums, M,
                       pid, programs, QKV // BN, H, False, QKV, H, STAGES, True, False)
         _count(c)
+        stamp(trace, pid, layer, num_layers, 10, TRACE)
         i += pages
         i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 1, layer, o_ptr + layer * BM * H, sums, M,
                       pid, programs, H // BN, H, False, H, H, STAGES, False, True)
         _count(c + 2)
+        stamp(trace, pid, layer, num_layers, 11, TRACE)
         i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 2, layer, act_ptr + layer * BM * INTER, sums,
                       M, pid, programs, INTER // BN, H, True, INTER, H, STAGES, True, False)
         _count(c + 3)
+        stamp(trace, pid, layer, num_layers, 12, TRACE)
         i = multiply(ring, ready, empty, xbuf, x_ready, scales, i, s + 3, layer, d_ptr + layer * BM * H,
                       sums + programs * BM, M, pid, programs, H // BN, INTER, False, H, H, STAGES, False, True)
         _count(c + 4)
+        stamp(trace, pid, layer, num_layers, 13, TRACE)
 
 
 @gluon.jit
@@ -202,10 +206,10 @@ def staging(dtype: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr):
 @gluon.jit
 def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, hq_ptr, hm_ptr,
                   qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, n_in, n_in2, n_post, n_post2, n_final, pos_ptr, slots_ptr,
-                  tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, num_layers, M, layer_rows, eps, qk_scale,
-                  H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
+                  tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, trace_ptr, num_layers, M, layer_rows, eps,
+                  qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
                   PAGE: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+                  USE_PDL: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(BN * BK == 2 * PAGE * D, "a ring slot holds one weight box, or a page of keys and one of values")
     ring, ready, empty = weight_ring(wq, STAGES)
     kv_ring = ring._reinterpret(wq.dtype, [STAGES, 2 * PAGE, D], k_desc.layout)
@@ -218,11 +222,12 @@ def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_p
     acts = (hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr)
     meta = (pos_ptr, slots_ptr, tables_ptr, stride_bt, ctx_ptr)
     gl.warp_specialize([
-        (stager, (kv_ring, ready, empty, xbuf, x_ready, (scale_smem, scale_ready, landed, sums_ptr), acts, (h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr),
+        (stager, (kv_ring, ready, empty, xbuf, x_ready, (scale_smem, scale_ready, landed, sums_ptr), acts,
+                  (h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, trace_ptr),
                   (n_in, n_in2, n_post, n_post2, n_final), meta, cnt_ptr, num_layers, M, layer_rows, eps, qk_scale,
-                  H, QKV, INTER, HEADS, D, PAGE, num_warps, STAGES, USE_PDL)),
-        (_consumer, (ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, num_layers, M, H, QKV, INTER,
-                     HEADS, PAGE, STAGES)),
+                  H, QKV, INTER, HEADS, D, PAGE, num_warps, STAGES, USE_PDL, TRACE)),
+        (_consumer, (ring, ready, empty, xbuf, x_ready, scales, acts, sums_ptr, cnt_ptr, ctx_ptr, trace_ptr, num_layers,
+                     M, H, QKV, INTER, HEADS, PAGE, STAGES, TRACE)),
         (_loader, (wq, wo, wgu, wd, k_desc, v_desc, ring, kv_ring, ready, empty, meta, num_layers, M, layer_rows, H,
                    QKV, INTER, HEADS, D, PAGE, STAGES, USE_PDL)),
     ], [1, 1], [192, 40])
@@ -247,10 +252,11 @@ def _descriptors(stack: "LayerStack", k: torch.Tensor, v: torch.Tensor) -> tuple
 
 
 def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torch.Tensor, meta,
-                  inv_freq: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+                  inv_freq: torch.Tensor, eps: float, scale: float, trace: torch.Tensor | None = None) -> torch.Tensor:
     """One loop pass over every layer: h [rows <= 8, hidden] (the loop's input) -> the loop's readout
     rms(h_out) * model.norm. k, v: the loop's planes [layers, blocks, page, kv_heads, d]; the rows' keys and values
-    are written at meta.slots. layer_stack.layers_run says which calls come here."""
+    are written at meta.slots. layer_stack.layers_run says which calls come here. trace (measuring only): int64
+    [SMs, layers, TRACE_EVENTS], each CTA's global-timer stamps (gluon_layers_stage.stamp's events)."""
     h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
     rows, hidden = h.shape
     L, _, page, heads, d = k.shape
@@ -258,10 +264,10 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     layers_kernel[(pdl.num_sms(h.device),)](
         *_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
         meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens, stack.counters,
-        stack.row_sums,
+        stack.row_sums, stack.counters if trace is None else trace,
         L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634, H=hidden, QKV=stack.qkv_width,
         INTER=stack.inter, HEADS=heads, D=d, PAGE=page, XCHUNKS=ld.staged_chunks(hidden, stack.inter),
-        x_layout=X_LAYOUT, STAGES=ld.STAGES, num_warps=4, **pdl.launch_kwargs(h.device))
+        x_layout=X_LAYOUT, STAGES=ld.STAGES, TRACE=trace is not None, num_warps=4, **pdl.launch_kwargs(h.device))
     return out
 
 

@@ -14,6 +14,7 @@ from .gluon_ring import give, take
 
 BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
 PHASES = gl.constexpr(ld.PHASES)
+TRACE_EVENTS = gl.constexpr(ld.TRACE_EVENTS)
 MAX_PROGRAMS = gl.constexpr(ld.MAX_SMS)
 
 
@@ -177,6 +178,16 @@ def _item_constants(meta, inv_freq_ptr, M, pid, HEADS: gl.constexpr, D: gl.const
 
 
 @gluon.jit
+def stamp(trace_ptr, pid, layer, num_layers, event: gl.constexpr, TRACE: gl.constexpr):
+    """TRACE (benchmarks/layers_probe.py --trace; off in the engine): the global timer (ns) at `event` of `layer`
+    in trace_ptr[pid, layer, event] (TRACE_EVENTS a layer)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        gl.store(trace_ptr + (pid * num_layers + layer) * TRACE_EVENTS + event, now)
+
+
+@gluon.jit
 def _wait_count(cnt_ptr, base, programs):
     # until every CTA has added to this count in this launch (wrapping int32 differences)
     seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
@@ -208,11 +219,12 @@ def kv_pages(ctx_ptr, M, pid, HEADS: gl.constexpr, PAGE: gl.constexpr):
 @gluon.jit
 def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cnt_ptr, num_layers, M, layer_rows,
            eps, qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr,
-           D: gl.constexpr, PAGE: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+           D: gl.constexpr, PAGE: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+           TRACE: gl.constexpr):
     """The default partition: each layer's four stagings and the CTA's attention item, then the readout; the
     last CTA to finish bumps the generation (cnt_ptr[0])."""
     hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr = acts
-    h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr = io
+    h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, trace = io
     n_in, n_in2, n_post, n_post2, n_final = norms
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -228,30 +240,42 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
         lh = layer * BM * H
         sums = bufs[3] + layer * 2 * programs * BM  # this layer's o and down row sums
         if layer == 0:
+            stamp(trace, pid, layer, num_layers, 0, TRACE)
             _sandwich(h_in_ptr, h_in_ptr, n_in, n_in, hq_ptr, out_ptr, xbuf, x_ready, bufs, sums, 0, M, pid, eps, H,
                       False, True, WARPS)
         else:
             _wait_count(c - 1, base, programs)
+            stamp(trace, pid, layer, num_layers, 0, TRACE)
             _sandwich(hm_ptr + lh - BM * H, d_ptr + lh - BM * H, n_post2 + (layer - 1) * H, n_in + layer * H,
                       hq_ptr + lh, out_ptr, xbuf, x_ready, bufs, sums - programs * BM, 2 * layer, M, pid, eps, H,
                       True, True, WARPS)
+        stamp(trace, pid, layer, num_layers, 1, TRACE)
         _wait_count(c, base, programs)
+        stamp(trace, pid, layer, num_layers, 2, TRACE)
         if pid < M * HEADS:
             _attend(kv_ring, ready, empty, layer * per_layer + qkv_boxes, qkv_ptr + layer * BM * QKV, attn_ptr + lh,
                     (k_ptr, v_ptr), layer.to(gl.int64) * layer_rows, item, qk_scale, pid, QKV, HEADS, D, PAGE,
                     STAGES)
         _count(c + 1)
+        stamp(trace, pid, layer, num_layers, 3, TRACE)
         _wait_count(c + 1, base, programs)
+        stamp(trace, pid, layer, num_layers, 4, TRACE)
         copy_rows(attn_ptr + lh, xbuf, x_ready, M, H, H // BK, WARPS)
+        stamp(trace, pid, layer, num_layers, 5, TRACE)
         _wait_count(c + 2, base, programs)
+        stamp(trace, pid, layer, num_layers, 6, TRACE)
         _sandwich(hq_ptr + lh, o_ptr + lh, n_in2 + layer * H, n_post + layer * H, hm_ptr + lh, out_ptr, xbuf,
                   x_ready, bufs, sums, 2 * layer + 1, M, pid, eps, H, True, True, WARPS)
+        stamp(trace, pid, layer, num_layers, 7, TRACE)
         _wait_count(c + 3, base, programs)
+        stamp(trace, pid, layer, num_layers, 8, TRACE)
         copy_rows(act_ptr + layer * BM * INTER, xbuf, x_ready, M, INTER, INTER // BK, WARPS)
+        stamp(trace, pid, layer, num_layers, 9, TRACE)
     last = (num_layers - 1) * BM * H
     _wait_count(cnt_ptr + PHASES * num_layers, base, programs)
     _sandwich(hm_ptr + last, d_ptr + last, n_post2 + (num_layers - 1) * H, n_final, hq_ptr, out_ptr, xbuf, x_ready,
               bufs, bufs[3] + (2 * num_layers - 1) * programs * BM, 2 * num_layers, M, pid, eps, H, True, False, WARPS)
+    stamp(trace, pid, num_layers - 1, num_layers, 14, TRACE)
     if USE_PDL:
         _gdc_launch_dependents()
     gl.thread_barrier()

@@ -12,7 +12,7 @@ from engine import layers_dispatch as ld
 pytest.importorskip("triton.experimental.gluon")
 
 
-def compile_layers(hidden: int = 2048, inter: int = 5632, use_pdl: int = 1) -> dict:
+def compile_layers(hidden: int = 2048, inter: int = 5632, use_pdl: int = 1, trace: int = 0) -> dict:
     from triton.experimental.gluon import language as gl
 
     from benchmarks.ws_chain import compile_sm90
@@ -29,14 +29,15 @@ def compile_layers(hidden: int = 2048, inter: int = 5632, use_pdl: int = 1) -> d
             "d_ptr", "n_in", "n_in2", "n_post", "n_post2", "n_final")
     signature.update({n: "*bf16" for n in bf16})
     signature.update(inv_freq_ptr="*fp32", pos_ptr="*i64", slots_ptr="*i64", tables_ptr="*i32", stride_bt="i32",
-                     ctx_ptr="*i32", cnt_ptr="*i32", sums_ptr="*fp32", num_layers="i32", M="i32", layer_rows="i32", eps="fp32",
-                     qk_scale="fp32")
+                     ctx_ptr="*i32", cnt_ptr="*i32", sums_ptr="*fp32", trace_ptr="*i64", num_layers="i32", M="i32",
+                     layer_rows="i32", eps="fp32", qk_scale="fp32")
     heads = hidden // ld.HEAD_DIM
     constexprs = {"H": hidden, "QKV": 3 * hidden, "INTER": inter, "HEADS": heads, "D": ld.HEAD_DIM, "PAGE": ld.PAGE,
                   "XCHUNKS": ld.staged_chunks(hidden, inter), "x_layout": x_layout, "STAGES": ld.STAGES,
-                  "USE_PDL": use_pdl, "num_warps": 4}
+                  "USE_PDL": use_pdl, "TRACE": trace, "num_warps": 4}
     return compile_sm90(layers_kernel, signature, constexprs, bf16 + ("inv_freq_ptr", "pos_ptr", "slots_ptr",
-                                                                       "tables_ptr", "ctx_ptr", "cnt_ptr", "sums_ptr"))
+                                                                       "tables_ptr", "ctx_ptr", "cnt_ptr", "sums_ptr",
+                                                                       "trace_ptr"))
 
 
 @pytest.mark.parametrize("hidden,inter", [(2048, 5632), (1024, 2816)])
@@ -45,6 +46,11 @@ def test_the_kernel_compiles_streams_through_tma_and_fits(hidden, inter):
     built = compile_layers(hidden, inter)
     assert built["tma_loads"] > 0 and built["mma"] > 0, built
     assert ld.smem_bytes(hidden, inter) - 1024 <= built["shared"] <= ld.HOPPER_SMEM_PER_CTA, built
+
+
+def test_the_measuring_build_stamps_and_the_engine_build_does_not():
+    assert compile_layers(trace=1)["globaltimer"] > 0
+    assert compile_layers()["globaltimer"] == 0
 
 
 def test_pdl_waits_only_with_pdl():
