@@ -164,13 +164,18 @@ def _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, b
 @gluon.jit
 def online_step(score, v_smem, layout: gl.constexpr, m, mass, acc):
     """One tile of keys in the per-key-slot online softmax (base 2): `score` the slots' scores (-inf: masked),
-    v_smem their values; the running max m, mass and weighted values updated (gluon_layers_stage's attention too)."""
+    v_smem their values; the running max m, mass and weighted values updated."""
+    return online_values(score, v_smem.load(layout).to(gl.float32), m, mass, acc)
+
+
+@gluon.jit
+def online_values(score, v, m, mass, acc):
+    """online_step on values already in registers (float32; gluon_layers_stage's attention)."""
     m_new = gl.maximum(m, score)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m - m_safe)
     p = gl.exp2(score - m_safe)
     mass = mass * alpha + p
-    v = v_smem.load(layout).to(gl.float32)
     return m_new, mass, acc * alpha[:, None] + p[:, None] * v
 
 

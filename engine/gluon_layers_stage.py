@@ -6,11 +6,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from . import layers_dispatch as ld
-from .gluon_attention import _gdc_launch_dependents, _gdc_wait, online_step
-from .gluon_ring import give, take
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait, online_values
 
 BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
 PHASES = gl.constexpr(ld.PHASES)
@@ -50,14 +49,19 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     rows = (rm < M)[:, None]
-    # chunk c of a, y, wb and wn (each row the same weights) into xbuf[c + (0, 1, 2, 3) NC]
+    # chunk c of a and y into xbuf[c], xbuf[NC + c]; of wb and wn, once (not a copy per row: every CTA's eight
+    # rows reading the same 8 KB cost ~5 us a staging), into rows W0 + c and W0 + NC + c of the plain view
+    norms = _norm_rows(xbuf)
+    W0: gl.constexpr = 2 * NC * BM
+    flat: gl.constexpr = gl.BlockedLayout([2], [32], [WARPS], [0])
+    rw = gl.arange(0, BK, layout=flat)
     for c in range(NC):
         cols = (c * BK + rk)[None, :]
         async_copy.async_copy_global_to_shared(xbuf.index(c), a_ptr + rm[:, None] * H + cols, mask=rows)
         if HAS_Y:
             async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + cols, mask=rows)
-            async_copy.async_copy_global_to_shared(xbuf.index(2 * NC + c), wb_ptr + rm[:, None] * 0 + cols)
-        async_copy.async_copy_global_to_shared(xbuf.index(3 * NC + c), wn_ptr + rm[:, None] * 0 + cols)
+            async_copy.async_copy_global_to_shared(norms.index(W0 + c), wb_ptr + c * BK + rw)
+        async_copy.async_copy_global_to_shared(norms.index(W0 + NC + c), wn_ptr + c * BK + rw)
         async_copy.mbarrier_arrive(landed.index(c), increment_count=False)
     s1 = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     if HAS_Y:
@@ -68,15 +72,16 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
         cols = c * BK + rk
         h = xbuf.index(c).load(layout).to(gl.float32)
         if HAS_Y:
-            wb = xbuf.index(2 * NC + c).load(layout).to(gl.float32)
-            h = h + xbuf.index(NC + c).load(layout).to(gl.float32) * s1[:, None] * wb
+            wb = norms.index(W0 + c).load(gl.SliceLayout(0, layout)).to(gl.float32)
+            h = h + xbuf.index(NC + c).load(layout).to(gl.float32) * s1[:, None] * wb[None, :]
         h = h.to(xbuf.dtype)
         mine = (cols >= pid * BN) & (cols < pid * BN + BN)
         hf = h.to(gl.float32)
         ss += gl.sum(hf * hf, axis=1)
         if SIGNAL:
             gl.store(res_ptr + rm[:, None] * H + cols[None, :], h, mask=rows & mine[None, :])
-            xbuf.index(c).store((hf * xbuf.index(3 * NC + c).load(layout).to(gl.float32)).to(xbuf.dtype))
+            wn = norms.index(W0 + NC + c).load(gl.SliceLayout(0, layout)).to(gl.float32)
+            xbuf.index(c).store((hf * wn[None, :]).to(xbuf.dtype))
             gl.thread_barrier()
             mbarrier.arrive(x_ready.index(c), count=1)
         else:
@@ -88,7 +93,13 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
         mbarrier.arrive(scale_ready.index(0), count=1)
     else:
         gl.thread_barrier()
-        _readout(xbuf, s2, out_ptr, M, pid, H, WARPS)
+        _readout(xbuf, norms, s2, out_ptr, M, pid, H, WARPS)
+
+
+@gluon.jit
+def _norm_rows(xbuf):
+    # the staging buffer as plain rows of BLOCK_K (a chunk is ROWS of them): where _sandwich keeps the norm weights
+    return xbuf._reinterpret(xbuf.dtype, [xbuf.shape[0] * BM, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -102,16 +113,17 @@ def _row_sums(y_sums, programs, layout: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _readout(xbuf, s2, out_ptr, M, pid, H: gl.constexpr, WARPS: gl.constexpr):
-    # this CTA's columns of rms(h) wn: h's rows staged in xbuf[c], wn in xbuf[3 NC + c], s2 the rows' 1 / rms
+def _readout(xbuf, norms, s2, out_ptr, M, pid, H: gl.constexpr, WARPS: gl.constexpr):
+    # this CTA's columns of rms(h) wn: h's rows staged in xbuf[c], wn in _sandwich's norm rows, s2 the rows' 1 / rms
+    NC: gl.constexpr = H // BK
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    for c in range(H // BK):
+    for c in range(NC):
         cols = c * BK + rk
         mine = (cols >= pid * BN) & (cols < pid * BN + BN)
-        wn = xbuf.index(3 * (H // BK) + c).load(layout).to(gl.float32)
-        x = xbuf.index(c).load(layout).to(gl.float32) * s2[:, None] * wn
+        wn = norms.index(2 * NC * BM + NC + c).load(gl.SliceLayout(0, layout)).to(gl.float32)
+        x = xbuf.index(c).load(layout).to(gl.float32) * s2[:, None] * wn[None, :]
         gl.store(out_ptr + rm[:, None] * H + cols[None, :], x.to(out_ptr.dtype.element_ty),
                  mask=(rm < M)[:, None] & mine[None, :])
 
@@ -149,20 +161,36 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
     m = gl.full([PAGE], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
     mass = gl.zeros([PAGE], gl.float32, gl.SliceLayout(1, layout))
     acc = gl.zeros([PAGE, D], gl.float32, layout)
-    for t in range((new + PAGE) // PAGE):
-        page = take(kv_ring, ready, i, STAGES)
-        k = page.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
-        score = gl.where(t * PAGE + offs_n < new, gl.sum(k * q[None, :], axis=1), float("-inf"))
-        m, mass, acc = online_step(score, page.slice(PAGE, PAGE, dim=0), layout, m, mass, acc)
-        gl.thread_barrier()  # every warp has read the slot
-        give(empty, i, STAGES)
-        i += 1
+    pages = (new + PAGE) // PAGE
+    for t in range(0, pages, 2):  # two pages at a time: their latencies overlap (one at a time: ~14 us for 40)
+        two = t + 1 < pages
+        k0, v0 = _page(kv_ring, ready, i, True, layout, PAGE, STAGES)
+        k1, v1 = _page(kv_ring, ready, i + 1, two, layout, PAGE, STAGES)  # (not two: whatever the slot holds)
+        gl.thread_barrier()  # every warp has its values in registers: the slots go back before the math
+        fence_async_shared()
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+        mbarrier.arrive(empty.index((i + 1) % STAGES), count=1, pred=two)
+        s0 = gl.where(t * PAGE + offs_n < new, gl.sum(k0 * q[None, :], axis=1), float("-inf"))
+        s1 = gl.where((t + 1) * PAGE + offs_n < new, gl.sum(k1 * q[None, :], axis=1), float("-inf"))  # not two: all
+        m, mass, acc = online_values(s0, v0, m, mass, acc)
+        m, mass, acc = online_values(s1, gl.where(two, v1, 0.0), m, mass, acc)  # masked slots add 0 x v: v finite
+        i += 1 + two.to(gl.int32)
     s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)
     top = gl.maximum(gl.max(m, axis=0), s_new)
     w = gl.exp2(m - top)
     w_new = gl.exp2(s_new - top)
     out = (gl.sum(acc * w[:, None], axis=0) + w_new * v_new.to(gl.float32)) / (gl.sum(mass * w, axis=0) + w_new)
     gl.store(attn_ptr + r * (HEADS * D) + head * D + offs_d, out.to(attn_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _page(kv_ring, ready, i, has, layout: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    # the stream's i-th slot's keys and values in registers (float32), once landed (has: else no wait)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=has)
+    page = kv_ring.index(s)
+    k = page.slice(0, PAGE, dim=0).load(layout).to(gl.float32)
+    return k, page.slice(PAGE, PAGE, dim=0).load(layout).to(gl.float32)
 
 
 @gluon.jit
