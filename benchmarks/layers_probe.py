@@ -26,6 +26,7 @@ H, INTER, HEADS, D, PAGE, LAYERS = 2048, 5632, 16, 128, 16, 24
 # gluon_layers_stage.stamp's events: the stager's (0-9, 14 after the readout) and the consumer's (10-13)
 DOWN_SEEN, SAND_A, QKV_SEEN, ATTENDED, ATTN_SEEN, ATTN_STAGED, O_SEEN, SAND_B, GU_SEEN, ACT_STAGED = range(10)
 QKV_DONE, O_DONE, GU_DONE, DOWN_DONE, READOUT = 10, 11, 12, 13, 14
+SAND_A_SUB, SAND_B_SUB, ATTEND_SUB = 16, 20, 24  # inside: 4 stamps a staging, 2 in the attention
 
 
 def trace_table(t) -> dict[str, float]:
@@ -62,6 +63,12 @@ def trace_table(t) -> dict[str, float]:
         "  gate_up count seen": seen(GU_SEEN, end[GU_DONE][1:]),
         "  act rows staged": med(ACT_STAGED, GU_SEEN),
     }
+    if t.shape[2] > ATTEND_SUB + 1:  # the stamps inside the stagings and the attention (from the event before)
+        for name, first, seen_event in (("sandwich A", SAND_A_SUB, DOWN_SEEN), ("sandwich B", SAND_B_SUB, O_SEEN)):
+            for k, what in enumerate(("copies issued", "rms(y) ready", "chunk 0 out", "every chunk out")):
+                rows[f"    {name}: {what}"] = med(first + k, seen_event)
+        rows["    attend: RoPE, new key / value"] = med(ATTEND_SUB, QKV_SEEN)
+        rows["    attend: the pages"] = med(ATTEND_SUB + 1, ATTEND_SUB)
     out = {name: float(v.mean()) / 1e3 for name, v in rows.items()}
     out["layer (down to down)"] = float((end[DOWN_DONE][1:] - prev_down).mean()) / 1e3
     out["launch (first stamp to last readout)"] = float(t[:, -1, READOUT].max() - t[:, 0, DOWN_SEEN].min()) / 1e3
@@ -115,7 +122,7 @@ def traced(fn, path: Path, launches: int = 5) -> dict[str, float]:
         tables.append(trace_table(traces[-1]))
     torch.save(torch.stack(traces), path)
     mean = {k: sum(tb[k] for tb in tables[1:]) / (launches - 1) for k in tables[0]}  # the first: a cold launch
-    steps = torch.stack(traces)[..., :15].diff(dim=-1).abs().flatten()
+    steps = torch.stack(traces)[..., :14].diff(dim=-1).abs().flatten()
     mean["timer step (smallest nonzero difference), ns"] = float(steps[steps > 0].min())
     print("| where a layer's time goes (measuring build) | us |\n|---|---|")
     for name, v in mean.items():

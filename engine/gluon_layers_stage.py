@@ -36,7 +36,8 @@ def copy_rows(x_ptr, xbuf, x_ready, M, W: gl.constexpr, NC: gl.constexpr, WARPS:
 
 @gluon.jit
 def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, bufs, y_sums, n, M, pid, eps,
-              H: gl.constexpr, HAS_Y: gl.constexpr, SIGNAL: gl.constexpr, WARPS: gl.constexpr):
+              H: gl.constexpr, HAS_Y: gl.constexpr, SIGNAL: gl.constexpr, WARPS: gl.constexpr, tr=None,
+              EV: gl.constexpr = -1, TRACE: gl.constexpr = False):
     # h = a + rms(y) wb (HAS_Y; else h = a), rounded to the model dtype; this CTA's 16 columns of h to res_ptr.
     # rms(y) from its producers' row sums (y_sums: one [ROWS] per CTA), so each chunk of h is made as its copies
     # land (n: this launch's staging count, the `landed` barriers' parity). SIGNAL: each chunk of h wn is
@@ -63,10 +64,12 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
             async_copy.async_copy_global_to_shared(norms.index(W0 + c), wb_ptr + c * BK + rw)
         async_copy.async_copy_global_to_shared(norms.index(W0 + NC + c), wn_ptr + c * BK + rw)
         async_copy.mbarrier_arrive(landed.index(c), increment_count=False)
+    _sub(tr, pid, EV, 0, TRACE)
     s1 = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     if HAS_Y:
         s1 = gl.rsqrt(_row_sums(y_sums, gl.num_programs(0), layout, WARPS) / H + eps)
-    ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+    _sub(tr, pid, EV, 1, TRACE)
+    sq = gl.zeros([BM, BK], gl.float32, layout)  # h's squares, added up across lanes once after the chunks
     for c in range(NC):
         mbarrier.wait(landed.index(c), n & 1)
         cols = c * BK + rk
@@ -77,16 +80,19 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
         h = h.to(xbuf.dtype)
         mine = (cols >= pid * BN) & (cols < pid * BN + BN)
         hf = h.to(gl.float32)
-        ss += gl.sum(hf * hf, axis=1)
+        sq += hf * hf
         if SIGNAL:
             gl.store(res_ptr + rm[:, None] * H + cols[None, :], h, mask=rows & mine[None, :])
             wn = norms.index(W0 + NC + c).load(gl.SliceLayout(0, layout)).to(gl.float32)
             xbuf.index(c).store((hf * wn[None, :]).to(xbuf.dtype))
             gl.thread_barrier()
             mbarrier.arrive(x_ready.index(c), count=1)
+            if c == 0:
+                _sub(tr, pid, EV, 2, TRACE)
         else:
             xbuf.index(c).store(h)
-    s2 = gl.rsqrt(ss / H + eps)
+    _sub(tr, pid, EV, 3, TRACE)
+    s2 = gl.rsqrt(gl.sum(sq, axis=1) / H + eps)
     if SIGNAL:
         scale_smem.store(s2)
         gl.thread_barrier()
@@ -139,7 +145,7 @@ def _rope(row_ptr, offs_d, cs, sn, D: gl.constexpr):
 
 @gluon.jit
 def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, qk_scale, pid, QKV: gl.constexpr,
-            HEADS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+            HEADS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, tr, TRACE: gl.constexpr):
     # the item (row pid // HEADS, head pid % HEADS): RoPE on q and k, the new key and value to their slot, then the
     # online softmax over the streamed pages (per key slot: running max, mass, weighted values), the new position
     # (masked in its page: its slot may be streamed before it is written) merged from registers. `item`: the
@@ -162,6 +168,7 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
     mass = gl.zeros([PAGE], gl.float32, gl.SliceLayout(1, layout))
     acc = gl.zeros([PAGE, D], gl.float32, layout)
     pages = (new + PAGE) // PAGE
+    _sub(tr, pid, 24, 0, TRACE)
     for t in range(0, pages, 2):  # two pages at a time: their latencies overlap (one at a time: ~14 us for 40)
         two = t + 1 < pages
         k0, v0 = _page(kv_ring, ready, i, True, layout, PAGE, STAGES)
@@ -175,6 +182,7 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
         m, mass, acc = online_values(s0, v0, m, mass, acc)
         m, mass, acc = online_values(s1, gl.where(two, v1, 0.0), m, mass, acc)  # masked slots add 0 x v: v finite
         i += 1 + two.to(gl.int32)
+    _sub(tr, pid, 24, 1, TRACE)
     s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)
     top = gl.maximum(gl.max(m, axis=0), s_new)
     w = gl.exp2(m - top)
@@ -213,6 +221,13 @@ def stamp(trace_ptr, pid, layer, num_layers, event: gl.constexpr, TRACE: gl.cons
         now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                         pack=1)
         gl.store(trace_ptr + (pid * num_layers + layer) * TRACE_EVENTS + event, now)
+
+
+@gluon.jit
+def _sub(tr, pid, EV: gl.constexpr, k: gl.constexpr, TRACE: gl.constexpr):
+    # a stamp inside a staging or the attention (EV: its first event; -1: none)
+    if EV >= 0:
+        stamp(tr[0], pid, tr[1], tr[2], EV + k, TRACE)
 
 
 @gluon.jit
@@ -276,14 +291,14 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
             stamp(trace, pid, layer, num_layers, 0, TRACE)
             _sandwich(hm_ptr + lh - BM * H, d_ptr + lh - BM * H, n_post2 + (layer - 1) * H, n_in + layer * H,
                       hq_ptr + lh, out_ptr, xbuf, x_ready, bufs, sums - programs * BM, 2 * layer, M, pid, eps, H,
-                      True, True, WARPS)
+                      True, True, WARPS, (trace, layer, num_layers), 16, TRACE)
         stamp(trace, pid, layer, num_layers, 1, TRACE)
         _wait_count(c, base, programs)
         stamp(trace, pid, layer, num_layers, 2, TRACE)
         if pid < M * HEADS:
             _attend(kv_ring, ready, empty, layer * per_layer + qkv_boxes, qkv_ptr + layer * BM * QKV, attn_ptr + lh,
                     (k_ptr, v_ptr), layer.to(gl.int64) * layer_rows, item, qk_scale, pid, QKV, HEADS, D, PAGE,
-                    STAGES)
+                    STAGES, (trace, layer, num_layers), TRACE)
         _count(c + 1)
         stamp(trace, pid, layer, num_layers, 3, TRACE)
         _wait_count(c + 1, base, programs)
@@ -293,7 +308,8 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
         _wait_count(c + 2, base, programs)
         stamp(trace, pid, layer, num_layers, 6, TRACE)
         _sandwich(hq_ptr + lh, o_ptr + lh, n_in2 + layer * H, n_post + layer * H, hm_ptr + lh, out_ptr, xbuf,
-                  x_ready, bufs, sums, 2 * layer + 1, M, pid, eps, H, True, True, WARPS)
+                  x_ready, bufs, sums, 2 * layer + 1, M, pid, eps, H, True, True, WARPS, (trace, layer, num_layers),
+                  20, TRACE)
         stamp(trace, pid, layer, num_layers, 7, TRACE)
         _wait_count(c + 3, base, programs)
         stamp(trace, pid, layer, num_layers, 8, TRACE)

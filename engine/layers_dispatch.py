@@ -15,7 +15,7 @@ from .attention_dispatch import HOPPER_SMEM_PER_CTA  # noqa: F401 - the rule's b
 
 BLOCK_N, BLOCK_K, ROWS = 16, 256, 8  # a tile's output columns, a weight box's K, the rows the MMA holds
 PHASES = 5  # grid-wide counts per layer: qkv, attention, o, gate_up, down
-TRACE_EVENTS = 16  # the measuring build's stamps a layer (gluon_layers_stage.stamp; benchmarks/layers_probe.py)
+TRACE_EVENTS = 32  # the measuring build's stamps a layer (gluon_layers_stage.stamp; benchmarks/layers_probe.py)
 STAGES = 10  # ring slots of 8 KB (a weight box, or a page of keys and one of values)
 HEAD_DIM, PAGE = 128, 16
 MAX_SMS = 256  # the grid's CTAs (one per SM) whose row sums the stager adds up in one load

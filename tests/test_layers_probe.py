@@ -52,10 +52,24 @@ def test_phase_spans_on_a_hand_made_trace():
     assert abs(table["launch (first stamp to last readout)"] - (4 * sum(phases) + 900 - 100) / 1e3) < 1e-9
 
 
+def test_the_stamps_inside_read_from_the_event_before():
+    t = hand_made(6, 3, [3_000, 11_000, 2_500, 12_000, 6_000], slow_cta=2, slow_ns=300)
+    t = torch.cat([t, torch.zeros(6, 3, 16, dtype=torch.int64)], dim=2)
+    for k in range(4):
+        t[:, :, lp.SAND_A_SUB + k] = t[:, :, lp.DOWN_SEEN] + 100 * (k + 1)
+        t[:, :, lp.SAND_B_SUB + k] = t[:, :, lp.O_SEEN] + 50 * (k + 1)
+    t[:, :, lp.ATTEND_SUB] = t[:, :, lp.QKV_SEEN] + 1_000
+    t[:, :, lp.ATTEND_SUB + 1] = t[:, :, lp.ATTEND_SUB] + 7_000
+    table = lp.trace_table(t)
+    assert abs(table["    sandwich A: chunk 0 out"] - 0.3) < 1e-9
+    assert abs(table["    sandwich B: every chunk out"] - 0.2) < 1e-9
+    assert abs(table["    attend: RoPE, new key / value"] - 1.0) < 1e-9 and abs(table["    attend: the pages"] - 7.0) < 1e-9
+
+
 def test_spans_add_up_to_the_layer_on_random_traces():
     rng = random.Random(3)
     for seed in range(20):
         phases = [rng.randrange(1_000, 20_000) for _ in range(5)]
         table = lp.trace_table(hand_made(rng.randrange(2, 20), rng.randrange(2, 6), phases, 1, 500, seed))
-        spans = [v for k, v in table.items() if not k.startswith(" ") and not k.startswith(("layer", "launch"))]
+        spans = [v for k, v in table.items() if not k.startswith((" ", "layer", "launch"))]
         assert abs(sum(spans) - table["layer (down to down)"]) < 1e-6
