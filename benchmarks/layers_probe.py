@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     from phase_probe import COPY_TBPS, timed  # Triton: imported here (tests read trace_table without it)
     from phase_probe_ws import first_call_or_exit
 
+    from engine import layers_dispatch as ld
     from engine.gluon_layers import launch_layers
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--pool-gb", default="0,60", help="pool sizes (0: just the pages read, contiguous)")
     ap.add_argument("--trace", action="store_true", help="also the measuring build: where a layer's time goes")
+    ap.add_argument("--stages", default="", help="ring slots to compare (layers_dispatch.STAGES; default: its own)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,14 +158,17 @@ def main(argv=None) -> int:
         k, v, meta = problem(args.rows, args.context, gb)
         fn = lambda k=k, v=v, meta=meta, **kw: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5,  # noqa: E731
                                                               **kw)
-        first_call_or_exit(fn, f"layers pool {gb} GB")
-        for r in range(2):
-            ms = timed(fn)
-            result["ways"].setdefault(f"pool_{gb:g}gb", []).append(ms)
-            print(f"pool {gb:g} GB round {r}: {ms:.3f} ms = {ms * 1e3 / LAYERS:.2f} us/layer (floor "
-                  f"{floor_ms * 1e3 / LAYERS:.2f})", flush=True)
-        if args.trace:
-            result.setdefault("trace", {})[f"pool_{gb:g}gb"] = traced(fn, out / f"trace_pool_{gb:g}gb.pt")
+        for stages in [int(x) for x in args.stages.split(",") if x] or [ld.STAGES]:
+            ld.STAGES = stages  # launch_layers reads it at each call
+            name = f"pool_{gb:g}gb" + (f"_stages{stages}" if args.stages else "")
+            first_call_or_exit(fn, f"layers {name}")
+            for r in range(2):
+                ms = timed(fn)
+                result["ways"].setdefault(name, []).append(ms)
+                print(f"{name} round {r}: {ms:.3f} ms = {ms * 1e3 / LAYERS:.2f} us/layer (floor "
+                      f"{floor_ms * 1e3 / LAYERS:.2f})", flush=True)
+            if args.trace:
+                result.setdefault("trace", {})[name] = traced(fn, out / f"trace_{name}.pt")
         (out / "layers_probe.json").write_text(json.dumps(result, indent=1))
         del k, v
         torch.cuda.empty_cache()

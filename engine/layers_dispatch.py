@@ -16,17 +16,17 @@ from .attention_dispatch import HOPPER_SMEM_PER_CTA  # noqa: F401 - the rule's b
 BLOCK_N, BLOCK_K, ROWS = 16, 256, 8  # a tile's output columns, a weight box's K, the rows the MMA holds
 PHASES = 5  # grid-wide counts per layer: qkv, attention, o, gate_up, down
 TRACE_EVENTS = 32  # the measuring build's stamps a layer (gluon_layers_stage.stamp; benchmarks/layers_probe.py)
-STAGES = 10  # ring slots of 8 KB (a weight box, or a page of keys and one of values)
+STAGES = 16  # ring slots of 8 KB (a weight box, or a page of keys and one of values)
 HEAD_DIM, PAGE = 128, 16
 MAX_SMS = 256  # the grid's CTAs (one per SM) whose row sums the stager adds up in one load
 ENV = "OUROBATCH_DECODE_LAYERS"
 
 
 def staged_chunks(hidden: int, inter: int) -> int:
-    """The staging buffer's chunks of ROWS x BLOCK_K: four rows' worth of hidden (a norm's residual, its branch and
-    its two norm weights) or the intermediate rows, rounded up to a power of two."""
-    need = max(4 * hidden, inter) // BLOCK_K
-    return 1 << (need - 1).bit_length()
+    """The staging buffer's chunks of ROWS x BLOCK_K: a norm's residual and branch rows (hidden each) and its two
+    norm weights (one row of BLOCK_K per chunk of them), or the intermediate rows."""
+    nc = hidden // BLOCK_K
+    return max(2 * nc + -(-2 * nc // ROWS), inter // BLOCK_K)
 
 
 def smem_bytes(hidden: int, inter: int, elem: int = 2) -> int:
@@ -37,7 +37,7 @@ def smem_bytes(hidden: int, inter: int, elem: int = 2) -> int:
 def shape_fits(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, page: int, num_sms: int) -> bool:
     """Whether the launch tiles this model shape on a GPU of num_sms SMs (at ROWS requests)."""
     return (heads == kv_heads and head_dim == HEAD_DIM and page == PAGE and heads * head_dim == hidden
-            and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0 and 4 * hidden // BLOCK_K <= staged_chunks(hidden, inter)
+            and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0
             and ROWS * heads <= num_sms <= MAX_SMS and hidden <= BLOCK_N * num_sms
             and smem_bytes(hidden, inter) <= HOPPER_SMEM_PER_CTA)
 
