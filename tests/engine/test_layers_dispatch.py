@@ -23,7 +23,9 @@ def test_the_rule_takes_ouro_shapes_only():
     assert not ld.shape_fits(2048, 5632, 16, 16, 128, 16, 100)  # 8 x 16 items or 128 residual shares > SMs
     assert not ld.shape_fits(2048, 5600, 16, 16, 128, 16, 132)  # intermediate not in 256-column chunks
     assert not ld.shape_fits(4096, 11008, 32, 32, 128, 16, 132)  # 32 heads x 8 requests > SMs
-    assert ld.staged_chunks(2048, 5632) == 32 and ld.staged_chunks(1024, 2816) == 16
+    # the intermediate rows' chunks (5632 / 256, 2816 / 256) outnumber a norm's: 2 x 8 of rows + 2 of weights
+    assert ld.staged_chunks(2048, 5632) == 22 and ld.staged_chunks(1024, 2816) == 11
+    assert ld.staged_chunks(2048, 2048) == 18 and ld.staged_chunks(1024, 1024) == 9
     assert ld.smem_bytes(2048, 5632) <= ld.HOPPER_SMEM_PER_CTA
 
 
