@@ -203,7 +203,7 @@ def staging(dtype: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr):
     return xbuf, x_ready, scale_smem, scale_ready
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M"])  # one compile for 1-8 requests (M == 1 would be a second, of ~3.5 s)
 def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, hq_ptr, hm_ptr,
                   qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, n_in, n_in2, n_post, n_post2, n_final, pos_ptr, slots_ptr,
                   tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, trace_ptr, num_layers, M, layer_rows, eps,

@@ -140,13 +140,13 @@ def mlp_keys(s: KernelShapes, folds_of) -> dict[tuple, tuple[int, int]]:
 
 def layers_keys(s: KernelShapes, runs: bool) -> dict[tuple, tuple[int, int]]:
     """The loop-pass launch's specializations (engine/gluon_layers.py), where `runs`: each with (rows, layers) that
-    compile it. Triton keys the rows (1, or 2-8 requests) and the layer count by int class; a launch of that many
-    layers compiles what the engine's does (the strides and page rows are multiples of 16 in both)."""
+    compile it. Its rows are not specialized (one kernel for 1-8 requests); Triton keys the layer count by int
+    class, and a launch of that many layers compiles what the engine's does (the strides and page rows are
+    multiples of 16 in both)."""
     if not runs or s.num_layers < 1:
         return {}
     layers = s.num_layers if s.num_layers == 1 else (16 if s.num_layers % 16 == 0 else 2)
-    return {("gluon_layers", int_class(rows), int_class(s.num_layers)): (rows, layers)
-            for rows in (1, 2) if rows <= s.max_num_seqs}
+    return {("gluon_layers", int_class(s.num_layers)): (1, layers)}
 
 
 def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:

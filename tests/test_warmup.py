@@ -572,14 +572,16 @@ def test_calls_that_run_the_mlp_launch_get_its_keys(kw):
 
 
 
-def test_layers_keys_cover_each_row_class_and_the_layer_count_class():
-    # the loop-pass launch (engine/gluon_layers.py) keys its row count (1, or 2-8) and layer count by int class
+def test_layers_keys_cover_the_layer_count_class_once_for_every_row_count():
+    # the loop-pass launch (engine/gluon_layers.py) does not specialize its rows (do_not_specialize M): one
+    # compile serves 1-8 requests; Triton keys its layer count by int class
+    # (tests/engine/test_gluon_layers_compile.py checks the kernel's do_not_specialize)
     s = kernel_cases.KernelShapes(**{**shapes(N=64).__dict__, "num_layers": 24})
     found = kernel_cases.layers_keys(s, True)
-    assert found == {("gluon_layers", "1", ""): (1, 2), ("gluon_layers", "", ""): (2, 2)}
+    assert found == {("gluon_layers", ""): (1, 2)}
     for rows, layers in found.values():  # the warm-up's call has the engine's classes
         assert kernel_cases.int_class(layers) == kernel_cases.int_class(24) and rows <= 8
     deep = kernel_cases.KernelShapes(**{**s.__dict__, "num_layers": 48, "max_num_seqs": 1})
-    assert kernel_cases.layers_keys(deep, True) == {("gluon_layers", "1", "16"): (1, 16)}
+    assert kernel_cases.layers_keys(deep, True) == {("gluon_layers", "16"): (1, 16)}
     assert kernel_cases.layers_keys(s, False) == {}
     assert kernel_cases.layers_keys(kernel_cases.KernelShapes(**{**s.__dict__, "num_layers": 0}), True) == {}

@@ -53,6 +53,14 @@ def test_the_measuring_build_stamps_and_the_engine_build_does_not():
     assert compile_layers()["globaltimer"] == 0
 
 
+def test_the_rows_are_not_specialized():
+    # kernel_cases.layers_keys compiles one kernel for 1-8 requests: Triton must not key M (== 1) apart
+    from engine.gluon_layers import layers_kernel
+
+    kept = {p.name: p.do_not_specialize for p in layers_kernel.params}
+    assert kept["M"] and not kept["num_layers"]
+
+
 def test_pdl_waits_only_with_pdl():
     assert compile_layers(use_pdl=1)["gdc_wait"] >= 2  # the stager before the loop's input, the loader before meta
     assert compile_layers(use_pdl=0)["gdc_wait"] == 0
