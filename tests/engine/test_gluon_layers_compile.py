@@ -45,7 +45,9 @@ def test_the_kernel_compiles_streams_through_tma_and_fits(hidden, inter):
     assert ld.shape_fits(hidden, inter, hidden // 128, hidden // 128, 128, 16, 132)
     built = compile_layers(hidden, inter)
     assert built["tma_loads"] > 0 and built["mma"] > 0, built
-    assert ld.smem_bytes(hidden, inter) - 1024 <= built["shared"] <= ld.HOPPER_SMEM_PER_CTA, built
+    # smem_bytes bounds what the kernel takes (the ring and staging buffer exactly, the rest within its 4 KB)
+    assert ld.smem_bytes(hidden, inter) - 4096 <= built["shared"] <= ld.smem_bytes(hidden, inter), built
+    assert built["shared"] <= ld.HOPPER_SMEM_PER_CTA
 
 
 def test_the_measuring_build_stamps_and_the_engine_build_does_not():
