@@ -50,23 +50,12 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
     rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     rows = (rm < M)[:, None]
-    # chunk c of a and y into xbuf[c], xbuf[NC + c]; of wb and wn, once (not a copy per row: every CTA's eight
-    # rows reading the same 8 KB cost ~5 us a staging), into rows W0 + c and W0 + NC + c of the plain view
     norms = _norm_rows(xbuf)
     W0: gl.constexpr = 2 * NC * BM
-    flat: gl.constexpr = gl.BlockedLayout([2], [32], [WARPS], [0])
-    rw = gl.arange(0, BK, layout=flat)
     y_sq = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     if HAS_Y:  # first: its load's latency passes while the copies are issued (after them: ~1 us later)
         y_sq = _row_sums(y_sums, gl.num_programs(0), layout, WARPS)
-    for c in range(NC):
-        cols = (c * BK + rk)[None, :]
-        async_copy.async_copy_global_to_shared(xbuf.index(c), a_ptr + rm[:, None] * H + cols, mask=rows)
-        if HAS_Y:
-            async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + cols, mask=rows)
-            async_copy.async_copy_global_to_shared(norms.index(W0 + c), wb_ptr + c * BK + rw)
-        async_copy.async_copy_global_to_shared(norms.index(W0 + NC + c), wn_ptr + c * BK + rw)
-        async_copy.mbarrier_arrive(landed.index(c), increment_count=False)
+    _copy_chunks(a_ptr, y_ptr, wb_ptr, wn_ptr, xbuf, landed, M, H, HAS_Y, WARPS)
     _sub(tr, pid, EV, 0, TRACE)
     s1 = gl.rsqrt(y_sq / H + eps)
     _sub(tr, pid, EV, 1, TRACE)
@@ -101,6 +90,30 @@ def _sandwich(a_ptr, y_ptr, wb_ptr, wn_ptr, res_ptr, out_ptr, xbuf, x_ready, buf
     else:
         gl.thread_barrier()
         _readout(xbuf, norms, s2, out_ptr, M, pid, H, WARPS)
+
+
+@gluon.jit
+def _copy_chunks(a_ptr, y_ptr, wb_ptr, wn_ptr, xbuf, landed, M, H: gl.constexpr, HAS_Y: gl.constexpr,
+                 WARPS: gl.constexpr):
+    # _sandwich's copies: chunk c of a and y into xbuf[c], xbuf[NC + c]; of wb and wn, once (not a copy per row:
+    # every CTA's eight rows reading the same 8 KB cost ~5 us a staging), into rows W0 + c and W0 + NC + c of the
+    # plain view (_norm_rows); landed[c] completes once every thread's copies of chunk c are in
+    NC: gl.constexpr = H // BK
+    W0: gl.constexpr = 2 * NC * BM
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    rw = gl.arange(0, BK, layout=gl.BlockedLayout([2], [32], [WARPS], [0]))
+    rows = (rm < M)[:, None]
+    norms = _norm_rows(xbuf)
+    for c in range(NC):
+        cols = (c * BK + rk)[None, :]
+        async_copy.async_copy_global_to_shared(xbuf.index(c), a_ptr + rm[:, None] * H + cols, mask=rows)
+        if HAS_Y:
+            async_copy.async_copy_global_to_shared(xbuf.index(NC + c), y_ptr + rm[:, None] * H + cols, mask=rows)
+            async_copy.async_copy_global_to_shared(norms.index(W0 + c), wb_ptr + c * BK + rw)
+        async_copy.async_copy_global_to_shared(norms.index(W0 + NC + c), wn_ptr + c * BK + rw)
+        async_copy.mbarrier_arrive(landed.index(c), increment_count=False)
 
 
 @gluon.jit
@@ -265,8 +278,7 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
            eps, qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr,
            D: gl.constexpr, PAGE: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
            TRACE: gl.constexpr):
-    """The default partition: each layer's four stagings and the CTA's attention item, then the readout; the
-    last CTA to finish bumps the generation (cnt_ptr[0])."""
+    """The default partition: each layer's four stagings and the CTA's attention item, the readout, _finish."""
     hq_ptr, hm_ptr, qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr = acts
     h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, trace = io
     n_in, n_in2, n_post, n_post2, n_final = norms
@@ -321,6 +333,12 @@ def stager(kv_ring, ready, empty, xbuf, x_ready, bufs, acts, io, norms, meta, cn
     _sandwich(hm_ptr + last, d_ptr + last, n_post2 + (num_layers - 1) * H, n_final, hq_ptr, out_ptr, xbuf, x_ready,
               bufs, bufs[3] + (2 * num_layers - 1) * programs * BM, 2 * num_layers, M, pid, eps, H, True, False, WARPS)
     stamp(trace, pid, num_layers - 1, num_layers, 14, TRACE)
+    _finish(cnt_ptr, base, programs, num_layers, USE_PDL)
+
+
+@gluon.jit
+def _finish(cnt_ptr, base, programs, num_layers, USE_PDL: gl.constexpr):
+    # the launch's end count; the last CTA to finish bumps the generation (cnt_ptr[0])
     if USE_PDL:
         _gdc_launch_dependents()
     gl.thread_barrier()
