@@ -59,6 +59,8 @@ def child(args) -> dict:
 
     if args.threads:
         kernel_warmup.NUM_THREADS = args.threads
+    if args.parent_slots:
+        kernel_warmup.PARENT_SLOTS = args.parent_slots
     imported = time.perf_counter() - _STARTED
     model_dir = ensure_checkpoint(args)
     cfg = engine_config(args, model_dir, args.config)
@@ -84,6 +86,7 @@ def child(args) -> dict:
                     kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
                     compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
                     prefetch_kernels=_strip(events.get("warmup_kernels_prefetch")),
+                    prefetch_timeline=events.get("warmup_kernels_prefetch_timeline", {}).get("tasks"),
                     compiled_during=ev.get("compiled_during"),
                     weights_breakdown={k: v for k, v in ev.items() if k.startswith("weights_") and k != "weights_s"},
                     warmup_requests=_strip(events.get("warmup_requests")),
@@ -155,6 +158,7 @@ def spawn(args, config: str, cache_dir: str, process: int) -> dict:
            "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
            "--dtype", args.dtype, "--workdir", args.workdir, "--shallow-loops", str(args.shallow_loops),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--threads", str(args.threads or 0),
+           "--parent-slots", str(args.parent_slots or 0),
            "--rounds", str(args.rounds), "--spawned-at", repr(time.time())]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--model", args.model] if args.model else []
@@ -203,7 +207,33 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
                      f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
                      f" | {compiled} | {per_round} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + timeline_table(rows)) + "\n"
+
+
+def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
+    """The compile pass's tail per process that compiled: the `last` launches to end (kernel_warmup's timeline:
+    queued, given a parent slot, each child forked -> reported with its compile seconds, ended; seconds from the
+    pass's start), and the children's most at once."""
+    out = []
+    for r in rows:
+        tasks = r.get("prefetch_timeline") or []
+        children = [c for t in tasks for c in t["children"]]
+        if not children:
+            continue
+        edges = sorted([(a, 1) for a, _, _ in children] + [(b, -1) for _, b, _ in children])
+        running = peak = 0
+        for _, step in edges:
+            running += step
+            peak = max(peak, running)
+        out += ["", f"{r['config']}, process {r['process']}: {len(children)} children, the last forked at "
+                f"{max(a for a, _, _ in children):.2f} s, at most {peak} at once, compile seconds summed "
+                f"{sum(s or 0 for _, _, s in children):.1f}; the last {min(last, len(tasks))} launches to end:", "",
+                "| task | key | queued | slot | children: forked - reported (compile s) | end |", "|---" * 6 + "|"]
+        for t in tasks[-last:]:
+            kids = ", ".join(f"{a:.2f} - {b:.2f} ({'-' if s is None else f'{s:.2f}'})" for a, b, s in t["children"])
+            out.append(f"| {t['task']} | {t['key'][:60]} | {t['queued']:.2f} | {t['slot']:.2f} | {kids or '-'} | "
+                       f"{t['end']:.2f} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shallow-loops", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=0, help="compile threads of the kernel warm-up (0: its default)")
+    ap.add_argument("--parent-slots", type=int, default=0,
+                    help="forked compiles: warm-up threads working in the parent at once (0: its default)")
     ap.add_argument("--no-warmup", action="store_true", help="EngineConfig(warmup=False): the baseline")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process, each with its own prompts (>= 2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")

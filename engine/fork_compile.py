@@ -41,7 +41,8 @@ CHILD_NICENESS = 5  # children yield the cores to the parent (its weight load ru
 
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
 _LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled;
-# .slot: the semaphore this thread holds for its work in the parent (parent_slot), let go while a child runs
+# .slot: the semaphore this thread holds for its work in the parent (parent_slot), let go while a child runs;
+# .record: the list `recording` gives this thread's children to (None: not recording)
 
 
 @dataclass
@@ -157,10 +158,13 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
         forked = time.perf_counter() - forked
         if pid > 0:
             os.close(write_fd)
-    report = None
+    report, started = None, time.perf_counter()
     if pid > 0:
         with _slot_let_go():  # the wait costs the parent nothing: another thread may work meanwhile
             report = _wait(pid, read_fd, timeout)
+    record = getattr(_LOCAL, "record", None)
+    if record is not None:  # (forked at, its report read at, the child's seconds or None: it failed)
+        record.append((started, time.perf_counter(), None if report is None else float(report.split()[1])))
     with _STATS_LOCK:
         STATS.children += 1
         STATS.fork_seconds += forked
@@ -206,6 +210,18 @@ def on_disk(cache_key: str) -> bool:
     if not isinstance(manager, FileCacheManager) or not folder or not os.path.isdir(folder):
         return False
     return any(name.startswith("__grp__") for name in os.listdir(folder))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[float, float, float | None]]]:
+    """The children this thread forks within the block, one (forked at, report read at, the child's compile
+    seconds or None where it failed) each, perf_counter times: where the startup's compile pass spends its
+    wall time (kernel_warmup's timeline)."""
+    _LOCAL.record = record = []
+    try:
+        yield record
+    finally:
+        _LOCAL.record = None
 
 
 @contextlib.contextmanager

@@ -223,6 +223,16 @@ class KernelReport:
     task_seconds: float = 0.0  # the launches' times summed (the sequential cost: / seconds = the speed-up)
     failures: list[str] = field(default_factory=list)
     threads: int = 0  # threads it ran in
+    timeline: list[dict] = field(default_factory=list)  # per launch, by its end: `_run`'s times from the pass's start
+
+
+def _entry(task: Task, times: dict[str, float], children: list, zero: float) -> dict:
+    """A launch's line in the timeline: its task and key, when it started waiting, got its parent slot and ended,
+    and its children's (forked, reported, compile seconds), all seconds from the pass's start."""
+    at = lambda t: round(t - zero, 3)  # noqa: E731
+    return dict(task=task.name, key=str(task.keys[0]) if task.keys else "", queued=at(times["queued"]),
+                slot=at(times.get("slot", times["queued"])), end=at(times["end"]),
+                children=[(at(a), at(b), None if s is None else round(s, 3)) for a, b, s in children])
 
 
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
@@ -334,15 +344,21 @@ def _prepare(device: torch.device) -> bool:
         return False
 
 
-def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None) -> tuple[str, float, str | None]:
-    t = time.perf_counter()
-    try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
-        with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
-              torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.inference_mode()):
-            task.launch()
-    except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
-        return task.name, time.perf_counter() - t, f"{task.name}: {type(exc).__name__}: {exc}"
-    return task.name, time.perf_counter() - t, None
+def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None,
+         zero: float = 0.0) -> tuple[str, float, str | None, dict]:
+    """The launch of `task`: its name, seconds, error (None) and timeline entry (`_entry`, times from `zero`)."""
+    times, error = {"queued": time.perf_counter()}, None
+    with fork_compile.recording() as children:
+        try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
+            with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
+                  torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+                  torch.inference_mode()):
+                times["slot"] = time.perf_counter()
+                task.launch()
+        except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
+            error = f"{task.name}: {type(exc).__name__}: {exc}"
+    times["end"] = time.perf_counter()
+    return task.name, times["end"] - times["queued"], error, _entry(task, times, children, zero)
 
 
 def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = None,
@@ -360,14 +376,16 @@ def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = No
         for stage in stages:
             if should_stop is not None and should_stop():
                 break
-            for name, seconds, error in pool.map(lambda task: _run(task, device, slots), stage):
+            for name, seconds, error, entry in pool.map(lambda task: _run(task, device, slots, started), stage):
                 report.cases[name] = report.cases.get(name, 0) + 1
                 report.task_seconds += seconds
+                report.timeline.append(entry)
                 if error is not None:
                     report.failures.append(error)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report.seconds = time.perf_counter() - started
+    report.timeline.sort(key=lambda e: e["end"])
     return report
 
 

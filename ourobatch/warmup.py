@@ -182,6 +182,7 @@ def _log_kernels(event: str, report) -> None:
              fork_children=forks.children, fork_compiled=forks.compiled, fork_failed=forks.failed,
              fork_child_seconds=round(forks.child_seconds, 2), fork_seconds=round(forks.fork_seconds, 3),
              fork_on_disk=forks.on_disk, failures=len(report.failures))
+    log.debug(f"{event}_timeline", tasks=report.timeline)  # by end: where the pass's wall time goes
 
 
 def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:

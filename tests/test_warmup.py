@@ -585,3 +585,48 @@ def test_layers_keys_cover_the_layer_count_class_once_for_every_row_count():
     assert kernel_cases.layers_keys(deep, True) == {("gluon_layers", "16"): (1, 16)}
     assert kernel_cases.layers_keys(s, False) == {}
     assert kernel_cases.layers_keys(kernel_cases.KernelShapes(**{**s.__dict__, "num_layers": 0}), True) == {}
+
+
+def test_the_cold_start_report_shows_the_compile_passs_tail_and_its_peak():
+    from tests.benchmark_scripts import load_benchmark
+
+    cold = load_benchmark("cold_start")
+    tasks = [dict(task="gemm", key=f"('qkv', {i})", queued=0.0, slot=0.1 * i, end=1.0 + i,
+                  children=[(0.1 * i + 0.01, 0.9 + i, 0.8 + i)]) for i in range(4)]
+    tasks.append(dict(task="fused", key="('fused', 'silu_mul')", queued=0.0, slot=0.5, end=6.0,
+                      children=[(4.5, 5.9, None)]))  # forked after the others ended: the peak stays 4
+    rows = [dict(config="interval1", process=1, prefetch_timeline=tasks),
+            dict(config="interval1", process=2, prefetch_timeline=[dict(task="gemm", key="k", queued=0, slot=0,
+                                                                         end=0.1, children=[])])]
+    lines = cold.timeline_table(rows, last=3)
+    head = next(x for x in lines if x.startswith("interval1, process 1"))
+    assert "5 children" in head and "last forked at 4.50 s" in head and "at most 4 at once" in head
+    assert "summed 9.2" in head  # 0.8 + 1.8 + 2.8 + 3.8; the failed child has no seconds
+    body = [x for x in lines if x.startswith("| gemm") or x.startswith("| fused")]
+    assert len(body) == 3 and body[-1].startswith("| fused") and "4.50 - 5.90 (-)" in body[-1]
+    assert not any("process 2" in x for x in lines)  # nothing compiled there: no table
+
+
+def test_the_warm_up_reports_each_launchs_times_in_order_of_their_end(monkeypatch):
+    import time
+
+    from engine import kernel_warmup as kw
+    from engine.warmup_order import Task
+
+    def task(i: int, seconds: float, fails: bool = False) -> Task:
+        def launch() -> None:
+            time.sleep(seconds)
+            if fails:
+                raise RuntimeError("no such kernel")
+        return Task("gemm", launch, frozenset({f"k{i}"}), ((f"k{i}", i),))
+
+    tasks = [task(0, 0.05), task(1, 0.3), task(2, 0.01, fails=True), task(3, 0.1)]
+    monkeypatch.setattr(kw, "task_list", lambda s, device: tasks)
+    report = kw.warm_kernels(None, torch.device("cpu"), threads=4)
+    line = report.timeline  # one entry per launch, by end, queued <= given its slot <= ended, within the pass
+    assert [e["key"] for e in line][-1] == "('k1', 1)" and len(report.failures) == 1
+    assert sorted(e["key"] for e in line) == sorted(str(t.keys[0]) for t in tasks)
+    assert [e["end"] for e in line] == sorted(e["end"] for e in line) and line[-1]["end"] <= report.seconds
+    assert all(0 <= e["queued"] <= e["slot"] <= e["end"] and e["children"] == [] for e in line)
+    slow = next(e for e in line if e["key"] == "('k1', 1)")
+    assert slow["end"] - slow["slot"] >= 0.3  # its launch's time

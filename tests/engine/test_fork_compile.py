@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,25 @@ def test_a_failing_child_costs_only_the_parents_run(tmp_path):
     failed = fork_compile.STATS.failed
     assert fork_compile.compile_in_child(fn, in_child=compiled_true) == "compiled here"
     assert fork_compile.STATS.failed == failed + 1
+
+
+def test_recording_lists_each_child_with_its_times(tmp_path):
+    parent = os.getpid()
+
+    def fails_in_the_child() -> int:
+        if os.getpid() != parent:
+            raise RuntimeError("compile failed in the child")
+        return parent
+
+    t0 = time.perf_counter()
+    with fork_compile.recording() as children:
+        fork_compile.compile_in_child(recorder(tmp_path / "log"), in_child=compiled_true)
+        fork_compile.compile_in_child(fails_in_the_child, in_child=compiled_true)
+    fork_compile.compile_in_child(recorder(tmp_path / "log2"), in_child=compiled_true)  # after the block: not listed
+    assert len(children) == 2
+    (f1, r1, s1), (f2, r2, s2) = children
+    assert t0 <= f1 <= r1 <= f2 <= r2 <= time.perf_counter()
+    assert s1 is not None and 0 <= s1 <= r1 - f1 and s2 is None  # a failed child reports no compile seconds
 
 
 def test_a_hung_child_is_killed_after_the_timeout(tmp_path):
