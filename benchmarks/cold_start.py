@@ -51,16 +51,16 @@ def child(args) -> dict:
     import torch
 
     from ourobatch import Engine
-    from engine import kernel_warmup
+    from engine import warmup_pass
 
     sys.path.insert(0, str(HERE))
     from public_path import engine_config  # noqa: E402
     from throughput import ensure_checkpoint  # noqa: E402
 
     if args.threads:
-        kernel_warmup.NUM_THREADS = args.threads
+        warmup_pass.NUM_THREADS = args.threads
     if args.parent_slots:
-        kernel_warmup.PARENT_SLOTS = args.parent_slots
+        warmup_pass.PARENT_SLOTS = args.parent_slots
     imported = time.perf_counter() - _STARTED
     model_dir = ensure_checkpoint(args)
     cfg = engine_config(args, model_dir, args.config)
@@ -211,7 +211,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
-    """The compile pass's tail per process that compiled: the `last` launches to end (kernel_warmup's timeline:
+    """The compile pass's tail per process that compiled: the `last` launches to end (warmup_pass's timeline:
     queued, given a parent slot, each child forked -> reported with its compile seconds, ended; seconds from the
     pass's start), and the children's most at once."""
     out = []
@@ -225,7 +225,11 @@ def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
         for _, step in edges:
             running += step
             peak = max(peak, running)
-        out += ["", f"{r['config']}, process {r['process']}: {len(children)} children, the last forked at "
+        pre = r.get("prefetch_kernels") or {}
+        before = ", ".join(f"{k} {pre[f'{k}_seconds']:.2f} s" for k in ("driver", "list", "key", "prepare")
+                           if pre.get(f"{k}_seconds") is not None)
+        out += ["", f"{r['config']}, process {r['process']}: {before + '; ' if before else ''}"
+                f"{len(children)} children, the last forked at "
                 f"{max(a for a, _, _ in children):.2f} s, at most {peak} at once, compile seconds summed "
                 f"{sum(s or 0 for _, _, s in children):.1f}; the last {min(last, len(tasks))} launches to end:", "",
                 "| task | key | queued | slot | children: forked - reported (compile s) | end |", "|---" * 6 + "|"]

@@ -42,7 +42,7 @@ CHILD_NICENESS = 5  # children yield the cores to the parent (its weight load ru
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
 _LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled;
 # .slot: the semaphore this thread holds for its work in the parent (parent_slot), let go while a child runs;
-# .record: the list `recording` gives this thread's children to (None: not recording)
+# .record: the list `recording` gives this thread's children to (None: not recording); .on_fork: its callback
 
 
 @dataclass
@@ -159,6 +159,9 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
         if pid > 0:
             os.close(write_fd)
     report, started = None, time.perf_counter()
+    on_fork = getattr(_LOCAL, "on_fork", None)
+    if on_fork is not None:
+        on_fork()
     if pid > 0:
         with _slot_let_go():  # the wait costs the parent nothing: another thread may work meanwhile
             report = _wait(pid, read_fd, timeout)
@@ -197,6 +200,21 @@ class ForkCompiler:
         return future
 
 
+def prime_key() -> float:
+    """Triton's own key (triton.runtime.cache.triton_key: a hash of its ~400 MB libtriton and its Python files,
+    ~0.6 s, mostly without the GIL), computed once before the compiles that need it: every compile's cache key
+    starts with it, its cache is not shared by threads that miss it at once (session 20's timeline: the first
+    four launches each hashed it at the same time, ~1.1 s before their children could fork), and a forked child
+    inherits it. Returns its seconds (0.0 where this Triton has no such function)."""
+    started = time.perf_counter()
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return 0.0
+    triton_key()
+    return time.perf_counter() - started
+
+
 def on_disk(cache_key: str) -> bool:
     """Whether Triton's file cache holds the kernel of `cache_key` (Triton's key before hashing, as
     compile() and AsyncCompileMode.submit get it): its group file, written last, is there. False where the
@@ -213,15 +231,17 @@ def on_disk(cache_key: str) -> bool:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[float, float, float | None]]]:
+def recording(on_fork: Callable[[], None] | None = None) -> Iterator[list[tuple[float, float, float | None]]]:
     """The children this thread forks within the block, one (forked at, report read at, the child's compile
     seconds or None where it failed) each, perf_counter times: where the startup's compile pass spends its
-    wall time (kernel_warmup's timeline)."""
-    _LOCAL.record = record = []
+    wall time (kernel_warmup's timeline). `on_fork()` runs in this thread right after each fork (or the
+    attempt, where none could be had)."""
+    record: list[tuple[float, float, float | None]] = []
+    _LOCAL.record, _LOCAL.on_fork = record, on_fork
     try:
         yield record
     finally:
-        _LOCAL.record = None
+        _LOCAL.record = _LOCAL.on_fork = None
 
 
 @contextlib.contextmanager

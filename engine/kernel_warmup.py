@@ -3,51 +3,33 @@
 
 Theory of operation. A compile holds the GIL for much of its time, so threads alone reached ~4x (30 s of
 compiles in 6.5-8.5 s on the H200), and fresh worker processes lost 4-6 s each to their own start-up
-(docs/benchmarks.md, session 6). So each thread's compiles run in forked child processes
-(engine/fork_compile.py; a fork starts in ~10 ms): every launch starts at once, 14 threads wait on their
-children, at most PARENT_SLOTS of them work in this process at a time, `_prepare` makes Triton's driver and
-each kernel's per-device cache first, and fork_compile compiles each kernel once across threads. Without
-fork (``OUROBATCH_FORK_COMPILE=0``, or a Triton without AsyncCompileMode) 8 threads compile themselves, in
-stages (``_staged``): the first launch of each specialization (two threads would both compile it) and of
-each kernel (it builds the kernel's per-device cache, which two threads would race to create) ends before
-any other launch of it starts, and the very first launch runs alone (Triton builds its launcher utilities
-once). The engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it
-again, as a check that costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py checks on the
-GPU that the graph captures and a first round of requests compile nothing, nor a second process.
+(docs/benchmarks.md, session 6). So each launch's compiles run in forked child processes (engine/fork_compile.py;
+a fork starts in ~10 ms), and engine/warmup_pass.py runs the launches listed here: the slowest kernels' first,
+then all the others at once, and fork_compile compiles each kernel once across threads. Without fork
+(``OUROBATCH_FORK_COMPILE=0``, or a Triton without AsyncCompileMode) 8 threads compile themselves, in stages
+(warmup_order.staged): the first launch of each specialization (two threads would both compile it) and of each
+kernel (it builds the kernel's per-device cache, which two threads would race to create) ends before any other
+launch of it starts, and the very first launch runs alone (Triton builds its launcher utilities once). The
+engine starts this before its weights load (ourobatch/warmup.py ``prefetch_kernels``) and runs it again, as a
+check that costs only launches, once the executor exists; tests/gpu/test_gpu_warmup.py checks on the GPU that the
+graph captures and a first round of requests compile nothing, nor a second process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from . import fork_compile, layer_stack
+from . import layer_stack, warmup_pass
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
                            decode_keys, gemm_keys, gemm_rows, layers_keys, mlp_keys)
 from .gemm_dispatch import gemm_config
-from .warmup_order import SLOWEST, Task, longest_first, staged  # noqa: F401 - SLOWEST: its tests read it here
+from .warmup_order import SLOWEST, KernelReport, Task, longest_first, staged  # noqa: F401 - read here by tests
 
-NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
-
-
-PARENT_SLOTS = 4  # forked compiles: threads working in this process at once (fork_compile.parent_slot)
 _layers = lambda: importlib.import_module(".gluon_layers", __package__)  # noqa: E731 - Gluon, imported lazily
-
-
-def default_threads(forking: bool) -> int:
-    """Threads that wait on forked compiles: one per core but two (the children are niced below the weight load
-    beside them; PARENT_SLOTS run here at once: 16 loading cached kernels slowed the load through the GIL);
-    threads that compile themselves: 8 at most (past that the GIL gains nothing)."""
-    cores = os.cpu_count() or 1
-    return max(1, min(14, cores - 2)) if forking else min(8, cores)
 
 
 def launch_attention(s: KernelShapes, case: AttentionCase, device: torch.device) -> None:
@@ -214,27 +196,6 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
 
 # ---------------------------------------------------------------------------------------- running them
 
-@dataclass
-class KernelReport:
-    """What warm_kernels launched, how long it took and what failed (a failure only costs a compile later)."""
-
-    cases: dict[str, int] = field(default_factory=dict)  # family -> launches
-    seconds: float = 0.0  # wall time
-    task_seconds: float = 0.0  # the launches' times summed (the sequential cost: / seconds = the speed-up)
-    failures: list[str] = field(default_factory=list)
-    threads: int = 0  # threads it ran in
-    timeline: list[dict] = field(default_factory=list)  # per launch, by its end: `_run`'s times from the pass's start
-
-
-def _entry(task: Task, times: dict[str, float], children: list, zero: float) -> dict:
-    """A launch's line in the timeline: its task and key, when it started waiting, got its parent slot and ended,
-    and its children's (forked, reported, compile seconds), all seconds from the pass's start."""
-    at = lambda t: round(t - zero, 3)  # noqa: E731
-    return dict(task=task.name, key=str(task.keys[0]) if task.keys else "", queued=at(times["queued"]),
-                slot=at(times.get("slot", times["queued"])), end=at(times["end"]),
-                children=[(at(a), at(b), None if s is None else round(s, 3)) for a, b, s in children])
-
-
 def task_list(s: KernelShapes, device: torch.device) -> list[Task]:
     """Every launch, in a fixed order that depends only on `s`, each there for one specialization no earlier
     launch compiles (so the threads share the compiles evenly): an attention case only for a new paged-kernel
@@ -312,80 +273,9 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
     return tasks
 
 
-def _prepare(device: torch.device) -> bool:
-    """Triton's driver utilities and every kernel's per-device cache (its binder), made before the threads start,
-    so two first launches of one kernel cannot race to make it. False where Triton's internals differ: staged."""
-    try:
-        import triton
-        from triton.runtime.jit import JITFunction
-
-        from . import (attention_combine, layers_dispatch, mlp_dispatch, pdl, triton_attention, triton_fused,
-                       triton_gemm, triton_sampler)
-
-        modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
-        if triton_attention.gluon_decode(device):
-            from . import gluon_attention, gluon_attention_o
-
-            modules += [gluon_attention, gluon_attention_o]
-        if mlp_dispatch.mlp_fold_on(device):
-            from . import gluon_mlp
-
-            modules.append(gluon_mlp)
-        if layers_dispatch.switch_on() and pdl.hopper(device) and pdl.gluon_importable():
-            modules.append(_layers())
-        with torch.cuda.device(device):
-            index = triton.runtime.driver.active.get_current_device()
-            for module in modules:
-                for kernel in vars(module).values():
-                    if isinstance(kernel, JITFunction):
-                        kernel.device_caches[index]  # noqa: B018 - the defaultdict makes it
-        return True
-    except Exception:  # noqa: BLE001 - an optimization only
-        return False
-
-
-def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None,
-         zero: float = 0.0) -> tuple[str, float, str | None, dict]:
-    """The launch of `task`: its name, seconds, error (None) and timeline entry (`_entry`, times from `zero`)."""
-    times, error = {"queued": time.perf_counter()}, None
-    with fork_compile.recording() as children:
-        try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
-            with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
-                  torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
-                  torch.inference_mode()):
-                times["slot"] = time.perf_counter()
-                task.launch()
-        except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
-            error = f"{task.name}: {type(exc).__name__}: {exc}"
-    times["end"] = time.perf_counter()
-    return task.name, times["end"] - times["queued"], error, _entry(task, times, children, zero)
-
-
 def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = None,
                  should_stop: Callable[[], bool] | None = None) -> KernelReport:
-    """Launch one call of every specialization (CUDA only), `threads` at a time (default: NUM_THREADS, else
-    default_threads), their compiles in forked children where fork_compile is on."""
-    report = KernelReport()
-    started = time.perf_counter()
-    forking = device.type == "cuda" and fork_compile.available() and _prepare(device)
-    tasks = task_list(s, device)
-    stages = [longest_first(tasks)] if forking else staged(tasks)
-    slots = threading.Semaphore(PARENT_SLOTS) if forking else None
-    report.threads = threads or NUM_THREADS or default_threads(forking)
-    with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
-        for stage in stages:
-            if should_stop is not None and should_stop():
-                break
-            for name, seconds, error, entry in pool.map(lambda task: _run(task, device, slots, started), stage):
-                report.cases[name] = report.cases.get(name, 0) + 1
-                report.task_seconds += seconds
-                report.timeline.append(entry)
-                if error is not None:
-                    report.failures.append(error)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    report.seconds = time.perf_counter() - started
-    report.timeline.sort(key=lambda e: e["end"])
-    return report
-
-
+    """Launch one call of every specialization (CUDA only; engine/warmup_pass.py runs them), `threads` at a time
+    (default: warmup_pass.NUM_THREADS, else its default_threads), their compiles in forked children where
+    fork_compile is on."""
+    return warmup_pass.run_pass(lambda: task_list(s, device), device, threads, should_stop)
