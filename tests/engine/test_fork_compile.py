@@ -268,3 +268,41 @@ def test_no_fork_to_be_had_compiles_here(monkeypatch, tmp_path):
     assert fork_compile.compile_in_child(recorder(tmp_path / "log"), in_child=compiled_true) == os.getpid()
     assert pids(tmp_path / "log") == [os.getpid()]
     assert fork_compile.STATS.failed == failed + 1 and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_placed_children_run_on_the_given_cpus_at_the_given_niceness(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    out = tmp_path / "placement"
+    parent = os.getpid()
+
+    def fn() -> None:
+        if os.getpid() != parent:
+            out.write_text(f"{sorted(os.sched_getaffinity(0))} {os.nice(0)}")
+
+    base = os.nice(0)
+    with fork_compile.placed(frozenset({cpu}), niceness=3):
+        fork_compile.compile_in_child(fn, in_child=compiled_true)
+    assert out.read_text() == f"[{cpu}] {base + 3}"
+    fork_compile.compile_in_child(fn, in_child=compiled_true)  # after the block: anywhere, the default niceness
+    assert out.read_text() == f"{sorted(os.sched_getaffinity(0))} {base + fork_compile.CHILD_NICENESS}"
+    assert os.nice(0) == base and os.getpid() == parent  # the parent is untouched
+
+
+@pytest.mark.parametrize("allowed,siblings,expected", [
+    (set(range(16)), "7,15", ({15}, set(range(16)) - {7, 15})),  # hyperthreads: the sibling is left idle
+    (set(range(8)), "7", ({7}, set(range(7)))),  # no hyperthreads
+    (set(range(8)), None, ({7}, set(range(7)))),  # no topology to read: the CPU alone
+    ({0, 1, 2}, "2", None),  # too few CPUs to keep one
+    ({2, 3, 10, 11}, "3,11", ({11}, {2, 10})),  # another core's two CPUs are left: enough
+    ({3, 11, 19, 27}, "3,11,19,27", None),  # one core (4-way SMT): nothing left for the others, keep none
+])
+def test_reserved_core_keeps_one_cpu_and_its_siblings_off_the_rest(monkeypatch, tmp_path, allowed, siblings,
+                                                                   expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
+    monkeypatch.setattr(fork_compile, "SYSFS_CPU", str(tmp_path))
+    if siblings is not None:
+        folder = tmp_path / f"cpu{max(allowed)}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings_list").write_text(siblings + "\n")
+    got = fork_compile.reserved_core()
+    assert got == (None if expected is None else (frozenset(expected[0]), frozenset(expected[1])))
