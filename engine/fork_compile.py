@@ -38,13 +38,11 @@ from typing import Any, Callable, Iterator
 ENV = "OUROBATCH_FORK_COMPILE"
 CHILD_TIMEOUT_S = 120.0  # a compile past this is stuck: killed, and compiled in the parent instead
 CHILD_NICENESS = 5  # children yield the cores to the parent (its weight load runs beside them)
-SYSFS_CPU = "/sys/devices/system/cpu"  # where Linux says which CPUs share a core (reserved_core)
 
 _FORK_LOCK = threading.Lock()  # one fork at a time (and one warnings filter change at a time)
 _LOCAL = threading.local()  # .child: (compiled, seconds) while the parent loads what its child compiled;
 # .slot: the semaphore this thread holds for its work in the parent (parent_slot), let go while a child runs;
-# .record: the list `recording` gives this thread's children to (None: not recording); .on_fork: its callback;
-# .placement: (CPUs or None, niceness) for this thread's children (`placed`)
+# .record: the list `recording` gives this thread's children to (None: not recording); .on_fork: its callback
 
 
 @dataclass
@@ -103,10 +101,7 @@ def _child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool],
     code = 1
     try:
         gc.disable()  # a finalizer could take a lock (the CUDA allocator's) a parent thread held at the fork
-        cpus, niceness = getattr(_LOCAL, "placement", None) or (None, CHILD_NICENESS)  # the forking thread's
-        os.nice(niceness)  # the parent's weight load first
-        if cpus:
-            os.sched_setaffinity(0, cpus)
+        os.nice(CHILD_NICENESS)  # the parent's weight load first
         started = time.perf_counter()
         compiled = in_child(fn)
         os.write(write_fd, f"{int(compiled)} {time.perf_counter() - started:.6f}".encode())
@@ -233,48 +228,6 @@ def on_disk(cache_key: str) -> bool:
     if not isinstance(manager, FileCacheManager) or not folder or not os.path.isdir(folder):
         return False
     return any(name.startswith("__grp__") for name in os.listdir(folder))
-
-
-def reserved_core() -> tuple[frozenset[int], frozenset[int]] | None:
-    """(one CPU, the CPUs of every other core) of those this process may run on: a core kept for the compile the
-    startup waits on longest, its hyperthread sibling left idle (a compile beside 13 others on the H200 host's
-    cores took 5.5 s against 3.9 alone: session 20), the others for the rest. None with fewer than 4 CPUs or where
-    the OS cannot say (then children run anywhere)."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-    if len(allowed) < 4:
-        return None
-    cpu = max(allowed)
-    siblings = {cpu}
-    try:
-        with open(os.path.join(SYSFS_CPU, f"cpu{cpu}", "topology", "thread_siblings_list")) as f:
-            siblings |= _cpu_list(f.read())
-    except (OSError, ValueError):
-        pass
-    rest = frozenset(allowed - siblings)
-    return (frozenset({cpu}), rest) if len(rest) >= 2 else None
-
-
-def _cpu_list(text: str) -> set[int]:
-    """Linux's CPU list format: "3,11", "0-3,8-11"."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-@contextlib.contextmanager
-def placed(cpus: frozenset[int] | None, niceness: int = CHILD_NICENESS) -> Iterator[None]:
-    """The children this thread forks within the block run on `cpus` (None: anywhere) at `niceness`."""
-    _LOCAL.placement = (cpus, niceness)
-    try:
-        yield
-    finally:
-        _LOCAL.placement = None
 
 
 @contextlib.contextmanager

@@ -7,9 +7,7 @@ Theory of operation (forked). The pass is as long as its slowest chain: the loop
 ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
 same time. So: Triton's key is hashed once, in a thread of its own beside the driver and the launch list; the
-slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (the very first
-on a core no other child runs on, fork_compile.reserved_core: beside 13 other compiles it took 5.5 s, against ~3.9
-alone); only then are
+slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked; only then are
 the other kernels' per-device caches made (`_prepare`: so two first launches of one kernel cannot race to make it)
 and every other launch started at once, `threads` threads waiting on their children, at most PARENT_SLOTS working
 in this process at a time. Without fork the launches run in `staged` stages (warmup_order).
@@ -90,16 +88,12 @@ def _prepare(device: torch.device) -> bool:
 
 
 def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None, zero: float = 0.0,
-         forked: threading.Event | None = None,
-         placement: tuple[frozenset[int] | None, int] = (None, fork_compile.CHILD_NICENESS),
-         ) -> tuple[str, float, str | None, dict]:
+         forked: threading.Event | None = None) -> tuple[str, float, str | None, dict]:
     """The launch of `task`: its name, seconds, error (None) and timeline entry (warmup_order.entry, times from
-    `zero`); `forked` is set once its first child is forked (or it ends without one); its children run on
-    `placement`'s CPUs (None: anywhere) at its niceness."""
+    `zero`); `forked` is set once its first child is forked (or it ends without one)."""
     times, error = {"queued": time.perf_counter()}, None
     try:
-        with (fork_compile.recording(None if forked is None else forked.set) as children,
-              fork_compile.placed(*placement)):
+        with fork_compile.recording(None if forked is None else forked.set) as children:
             try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
                 with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
                       torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
@@ -118,29 +112,26 @@ def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = N
 def _forked(pool: ThreadPoolExecutor, tasks: list[Task], device: torch.device, slots: threading.Semaphore,
             zero: float, stopped: Callable[[], bool], report: KernelReport) -> None:
     """The head alone, one launch at a time until its child is forked; then `_prepare` and the rest at once (in
-    stages where `_prepare` fails). The first head launch's children get a core of their own (not niced), every
-    other child the other cores (fork_compile.reserved_core)."""
+    stages where `_prepare` fails)."""
     head, rest = head_first(tasks)
-    core = fork_compile.reserved_core()
-    first, others = ((core[0], 0), (core[1], fork_compile.CHILD_NICENESS)) if core else ((None, 0), (None, fork_compile.CHILD_NICENESS))
     futures: list[Future] = []
-    for i, task in enumerate(head):
+    for task in head:
         if stopped():
             break
         forked = threading.Event()
-        futures.append(pool.submit(_run, task, device, slots, zero, forked, first if i == 0 else others))
+        futures.append(pool.submit(_run, task, device, slots, zero, forked))
         forked.wait(HEAD_WAIT_S)
     t = time.perf_counter()
     prepared = _prepare(device)
     report.prepare_seconds = time.perf_counter() - t
     if prepared and not stopped():
-        futures += [pool.submit(_run, task, device, slots, zero, None, others) for task in rest]
+        futures += [pool.submit(_run, task, device, slots, zero) for task in rest]
         rest = []
     report.add([f.result() for f in futures])
     for stage in staged(rest):
         if stopped():
             break
-        report.add(list(pool.map(lambda task: _run(task, device, slots, zero, None, others), stage)))
+        report.add(list(pool.map(lambda task: _run(task, device, slots, zero), stage)))
 
 
 def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,
