@@ -47,8 +47,8 @@ class KernelReport:
     threads: int = 0  # threads it ran in
     driver_seconds: float = 0.0  # before the first launch: Triton's driver (warmup_pass._driver)
     list_seconds: float = 0.0  # and listing the launches (kernel_cases)
-    key_seconds: float = 0.0  # Triton's own key, hashed beside both (fork_compile.prime_key)
-    prepare_seconds: float = 0.0  # the kernels' per-device caches, after the head's children forked
+    prepare_seconds: float = 0.0  # and the kernels' per-device caches (warmup_pass._prepare)
+    key_seconds: float = 0.0  # Triton's own key, hashed beside all three (fork_compile.prime_key)
     timeline: list[dict] = field(default_factory=list)  # per launch (`entry`), by its end
 
     def add(self, results: list[tuple[str, float, str | None, dict]]) -> None:

@@ -6,11 +6,12 @@ Theory of operation (forked). The pass is as long as its slowest chain: the loop
 ~4-5 s on the H200 host, so what matters is how soon its child is forked. Session 20's timeline showed two things
 ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
-same time. So: Triton's key is hashed once, in a thread of its own beside the driver and the launch list; the
-slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked; only then are
-the other kernels' per-device caches made (`_prepare`: so two first launches of one kernel cannot race to make it)
-and every other launch started at once, `threads` threads waiting on their children, at most PARENT_SLOTS working
-in this process at a time. Without fork the launches run in `staged` stages (warmup_order).
+same time. So: Triton's key is hashed once, in a thread of its own beside the driver, the launch list and the
+kernels' per-device caches (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
+the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
+Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
+children, at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the
+launches run in `staged` stages (warmup_order).
 """
 
 from __future__ import annotations
@@ -111,8 +112,7 @@ def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = N
 
 def _forked(pool: ThreadPoolExecutor, tasks: list[Task], device: torch.device, slots: threading.Semaphore,
             zero: float, stopped: Callable[[], bool], report: KernelReport) -> None:
-    """The head alone, one launch at a time until its child is forked; then `_prepare` and the rest at once (in
-    stages where `_prepare` fails)."""
+    """The head alone, one launch at a time until its child is forked (or it ends); then the rest at once."""
     head, rest = head_first(tasks)
     futures: list[Future] = []
     for task in head:
@@ -121,17 +121,9 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], device: torch.device, s
         forked = threading.Event()
         futures.append(pool.submit(_run, task, device, slots, zero, forked))
         forked.wait(HEAD_WAIT_S)
-    t = time.perf_counter()
-    prepared = _prepare(device)
-    report.prepare_seconds = time.perf_counter() - t
-    if prepared and not stopped():
+    if not stopped():
         futures += [pool.submit(_run, task, device, slots, zero) for task in rest]
-        rest = []
     report.add([f.result() for f in futures])
-    for stage in staged(rest):
-        if stopped():
-            break
-        report.add(list(pool.map(lambda task: _run(task, device, slots, zero), stage)))
 
 
 def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,
@@ -147,6 +139,9 @@ def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: 
         report.driver_seconds = time.perf_counter() - started
         tasks = tasks_of()
         report.list_seconds = time.perf_counter() - started - report.driver_seconds
+        t = time.perf_counter()
+        forking = forking and _prepare(device)
+        report.prepare_seconds = time.perf_counter() - t
         report.key_seconds = 0.0 if key is None or key.exception() is not None else key.result()
     slots = threading.Semaphore(PARENT_SLOTS) if forking else None
     report.threads = threads or NUM_THREADS or default_threads(forking)

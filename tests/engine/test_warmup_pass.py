@@ -28,8 +28,7 @@ def test_head_first_takes_the_slowest_kernels_launches_in_their_order():
     assert [x.name for x in head] == ["d", "b", "e"] and [x.name for x in rest] == ["a", "c"]
 
 
-def test_the_rest_starts_once_the_heads_child_is_forked_not_once_it_compiled(monkeypatch):
-    monkeypatch.setattr(warmup_pass, "_prepare", lambda device: True)
+def test_the_rest_starts_once_the_heads_child_is_forked_not_once_it_compiled():
     gate = GatedChild(block_s=30.0)
     forked_at: list[float] = []
     started: dict[str, float] = {}
@@ -69,8 +68,7 @@ def test_the_rest_starts_once_the_heads_child_is_forked_not_once_it_compiled(mon
     assert fork <= min(line[f"t{i}"]["queued"] for i in range(5)) and seconds is not None and reported >= fork
 
 
-def test_a_head_that_never_forks_holds_the_others_back_no_longer_than_it_runs(monkeypatch):
-    monkeypatch.setattr(warmup_pass, "_prepare", lambda device: True)
+def test_a_head_that_never_forks_holds_the_others_back_no_longer_than_it_runs():
     ran: list[str] = []
     tasks = [Task("slow", lambda: time.sleep(0.3) or ran.append("slow"), frozenset({"gluon_o"}), (("o", 1),)),
              Task("other", lambda: ran.append("other"), frozenset({"gemm"}), (("g", 1),))]
@@ -79,12 +77,3 @@ def test_a_head_that_never_forks_holds_the_others_back_no_longer_than_it_runs(mo
     with ThreadPoolExecutor(max_workers=2) as pool:
         warmup_pass._forked(pool, tasks, torch.device("cpu"), threading.Semaphore(2), t, lambda: False, report)
     assert ran == ["slow", "other"] and time.perf_counter() - t < warmup_pass.HEAD_WAIT_S  # its end let them go
-
-
-def test_without_prepared_caches_the_rest_runs_in_stages(monkeypatch):
-    monkeypatch.setattr(warmup_pass, "_prepare", lambda device: False)
-    tasks = [Task(f"t{i}", lambda: None, frozenset({"gemm"}), (("gemm", i),)) for i in range(3)]
-    report = KernelReport()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        warmup_pass._forked(pool, tasks, torch.device("cpu"), threading.Semaphore(2), 0.0, lambda: False, report)
-    assert report.cases == {"t0": 1, "t1": 1, "t2": 1} and not report.failures
