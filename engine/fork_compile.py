@@ -234,7 +234,7 @@ def on_disk(cache_key: str) -> bool:
 def recording(on_fork: Callable[[], None] | None = None) -> Iterator[list[tuple[float, float, float | None]]]:
     """The children this thread forks within the block, one (forked at, report read at, the child's compile
     seconds or None where it failed) each, perf_counter times: where the startup's compile pass spends its
-    wall time (kernel_warmup's timeline). `on_fork()` runs in this thread right after each fork (or the
+    wall time (warmup_pass's timeline). `on_fork()` runs in this thread right after each fork (or the
     attempt, where none could be had)."""
     record: list[tuple[float, float, float | None]] = []
     _LOCAL.record, _LOCAL.on_fork = record, on_fork
