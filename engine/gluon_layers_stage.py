@@ -191,10 +191,12 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
         fence_async_shared()
         mbarrier.arrive(empty.index(i % STAGES), count=1)
         mbarrier.arrive(empty.index((i + 1) % STAGES), count=1, pred=two)
-        s0 = gl.where(t * PAGE + offs_n < new, gl.sum(k0 * q[None, :], axis=1), float("-inf"))
-        s1 = gl.where((t + 1) * PAGE + offs_n < new, gl.sum(k1 * q[None, :], axis=1), float("-inf"))  # not two: all
-        m, mass, acc = online_values(s0, v0, m, mass, acc)
-        m, mass, acc = online_values(s1, gl.where(two, v1, 0.0), m, mass, acc)  # masked slots add 0 x v: v finite
+        valid0 = t * PAGE + offs_n < new
+        valid1 = (t + 1) * PAGE + offs_n < new  # not two: none (the slot holds whatever it holds)
+        s0 = gl.where(valid0, gl.sum(k0 * q[None, :], axis=1), float("-inf"))
+        s1 = gl.where(valid1, gl.sum(k1 * q[None, :], axis=1), float("-inf"))
+        m, mass, acc = online_values(s0, v0, valid0, m, mass, acc)
+        m, mass, acc = online_values(s1, v1, valid1, m, mass, acc)
         i += 1 + two.to(gl.int32)
     _sub(tr, pid, 24, 1, TRACE)
     s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)

@@ -206,7 +206,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], token_i
 def race(logprobs: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
          triton_kernel: bool = False) -> torch.Tensor:
     """The draw from processed log-probs [rows, vocab] (-inf: excluded): argmax(logprob - log(-log u)) with
-    the counter uniforms, argmax(logprob) for greedy rows; ties to the lowest id -> token ids [rows] int64.
+    the counter uniforms, argmax(logprob) for greedy rows; ties to the lowest id; a NaN is never drawn (a row of
+    NaN draws id 0: the non-finite check fails its request) -> token ids [rows] int64.
 
     With `triton_kernel` (CUDA, float32 log-probs) the fast path's kernels run it with temperature 1
     (engine/triton_sampler.py: the same uniforms, key and tie rule, float64 keys), reading the log-probs
@@ -217,6 +218,7 @@ def race(logprobs: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, coun
         ones = torch.ones(logprobs.shape[0], dtype=torch.float32, device=logprobs.device)
         return sample_plain(logprobs, ones, seeds, counters, greedy)[0]
     u = counter_uniforms(seeds, counters, logprobs.shape[1])
+    logprobs = logprobs.masked_fill(logprobs.isnan(), float("-inf"))  # a NaN never wins, as in the kernels
     keys = logprobs.to(torch.float64) - torch.log(-torch.log(u))  # log(p_i / E_i)
     return torch.where(greedy, logprobs.argmax(dim=-1), keys.argmax(dim=-1))  # argmax: the first (lowest id) max
 

@@ -58,7 +58,7 @@ def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, counters_ptr, gre
     # The race of sampler.sample is argmax(logprob - log(-log u)); the log-sum-exp is the same for the whole
     # row, so z - log(-log u) has the same winner, and the chunks need not know it.
     key = tl.where(greedy, z.to(tl.float64), z.to(tl.float64) - tl.log(-tl.log(u)))
-    key = tl.where(valid, key, float("-inf"))
+    key = tl.where(valid & (key == key), key, float("-inf"))  # a NaN never wins: the id stays in the vocabulary
     best = tl.argmax(key, 0, tie_break_left=True)  # ties: the lowest token id, as torch.argmax
     tl.store(key_ptr + out, tl.max(key, 0))
     tl.store(idx_ptr + out, chunk * BLOCK + best)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from scipy.stats import chi2
 
 from ourobatch import SamplingParams
-from engine.sampler import counter_uniforms, processed_logprobs, sample
+from engine.sampler import counter_uniforms, processed_logprobs, race, sample
 from tests.oracle import processed_logprobs as oracle_logprobs
 
 CASES = [
@@ -195,3 +196,29 @@ def test_top_k_threshold_is_the_same_from_topk_and_from_a_full_sort(monkeypatch)
     for i, (row, p) in enumerate(zip(logits, params)):  # the kept set: every value >= the k-th largest, ties too
         kth = row.sort(descending=True).values[p.top_k - 1]
         assert torch.equal(via_topk[i] > float("-inf"), row >= kth)
+
+
+
+def test_nan_logits_draw_ids_inside_the_vocabulary_and_report_nan():
+    # NaN logits (weights that overflowed) must leave every drawn id inside the vocabulary: the step gathers the
+    # drawn ids' log-probs on the device, where an id outside it is a device-side assert that ends the process
+    # before the non-finite check can fail the request. The race never draws a NaN key (a row of NaN draws
+    # id 0), and a row with any NaN logit reports a NaN log-prob, which that check turns into the row's error.
+    g = torch.Generator().manual_seed(3)
+    vocab = 300
+    for trial in range(20):
+        logits = torch.randn(6, vocab, generator=g) * 3
+        nan = torch.rand(6, vocab, generator=g) < 0.3
+        nan[0] = True  # a row of NaN only
+        nan[1, logits[1].argmax()] = True  # the row's best logit is NaN
+        nan[5] = False  # a finite row beside them
+        logits[nan] = float("nan")
+        params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 50][i % 2], seed=trial * 10 + i,
+                                 logprobs=i % 2) for i in range(6)]
+        out = sample(logits, params, [1 + i for i in range(6)])
+        assert all(0 <= tok < vocab for tok in out.token_ids), (trial, out.token_ids)
+        assert [math.isnan(lp) for lp in out.logprobs] == [True] * 5 + [False], (trial, out.logprobs)
+        lp = torch.randn(6, vocab, generator=g, dtype=torch.float64).masked_fill(nan, float("nan"))
+        greedy = torch.tensor([i % 2 == 0 for i in range(6)])
+        drawn = race(lp, greedy, torch.arange(6) + trial, torch.ones(6, dtype=torch.int64))
+        assert drawn[0] == 0 and not nan[torch.arange(1, 6), drawn[1:]].any(), (trial, drawn)

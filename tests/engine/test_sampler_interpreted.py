@@ -62,3 +62,33 @@ print("ok")
 
 def test_the_kernels_race_processed_rows_as_the_torch_sampler_does():
     run_interpreted(PROCESSED)
+
+
+# NaN logits (weights that overflowed): the kernels never draw a NaN, so every id stays inside the vocabulary
+# (the last chunk's lanes past it hold -inf keys, which a NaN compared against could otherwise lose to); a row of
+# NaN draws id 0; a row with any NaN reports a NaN log-prob (the engine's non-finite check fails it)
+NAN = """
+import torch
+from engine.triton_sampler import sample_plain
+for vocab in (97, 5000):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 8
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    nan = torch.rand(rows, vocab, generator=g) < 0.5
+    nan[0] = True
+    nan[1] = True
+    nan[1, -1] = False  # one finite logit, the last
+    nan[7] = False
+    logits[nan] = float("nan")
+    temps = torch.tensor([1.0, 0.7] * 4)
+    greedy = torch.tensor([i % 3 == 0 for i in range(rows)])
+    tokens, lps = sample_plain(logits, temps, torch.arange(rows) + 5, torch.ones(rows, dtype=torch.int64), greedy)
+    assert tokens[0] == 0 and tokens[1] == vocab - 1, tokens
+    assert not nan[torch.arange(1, rows), tokens[1:]].any(), tokens
+    assert torch.isnan(lps[:7]).all() and torch.isfinite(lps[7]), lps
+print("ok")
+"""
+
+
+def test_nan_logits_never_win_in_tritons_interpreter():
+    run_interpreted(NAN)

@@ -265,3 +265,29 @@ def test_nan_logits_on_cuda_end_requests_with_error(ckpt, mode, B):
         again = llm.generate_batch(PROMPTS, params)
         assert all(o.outputs[0].finish_reason == "length" for o in again)
         assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("vocab", [97, 50000])
+def test_nan_logits_draw_ids_inside_the_vocabulary_on_cuda(vocab):
+    """Rows with NaN logits, plain (the Triton sampler) and processed (top-k, top log-probs: the drawn ids'
+    log-probs are gathered on the device): every id stays inside the vocabulary, so a NaN row reaches the
+    engine's non-finite check instead of a device-side assert that ends the process (session 21); a row of NaN
+    draws id 0 and every row with a NaN reports a NaN log-prob."""
+    import math
+
+    from engine.sampler import sample
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g, device="cuda") * 3
+    nan = torch.rand(rows, vocab, generator=g, device="cuda") < 0.5
+    nan[::4] = True  # rows of NaN only
+    nan[-1] = False
+    logits[nan] = float("nan")
+    for processed in (False, True):
+        params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=20 if processed else 0,
+                                 logprobs=i % 3 if processed else 0, seed=i) for i in range(rows)]
+        out = sample(logits, params, [1 + i % 5 for i in range(rows)])
+        assert all(0 <= t < vocab for t in out.token_ids), out.token_ids
+        assert all(out.token_ids[i] == 0 for i in range(0, rows, 4))
+        assert [math.isnan(lp) for lp in out.logprobs] == [True] * (rows - 1) + [False]

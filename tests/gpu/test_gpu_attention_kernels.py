@@ -55,6 +55,19 @@ class Case:
         self.args = (torch.tensor(tables, dtype=torch.int32, device=DEVICE),
                      torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts.to(DEVICE), max(rows), self.scale)
         self.dtype = dtype
+        self.ctx, self.block_size = ctx, block_size
+
+    def poison_unread(self) -> None:
+        """NaN in every key and value slot no request reads: its last page's tail, the blocks of nobody (the
+        tables' padding). Memory nothing wrote holds what was there before (what another engine of the process
+        freed); a kernel that reads such a slot must mask its value, not weight it by 0 (0 x NaN = NaN)."""
+        read = torch.zeros(self.k.shape[:2], dtype=torch.bool)
+        for ids, c in zip(self.block_ids, self.ctx):
+            for p in range(c):
+                read[ids[p // self.block_size], p % self.block_size] = True
+        unread = ~read.to(self.k.device)
+        self.k[unread] = float("nan")
+        self.v[unread] = float("nan")
 
     def reference(self, ctx: list[int]) -> torch.Tensor:
         starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
@@ -204,3 +217,15 @@ def test_split_k_inside_a_cuda_graph_reads_context_lengths_on_the_device():
     graph.replay()
     torch.cuda.synchronize()
     case.check(out, case.reference(shorter))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_slots_nothing_wrote_do_not_reach_the_output(splits):
+    # NaN in every slot past the contexts (an engine's pool on memory the process freed): the output is the same
+    ctx = [1, 15, 16, 17, 100, 33]
+    case = Case(ctx, [1] * len(ctx), 8, 8, 128, LOW, seed=splits)
+    clean = case.run(LaunchConfig(32, 4, 2, splits))
+    case.poison_unread()
+    poisoned = case.run(LaunchConfig(32, 4, 2, splits))
+    case.check(poisoned)
+    assert torch.equal(poisoned, clean)

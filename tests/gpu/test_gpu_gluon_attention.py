@@ -148,3 +148,19 @@ def test_new_key_written_by_the_kernel_before_is_seen(config):
             case.pool.k[0, 0, block, off] = src_k[i].view(heads, d).double().cpu()
             case.pool.v[0, 0, block, off] = src_v[i].view(heads, d).double().cpu()
         case.check(out, case.reference(ctx))
+
+
+@pytest.mark.parametrize("config", CONFIGS + [DecodeConfig(32, 3, ctas_per_sm=2)],
+                         ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}p{c.ctas_per_sm}")
+def test_slots_nothing_wrote_do_not_reach_the_output(config):
+    # Session 20's abort: a second engine in one process got its pool on memory the first one freed, and the
+    # slots past a context in its last tile (TMA loads whole tiles) held NaN bit patterns; the kernel weighted
+    # them by 0, and 0 x NaN poisoned the output, the logits, and a draw outside the vocabulary ended the process
+    # in a device-side assert. NaN in every slot no request reads must leave the output as it was.
+    ctx = [1, 15, 16, 17, 33, 100, 640, 1000]
+    case = Case(ctx, [1] * len(ctx), 16, 16, 128, torch.bfloat16, seed=config.block_n + config.splits)
+    clean = _run(case, config)
+    case.poison_unread()
+    poisoned = _run(case, config)
+    case.check(poisoned)
+    assert torch.equal(poisoned, clean)

@@ -184,3 +184,28 @@ def test_engine_with_the_launch_agrees_with_the_engine_without(engine_ckpt, monk
     assert agree >= requests - 2, agree
     gaps = dict(launch=logprob_gap(outs["1"], outs["0"]), bf16=logprob_gap(outs["0"], fp32))
     assert gaps["launch"] <= 1.5 * gaps["bf16"] + 0.01, gaps
+
+
+@pytest.mark.parametrize("contexts", [[1, 16, 17, 200, 33, 64, 5, 130], [47, 2]])
+def test_slots_nothing_wrote_do_not_reach_the_output(models, contexts):
+    # The launch streams whole pages: past each row's context (its new position's slot too, merged from
+    # registers) a slot holds whatever the memory held (an engine's pool on memory another one freed). NaN there,
+    # and in every block no row owns, must leave every loop's readout and every written key and value as they were.
+    fast, _ = models
+    clean, poisoned = Decode(fast.config, contexts, seed=9), Decode(fast.config, contexts, seed=9)
+    stale = torch.ones(poisoned.pool.k.shape[2], PAGE, dtype=torch.bool)  # the scratch block too
+    for span in poisoned.spans:
+        for p in range(span.context_len - 1):
+            stale[span.block_ids[p // PAGE], p % PAGE] = False
+    stale = stale.cuda()
+    for plane in (poisoned.pool.k, poisoned.pool.v):
+        plane[:, :, stale] = float("nan")
+    want = fast.run_loops(clean.h, clean.meta, clean.pool, 1, 2)
+    got = fast.run_loops(poisoned.h, poisoned.meta, poisoned.pool, 1, 2)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    written = ~stale
+    for span in clean.spans:
+        written[span.block_ids[(span.context_len - 1) // PAGE], (span.context_len - 1) % PAGE] = True
+    for name in ("k", "v"):
+        assert torch.equal(getattr(poisoned.pool, name)[:, :, written], getattr(clean.pool, name)[:, :, written])
