@@ -153,7 +153,10 @@ def _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, b
             k = kring.index(s).load(layout).to(gl.float32)
             valid = t * BLOCK_N + offs_n < kv_len
             score = gl.where(valid, gl.sum(k * q[None, :], axis=1), float("-inf"))
-            m, mass, acc = online_step(score, vring.index(s), valid, layout, m, mass, acc)
+            v = vring.index(s).load(layout).to(gl.float32)
+            if (t + 1) * BLOCK_N > kv_len:  # the last tile: its slots past the keys hold whatever the memory held
+                v = masked_values(v, valid)
+            m, mass, acc = online_values(score, v, m, mass, acc)
             gl.thread_barrier()  # every warp has read the slot
             fence_async_shared()
             mbarrier.arrive(empty.index(s), count=1)
@@ -163,18 +166,18 @@ def _attend(k_desc, v_desc, kring, vring, ready, empty, q_ptr, o_ptr, lse_ptr, b
 
 
 @gluon.jit
-def online_step(score, v_smem, valid, layout: gl.constexpr, m, mass, acc):
-    """One tile of keys in the per-key-slot online softmax (base 2): `score` the slots' scores (-inf where not
-    `valid`), v_smem their values; the running max m, mass and weighted values updated."""
-    return online_values(score, v_smem.load(layout).to(gl.float32), valid, m, mass, acc)
+def masked_values(v, valid):
+    """A tile's values [slots, d] with the slots not `valid` zeroed. A masked slot's value must be replaced by 0,
+    not weighted by 0: its memory holds whatever was there (a page's tail, a padding block, memory another
+    engine of the process freed), and 0 x NaN would poison the slot's running sum (session 21)."""
+    return gl.where(valid[:, None], v, 0.0)
 
 
 @gluon.jit
-def online_values(score, v, valid, m, mass, acc):
-    """online_step on values already in registers (float32; gluon_layers_stage's attention). A masked slot's
-    value is replaced by 0, not weighted by 0: its memory holds whatever was there (a page's tail, a padding
-    block, memory another engine of the process freed), and 0 x NaN would poison the slot's running sum."""
-    v = gl.where(valid[:, None], v, 0.0)
+def online_values(score, v, m, mass, acc):
+    """One tile of keys in the per-key-slot online softmax (base 2): `score` the slots' scores (-inf: masked),
+    v their values (float32, masked slots zeroed: masked_values); the running max m, mass and weighted values
+    updated."""
     m_new = gl.maximum(m, score)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m - m_safe)

@@ -9,7 +9,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from . import layers_dispatch as ld
-from .gluon_attention import _gdc_launch_dependents, _gdc_wait, online_values
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait, masked_values, online_values
 
 BN, BK, BM = gl.constexpr(ld.BLOCK_N), gl.constexpr(ld.BLOCK_K), gl.constexpr(ld.ROWS)
 PHASES = gl.constexpr(ld.PHASES)
@@ -195,8 +195,11 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
         valid1 = (t + 1) * PAGE + offs_n < new  # not two: none (the slot holds whatever it holds)
         s0 = gl.where(valid0, gl.sum(k0 * q[None, :], axis=1), float("-inf"))
         s1 = gl.where(valid1, gl.sum(k1 * q[None, :], axis=1), float("-inf"))
-        m, mass, acc = online_values(s0, v0, valid0, m, mass, acc)
-        m, mass, acc = online_values(s1, v1, valid1, m, mass, acc)
+        if t + 2 >= pages:  # the pair holding the new position's page: its slots from `new` on hold anything
+            v0 = masked_values(v0, valid0)
+            v1 = masked_values(v1, valid1)
+        m, mass, acc = online_values(s0, v0, m, mass, acc)
+        m, mass, acc = online_values(s1, v1, m, mass, acc)
         i += 1 + two.to(gl.int32)
     _sub(tr, pid, 24, 1, TRACE)
     s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)
