@@ -271,7 +271,8 @@ def _row_counts(case: AttentionCase) -> list[int]:
 
 
 def gemm_rows(s: KernelShapes, table=None) -> list[int]:
-    """One row count per distinct specialization of the skinny GEMMs (gemm_dispatch's table)."""
+    """One row count per distinct specialization of the skinny GEMMs (gemm_dispatch's table): per config and tile
+    height (their row counts are not specialized)."""
     table = gemm_dispatch.GEMM_TABLE if table is None else table  # read now: tests swap the table
     if not table or not s.triton_attention or s.dtype not in (torch.bfloat16, torch.float16):
         return []
@@ -279,25 +280,26 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
     for rows in range(1, max(r for r, _ in table) + 1):
         cfg = gemm_config(rows, table)
         if cfg is not None:
-            found.setdefault((cfg, gemm_block_m(rows), int_class(rows)), rows)
+            found.setdefault((cfg, gemm_block_m(rows)), rows)
     return list(found.values())
 
 
 def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
-    gate_up + SiLU per tile height, tiles and row class, the add + norm over partials per row class and split
-    count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per
-    tile height, tiles and row class. Each key's first item names the kernel; no key for a call cuBLAS runs."""
+    gate_up + SiLU per tile height and tiles, the add + norm over partials per split count (its SPLITS
+    constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per tile height and tiles.
+    Their row counts are not specialized (engine/triton_gemm.py). Each key's first item names the kernel; no key
+    for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
-    bm, r, rest = gemm_block_m(rows), int_class(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
-    keys = ({("partials", bm, r, cfg.block_n, cfg.block_k) + rest,
-             ("gate_up", bm, r, cfg.block_n_gate, gate_block_k(cfg)) + rest}
-            | {("norm_partials", r, n) for n in (cfg.splits_o, cfg.splits_down)})
+    bm, rest = gemm_block_m(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
+    keys = ({("partials", bm, cfg.block_n, cfg.block_k) + rest,
+             ("gate_up", bm, cfg.block_n_gate, gate_block_k(cfg)) + rest}
+            | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv", bm, r, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.tma))
+        keys.add(("qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.tma))
     return keys
 
 

@@ -169,7 +169,7 @@ def launch_sampler(s: KernelShapes, rows: int, device: torch.device, filtered: b
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
-    (o_proj's and down_proj's launches), the add + norm over key[2] partials, gate_up + SiLU, or qkv + RoPE
+    (o_proj's and down_proj's launches), the add + norm over key[1] partials, gate_up + SiLU, or qkv + RoPE
     + store."""
     from . import triton_gemm
 
@@ -188,7 +188,7 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
             triton_gemm.linear_partials(x, weight, splits, cfg)
     elif key[0] == "norm_partials":
         h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
-        partials = torch.zeros(key[2], rows, s.hidden_size, dtype=torch.float32, device=device)
+        partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)
         triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
     else:
         triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)

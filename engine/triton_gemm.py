@@ -19,6 +19,12 @@ Which rows counts use these kernels, and with which tiles, is `GemmConfig` from 
 weights (1), or the weights and the activations (2), through Hopper's tensor memory accelerator: a tensor
 descriptor per matrix, built per launch (a graph captures it once), whose box loads Triton pipelines with
 mbarriers instead of per-thread cp.async; out-of-range rows and K come back as zeros, as the masked loads'.
+
+The row count (M; the norm's `rows`) is not specialized (`do_not_specialize`): Triton would compile each kernel
+three times, for 1 row, for multiples of 16 and for the rest. Compiled for sm90 at the decode shapes, those
+variants' PTX differs by 2-16 of 350-3,700 instructions, none of them a load, store, MMA or vector width
+(session 21, docs/benchmarks.md), and they were 13 of a cold start's ~51 compiles (~8 of its ~54 compile
+seconds on the H200's host, session 20).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_ro
     return acc_a, acc_b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                             USE_PDL: tl.constexpr):
@@ -89,7 +95,7 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -108,7 +114,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one compile for every row count
 def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps,
                                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
@@ -125,7 +131,7 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
     add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols, eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count
 def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
                            HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -399,19 +399,19 @@ def test_forked_compiles_start_with_the_slowest_kernels(spec):
     assert all(a.launch < b.launch for a, b, ra, rb in zip(order, order[1:], rank, rank[1:]) if ra == rb)
 
 
-def test_one_gemm_launch_per_tile_and_row_class():
+def test_one_gemm_launch_per_config_and_tile():
+    # the skinny GEMMs' row counts are not specialized (engine/triton_gemm.py): one launch per (config, tile height)
     table = ((8, GemmConfig(splits_o=2)), (48, GemmConfig(block_n=128)))
     rows = kernel_cases.gemm_rows(shapes(), table)
-    keys = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length())), kernel_cases.int_class(r)) for r in range(1, 49)}
-    assert len(rows) == len(keys) and 1 in rows and 16 in rows and 48 in rows
-    # each kernel's keys at those rows: partials per row (the two configs' block_n differ), gate_up per tile
-    # and row class (their block_n_gate is the same), the norm per row class and split count
+    tiles = {(r <= 8, min(64, max(16, 1 << (r - 1).bit_length()))) for r in range(1, 49)}
+    assert len(rows) == len(tiles) == 4 and rows == [1, 9, 17, 33]  # the first row count of each
     found = {k for r in rows for k in kernel_cases.gemm_keys(r, table)}
-    assert sum(k[0] == "partials" for k in found) == len(rows)
-    assert sum(k[0] == "gate_up" for k in found) == len({k[1:] for k in keys})
-    # rows 1-8 (splits 2 and 4): classes "1" and ""; rows 9-48 (splits 4): "" and "16"
-    norms = {("1", 2), ("1", 4), ("", 2), ("", 4), ("16", 4)}
-    assert {k for k in found if k[0] == "norm_partials"} == {("norm_partials", c, n) for c, n in norms}
+    assert {k for r in range(1, 49) for k in kernel_cases.gemm_keys(r, table)} == found  # every row count's keys
+    # partials per config and tile (the two configs' block_n differ), gate_up per tile (the same block_n_gate),
+    # the norm per split count: rows 1-8 split o_proj 2 ways and down_proj 4, rows 9-48 both 4
+    assert sum(k[0] == "partials" for k in found) == len(tiles)
+    assert sum(k[0] == "gate_up" for k in found) == len({bm for _, bm in tiles})
+    assert {k for k in found if k[0] == "norm_partials"} == {("norm_partials", 2), ("norm_partials", 4)}
     assert kernel_cases.gemm_keys(49, table) == set()  # past the table: cuBLAS, nothing to compile
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 

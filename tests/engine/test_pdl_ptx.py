@@ -68,3 +68,12 @@ def test_the_wait_comes_before_every_load(name, tma):
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_no_griddepcontrol_without_pdl(name):
     assert _first(_ptx(name, use_pdl=False), "griddepcontrol") < 0
+
+
+def test_the_row_counts_are_not_specialized():
+    # kernel_cases.gemm_keys compiles one kernel per config and tile height: Triton must not key the rows apart
+    kernels = {fn: "M" for fn, _, _ in KERNELS.values()}
+    kernels[triton_gemm._add_rms_norm2_partials_kernel] = "rows"
+    for fn, rows in kernels.items():
+        kept = {p.name: p.do_not_specialize for p in fn.params}
+        assert kept[rows] and not any(v for name, v in kept.items() if name != rows), (fn.__name__, kept)
