@@ -33,28 +33,40 @@ elif model == "gqa":  # a tiny model with grouped queries (CPU)
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
                                  intermediate_size=96)
 n = 64
-prompts = [[1 + (i * 7 + j) % 90 for j in range(8 + i % 5)] for i in range(n)]
-params = [SamplingParams(max_tokens=3 + i % 11, temperature=1.0, seed=7 + i, ignore_eos=True, top_k=[0, 20][i % 2],
-                         logprobs=i % 3) for i in range(n)]
-for mode, B in runs:
-    config = EngineConfig(model=str(model), device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                          logprobs_mode="raw", mode=mode, deep_interval=B, max_model_len=64, max_num_seqs=n)
+shared = [5 + j % 80 for j in range(24)]  # a prefix several prompts share (prefix-cache hits past its blocks)
+prompts = [([] if i % 3 else shared) + [1 + (i * 7 + j) % 90 for j in range(8 + i % 5)] for i in range(n)]
+def plain(prompt_logprobs):  # vLLM's [None | {token id: Logprob}] as JSON
+    return None if prompt_logprobs is None else [
+        None if d is None else sorted((k, v.logprob, v.rank) for k, v in d.items()) for d in prompt_logprobs]
+
+
+for mode, B, overrides, extra in runs:  # extra: SamplingParams fields for every request (n, prompt_logprobs, ...)
+    params = [SamplingParams(**{"max_tokens": 3 + i % 11, "temperature": 1.0, "seed": 7 + i, "ignore_eos": True,
+                                "top_k": [0, 20][i % 2], "logprobs": i % 3, **extra}) for i in range(n)]
+    config = EngineConfig(**{"model": str(model), "device": device,
+                             "dtype": "bfloat16" if device == "cuda" else "float32", "logprobs_mode": "raw",
+                             "mode": mode, "deep_interval": B, "max_model_len": 64, "max_num_seqs": n, **overrides})
     with SyncEngine(config) as llm:
         outs = llm.generate_batch(prompts, params)
-    print(json.dumps({"run": [mode, B], "outputs": [[o.outputs[0].finish_reason, o.outputs[0].token_ids,
-                                                    o.outputs[0].logprobs] for o in outs]}), flush=True)
+    print(json.dumps({"run": [mode, B, overrides, extra], "outputs": [
+        [[c.finish_reason, c.token_ids, c.logprobs] for c in o.outputs] + [plain(o.prompt_logprobs)] for o in outs]}),
+        flush=True)
 """
 
 
 def run_child(model: str, runs: list, garbage: bool, env: dict | None = None, device: str = "cuda") -> list[dict]:
+    """Each run: (mode, deep_interval) or (mode, deep_interval, EngineConfig overrides, SamplingParams fields) over
+    64 requests of 3-13 tokens; returns, per run, each request's completions (finish reason, tokens, log-probs)
+    and its prompt log-probs, after checking that every completion ran to its length."""
+    runs = [list(r) + [{}, {}][len(r) - 2:] for r in runs]
     args = [sys.executable, "-c", SCRIPT, model, json.dumps(runs), "1" if garbage else "0", device]
     run = subprocess.run(args, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-6000:]}"
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["run"] for r in results] == [list(r) for r in runs]
+    assert [r["run"] for r in results] == runs
     for r in results:  # every request ran to its length: no non-finite logits anywhere
-        assert all(reason == "length" for reason, _, _ in r["outputs"]), r["run"]
+        assert all(c[0] == "length" for out in r["outputs"] for c in out[:-1]), r["run"]
     return results
 
 
