@@ -41,14 +41,27 @@ def plain(prompt_logprobs):  # vLLM's [None | {token id: Logprob}] as JSON
 
 
 for mode, B, overrides, extra in runs:  # extra: SamplingParams fields for every request (n, prompt_logprobs, ...)
+    control = overrides.pop("control", False)  # the requests in three rounds, with sleep / wake between them
     params = [SamplingParams(**{"max_tokens": 3 + i % 11, "temperature": 1.0, "seed": 7 + i, "ignore_eos": True,
                                 "top_k": [0, 20][i % 2], "logprobs": i % 3, **extra}) for i in range(n)]
     config = EngineConfig(**{"model": str(model), "device": device,
                              "dtype": "bfloat16" if device == "cuda" else "float32", "logprobs_mode": "raw",
                              "mode": mode, "deep_interval": B, "max_model_len": 64, "max_num_seqs": n, **overrides})
     with SyncEngine(config) as llm:
-        outs = llm.generate_batch(prompts, params)
-    print(json.dumps({"run": [mode, B, overrides, extra], "outputs": [
+        if not control:
+            outs = llm.generate_batch(prompts, params)
+        else:  # a third of the requests, then sleep (1: weights to the CPU) and wake, a third, sleep (2: weights
+            # dropped) and wake and load them again, the rest: pool, buffers and weights rebuilt on memory anew
+            third = n // 3
+            outs = llm.generate_batch(prompts[:third], params[:third])
+            llm.sleep(1)
+            llm.wake_up()
+            outs += llm.generate_batch(prompts[third:2 * third], params[third:2 * third])
+            llm.sleep(2)
+            llm.wake_up()
+            llm.load_weights(model)
+            outs += llm.generate_batch(prompts[2 * third:], params[2 * third:])
+    print(json.dumps({"run": [mode, B, {**overrides, **({"control": True} if control else {})}, extra], "outputs": [
         [[c.finish_reason, c.token_ids, c.logprobs] for c in o.outputs] + [plain(o.prompt_logprobs)] for o in outs]}),
         flush=True)
 """
