@@ -3,6 +3,7 @@
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
 #   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+# GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
 # 8 files. SUITE_SMOKE=1 runs a mode on the CPU (no install, no GPU; the targets stages at toy sizes):
@@ -59,9 +60,14 @@ status=0
 if [ "$what" = startup ]; then  # the startup's GPU tests (warm-up, captures, graphed prefill), then `cold` below
   GPU_TESTS=${GPU_TESTS:-tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_startup.py tests/gpu/test_gpu_prefill_graph.py}
 fi
+if [ -z "${GPU_TESTS:-}" ] && [ -n "${GPU_TESTS_PART:-}" ]; then  # i/n: every n-th file of tests/gpu from the i-th
+  part=${GPU_TESTS_PART%/*}; parts=${GPU_TESTS_PART#*/}  # (the whole suite outgrew one 600 s device call)
+  GPU_TESTS=$(ls tests/gpu/test_*.py | sort | awk -v i="$part" -v n="$parts" '(NR - i) % n == 0' | tr '\n' ' ')
+  echo "GPU_TESTS_PART $GPU_TESTS_PART: $GPU_TESTS" >> "$OUT/gpu.txt"
+fi
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = startup ]; then  # GPU_TESTS: files (default tests/gpu)
   # -o addopts: the H200's pytest has no pytest-asyncio, whose pyproject options --strict-config would refuse
-  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" ${GPU_TESTS:-tests/gpu} 2>&1 \
+  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" --durations=20 ${GPU_TESTS:-tests/gpu} 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -15
   status=${PIPESTATUS[0]}
 fi

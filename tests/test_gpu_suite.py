@@ -78,3 +78,17 @@ def test_the_targets_mode_runs_every_stage_and_reports_the_table(tmp_path):
     runs = [json.loads((unpacked / f"public_n64_r{r}" / "public_path.json").read_text()) for r in (1, 2, 3)]
     assert [len(x["profiles"]) for x in runs] == [3, 0, 0]  # the profile in the first run only
     assert all(row["gpu_idle"]["steps"] > 0 for x in runs for row in x["rows"])
+
+
+def test_the_gpu_tests_split_into_parts_that_cover_every_file_once(tmp_path):
+    # GPU_TESTS_PART=i/n: the suite outgrew one 600 s device call; the parts must cover tests/gpu exactly once
+    files = sorted(p.name for p in (SUITE.parents[1] / "tests" / "gpu").glob("test_*.py"))
+    seen: list[str] = []
+    for part in (1, 2):
+        run, out = suite(tmp_path / str(part), "tests", GPU_TESTS_PART=f"{part}/2")
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        with tarfile.open(out / "results.tgz") as tar:
+            listed = tar.extractfile("./gpu.txt").read().decode().split("GPU_TESTS_PART")[1].split()[1:]
+        assert listed and all(name.startswith("tests/gpu/test_") for name in listed)
+        seen += [Path(name).name for name in listed]
+    assert sorted(seen) == files
