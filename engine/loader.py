@@ -6,19 +6,23 @@ must be finite there (a NaN or inf weight would load silently and make every log
 not readable safetensors (truncated, empty, garbage) raises CheckpointError naming the file, never the
 library's own SafetensorError.
 
-The finiteness check is one reduction per tensor queued where the tensor lives (``torch.aminmax``: NaN
-propagates to both ends, an inf shows at one; no [numel] bool temporary, about 9x faster than
-``isfinite().all()`` on the CPU) and one read of all the flags at the end: on CUDA a single sync instead
-of one per tensor. Only when a flag is down is the bad tensor looked at again, for the message: how many
-values are not finite, and whether the stored tensor already was (else: "after conversion from ... to
-..."). On CUDA the bytes go through two pinned staging buffers (a copy from the mapped file into one
-overlaps the device copy out of the other) and are converted to the requested dtype on the device.
+The bytes come through engine/weight_stream.py: read with preadv into two staging buffers (pinned on
+CUDA; no memory map, no page faults), one queued copy per tensor out of them, converted to the requested
+dtype where they land.
+
+The finiteness check queues a reduction of every tensor where the tensors live and reads them all once
+at the end (on CUDA the single sync of the load, and a single call, ``torch._foreach_norm``, for every
+tensor: ``finite_flags``). Only a tensor whose flag is down is looked at again, for the message: how
+many values are not finite (none: a norm overflowed on finite values, and the tensor is fine), and
+whether the stored tensor already had them (else: "after conversion from ... to ..."). When several are
+bad, the first in load order is named (files in the index's order, each file's tensors in its own
+order).
 
 ``LoadTimings`` (pass one to load_model / load_state_dict) breaks the time down for the engine's log:
-``init`` (the device's first use: the CUDA context), ``read`` (safetensors' reads and the checks against
-the config; the file is memory-mapped, so its pages come in at their first touch, counted in the phase
-that touches them), ``to_device`` (copies and dtype conversions, with the waits for a staging buffer) and
-``check`` (queueing the reductions and the final read of their flags: on CUDA the wait for the last copies).
+``init`` (the device's first use: the CUDA context), ``read`` (the headers, the checks against the config
+and the waits for the file reads), ``to_device`` (queueing the copies and dtype conversions, with the
+waits for a staging buffer) and ``check`` (queueing the reductions and the read of them: on CUDA the
+wait for the last copies).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from scheduler.errors import CheckpointError, EngineClosedError
 
 from .config import OuroConfig
 from .model import OuroForCausalLM
+from .weight_stream import Span, StagedReader, tensor_spans
 
 
 def expected_shapes(config: OuroConfig) -> dict[str, tuple[int, ...]]:
@@ -105,9 +110,6 @@ def _read_tensor(f, file: Path, name: str) -> torch.Tensor:
         raise CheckpointError(f"{file}: tensor {name} could not be read ({exc})") from None
 
 
-STAGE_BYTES = 64 << 20  # each of the two pinned staging buffers of a CUDA load
-
-
 @dataclass
 class LoadTimings:
     """Where a load's time went (seconds; the module docstring defines the phases), for the engine's log."""
@@ -129,70 +131,44 @@ class LoadTimings:
                     weights_tensors=self.num_tensors)
 
 
-class _Staged:
-    """Host-to-device copies through two pinned buffers: filling one from the mapped file overlaps the
-    device's copy out of the other (the copies from pageable memory it replaces each wait for the device)."""
-
-    def __init__(self) -> None:
-        self.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """dst (device) <- src (host, same dtype and shape), queued."""
-        s, d = src.contiguous().view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
-        for start in range(0, s.numel(), STAGE_BYTES):
-            i, self.turn = self.turn, 1 - self.turn
-            if self.events[i] is not None:
-                self.events[i].synchronize()  # the device has read this buffer's last chunk
-            n = min(STAGE_BYTES, s.numel() - start)
-            buffer = self.buffers[i][:n]
-            buffer.copy_(s[start:start + n])
-            d[start:start + n].copy_(buffer, non_blocking=True)
-            self.events[i] = torch.cuda.Event()
-            self.events[i].record()
-
-    def close(self) -> None:
-        for event in self.events:
-            if event is not None:
-                event.synchronize()
-
-
-def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype, staged: _Staged | None) -> torch.Tensor:
-    """t (as stored, on the CPU) in `dtype` on `device`; on CUDA through the staging buffers, converted there."""
-    if staged is None:
-        return t.to(device=device, dtype=dtype)
-    out = torch.empty(t.shape, dtype=t.dtype, device=device)
-    staged.copy(t, out)
-    return out if out.dtype == dtype else out.to(dtype)
-
-
-def _finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool on t's device, queued: every value of t is finite (aminmax propagates NaN, shows inf)."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    low, high = torch.aminmax(t)
-    return torch.isfinite(low) & torch.isfinite(high)
-
-
-def _non_finite_error(t: torch.Tensor, file: Path, name: str) -> CheckpointError:
+def _non_finite_error(t: torch.Tensor, file: Path, name: str) -> CheckpointError | None:
     """The message for a tensor whose flag is down: its non-finite count, and whether the stored tensor
     (read again) already had them or the conversion to t.dtype made them."""
     bad = int((~torch.isfinite(t)).sum())
+    if not bad:
+        return None  # the norm overflowed on finite values
     with _open_safetensors(file) as f:
         source = _read_tensor(f, file, name)
     why = "" if not bool(torch.isfinite(source).all()) else f" after conversion from {source.dtype} to {t.dtype}"
     return CheckpointError(f"{file}: tensor {name} has {bad} non-finite value(s) (NaN or inf){why}")
 
 
-def _require_finite(tensors: dict[str, torch.Tensor], flags: list[torch.Tensor], where: list[tuple[Path, str]]
-                    ) -> None:
-    """One read of every tensor's flag (on CUDA the one sync of the load); the first bad tensor raises."""
-    if not flags:
+def finite_flags(tensors: list[torch.Tensor], one_call: bool | None = None) -> list[bool]:
+    """Whether each (non-empty, one dtype, one device) tensor may be finite, in one read. `one_call` (the
+    default on CUDA): one call queues every tensor's L1 norm, summed in float32 at least (NaN or inf make
+    it non-finite; so can a sum of finite values past 3.4e38, which _require_finite's count settles). Else
+    (the CPU's default, where that sum runs at ~1 GB/s): each tensor's aminmax (~9 GB/s; NaN propagates
+    to both ends, an inf shows at one)."""
+    if one_call if one_call is not None else tensors[0].device.type == "cuda":
+        wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+        ends = torch.stack(torch._foreach_norm(tensors, 1, dtype=wide))
+    else:
+        ends = torch.stack([torch.stack(torch.aminmax(t)) for t in tensors])
+    return torch.isfinite(ends).view(len(tensors), -1).all(dim=1).tolist()
+
+
+def _require_finite(tensors: dict[str, torch.Tensor], where: list[tuple[Path, str]]) -> None:
+    """Every tensor's flag (finite_flags); the first bad tensor in `where`'s order raises, once a count
+    confirms it."""
+    names = [name for _, name in where if tensors[name].numel()]
+    if not names:
         return
-    for ok, (file, name) in zip(torch.stack(flags).tolist(), where):
-        if not ok:
-            raise _non_finite_error(tensors[name], file, name)
+    finite = dict(zip(names, finite_flags([tensors[name] for name in names])))
+    for file, name in where:
+        if not finite.get(name, True):
+            error = _non_finite_error(tensors[name], file, name)
+            if error is not None:
+                raise error
 
 
 def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
@@ -208,38 +184,31 @@ def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
     started = time.perf_counter()
     device = torch.device(device)
     torch.empty(0, device=device)  # the device's first use (the CUDA context), timed on its own
-    staged = _Staged() if device.type == "cuda" else None
     clock.init_s = time.perf_counter() - started
-    tensors: dict[str, torch.Tensor] = {}
-    flags: list[torch.Tensor] = []
-    where: list[tuple[Path, str]] = []
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
-    try:
+    tensors: dict[str, torch.Tensor] = {}
+    where = [(file, name) for file, file_names in by_file.items() for name in file_names]
+    with StagedReader(device) as reader:
         for file, file_names in by_file.items():
-            with _open_safetensors(file) as f:
-                present = set(f.keys())
-                for name in file_names:
-                    t0 = time.perf_counter()
-                    t = _checked_tensor(f, file, name, present, shapes[name])
-                    if should_stop is not None and should_stop():  # an engine closed while starting
-                        raise EngineClosedError("the engine was closed while loading the checkpoint")
-                    t1 = time.perf_counter()
-                    tensors[name] = _to_device(t, device, dtype, staged)
-                    t2 = time.perf_counter()
-                    flags.append(_finite_flag(tensors[name]))
-                    where.append((file, name))
-                    clock.read_s += t1 - t0
-                    clock.to_device_s += t2 - t1
-                    clock.check_s += time.perf_counter() - t2
-                    clock.num_bytes += t.numel() * t.element_size()
+            t0 = time.perf_counter()
+            spans = _checked_spans(file, file_names, shapes)
+            clock.read_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            for span, stored in reader.read_file(file, spans):  # the time in here: reads and copies
+                if should_stop is not None and should_stop():  # an engine closed while starting
+                    raise EngineClosedError("the engine was closed while loading the checkpoint")
+                tensors[span.name] = stored if stored.dtype == dtype else stored.to(dtype)
+                t2 = time.perf_counter()
+                clock.to_device_s += t2 - t1
+                clock.num_bytes += span.nbytes
+                t1 = t2
         t0 = time.perf_counter()
-        _require_finite(tensors, flags, where)
+        _require_finite(tensors, where)
         clock.check_s += time.perf_counter() - t0
-    finally:
-        if staged is not None:
-            staged.close()  # no copy out of a staging buffer outlives the load
+        clock.read_s += reader.read_s  # the reads were timed inside the copies' share
+        clock.to_device_s -= reader.read_s
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     clock.num_tensors = len(where)
@@ -261,16 +230,23 @@ def _check_names(path: Path, names: set[str], shapes: dict[str, tuple[int, ...]]
     return tied
 
 
-def _checked_tensor(f, file: Path, name: str, present: set[str], shape: tuple[int, ...]) -> torch.Tensor:
-    """Tensor `name` as stored, checked against the index and the config (CheckpointError naming it)."""
-    if name not in present:
-        raise CheckpointError(f"{file.name}: tensor {name} listed in the index is not in the file")
-    t = _read_tensor(f, file, name)
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"{file}: tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
-    if not t.is_floating_point():
-        raise CheckpointError(f"{file}: tensor {name} has non-float dtype {t.dtype}")
-    return t
+def _checked_spans(file: Path, names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[Span]:
+    """The Spans of `names` in `file`, each checked against the index and the config (CheckpointError
+    naming it)."""
+    with _open_safetensors(file):  # safetensors' own reader vets the header first (not readable: named)
+        pass
+    spans = tensor_spans(file)
+    checked = []
+    for name in names:
+        span = spans.get(name)
+        if span is None:
+            raise CheckpointError(f"{file.name}: tensor {name} listed in the index is not in the file")
+        if span.shape != shapes[name]:
+            raise CheckpointError(f"{file}: tensor {name} has shape {span.shape}, config.json implies {shapes[name]}")
+        if not span.dtype.is_floating_point:
+            raise CheckpointError(f"{file}: tensor {name} has non-float dtype {span.dtype}")
+        checked.append(span)
+    return checked
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import OuroConfig
-from engine.loader import LoadTimings, load_model, load_state_dict
+from engine.loader import LoadTimings, finite_flags, load_model, load_state_dict
 from ourobatch import CheckpointError
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -88,3 +88,28 @@ def test_tied_lm_head_is_the_embedding_and_counted_once(tmp_path):
     model = load_model(ckpt, torch.float32, timings=timings)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert timings.num_tensors == len(load_file(str(ckpt / "model.safetensors")))
+
+
+@pytest.mark.parametrize("stored,dtype,value", [(torch.float32, torch.float32, 3e38), (torch.float16, torch.float16, 6e4)])
+def test_finite_weights_whose_sum_overflows_load(tmp_path, stored, dtype, value):
+    """The check sums |w| per tensor (in float32): weights near the dtype's largest value overflow that sum,
+    which is no reason to refuse them."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ck", dtype=stored)
+    name = "model.layers.0.mlp.down_proj.weight"
+    file = _poke(ckpt, name, list(range(40)), [value] * 40)
+    state = load_state_dict(ckpt, OuroConfig.from_checkpoint(ckpt), dtype, "cpu")
+    assert torch.equal(state[name], load_file(str(file))[name].to(dtype))
+
+
+@pytest.mark.parametrize("one_call", [True, False])  # CUDA's default (one _foreach_norm call), the CPU's
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_both_checks_flag_every_non_finite_kind_in_every_dtype(one_call, dtype):
+    gen = torch.Generator().manual_seed(7)
+    tensors, expected = [], []
+    for bad in [None, float("nan"), float("inf"), float("-inf"), None]:
+        t = torch.randn(300, generator=gen).to(dtype)
+        if bad is not None:
+            t[int(torch.randint(0, 300, (1,), generator=gen))] = bad
+        tensors.append(t)
+        expected.append(bad is None)
+    assert finite_flags(tensors, one_call=one_call) == expected
