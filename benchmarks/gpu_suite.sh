@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -165,6 +165,10 @@ fi
 if [ "$what" = cold ] || [ "$what" = startup ]; then  # fresh processes: ready and first rounds, empty then warm
   # compile cache (cold_start.py)
   python3 benchmarks/cold_start.py --out "$OUT/cold" "$@" 2>&1 | tee "$OUT/cold.log" | grep -v '^{' | tail -20
+fi
+if [ "$what" = load ]; then  # the checkpoint load, the engine's reads vs the mapped copy, alone and beside GIL-
+  # holding threads and forks (benchmarks/weight_load.py)
+  python3 benchmarks/weight_load.py --out "$OUT/load" "$@" 2>&1 | tee "$OUT/load.log" | grep -v '^{' | tail -12
 fi
 if [ "$what" = itl ]; then  # the prefill budget sweep: p99 / p50 gap between deliveries per max_num_batched_tokens
   # (benchmarks/serving.py, full depth, rates 16 and 32, 80 requests; one engine per budget). ITL_BUDGETS overrides.

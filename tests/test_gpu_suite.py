@@ -43,6 +43,15 @@ def test_a_mode_packs_everything_into_one_tarball_and_a_summary(tmp_path):
     assert "| interval1 | 2 |" in summary
 
 
+def test_the_load_mode_compares_both_paths(tmp_path):
+    run, out = suite(tmp_path, "load", "--device", "cpu", "--tiny", "--repeats", "1", "--contention", "none,forks",
+                     "--workdir", str(tmp_path / "ckpt"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert members(out) == {"gpu.txt", "load.log", "load/weight_load.json", "load/weight_load.md"}
+    summary = (out / "summary.md").read_text()
+    assert "| none |" in summary and "| forks |" in summary
+
+
 def test_a_failed_run_and_skipped_stages_are_packed_too(tmp_path):
     run, out = suite(tmp_path, "cold", "--device", "cpu", "--configs", "nosuchmode")  # cold_start.py refuses it
     assert members(out) == {"gpu.txt", "cold.log"}

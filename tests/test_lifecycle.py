@@ -36,8 +36,9 @@ def sp(max_tokens=6, seed=0) -> SamplingParams:
 
 # ---------------------------------------------------------------- 2: aclose() while serve() is loading
 
-class _GatedSafeOpen:
-    """safe_open whose get_tensor holds the loader thread at the first tensor until released."""
+class _GatedReader:
+    """The loader's StagedReader, whose tensors are handed out one at a time: the first waits (the loader thread
+    held at tensor 1) until the test releases it."""
 
     def __init__(self, real):
         self.real = real
@@ -46,32 +47,34 @@ class _GatedSafeOpen:
         self.tensors_read = 0
 
     def __call__(self, *args, **kwargs):
-        gate, handle = self, self.real(*args, **kwargs)
+        gate, reader = self, self.real(*args, **kwargs)
 
         class Wrapped:
             def __enter__(self):
-                self.f = handle.__enter__()
+                reader.__enter__()
                 return self
 
             def __exit__(self, *exc):
-                return handle.__exit__(*exc)
+                return reader.__exit__(*exc)
 
-            def keys(self):
-                return self.f.keys()
+            @property
+            def read_s(self):
+                return reader.read_s
 
-            def get_tensor(self, name):
-                gate.entered.set()
-                assert gate.release.wait(30), "the test never released the loader"
-                gate.tensors_read += 1
-                return self.f.get_tensor(name)
+            def read_file(self, file, spans):
+                for item in reader.read_file(file, spans):
+                    gate.entered.set()
+                    assert gate.release.wait(30), "the test never released the loader"
+                    gate.tensors_read += 1
+                    yield item
 
         return Wrapped()
 
 
 @pytest.mark.asyncio
 async def test_aclose_while_serve_is_loading_stops_the_load_promptly(ckpt, monkeypatch):
-    gate = _GatedSafeOpen(loader.safe_open)
-    monkeypatch.setattr(loader, "safe_open", gate)
+    gate = _GatedReader(loader.StagedReader)
+    monkeypatch.setattr(loader, "StagedReader", gate)
     engine = Engine(config(ckpt))
     served = []
 
