@@ -23,7 +23,7 @@ from ourobatch.ray.stats import sum_stats
 from scheduler.errors import EngineDeadError, RequestRejectedError
 from ourobatch.testing import make_tiny_checkpoint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
 LIMIT = 60  # seconds: every wait on the pool is bounded, so a hang fails the test instead of CI
 
 MODES = {"deferred4": dict(mode="deferred", deep_interval=4), "eager4": dict(mode="eager", deep_interval=4),

@@ -27,7 +27,7 @@ from ourobatch.testing import make_tiny_checkpoint
 from tests.test_ray_pool import (LIMIT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp,
                               until_restarted)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
 PROMPT = [20, 19, 18, 17, 16]
 
 

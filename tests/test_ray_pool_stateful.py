@@ -46,7 +46,7 @@ from scheduler.errors import (EngineAsleepError, EngineBusyError, EngineClosedEr
 from ourobatch.testing import make_tiny_checkpoint
 from tests.test_ray_pool_model import Record, check_error, check_outputs
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("ray")]  # one local Ray at a time
 LIMIT = 60  # seconds for one pool call; a hang fails the test
 REQUEST_LIMIT = 150  # seconds a request may live (it may wait out a pause for the rest of an example)
 MAX_TOKENS = 30

@@ -13,7 +13,7 @@ from ourobatch.ray import EnginePool
 from ourobatch.rollout import Collector
 from ourobatch.testing import make_tiny_checkpoint
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one Ray at a time
 
 
 @pytest.fixture(scope="module")
