@@ -72,12 +72,20 @@ def _copy_one(item, shapes, params, seen, copied, fail) -> None:
     if not tensor.is_floating_point():
         raise fail(f"tensor {name} has dtype {tensor.dtype}; weights must be floating point (they are "
                    f"converted to the engine's dtype)")
-    if not bool(torch.isfinite(tensor).all()):
+    if not _finite(tensor):
         raise fail(f"tensor {name} holds NaN or inf values")
     target = params[name]
     with torch.no_grad():
         target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
     copied.append(name)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in t: its aminmax (NaN propagates to both ends, an inf shows at one), ~9x faster than
+    isfinite().all() on the CPU, where load_weights' tensors are (loader.finite_flags)."""
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all())
 
 
 def checkpoint_tensors(path: str | Path, config: OuroConfig) -> Iterator[tuple[str, torch.Tensor]]:
