@@ -1,13 +1,13 @@
 """Checkpoint bytes onto the device by reads, not through a memory map.
 
 Why. safetensors' ``get_tensor`` hands out views of a private memory map of the file, so the loader's
-copy out of it took a page fault per 4 KiB page, and ~15 Python-level torch calls per tensor, each of
-which gives the GIL up and must win it back. On the H200 the load of 2.87 GB took 0.69-0.92 s in some
-engine starts and 1.3-2.8 s in others (session 20's cold starts), always beside the kernel pass: 14
-threads loading cached kernels in a second process (mostly Python: they want the GIL), ~50 forks of
-compile children in a cold one (a fork holds the mmap lock for writing while it copies the page tables;
-a page fault waits for it). That reading of the spread is ours, not measured on the H200 in isolation;
-benchmarks/weight_load.py measures both paths side by side under each kind of contention.
+copy out of it took a page fault per 4 KiB page, and ~15 Python-level torch calls per tensor (its check
+included), each of which gives the GIL up and must win it back. On the H200 the load of 2.87 GB took
+0.69-0.92 s in some engine starts and 1.3-2.8 s in others (session 20's cold starts), always beside the
+kernel pass: 14 threads loading cached kernels in a second process (mostly Python: they want the GIL),
+~50 forks of compile children in a cold one (a fork holds the mmap lock for writing while it copies the
+page tables; a page fault waits for it). That reading of the spread is ours, not measured on the H200 in
+isolation; benchmarks/weight_load.py measures both paths side by side under each kind of contention.
 
 How. Each file's tensors, in file order, are grouped into chunks of up to STAGE_BYTES. READ_AHEAD
 chunks are read at once by a pool of threads with ``os.preadv`` into their own staging buffers (pinned
