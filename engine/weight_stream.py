@@ -91,6 +91,8 @@ def tensor_spans(file: Path) -> dict[str, Span]:
             header = json.loads(f.read(length))
         except ValueError as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file (header: {exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: not a readable safetensors file (its header is not a JSON object)")
     base, spans = 8 + length, {}
     for name, entry in header.items():
         if name == "__metadata__":

@@ -105,7 +105,8 @@ def test_a_header_that_does_not_describe_the_file_is_named(tmp_path, header, dat
         tensor_spans(path)
 
 
-@pytest.mark.parametrize("raw", [b"", b"\x05\x00", struct.pack("<Q", 1 << 40) + b"{}", struct.pack("<Q", 4) + b"{no"])
+@pytest.mark.parametrize("raw", [b"", b"\x05\x00", struct.pack("<Q", 1 << 40) + b"{}", struct.pack("<Q", 4) + b"{no",
+                                 struct.pack("<Q", 6) + b"[1, 2]"])
 def test_a_file_that_is_not_safetensors_is_named(tmp_path, raw):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
