@@ -107,9 +107,21 @@ def checkpoint_tensors(path: str | Path, config: OuroConfig) -> Iterator[tuple[s
 
 
 def cpu_copy(model: OuroForCausalLM, pin: bool) -> dict[str, torch.Tensor]:
-    """Every tensor of `model`'s state dict copied to CPU memory (pinned when `pin`: a fast way back)."""
-    return {name: (t.detach().to("cpu").pin_memory() if pin else t.detach().to("cpu", copy=True))
-            for name, t in model.state_dict().items()}
+    """Every tensor of `model`'s state dict copied to CPU memory; `pin` (a CUDA model): into pinned memory
+    (a fast way back), each copy queued straight into it and one sync at the end. (The copy through pageable
+    memory it replaces synced once per tensor and copied each again to pin it: sleep(1) took 3.1 s on the
+    H200 for Ouro-1.4B, h200_rl_ops.json.)"""
+    state = model.state_dict()
+    if not pin:
+        return {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+    copies = {}
+    for name, t in state.items():
+        copies[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        copies[name].copy_(t.detach(), non_blocking=True)
+    devices = {t.device for t in state.values() if t.is_cuda}
+    for device in devices:
+        torch.cuda.synchronize(device)  # every copy has landed before the caller frees the device memory
+    return copies
 
 
 def rebuild_model(config: OuroConfig, state: dict[str, torch.Tensor] | None, dtype: torch.dtype,
