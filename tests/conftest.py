@@ -8,3 +8,15 @@ the tests start (CLI, server) inherit it. A value the caller sets wins.
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402 - after the thread setting above
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's `--dist loadgroup` (the README's test command) each file is one group: its tests run
+    in one worker, in order, as in a serial run (a module's fixtures are shared, e.g. a server whose counters a
+    later test reads); a file marked with a group of its own (the Ray files: "ray") joins that group instead."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
