@@ -6,9 +6,9 @@ must be finite there (a NaN or inf weight would load silently and make every log
 not readable safetensors (truncated, empty, garbage) raises CheckpointError naming the file, never the
 library's own SafetensorError.
 
-The bytes come through engine/weight_stream.py: read with preadv into two staging buffers (pinned on
-CUDA; no memory map, no page faults), one queued copy per tensor out of them, converted to the requested
-dtype where they land.
+The bytes come through engine/weight_stream.py: read ahead with preadv into staging buffers (pinned on
+CUDA; no memory map, no page faults), one queued copy per chunk of tensors out of them, converted to the
+requested dtype where they land.
 
 The finiteness check queues a reduction of every tensor where the tensors live and reads them all once
 at the end (on CUDA the single sync of the load, and a single call, ``torch._foreach_norm``, for every
