@@ -8,6 +8,9 @@ stay valid. Every tensor is checked before it is copied (name, shape, floating d
 at most once per call); a bad one raises WeightUpdateError naming it and listing what was already
 copied, so the caller knows whether the model is now half-updated.
 
+``checkpoint_tensors`` (load_weights) streams a checkpoint's tensors onto the engine's device through
+engine/weight_stream.py's staging buffers, a chunk at a time.
+
 The executor's sleep (level 1) keeps its weights as a ``cpu_copy``; its wake_up builds the model again
 with ``rebuild_model`` (from that copy, or zeroed after level 2, when a full update_weights /
 load_weights must follow). The executor frees and reallocates its own pool and buffers;
@@ -21,13 +24,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 
-from scheduler.errors import WeightUpdateError
+from scheduler.errors import CheckpointError, WeightUpdateError
 
 from .config import OuroConfig
 from .loader import checkpoint_files, expected_shapes
 from .model import OuroForCausalLM
+from .weight_stream import StagedReader, tensor_spans
 
 
 def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -45,13 +48,18 @@ def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str
     if isinstance(named_tensors, (str, bytes, dict)):
         raise TypeError("update_weights takes an iterable of (name, tensor) pairs (e.g. model.named_parameters() "
                         "or dict.items()), got " + type(named_tensors).__name__)
+    items = iter(named_tensors)
     try:
-        for item in named_tensors:
+        for item in items:
             _copy_one(item, shapes, params, seen, copied, fail)
     except WeightUpdateError:
         raise
     except Exception as exc:  # the caller's iterator failed part-way (a shard, a bucket): say what was copied
         raise fail(f"the update failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:  # a generator left part-way (a bad tensor) ends now: load_weights' reader with it
+            close()
     return copied
 
 
@@ -88,19 +96,30 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all())
 
 
-def checkpoint_tensors(path: str | Path, config: OuroConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of an HF checkpoint folder, one at a time (single file or shards)."""
+def checkpoint_tensors(path: str | Path, config: OuroConfig,
+                       device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of an HF checkpoint folder (single file or shards), one chunk of them
+    at a time, on `device` in the dtype as stored: read through engine/weight_stream.py's staging buffers
+    (on CUDA pinned: the copies queue, no sync per tensor). CheckpointError for a file whose header does not
+    describe it or lacks a tensor its index lists."""
     files = checkpoint_files(Path(path))
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
-    if config.tie_word_embeddings and "lm_head.weight" not in files:
-        with safe_open(files["model.embed_tokens.weight"], framework="pt", device="cpu") as f:
-            yield "lm_head.weight", f.get_tensor("model.embed_tokens.weight")
+    tied = config.tie_word_embeddings and "lm_head.weight" not in files
+    embedding = None
+    with StagedReader(torch.device(device)) as reader:
+        for file, names in by_file.items():
+            spans = tensor_spans(file)
+            missing = [name for name in names if name not in spans]
+            if missing:
+                raise CheckpointError(f"{file.name}: tensor {missing[0]} listed in the index is not in the file")
+            for span, tensor in reader.read_file(file, [spans[name] for name in names]):
+                if tied and span.name == "model.embed_tokens.weight":
+                    embedding = tensor
+                yield span.name, tensor
+    if tied and embedding is not None:
+        yield "lm_head.weight", embedding
 
 
 # ---------------------------------------------------------------------- the weights' side of sleep / wake

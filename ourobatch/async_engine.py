@@ -288,7 +288,8 @@ class Engine:
         """update_weights from a Hugging Face checkpoint folder (model.safetensors or shards + index)."""
         executor = self.driver.core.executor
         checkpoint_files(Path(path))  # CheckpointError now for a missing or unreadable folder
-        return await self.update_weights(checkpoint_tensors(path, executor.model_config), version=version)
+        tensors = checkpoint_tensors(path, executor.model_config, executor.device)
+        return await self.update_weights(tensors, version=version)
 
     async def sleep(self, level: int = 1) -> None:
         """Give the GPU back: level 1 moves the weights to pinned CPU memory, level 2 drops them (wake_up()

@@ -176,7 +176,8 @@ class SyncEngine:
     def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder."""
         checkpoint_files(Path(path))  # CheckpointError for a missing or unreadable folder
-        return self.update_weights(checkpoint_tensors(path, self.core.executor.model_config), version=version)
+        return self.update_weights(checkpoint_tensors(path, self.core.executor.model_config,
+                                                      self.core.executor.device), version=version)
 
     def sleep(self, level: int = 1) -> None:
         """As Engine.sleep: weights to CPU (1) or dropped (2); KV pool and graphs freed."""
