@@ -25,6 +25,9 @@ from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
 LIMIT = 60  # seconds: every wait on the pool is bounded, so a hang fails the test instead of CI
+# Tokens of a request a test needs still running after its first delta, when its pause / freeze / kill lands: long
+# enough however busy the machine is (two test workers on two cores); 24-40 tokens once finished first.
+MID_FLIGHT = 300
 
 MODES = {"deferred4": dict(mode="deferred", deep_interval=4), "eager4": dict(mode="eager", deep_interval=4),
          "verify4": dict(mode="verify", deep_interval=4), "interval1": dict(deep_interval=1)}
@@ -261,7 +264,7 @@ async def test_killed_replica_fails_its_requests_others_complete_and_it_comes_ba
     pool = await pools.get("interval1")
     cfg = config(ckpt, "interval1")
     # Both replicas idle: the first request goes to replica 0, the next one to the less loaded replica 1.
-    doomed = pool.stream([21, 22, 23, 24, 25], sp(40, seed=1, output_kind="DELTA"), request_id="doomed")
+    doomed = pool.stream([21, 22, 23, 24, 25], sp(MID_FLIGHT, seed=1, output_kind="DELTA"), request_id="doomed")
     await first_delta(doomed)
     other = pool.stream([26, 27, 28, 29, 30], sp(30, seed=2), request_id="other")
     await first_delta(other)
@@ -294,7 +297,7 @@ async def test_retry_aborted_continues_killed_requests_on_another_replica(pools,
     pool.retry_aborted = True  # for requests added from now on
     try:
         prompt = [20, 19, 18, 17, 16]
-        greedy = sp(40, seed=5, temperature=0.0, n=2, output_kind="DELTA")
+        greedy = sp(MID_FLIGHT, seed=5, temperature=0.0, n=2, output_kind="DELTA")
         doomed = pool.stream(prompt, greedy, request_id="greedy")
         first = await first_delta(doomed)
         sampled = pool.stream([15, 14, 13, 12, 11], sp(30, seed=6, output_kind="DELTA"), request_id="sampled")
@@ -319,7 +322,7 @@ async def test_retry_aborted_continues_killed_requests_on_another_replica(pools,
 @pytest.mark.asyncio(loop_scope="module")
 async def test_abort_and_broadcast_reset_prefix_cache(pools):
     pool = await pools.get("interval1")
-    stream = pool.stream([2, 7, 1, 8], sp(40, seed=7, n=2, output_kind="DELTA"), request_id="ab")
+    stream = pool.stream([2, 7, 1, 8], sp(MID_FLIGHT, seed=7, n=2, output_kind="DELTA"), request_id="ab")
     await first_delta(stream)
     index = pool.replica_of("ab")
     await freeze(pool, index)  # so the aborts find it running
@@ -352,7 +355,7 @@ async def test_bad_input_raises_the_engines_errors_and_no_replica_goes_down(pool
 @pytest.mark.asyncio(loop_scope="module")
 async def test_pause_sleep_wake_up_resume_and_abort_all_broadcast(pools, ckpt):
     pool = await pools.get("interval1")
-    prompts, params = [[4, 6, 8, 10], [5, 7, 9, 11]], [sp(24, seed=21), sp(24, seed=22, n=2)]
+    prompts, params = [[4, 6, 8, 10], [5, 7, 9, 11]], [sp(MID_FLIGHT, seed=21), sp(MID_FLIGHT, seed=22, n=2)]
     streams = [pool.stream(p, q, request_id=f"k{i}") for i, (p, q) in enumerate(zip(prompts, params))]
     await asyncio.wait_for(asyncio.gather(*(first_delta(s) for s in streams)), LIMIT)
     assert {pool.replica_of("k0"), pool.replica_of("k1")} == {0, 1}
@@ -371,7 +374,7 @@ async def test_pause_sleep_wake_up_resume_and_abort_all_broadcast(pools, ckpt):
         assert_same(got, want, ignore=("num_preemptions",))
         assert [c.num_preemptions for c in got.outputs] == [1] * len(got.outputs)
     # abort_all: every replica's live requests end now; their partial outputs come back, all replicas' together
-    streams = [pool.stream(p, sp(40, seed=23), request_id=f"z{i}") for i, p in enumerate(prompts)]
+    streams = [pool.stream(p, sp(MID_FLIGHT, seed=23), request_id=f"z{i}") for i, p in enumerate(prompts)]
     await asyncio.wait_for(asyncio.gather(*(first_delta(s) for s in streams)), LIMIT)
     await asyncio.wait_for(pool.pause("keep"), LIMIT)
     aborted = await asyncio.wait_for(pool.abort_all(), LIMIT)

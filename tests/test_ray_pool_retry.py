@@ -24,7 +24,7 @@ import torch
 
 from ourobatch.ray import EnginePool, ReplicaDiedError
 from ourobatch.testing import make_tiny_checkpoint
-from tests.test_ray_pool import (LIMIT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp,
+from tests.test_ray_pool import (LIMIT, MID_FLIGHT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp,
                               until_restarted)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
@@ -93,13 +93,13 @@ def assert_no_longer_than(outs, max_tokens: int) -> None:
 async def test_retried_cumulative_stream_equals_one_engine(fresh, ckpt):
     pool = fresh
     pool.retry_aborted = True
-    greedy = sp(30, seed=5, temperature=0.0, n=2, logprobs=2)  # CUMULATIVE, the default kind
+    greedy = sp(MID_FLIGHT, seed=5, temperature=0.0, n=2, logprobs=2)  # CUMULATIVE, the default kind
     stream = pool.stream(PROMPT, greedy, request_id="cum")
     outs = [await first_delta(stream)]
     await kill_mid_flight(pool, "cum")
     outs += await asyncio.wait_for(drain(stream), LIMIT)
     (want,) = reference(config(ckpt, "interval1"), [PROMPT], [greedy], ["cum"])
-    assert_no_longer_than(outs, 30)
+    assert_no_longer_than(outs, MID_FLIGHT)
     for a, b in zip(outs, outs[1:]):  # each cumulative output extends the one before
         assert all(y.token_ids[:len(x.token_ids)] == x.token_ids for x, y in zip(a.outputs, b.outputs))
     assert_same(outs[-1], want)  # token for token, log-probs, top log-probs, readout loops, finish_reason
@@ -127,7 +127,7 @@ async def test_retried_generate_with_default_params_equals_one_engine(fresh, ckp
 async def test_retried_delta_stream_joins_to_one_engine(fresh, ckpt):
     pool = fresh
     pool.retry_aborted = True
-    params = sp(25, seed=7, temperature=0.0, output_kind="DELTA")
+    params = sp(MID_FLIGHT, seed=7, temperature=0.0, output_kind="DELTA")
     stream = pool.stream(PROMPT, params, request_id="delta")
     outs = [await first_delta(stream)]
     await kill_mid_flight(pool, "delta")
@@ -156,7 +156,7 @@ async def abort_then_die(pool: EnginePool, request_id: str) -> None:
 async def test_abort_lost_with_its_replica_still_ends_the_request(fresh, ckpt, retry):
     pool = fresh
     pool.retry_aborted = retry
-    params = sp(40, seed=8, temperature=0.0, output_kind="DELTA")
+    params = sp(MID_FLIGHT, seed=8, temperature=0.0, output_kind="DELTA")
     stream = pool.stream(PROMPT, params, request_id=f"ab{retry}")
     outs = [await first_delta(stream)]
     await abort_then_die(pool, f"ab{retry}")
@@ -165,7 +165,7 @@ async def test_abort_lost_with_its_replica_still_ends_the_request(fresh, ckpt, r
     (want,) = reference(config(ckpt, "interval1"), [PROMPT], [params], ["x"])
     (c,), (w,) = final.outputs, want.outputs
     assert c.finish_reason == "abort" and final.finished
-    assert 1 <= len(c.token_ids) < 40 and c.token_ids == w.token_ids[:len(c.token_ids)]  # its partial output
+    assert 1 <= len(c.token_ids) < MID_FLIGHT and c.token_ids == w.token_ids[:len(c.token_ids)]  # its partial output
     assert not await pool.abort(f"ab{retry}")
 
 
@@ -173,7 +173,7 @@ async def test_abort_lost_with_its_replica_still_ends_the_request(fresh, ckpt, r
 async def test_abort_of_one_completion_is_remembered_the_other_is_retried(fresh, ckpt):
     pool = fresh
     pool.retry_aborted = True
-    params = sp(30, seed=9, temperature=0.0, n=2, output_kind="DELTA")
+    params = sp(MID_FLIGHT, seed=9, temperature=0.0, n=2, output_kind="DELTA")
     stream = pool.stream(PROMPT, params, request_id="half")
     outs = [await first_delta(stream)]
     await abort_then_die(pool, "half:1")
@@ -183,13 +183,13 @@ async def test_abort_of_one_completion_is_remembered_the_other_is_retried(fresh,
     kept, aborted = final.outputs
     assert (kept.finish_reason, aborted.finish_reason) == ("length", "abort")
     assert_same(dataclasses.replace(final, outputs=[kept]), dataclasses.replace(want, outputs=want.outputs[:1]))
-    assert aborted.token_ids == want.outputs[1].token_ids[:len(aborted.token_ids)] and len(aborted.token_ids) < 30
+    assert aborted.token_ids == want.outputs[1].token_ids[:len(aborted.token_ids)] and len(aborted.token_ids) < MID_FLIGHT
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_without_retry_a_death_still_raises_replica_died(fresh):
     pool = fresh
-    stream = pool.stream(PROMPT, sp(40, seed=10, output_kind="DELTA"), request_id="plain")
+    stream = pool.stream(PROMPT, sp(MID_FLIGHT, seed=10, output_kind="DELTA"), request_id="plain")
     await first_delta(stream)
     await kill_mid_flight(pool, "plain")
     with pytest.raises(ReplicaDiedError):
@@ -205,7 +205,7 @@ async def continue_after_update(pool: EnginePool, ckpt, tmp_path, request_id: st
     from safetensors.torch import load_file
 
     pool.retry_aborted = True
-    params = sp(30, seed=11, temperature=0.0, output_kind="DELTA")
+    params = sp(MID_FLIGHT, seed=11, temperature=0.0, output_kind="DELTA")
     stream = pool.stream(PROMPT, params, request_id=request_id)
     outs = [await first_delta(stream)]
     index = pool.replica_of(request_id)
@@ -231,7 +231,7 @@ async def continue_after_update(pool: EnginePool, ckpt, tmp_path, request_id: st
 @pytest.mark.asyncio(loop_scope="module")
 async def test_continuation_after_a_weight_update_ends_aborted_on_the_old_weights(fresh, ckpt, tmp_path):
     got, want, version = await continue_after_update(fresh, ckpt, tmp_path, "mix", pool_pause=None)
-    assert got.finish_reason == "abort" and 1 <= len(got.token_ids) < 30
+    assert got.finish_reason == "abort" and 1 <= len(got.token_ids) < MID_FLIGHT
     assert got.token_ids == want.token_ids[:len(got.token_ids)]
     assert got.weight_versions == [version - 1] * len(got.token_ids)  # nothing from the new weights
     await asyncio.wait_for(fresh.load_weights(ckpt), LIMIT)
@@ -240,9 +240,9 @@ async def test_continuation_after_a_weight_update_ends_aborted_on_the_old_weight
 @pytest.mark.asyncio(loop_scope="module")
 async def test_continuation_under_pause_keep_continues_on_the_new_weights(fresh, ckpt, tmp_path):
     got, want, version = await continue_after_update(fresh, ckpt, tmp_path, "keep", pool_pause="keep")
-    assert got.finish_reason == "length" and len(got.token_ids) == 30
+    assert got.finish_reason == "length" and len(got.token_ids) == MID_FLIGHT
     have = got.weight_versions.count(version - 1)
-    assert have >= 1 and got.weight_versions == [version - 1] * have + [version] * (30 - have)
+    assert have >= 1 and got.weight_versions == [version - 1] * have + [version] * (MID_FLIGHT - have)
     assert got.token_ids[:have] == want.token_ids[:have]
     await asyncio.wait_for(fresh.load_weights(ckpt), LIMIT)
 
