@@ -32,7 +32,9 @@ def test_async_generate():
 
 def test_streaming():
     out = run_example("streaming.py")
-    assert "[early] got 3 tokens, closing the stream" in out
+    # at least 3: a consumer slower than the engine (a busy machine) gets deltas of several tokens at once
+    got = re.search(r"\[early\] got (\d+) tokens, closing the stream", out)
+    assert got and int(got.group(1)) >= 3, out
     assert "early-closed request aborted: finished_abort=1" in out
     assert "[full]" in out and "finish=length" in out
 
