@@ -41,7 +41,7 @@ from scheduler.errors import CheckpointError, EngineClosedError
 
 from .config import OuroConfig
 from .model import OuroForCausalLM
-from .weight_stream import Span, StagedReader, tensor_spans
+from .weight_stream import Span, StagedReader, shard_spans
 
 
 def expected_shapes(config: OuroConfig) -> dict[str, tuple[int, ...]]:
@@ -94,6 +94,14 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+
+
+def names_by_file(files: dict[str, Path]) -> dict[Path, list[str]]:
+    """checkpoint_files' map turned around: each file's tensor names, in the index's order."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    return by_file
 
 
 def _open_safetensors(file: Path):
@@ -185,9 +193,7 @@ def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
     device = torch.device(device)
     torch.empty(0, device=device)  # the device's first use (the CUDA context), timed on its own
     clock.init_s = time.perf_counter() - started
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
+    by_file = names_by_file(files)
     tensors: dict[str, torch.Tensor] = {}
     where = [(file, name) for file, file_names in by_file.items() for name in file_names]
     with StagedReader(device) as reader:
@@ -235,18 +241,14 @@ def _checked_spans(file: Path, names: list[str], shapes: dict[str, tuple[int, ..
     naming it)."""
     with _open_safetensors(file):  # safetensors' own reader vets the header first (not readable: named)
         pass
-    spans = tensor_spans(file)
-    checked = []
-    for name in names:
-        span = spans.get(name)
-        if span is None:
-            raise CheckpointError(f"{file.name}: tensor {name} listed in the index is not in the file")
-        if span.shape != shapes[name]:
-            raise CheckpointError(f"{file}: tensor {name} has shape {span.shape}, config.json implies {shapes[name]}")
+    spans = shard_spans(file, names)
+    for span in spans:
+        if span.shape != shapes[span.name]:
+            raise CheckpointError(f"{file}: tensor {span.name} has shape {span.shape}, config.json implies "
+                                  f"{shapes[span.name]}")
         if not span.dtype.is_floating_point:
-            raise CheckpointError(f"{file}: tensor {name} has non-float dtype {span.dtype}")
-        checked.append(span)
-    return checked
+            raise CheckpointError(f"{file}: tensor {span.name} has non-float dtype {span.dtype}")
+    return spans
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

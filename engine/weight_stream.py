@@ -114,6 +114,16 @@ def tensor_spans(file: Path) -> dict[str, Span]:
     return spans
 
 
+def shard_spans(file: Path, names: list[str]) -> list[Span]:
+    """The Spans of `names` in `file` (tensor_spans), in that order; CheckpointError naming the first that
+    the file lacks though its index lists it there."""
+    spans = tensor_spans(file)
+    for name in names:
+        if name not in spans:
+            raise CheckpointError(f"{file.name}: tensor {name} listed in the index is not in the file")
+    return [spans[name] for name in names]
+
+
 def plan_chunks(spans: list[Span], stage_bytes: int) -> list[Chunk]:
     """The reads for `spans`, in file order: consecutive spans grouped while they fit one staging buffer
     (a group starts ALIGN-aligned, a few bytes early, so each tensor sits in the buffer as in the file); a
@@ -153,8 +163,7 @@ class StagedReader:
         self.events: list[torch.cuda.Event | None] = [None] * self.depth  # the copies out of each buffer
         self.next_slot = 0
         self.pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ourobatch-weights")
-        self.whole_out: torch.Tensor | None = None  # a span being read in pieces, and its byte view
-        self.whole: torch.Tensor | None = None
+        self.whole: torch.Tensor | None = None  # a span being read in pieces
         self.read_s = 0.0  # seconds the copies waited for reads
 
     def __enter__(self) -> "StagedReader":
@@ -209,11 +218,10 @@ class StagedReader:
         if chunk.whole:
             span = chunk.spans[0]
             if chunk.start == span.start:
-                out = torch.empty(span.shape, dtype=span.dtype, device=self.device)
-                self.whole_out, self.whole = out, out.view(-1).view(torch.uint8)
+                self.whole = torch.empty(span.shape, dtype=span.dtype, device=self.device)
             at, n = chunk.start - span.start, chunk.end - chunk.start
-            self.whole[at:at + n].copy_(buffer[:n], non_blocking=True)
-            return [(span, self.whole_out)] if chunk.end == span.end else []
+            self.whole.view(-1).view(torch.uint8)[at:at + n].copy_(buffer[:n], non_blocking=True)
+            return [(span, self.whole)] if chunk.end == span.end else []
         flats, sources, tensors, typed = [], [], [], {}
         for span in chunk.spans:
             at, item = span.start - chunk.start, span.dtype.itemsize

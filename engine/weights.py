@@ -25,12 +25,12 @@ from typing import Iterable, Iterator
 
 import torch
 
-from scheduler.errors import CheckpointError, WeightUpdateError
+from scheduler.errors import WeightUpdateError
 
 from .config import OuroConfig
-from .loader import checkpoint_files, expected_shapes
+from .loader import checkpoint_files, expected_shapes, finite_flags, names_by_file
 from .model import OuroForCausalLM
-from .weight_stream import StagedReader, tensor_spans
+from .weight_stream import StagedReader, shard_spans
 
 
 def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -89,11 +89,8 @@ def _copy_one(item, shapes, params, seen, copied, fail) -> None:
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """No NaN or inf in t: its aminmax (NaN propagates to both ends, an inf shows at one), ~9x faster than
-    isfinite().all() on the CPU, where load_weights' tensors are (loader.finite_flags)."""
-    if t.numel() == 0:
-        return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all())
+    """No NaN or inf in t: loader.finite_flags' aminmax (exact, ~9x faster than isfinite().all() on the CPU)."""
+    return t.numel() == 0 or finite_flags([t.detach()], one_call=False)[0]
 
 
 def checkpoint_tensors(path: str | Path, config: OuroConfig,
@@ -101,20 +98,13 @@ def checkpoint_tensors(path: str | Path, config: OuroConfig,
     """(name, tensor) of every tensor of an HF checkpoint folder (single file or shards), one chunk of them
     at a time, on `device` in the dtype as stored: read through engine/weight_stream.py's staging buffers
     (on CUDA pinned: the copies queue, no sync per tensor). CheckpointError for a file whose header does not
-    describe it or lacks a tensor its index lists."""
+    describe it or lacks a tensor its index lists (weight_stream.shard_spans)."""
     files = checkpoint_files(Path(path))
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
     tied = config.tie_word_embeddings and "lm_head.weight" not in files
     embedding = None
     with StagedReader(torch.device(device)) as reader:
-        for file, names in by_file.items():
-            spans = tensor_spans(file)
-            missing = [name for name in names if name not in spans]
-            if missing:
-                raise CheckpointError(f"{file.name}: tensor {missing[0]} listed in the index is not in the file")
-            for span, tensor in reader.read_file(file, [spans[name] for name in names]):
+        for file, names in names_by_file(files).items():
+            for span, tensor in reader.read_file(file, shard_spans(file, names)):
                 if tied and span.name == "model.embed_tokens.weight":
                     embedding = tensor
                 yield span.name, tensor
