@@ -218,6 +218,14 @@ def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
     for r in rows:
         tasks = r.get("prefetch_timeline") or []
         children = [c for t in tasks for c in t["children"]]
+        pre = r.get("prefetch_kernels") or {}
+        before = ", ".join(f"{k} {pre[f'{k}_seconds']:.2f} s" for k in ("driver", "list", "key", "prepare")
+                           if pre.get(f"{k}_seconds") is not None)
+        before += f" (key {pre['key_source']})" if pre.get("key_source") else ""
+        if tasks and not children:  # every kernel was cached: when the launches started and ended
+            out += ["", f"{r['config']}, process {r['process']}: {before + '; ' if before else ''}{len(tasks)} "
+                    f"launches, no child, the first queued at {min(t['queued'] for t in tasks):.2f} s, the last "
+                    f"ended at {max(t['end'] for t in tasks):.2f} s"]
         if not children:
             continue
         edges = sorted([(a, 1) for a, _, _ in children] + [(b, -1) for _, b, _ in children])
@@ -225,9 +233,6 @@ def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
         for _, step in edges:
             running += step
             peak = max(peak, running)
-        pre = r.get("prefetch_kernels") or {}
-        before = ", ".join(f"{k} {pre[f'{k}_seconds']:.2f} s" for k in ("driver", "list", "key", "prepare")
-                           if pre.get(f"{k}_seconds") is not None)
         out += ["", f"{r['config']}, process {r['process']}: {before + '; ' if before else ''}"
                 f"{len(children)} children, the last forked at "
                 f"{max(a for a, _, _ in children):.2f} s, at most {peak} at once, compile seconds summed "

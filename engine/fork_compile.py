@@ -200,19 +200,28 @@ class ForkCompiler:
         return future
 
 
-def prime_key() -> float:
+def prime_key() -> tuple[float, str]:
     """Triton's own key (triton.runtime.cache.triton_key: a hash of its ~400 MB libtriton and its Python files,
-    ~0.6 s, mostly without the GIL), computed once before the compiles that need it: every compile's cache key
+    ~0.6 s, mostly without the GIL), made known before the compiles that need it: every compile's cache key
     starts with it, its cache is not shared by threads that miss it at once (session 20's timeline: the first
     four launches each hashed it at the same time, ~1.1 s before their children could fork), and a forked child
-    inherits it. Returns its seconds (0.0 where this Triton has no such function)."""
+    inherits it. engine/triton_key.py keeps it beside Triton's cache, so a later process reads it instead.
+    Returns its seconds and how it came ("hashed", "stored", "memory"; "none" where this Triton has no such key)."""
     started = time.perf_counter()
     try:
-        from triton.runtime.cache import triton_key
+        import triton
+        from triton.runtime import cache
     except ImportError:
-        return 0.0
-    triton_key()
-    return time.perf_counter() - started
+        return 0.0, "none"
+    if not callable(getattr(cache, "triton_key", None)):
+        return 0.0, "none"
+    from . import triton_key
+
+    knobs = getattr(getattr(triton, "knobs", None), "cache", None)
+    folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".triton", "cache")
+    how = triton_key.prime(cache, folder)
+    return time.perf_counter() - started, how
 
 
 def on_disk(cache_key: str) -> bool:

@@ -48,7 +48,8 @@ class KernelReport:
     driver_seconds: float = 0.0  # before the first launch: Triton's driver (warmup_pass._driver)
     list_seconds: float = 0.0  # and listing the launches (kernel_cases)
     prepare_seconds: float = 0.0  # and the kernels' per-device caches (warmup_pass._prepare)
-    key_seconds: float = 0.0  # Triton's own key, hashed beside all three (fork_compile.prime_key)
+    key_seconds: float = 0.0  # Triton's own key, made known beside all three (fork_compile.prime_key)
+    key_source: str = ""  # how: "hashed", "stored" (engine/triton_key.py), "memory"; "" not asked, "none"
     timeline: list[dict] = field(default_factory=list)  # per launch (`entry`), by its end
 
     def add(self, results: list[tuple[str, float, str | None, dict]]) -> None:

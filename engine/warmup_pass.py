@@ -6,7 +6,8 @@ Theory of operation (forked). The pass is as long as its slowest chain: the loop
 ~4-5 s on the H200 host, so what matters is how soon its child is forked. Session 20's timeline showed two things
 ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
-same time. So: Triton's key is hashed once, in a thread of its own beside the driver, the launch list and the
+same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
+it, engine/triton_key.py; else hashed), in a thread of its own beside the driver, the launch list and the
 kernels' per-device caches (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
 the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
 Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
@@ -142,7 +143,8 @@ def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: 
         t = time.perf_counter()
         forking = forking and _prepare(device)
         report.prepare_seconds = time.perf_counter() - t
-        report.key_seconds = 0.0 if key is None or key.exception() is not None else key.result()
+        if key is not None and key.exception() is None:
+            report.key_seconds, report.key_source = key.result()
     slots = threading.Semaphore(PARENT_SLOTS) if forking else None
     report.threads = threads or NUM_THREADS or default_threads(forking)
     with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:

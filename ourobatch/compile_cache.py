@@ -11,6 +11,7 @@ A variable the user exported wins, so an engine never redirects a cache other co
 on (a warning says when compile_cache_dir is therefore not used). The variables are process-wide and
 Triton reads them at every compile: a later engine with another compile_cache_dir moves what this module
 set, never what the user set. Triton's default is ``$TRITON_HOME/.triton/cache`` (``~/.triton/cache``).
+Triton's folder also keeps Triton's own key (engine/triton_key.py), so a later process skips hashing libtriton.
 
 ``install_compile_counter()`` chains a listener onto ``triton.knobs.compilation.listener`` (Triton >=
 3.4), which Triton calls for every kernel it had not in memory: ``cache_hit`` says whether the binary came

@@ -183,7 +183,7 @@ def _log_kernels(event: str, report) -> None:
              fork_child_seconds=round(forks.child_seconds, 2), fork_seconds=round(forks.fork_seconds, 3),
              fork_on_disk=forks.on_disk, failures=len(report.failures),
              driver_seconds=round(report.driver_seconds, 3), list_seconds=round(report.list_seconds, 3),
-             key_seconds=round(report.key_seconds, 3), prepare_seconds=round(report.prepare_seconds, 3))
+             key_seconds=round(report.key_seconds, 3), key_source=report.key_source, prepare_seconds=round(report.prepare_seconds, 3))
     log.debug(f"{event}_timeline", tasks=report.timeline)  # by end: where the pass's wall time goes
 
 

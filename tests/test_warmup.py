@@ -595,16 +595,20 @@ def test_the_cold_start_report_shows_the_compile_passs_tail_and_its_peak():
                   children=[(0.1 * i + 0.01, 0.9 + i, 0.8 + i)]) for i in range(4)]
     tasks.append(dict(task="fused", key="('fused', 'silu_mul')", queued=0.0, slot=0.5, end=6.0,
                       children=[(4.5, 5.9, None)]))  # forked after the others ended: the peak stays 4
+    cached = [dict(task="gemm", key="k", queued=0.31, slot=0.31, end=0.9, children=[]),
+              dict(task="gemm", key="j", queued=0.35, slot=0.4, end=1.25, children=[])]
     rows = [dict(config="interval1", process=1, prefetch_timeline=tasks),
-            dict(config="interval1", process=2, prefetch_timeline=[dict(task="gemm", key="k", queued=0, slot=0,
-                                                                         end=0.1, children=[])])]
+            dict(config="interval1", process=2, prefetch_timeline=cached,
+                 prefetch_kernels=dict(driver_seconds=0.02, key_seconds=0.004, key_source="stored"))]
     lines = cold.timeline_table(rows, last=3)
     head = next(x for x in lines if x.startswith("interval1, process 1"))
     assert "5 children" in head and "last forked at 4.50 s" in head and "at most 4 at once" in head
     assert "summed 9.2" in head  # 0.8 + 1.8 + 2.8 + 3.8; the failed child has no seconds
     body = [x for x in lines if x.startswith("| gemm") or x.startswith("| fused")]
     assert len(body) == 3 and body[-1].startswith("| fused") and "4.50 - 5.90 (-)" in body[-1]
-    assert not any("process 2" in x for x in lines)  # nothing compiled there: no table
+    second = [x for x in lines if "process 2" in x]  # nothing compiled there: one line, no table
+    assert second == ["interval1, process 2: driver 0.02 s, key 0.00 s (key stored); 2 launches, no child, the "
+                      "first queued at 0.31 s, the last ended at 1.25 s"]
 
 
 def test_the_warm_up_reports_each_launchs_times_in_order_of_their_end(monkeypatch):

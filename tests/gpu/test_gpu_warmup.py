@@ -104,7 +104,8 @@ cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], mode="verif
 with capture_logs() as logs, SyncEngine(cfg) as engine:
     counts = compile_cache.compile_counts()
 ready = [e for e in logs if e["event"] == "engine_ready"][0]
-print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded, during=ready["compiled_during"])))
+key = [e["key_source"] for e in logs if e["event"] == "warmup_kernels_prefetch"]
+print(json.dumps(dict(compiled=counts.compiled, loaded=counts.loaded, during=ready["compiled_during"], key=key)))
 """
 
 
@@ -124,3 +125,5 @@ def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_pat
     assert sum(first["during"].values()) == first["compiled"]
     assert second["compiled"] == 0 and second["loaded"] >= first["compiled"] > 0
     assert (tmp_path / "cache" / "triton").is_dir()
+    # Triton's own key (engine/triton_key.py): hashed by the first process, read back by the second
+    assert first["key"] == ["hashed"] and second["key"] == ["stored"], (first["key"], second["key"])

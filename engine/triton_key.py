@@ -1,0 +1,111 @@
+"""Triton's own key, kept on disk beside its kernel cache, so a process whose kernels are all cached does not
+hash ~400 MB of libtriton before its first launch.
+
+Theory of operation. Every Triton compile's cache key starts with ``triton.runtime.cache.triton_key()``: a
+sha256 of libtriton and of Triton's compiler, backend and language sources, computed once per process (cached in
+memory only). In a second process (session 20, H200) it took 0.53-0.85 s, and the startup's launches, all cache
+hits, waited for it: about half of that process's compile pass (1.2-1.8 s). ``prime`` computes it as before the
+first time and writes it, with a fingerprint of what it hashed, to ``<Triton's cache dir>/ourobatch-triton-key.json``;
+a later process whose fingerprint matches takes the stored key (by replacing the module's ``triton_key``, which
+``get_cache_key`` looks up at every compile) and hashes nothing.
+
+The fingerprint: Triton's folder, version and the source of its ``triton_key`` function (a Triton that hashes other
+files is another fingerprint), and the path, size, mtime and inode of every file under the folders that function
+reads (``compiler``, ``backends``, ``language``), of ``runtime/cache.py`` and of ``_C/libtriton.*``: ~300 stats,
+~2 ms. A reinstalled or edited Triton changes one of them, and the key is then hashed again and the file
+rewritten. A file that cannot be read or written only costs the hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+FILE = "ourobatch-triton-key.json"
+HASHED = ("compiler", "backends", "language")  # the folders triton_key reads, under Triton's own
+
+
+def fingerprint(cache: ModuleType) -> str:
+    """A digest of everything `cache.triton_key` (triton.runtime.cache's) reads, by stat, and of its source."""
+    key_fn = _original(cache)
+    root = Path(cache.__file__).resolve().parent.parent  # triton/runtime/cache.py -> triton/
+    files = [Path(cache.__file__).resolve(), *sorted((root / "_C").glob("libtriton.*"))]
+    for folder in HASHED:
+        for parent, dirs, names in os.walk(root / folder):
+            dirs.sort()
+            files += [Path(parent) / n for n in sorted(names) if not n.endswith(".pyc")]
+    digest = hashlib.sha256()
+    digest.update(f"{root}\n{getattr(cache, '__version__', '')}\n{inspect.getsource(key_fn)}\n".encode())
+    for path in files:
+        st = path.stat()
+        digest.update(f"{path.relative_to(root)} {st.st_size} {st.st_mtime_ns} {st.st_ino}\n".encode())
+    return digest.hexdigest()
+
+
+def prime(cache: ModuleType, cache_dir: str | os.PathLike) -> str:
+    """Make `cache.triton_key()` known in this process (forked children inherit it): the stored key where the
+    fingerprint matches, else hashed and stored. Returns how: "memory" (this process had it), "stored" or "hashed"."""
+    current = cache.triton_key
+    if getattr(current, "ourobatch_stored", False) or _cached(current):
+        return "memory"
+    try:
+        mark = fingerprint(cache)
+    except (OSError, TypeError, ValueError):  # a Triton laid out otherwise: its own hash, nothing stored
+        current()
+        return "hashed"
+    path = Path(cache_dir) / FILE
+    stored = _read(path, mark)
+    if stored is not None:
+        cache.triton_key = _stored(stored, current)
+        return "stored"
+    _write(path, mark, current())
+    return "hashed"
+
+
+def _original(cache: ModuleType) -> Callable[[], str]:
+    fn = cache.triton_key
+    fn = getattr(fn, "ourobatch_original", fn)
+    return getattr(fn, "__wrapped__", fn)  # under functools.lru_cache
+
+
+def _cached(fn) -> bool:
+    info = getattr(fn, "cache_info", None)
+    return info is not None and info().currsize > 0
+
+
+def _stored(key: str, original: Callable[[], str]) -> Callable[[], str]:
+    def triton_key() -> str:
+        return key
+
+    triton_key.ourobatch_stored = True
+    triton_key.ourobatch_original = original  # what it stands for (a later fingerprint reads its source)
+    return triton_key
+
+
+def _read(path: Path, mark: str) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("fingerprint") != mark or not isinstance(data.get("key"), str):
+        return None
+    return data["key"]
+
+
+def _write(path: Path, mark: str, key: str) -> None:
+    """Atomically (a reader sees the old file or the new one); a folder that cannot be written is left alone."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"fingerprint": mark, "key": key}))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
