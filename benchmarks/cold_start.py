@@ -152,8 +152,9 @@ def _strip(event: dict | None) -> dict | None:
     return None if event is None else {k: v for k, v in event.items() if k not in ("event", "log_level")}
 
 
-def spawn(args, config: str, cache_dir: str, process: int) -> dict:
-    """Run one child process; its JSON line is the last line of its stdout."""
+def spawn(args, config: str, cache_dir: str, process: int, early: str | None = None) -> dict:
+    """Run one child process; its JSON line is the last line of its stdout. `early`: its OUROBATCH_EARLY_CAPTURE
+    (None: this process's environment's); "1" marks the row's config "+early"."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--cache-dir", cache_dir,
            "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
            "--dtype", args.dtype, "--workdir", args.workdir, "--shallow-loops", str(args.shallow_loops),
@@ -164,12 +165,16 @@ def spawn(args, config: str, cache_dir: str, process: int) -> dict:
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--no-warmup"] if args.no_warmup else []
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    if early is not None:
+        env["OUROBATCH_EARLY_CAPTURE"] = early
     t = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if run.returncode != 0:
         raise RuntimeError(f"{config} process {process} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     row = json.loads(run.stdout.strip().splitlines()[-1])
-    row.update(process=process, process_wall_s=time.perf_counter() - t)
+    row.update(process=process, process_wall_s=time.perf_counter() - t, early_capture=early)
+    if early == "1":
+        row["config"] = f"{config}+early"
     return row
 
 
@@ -264,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-slots", type=int, default=0,
                     help="forked compiles: warm-up threads working in the parent at once (0: its default)")
     ap.add_argument("--no-warmup", action="store_true", help="EngineConfig(warmup=False): the baseline")
+    ap.add_argument("--early-capture", choices=("env", "0", "1", "both"), default="env",
+                    help="OUROBATCH_EARLY_CAPTURE of the processes (ourobatch/kernel_prefetch.py): the environment's, "
+                         "off, on, or both (each config off, then on, each with its own empty cache)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process, each with its own prompts (>= 2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -286,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_checkpoint(args)  # written once, before any timed process
     rows = []
-    for name in names:
+    settings = {"env": [None], "0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.early_capture]
+    for name, early in [(n, e) for n in names for e in settings]:
         cache_dir = tempfile.mkdtemp(prefix=f"ourobatch-cold-{name}-")
         try:
             for process in (1, 2):
-                rows.append(spawn(args, name, cache_dir, process))
+                rows.append(spawn(args, name, cache_dir, process, early))
                 print(json.dumps(rows[-1]), flush=True)
                 meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N,
                             P=args.P, M=args.M, rounds=args.rounds, device_name=rows[-1].get("device_name"),

@@ -72,6 +72,8 @@ class GraphCache:
         self.mempool = torch.cuda.graph_pool_handle()
         self.num_captures = 0
         self.warmup_runs = WARMUP_RUNS  # capture_all lowers it to 0 past each call's first bucket
+        self.capture_mode = "global"  # torch.cuda.graph's capture_error_mode (capture_all: thread_local on request)
+        self.capture_seconds: dict[tuple[GraphCall, int], float] = {}  # (call, bucket) -> capture_all's seconds
 
     def close(self) -> None:
         """Drop every captured graph, the memory pool they share and the model and buffers (sleep, close)."""
@@ -118,42 +120,45 @@ class GraphCache:
             for _ in range(self.warmup_runs):
                 build(inputs)
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self.mempool):
+        with torch.cuda.graph(g.graph, pool=self.mempool, capture_error_mode=self.capture_mode):
             g.outputs = build(inputs)
         self.graphs[(call, bucket)] = g
         self.num_captures += 1
         return g
 
-    def capture_all(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None) -> int:
-        """Capture every bucket of each call in `calls`. The dummy inputs all point at the scratch table
-        row, so the runs write only the scratch block and the scratch row's retained rows. Returns the
-        graphs captured. The largest bucket goes first, so the smaller ones reuse its memory in the shared
-        pool (vLLM's order), and only it gets the eager warm-up run (module docstring);
-        `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks)."""
+    def capture_all(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None,
+                    which: Callable[[GraphCall, int], bool] | None = None, thread_local: bool = False) -> int:
+        """Capture every bucket of the prefill and of each call in `calls` (`which`: those it selects) not captured
+        yet. The dummy inputs all point at the scratch table row, so the runs write only the scratch block and the
+        scratch row's retained rows. Returns the graphs captured. The largest bucket goes first, so the smaller
+        ones reuse its memory in the shared pool (vLLM's order), and only it gets the eager warm-up run (module
+        docstring); `capture_seconds` records each (call, bucket)'s time (startup log, benchmarks).
+        `thread_local`: captures in thread-local mode, so another thread's launches and module loads (the
+        startup's compile pass, still running: ourobatch/kernel_prefetch.py) do not break them."""
         before = self.num_captures
-        self.capture_seconds: dict[tuple[GraphCall, int], float] = {}
-        scratch = self.tables.scratch_row
         every = warm_every_capture()
+        todo = [(PrefillCall(), layout.tokens) for layout in reversed(self.prefill_layouts)]
+        todo += [(call, bucket) for call in calls for bucket in reversed(self.buckets)]
+        todo = [(c, b) for c, b in todo if (c, b) not in self.graphs and (which is None or which(c, b))]
+        layouts = {layout.tokens: layout for layout in self.prefill_layouts}
+        warmed: set[GraphCall] = set()
+        self.capture_mode = "thread_local" if thread_local else "global"
         try:
-            for i, layout in enumerate(reversed(self.prefill_layouts)):  # largest first, like the decode buckets
+            for call, bucket in todo:
                 if should_stop is not None and should_stop():
-                    return self.num_captures - before
-                self.warmup_runs = WARMUP_RUNS if every or i == 0 else 0
+                    break
+                self.warmup_runs = WARMUP_RUNS if every or call not in warmed else 0
+                warmed.add(call)
                 started = time.perf_counter()
-                self.prefill(layout, [[0]], [0], [scratch])  # one token at position 0 of the scratch row
-                torch.cuda.synchronize(self.device)
-                self.capture_seconds[PrefillCall(), layout.tokens] = time.perf_counter() - started
-            for call in calls:
-                for i, bucket in enumerate(reversed(self.buckets)):
-                    if should_stop is not None and should_stop():
-                        return self.num_captures - before
-                    self.warmup_runs = WARMUP_RUNS if every or i == 0 else 0
-                    started = time.perf_counter()
+                if isinstance(call, PrefillCall):  # one token at position 0 of the scratch row
+                    self.prefill(layouts[bucket], [[0]], [0], [self.tables.scratch_row])
+                else:
                     self._capture_decode(call, bucket)
-                    torch.cuda.synchronize(self.device)
-                    self.capture_seconds[call, bucket] = time.perf_counter() - started
+                torch.cuda.synchronize(self.device)
+                self.capture_seconds[call, bucket] = time.perf_counter() - started
         finally:
             self.warmup_runs = WARMUP_RUNS  # lazy captures later always warm up
+            self.capture_mode = "global"
         return self.num_captures - before
 
     def _capture_decode(self, call: GraphCall, bucket: int) -> None:

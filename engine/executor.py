@@ -229,11 +229,13 @@ class ModelExecutor(StepPhases):
         return mode_calls(mode, self.total_ut_steps, deep_interval, shallow_loops)
 
     @torch.inference_mode()
-    def capture_graphs(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None) -> int:
-        """Capture every batch-size bucket of `calls` now (startup), not during the first requests."""
+    def capture_graphs(self, calls: list[GraphCall], should_stop: Callable[[], bool] | None = None,
+                       which: Callable[[GraphCall, int], bool] | None = None, thread_local: bool = False) -> int:
+        """Capture every batch-size bucket of `calls` now (startup), not during the first requests (`which`,
+        `thread_local`: GraphCache.capture_all's)."""
         if self.graphs is None:
             return 0
-        return self.graphs.capture_all(calls, should_stop)
+        return self.graphs.capture_all(calls, should_stop, which, thread_local)
 
     # ------------------------------------------------------------------ weights and sleep
 

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -89,30 +90,85 @@ def _prepare(device: torch.device) -> bool:
         return False
 
 
-def _run(task: Task, device: torch.device, slots: threading.Semaphore | None = None, zero: float = 0.0,
-         forked: threading.Event | None = None) -> tuple[str, float, str | None, dict]:
+class Milestone:
+    """Every launch but the loop-pass launch's ended (the pass's tail: engine/gluon_layers.py's compile alone),
+    for a startup that captures the other graphs meanwhile (ourobatch/kernel_prefetch.py). `wait()` returns once
+    they have (`reached`), or the pass has ended (whatever happened); `failed`: one of them failed (its kernel may
+    then compile on first use, which a capture must not meet)."""
+
+    LATE = "gluon_layers"  # the kernel whose launches do not count
+
+    def __init__(self) -> None:
+        self._event, self._lock = threading.Event(), threading.Lock()
+        self._left: int | None = None
+        self.failed = False
+        self.late = 0  # the launches that do not count
+        self.reached = False  # every other launch ended (not merely the pass closed it)
+
+    def expect(self, tasks: list[Task]) -> None:
+        self.late = sum(self.LATE in t.kernels for t in tasks)
+        with self._lock:
+            self._left = len(tasks) - self.late
+            self.reached = self._left == 0
+        if self.reached:
+            self._event.set()
+
+    def ended(self, task: Task, error: str | None) -> None:
+        if self.LATE in task.kernels:
+            return
+        with self._lock:
+            self.failed = self.failed or error is not None
+            self._left = None if self._left is None else self._left - 1
+            self.reached = self._left == 0
+        if self.reached:
+            self._event.set()
+
+    def close(self) -> None:
+        """The pass has ended: nothing is left to wait for (a pass stopped, or broken, before its launches)."""
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+@dataclass
+class _Pass:
+    """What every launch of one pass shares."""
+
+    device: torch.device
+    zero: float  # the pass's start (timeline times are from it)
+    slots: threading.Semaphore | None = None  # forked: parent slots
+    milestone: Milestone | None = None
+    stream: "torch.cuda.Stream | None" = None  # with a milestone (CUDA): the launches' own stream
+
+
+def _run(task: Task, ps: _Pass, forked: threading.Event | None = None) -> tuple[str, float, str | None, dict]:
     """The launch of `task`: its name, seconds, error (None) and timeline entry (warmup_order.entry, times from
-    `zero`); `forked` is set once its first child is forked (or it ends without one)."""
-    times, error = {"queued": time.perf_counter()}, None
+    the pass's start); `forked` is set once its first child is forked (or it ends without one)."""
+    times, error, children, done = {"queued": time.perf_counter()}, None, [], False
     try:
         with fork_compile.recording(None if forked is None else forked.set) as children:
             try:  # (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1, for tests)
-                with (fork_compile.parent_slot(slots), fork_compile.compiles_in_children(slots is not None),
-                      torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+                with (fork_compile.parent_slot(ps.slots), fork_compile.compiles_in_children(ps.slots is not None),
+                      torch.cuda.device(ps.device) if ps.device.type == "cuda" else contextlib.nullcontext(),
+                      torch.cuda.stream(ps.stream) if ps.stream is not None else contextlib.nullcontext(),
                       torch.inference_mode()):
                     times["slot"] = time.perf_counter()
                     task.launch()
             except Exception as exc:  # noqa: BLE001 - the kernel compiles on first use instead; reported
                 error = f"{task.name}: {type(exc).__name__}: {exc}"
+        done = True
     finally:
         if forked is not None:
             forked.set()
+        if ps.milestone is not None:
+            ps.milestone.ended(task, error if done else f"{task.name}: interrupted")
     times["end"] = time.perf_counter()
-    return task.name, times["end"] - times["queued"], error, entry(task, times, children, zero)
+    return task.name, times["end"] - times["queued"], error, entry(task, times, children, ps.zero)
 
 
-def _forked(pool: ThreadPoolExecutor, tasks: list[Task], device: torch.device, slots: threading.Semaphore,
-            zero: float, stopped: Callable[[], bool], report: KernelReport) -> None:
+def _forked(pool: ThreadPoolExecutor, tasks: list[Task], ps: _Pass, stopped: Callable[[], bool],
+            report: KernelReport) -> None:
     """The head alone, one launch at a time until its child is forked (or it ends); then the rest at once."""
     head, rest = head_first(tasks)
     futures: list[Future] = []
@@ -120,19 +176,17 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], device: torch.device, s
         if stopped():
             break
         forked = threading.Event()
-        futures.append(pool.submit(_run, task, device, slots, zero, forked))
+        futures.append(pool.submit(_run, task, ps, forked))
         forked.wait(HEAD_WAIT_S)
     if not stopped():
-        futures += [pool.submit(_run, task, device, slots, zero) for task in rest]
+        futures += [pool.submit(_run, task, ps) for task in rest]
     report.add([f.result() for f in futures])
 
 
-def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,
-             should_stop: Callable[[], bool] | None = None) -> KernelReport:
-    """Run every launch `tasks_of()` lists (CUDA: forked where fork_compile is available), `threads` at a time
-    (default: NUM_THREADS, else default_threads); `should_stop()` true: no further launch starts."""
-    report, started = KernelReport(), time.perf_counter()
-    stopped = lambda: should_stop is not None and bool(should_stop())  # noqa: E731
+def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: KernelReport,
+            started: float) -> tuple[list[Task], bool]:
+    """Triton's driver, the launch list and the kernels' per-device caches, while a thread makes Triton's own key
+    known (forking only). Returns the list and whether the launches fork."""
     forking = device.type == "cuda" and fork_compile.available()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ourobatch-triton-key") as primer:
         key = primer.submit(fork_compile.prime_key) if forking else None  # beside the driver and the list
@@ -145,17 +199,38 @@ def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: 
         report.prepare_seconds = time.perf_counter() - t
         if key is not None and key.exception() is None:
             report.key_seconds, report.key_source = key.result()
-    slots = threading.Semaphore(PARENT_SLOTS) if forking else None
-    report.threads = threads or NUM_THREADS or default_threads(forking)
-    with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
-        if forking:
-            _forked(pool, tasks, device, slots, started, stopped, report)
-        for stage in [] if forking else staged(tasks):
-            if stopped():
-                break
-            report.add(list(pool.map(lambda task: _run(task, device, slots, started), stage)))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return tasks, forking
+
+
+def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,
+             should_stop: Callable[[], bool] | None = None, milestone: Milestone | None = None) -> KernelReport:
+    """Run every launch `tasks_of()` lists (CUDA: forked where fork_compile is available), `threads` at a time
+    (default: NUM_THREADS, else default_threads); `should_stop()` true: no further launch starts. `milestone`: told
+    of each launch's end (closed when the pass ends, however); the launches then run on a stream of their own, and
+    the pass ends by syncing it, not the device (a graph may be capturing in another thread meanwhile)."""
+    report, started = KernelReport(), time.perf_counter()
+    stopped = lambda: should_stop is not None and bool(should_stop())  # noqa: E731
+    try:
+        tasks, forking = _before(device, tasks_of, report, started)
+        if milestone is not None:
+            milestone.expect(tasks)
+        ps = _Pass(device, started, threading.Semaphore(PARENT_SLOTS) if forking else None, milestone,
+                   torch.cuda.Stream(device) if milestone is not None and device.type == "cuda" else None)
+        report.threads = threads or NUM_THREADS or default_threads(forking)
+        with ThreadPoolExecutor(max_workers=max(1, report.threads), thread_name_prefix="ourobatch-compile") as pool:
+            if forking:
+                _forked(pool, tasks, ps, stopped, report)
+            for stage in [] if forking else staged(tasks):
+                if stopped():
+                    break
+                report.add(list(pool.map(lambda task: _run(task, ps), stage)))
+        if ps.stream is not None:
+            ps.stream.synchronize()
+        elif device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        if milestone is not None:
+            milestone.close()
     report.seconds = time.perf_counter() - started
     report.timeline.sort(key=lambda e: e["end"])
     return report

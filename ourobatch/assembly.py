@@ -19,7 +19,8 @@ from ourobatch.log import get_logger
 
 from .compile_cache import StartupCompiles
 from .config import EngineConfig
-from .warmup import StartupClock, WarmupPlan, prefetch_kernels, warm_up
+from .kernel_prefetch import KernelPrefetch, early_capture
+from .warmup import StartupClock, WarmupPlan, warm_up
 
 log = get_logger()
 
@@ -192,23 +193,25 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     plan = WarmupPlan.for_engine(config.warmup, config.device)
     shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
     # the kernels compile while the weights load (they need only the config's shapes)
-    with prefetch_kernels(shapes, config.device, clock, should_stop), clock.phase("weights"):
-        if model is None:
-            model = load_model(config.model, dtype, config.device, should_stop, loading)
-            model.fuse_projections()
-    with clock.phase("kv_pool"):
-        num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
-        pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
-    executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
-                             max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
-                             deep_interval=config.deep_interval, attention=config.attention_backend,
-                             cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
-                             head_dtype=resolve_head_dtype(config),
-                             max_num_batched_tokens=config.max_num_batched_tokens)
-    scheduler_config = make_scheduler_config(config, mc, num_blocks)
-    # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
-    warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
-            async_scheduling=resolve_async_scheduling(config), should_stop=should_stop)
+    with KernelPrefetch(shapes, config.device, clock, should_stop, early=early_capture()) as prefetch:
+        with clock.phase("weights"):
+            if model is None:
+                model = load_model(config.model, dtype, config.device, should_stop, loading)
+                model.fuse_projections()
+        prefetch.loaded()
+        with clock.phase("kv_pool"):
+            num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
+            pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
+        executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
+                                 max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
+                                 deep_interval=config.deep_interval, attention=config.attention_backend,
+                                 cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
+                                 head_dtype=resolve_head_dtype(config),
+                                 max_num_batched_tokens=config.max_num_batched_tokens)
+        scheduler_config = make_scheduler_config(config, mc, num_blocks)
+        # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
+        warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
+                async_scheduling=resolve_async_scheduling(config), should_stop=should_stop, prefetch=prefetch)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,

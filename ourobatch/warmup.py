@@ -6,11 +6,14 @@ after a history, verify's deep call, the sampler's variants, ...). ``warm_up`` r
 exists and before the engine reports ready:
 
 1. ``kernels`` (CUDA): one launch of every kernel specialization the configured limits reach
-   (engine/kernel_warmup.py), in threads. Their shapes need only the config, so ``prefetch_kernels``
+   (engine/kernel_warmup.py), in threads. Their shapes need only the config, so ourobatch/kernel_prefetch.py
    starts them before the weights load and the compiles overlap the load (assembly.py); the pass here,
    once the executor exists, then finds every kernel compiled and only checks (a launch each). The
    graph captures and the request pass after it compile nothing (engine_ready's ``compiled_during``);
-2. ``graphs``: the CUDA graph captures of every bucket of the mode's calls (engine/cuda_graphs.py);
+2. ``graphs``: the CUDA graph captures of every bucket of the mode's calls (engine/cuda_graphs.py). With
+   early capture (kernel_prefetch.py, ``OUROBATCH_EARLY_CAPTURE=1``) the graphs without the loop-pass launch
+   come first, while that launch still compiles, then the prefetch's wait, then steps 1-3 as here (the graphs
+   step captures only what is left);
 3. ``requests``: a few rounds of dummy requests through a scratch EngineCore (its own Scheduler, this
    executor): a prefill of the whole token budget, a prefix-cache hit (a chunk after cached blocks), n = 2,
    decode and deep calls or verify, and every sampling variant (greedy, temperature, top-k / top-p /
@@ -26,19 +29,17 @@ at small sizes on any device (the tests do). Each phase is logged with its time.
 
 from __future__ import annotations
 
+import contextlib
 import random
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import torch
-
 from scheduler.config import SchedulerConfig
 from scheduler.errors import EngineClosedError
 from ourobatch.runtime.engine_core import EngineCore
+from ourobatch.kernel_prefetch import log_kernels
 from ourobatch.log import get_logger
 from scheduler.params import SamplingParams
 
@@ -97,63 +98,45 @@ class StartupClock:
         return out
 
 
-@contextmanager
-def prefetch_kernels(shapes: Callable[[], Any] | None, device: str, clock: StartupClock,
-                     should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
-    """Compile every kernel specialization while the block's body (the weight load) runs: `shapes()`
-    (engine/kernel_cases.KernelShapes) needs only the config, so the compiles (CPU work) run beside the
-    load's copies. The wait for the rest at the block's end counts as the
-    "kernels" phase. A body that raises stops it after the launches under way; no thread outlives the block.
-    A prefetch that fails only logs a warning: warm_up's kernel pass, after the executor exists, compiles
-    whatever it missed. `shapes` None: nothing to prefetch (CPU, or warmup off)."""
-    if shapes is None:
-        yield
-        return
-    from engine import kernel_warmup
-
-    stop = threading.Event()
-
-    def run() -> "kernel_warmup.KernelReport":
-        return kernel_warmup.warm_kernels(shapes(), torch.device(device),
-                                          should_stop=lambda: stop.is_set() or bool(should_stop and should_stop()))
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ourobatch-prefetch") as pool:
-        future = pool.submit(run)
-        try:
-            yield
-        except BaseException:
-            stop.set()
-            raise
-        finally:
-            with clock.phase("kernels"):
-                wait([future])
-    error = future.exception()
-    if error is not None:
-        log.warning("warmup_kernels_prefetch_failed", error=f"{type(error).__name__}: {error}")
-    else:
-        _log_kernels("warmup_kernels_prefetch", future.result())
-
-
 def warm_up(executor, scheduler_config: SchedulerConfig, plan: WarmupPlan, clock: StartupClock, *,
             seed: int = 0, async_scheduling: bool = False,
-            should_stop: Callable[[], bool] | None = None) -> None:
+            should_stop: Callable[[], bool] | None = None, prefetch=None) -> None:
     """The startup phases after the KV pool: kernels, graph captures, requests (see the module docstring);
-    the request pass steps as the engine will (`async_scheduling`). Raises EngineClosedError when
-    `should_stop()` turns true (the executor is closed)."""
-    phases = [("kernels", plan.kernels, lambda: _warm_kernels(executor, scheduler_config, should_stop)),
-              ("graphs", executor.graphs is not None,
-               lambda: _capture_graphs(executor, scheduler_config, should_stop)),
-              ("requests", plan.requests,
-               lambda: warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny,
-                                        async_scheduling=async_scheduling, should_stop=should_stop))]
+    the request pass steps as the engine will (`async_scheduling`). `prefetch` (ourobatch/kernel_prefetch.py)
+    with its loop-pass launch still compiling (`pending`): the graphs without that launch are captured first,
+    then its wait, then the rest as usual. Raises EngineClosedError when `should_stop()` turns true (the executor
+    is closed)."""
+    graphs = executor.graphs is not None
+    phases = []
+    if prefetch is not None and prefetch.pending:
+        phases += [("graphs", graphs, lambda: _capture_graphs(executor, scheduler_config, should_stop,
+                                                              lambda c, b: not loop_pass_graph(c, b), early=True)),
+                   ("", True, prefetch.finish)]  # (it counts its wait as "kernels" itself)
+    elif prefetch is not None:
+        prefetch.finish()
+    phases += [("kernels", plan.kernels, lambda: _warm_kernels(executor, scheduler_config, should_stop)),
+               ("graphs", graphs, lambda: _capture_graphs(executor, scheduler_config, should_stop)),
+               ("requests", plan.requests,
+                lambda: warm_up_requests(executor, scheduler_config, seed, tiny=plan.tiny,
+                                         async_scheduling=async_scheduling, should_stop=should_stop))]
     for name, wanted, run in phases:
         if _stopped(should_stop, executor):
             raise EngineClosedError("the engine was closed while it warmed up")
         if wanted:
-            with clock.phase(name):
+            with clock.phase(name) if name else contextlib.nullcontext():
                 run()
     if _stopped(should_stop, executor):
         raise EngineClosedError("the engine was closed while it warmed up")
+
+
+def loop_pass_graph(call, bucket: int) -> bool:
+    """Whether the graph of (call, bucket) may hold the loop-pass launch (engine/layers_dispatch.call_fits: one
+    row per request, at most ROWS requests): a shallow call's small buckets (where the model has no layer stack,
+    this only orders them later)."""
+    from engine.graph_calls import ShallowCall
+    from engine.layers_dispatch import ROWS
+
+    return isinstance(call, ShallowCall) and bucket <= ROWS
 
 
 def _stopped(should_stop: Callable[[], bool] | None, executor) -> bool:
@@ -168,34 +151,22 @@ def _warm_kernels(executor, sc: SchedulerConfig, should_stop: Callable[[], bool]
     from engine import kernel_cases, kernel_warmup
 
     shapes = kernel_cases.shapes_of(executor, sc.max_num_batched_tokens, sc.max_model_len, sc.mode, sc.deep_interval)
-    _log_kernels("warmup_kernels", kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop))
+    log_kernels("warmup_kernels", kernel_warmup.warm_kernels(shapes, executor.device, should_stop=should_stop))
 
 
-def _log_kernels(event: str, report) -> None:
-    from engine import fork_compile
-
-    for failure in report.failures:
-        log.warning("warmup_kernel_failed", error=failure)
-    forks = fork_compile.STATS
-    log.info(event, launches=report.cases, seconds=round(report.seconds, 2),
-             sequential_seconds=round(report.task_seconds, 2), threads=report.threads,
-             fork_children=forks.children, fork_compiled=forks.compiled, fork_failed=forks.failed,
-             fork_child_seconds=round(forks.child_seconds, 2), fork_seconds=round(forks.fork_seconds, 3),
-             fork_on_disk=forks.on_disk, failures=len(report.failures),
-             driver_seconds=round(report.driver_seconds, 3), list_seconds=round(report.list_seconds, 3),
-             key_seconds=round(report.key_seconds, 3), key_source=report.key_source, prepare_seconds=round(report.prepare_seconds, 3))
-    log.debug(f"{event}_timeline", tasks=report.timeline)  # by end: where the pass's wall time goes
-
-
-def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None) -> None:
-    """Every bucket of the mode's calls now, so no request pays a capture."""
+def _capture_graphs(executor, sc: SchedulerConfig, should_stop: Callable[[], bool] | None,
+                    which: Callable[[Any, int], bool] | None = None, early: bool = False) -> None:
+    """Every bucket of the mode's calls now (`which`: those it selects, and those not captured already), so no
+    request pays a capture; `early`: while the compile pass still runs in another thread (captures in
+    thread-local mode)."""
     started = time.perf_counter()
     calls = executor.graph_calls(sc.mode, sc.deep_interval, sc.shallow_loops)
-    captured = executor.capture_graphs(calls, should_stop)
+    before = dict(executor.graphs.capture_seconds)
+    captured = executor.capture_graphs(calls, should_stop, which=which, thread_local=early)
     log.info("cuda_graphs_captured", graphs=captured, buckets=len(executor.graphs.buckets),
-             calls=[str(c) for c in calls], seconds=round(time.perf_counter() - started, 2))
-    timings = executor.graphs.capture_seconds  # (call, bucket) -> seconds, recorded by capture_all
-    log.debug("cuda_graph_timings", seconds={f"{c}@{b}": round(t, 3) for (c, b), t in timings.items()})
+             calls=[str(c) for c in calls], seconds=round(time.perf_counter() - started, 2), early=early)
+    timings = {k: t for k, t in executor.graphs.capture_seconds.items() if k not in before}
+    log.debug("cuda_graph_timings", seconds={f"{c}@{b}": round(t, 3) for (c, b), t in timings.items()}, early=early)
 
 
 # ------------------------------------------------------------------------------------------ the request pass

@@ -331,43 +331,6 @@ def test_graphed_shapes_list_the_decode_and_prefill_buckets():
     assert off.buckets is None and off.prefill_buckets == () and off.logits_dtype == torch.float32
 
 
-def test_the_prefetch_runs_beside_the_body_and_is_joined_even_when_the_body_fails():
-    """prefetch_kernels: the warm-up runs in its own thread while the body runs, the block waits for it
-    (the wait counted as the "kernels" phase), a failing body stops it and still joins it, and a failing
-    prefetch only warns."""
-    import threading
-
-    from structlog.testing import capture_logs
-
-    from ourobatch.warmup import StartupClock, prefetch_kernels
-
-    s = kernel_cases.KernelShapes(**{**shapes(graphs=False).__dict__, "triton_attention": False,
-                                      "vocab_size": 67, "dtype": torch.float32, "logits_dtype": torch.float32})
-    seen = []
-    clock = StartupClock()
-    with capture_logs() as logs:
-        with prefetch_kernels(lambda: seen.append(threading.current_thread().name) or s, "cpu", clock):
-            pass
-    assert seen and seen[0].startswith("ourobatch-prefetch") and "kernels" in clock.seconds
-    done = [e for e in logs if e["event"] == "warmup_kernels_prefetch"]
-    assert len(done) == 1 and done[0]["launches"] == {"sampler": 3} and done[0]["failures"] == 0
-
-    before = {t.name for t in threading.enumerate()}
-    with pytest.raises(RuntimeError, match="load failed"):
-        with prefetch_kernels(lambda: s, "cpu", StartupClock()):
-            raise RuntimeError("load failed")
-    assert not [t for t in threading.enumerate() if t.name not in before and t.name.startswith("ourobatch-")]
-
-    def broken():
-        raise ValueError("no device properties")
-
-    with capture_logs() as logs:
-        with prefetch_kernels(broken, "cpu", StartupClock()):
-            pass
-    warned = [e for e in logs if e["event"] == "warmup_kernels_prefetch_failed"]
-    assert len(warned) == 1 and "no device properties" in warned[0]["error"]
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sets(st.sampled_from("abc")), st.sets(st.integers(0, 5))), min_size=1, max_size=12))
 def test_staged_launches_never_compile_one_specialization_twice_at_once(spec):
@@ -465,10 +428,12 @@ def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
     run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--tiny", "-N", str(N),
                           "-P", str(P), "-M", str(M), "--configs", "interval1", "--out", str(tmp_path / "out"),
-                          "--workdir", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+                          "--workdir", str(tmp_path / "ckpt"), "--early-capture", "both"], capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "cold_start.json").read_text())["rows"]
-    assert [r["process"] for r in rows] == [1, 2]
+    assert [(r["config"], r["process"], r["early_capture"]) for r in rows] == [
+        ("interval1", 1, "0"), ("interval1", 2, "0"), ("interval1+early", 1, "1"), ("interval1+early", 2, "1")]
     for r in rows:
         assert r["tokens"] == N * M and r["ready_s"] > 0 and r["phases"]["weights"] is not None
         # from the spawn: the interpreter and the imports come before the engine's own startup
@@ -481,7 +446,8 @@ def test_the_cold_start_benchmark_runs_its_cpu_smoke_mode(tmp_path):
             assert x["tokens"] == N * M and x["wall_s"] > 0 and x["captures"] == 0
         assert r["first_round_s"] == rounds[0]["wall_s"] and r["warm_round_s"] == rounds[-1]["wall_s"]
         assert r["first_over_warm"] == r["first_round_s"] / r["warm_round_s"]
-    assert "| interval1 | 2 |" in (tmp_path / "out" / "cold_start.md").read_text()
+    md = (tmp_path / "out" / "cold_start.md").read_text()
+    assert "| interval1 | 2 |" in md and "| interval1+early | 2 |" in md
 
 
 @pytest.mark.parametrize("budget,max_len,bs", [(8192, 640, 16), (512, 100, 8), (96, 160, 8), (2048, 4096, 16)])

@@ -48,9 +48,8 @@ def test_the_rest_starts_once_the_heads_child_is_forked_not_once_it_compiled():
     report = KernelReport()
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
-            done = threading.Thread(target=warmup_pass._forked, args=(pool, tasks, torch.device("cpu"),
-                                                                       threading.Semaphore(4), 0.0, lambda: False,
-                                                                       report))
+            ps = warmup_pass._Pass(torch.device("cpu"), 0.0, threading.Semaphore(4))
+            done = threading.Thread(target=warmup_pass._forked, args=(pool, tasks, ps, lambda: False, report))
             done.start()
             os.read(gate.started, 1)  # the head's child is compiling (and stays so until released)
             deadline = time.monotonic() + 10
@@ -75,5 +74,6 @@ def test_a_head_that_never_forks_holds_the_others_back_no_longer_than_it_runs():
     report = KernelReport()
     t = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        warmup_pass._forked(pool, tasks, torch.device("cpu"), threading.Semaphore(2), t, lambda: False, report)
+        warmup_pass._forked(pool, tasks, warmup_pass._Pass(torch.device("cpu"), t, threading.Semaphore(2)),
+                            lambda: False, report)
     assert ran == ["slow", "other"] and time.perf_counter() - t < warmup_pass.HEAD_WAIT_S  # its end let them go

@@ -127,3 +127,77 @@ def test_a_second_process_with_the_same_cache_dir_compiles_nothing(ckpt, tmp_pat
     assert (tmp_path / "cache" / "triton").is_dir()
     # Triton's own key (engine/triton_key.py): hashed by the first process, read back by the second
     assert first["key"] == ["hashed"] and second["key"] == ["stored"], (first["key"], second["key"])
+
+
+EARLY_CHILD = """
+import json, sys, threading
+import torch
+from structlog.testing import capture_logs
+from engine import gluon_layers, prefill_graph
+from ourobatch import EngineConfig, SamplingParams, SyncEngine, compile_cache
+
+capturing, launched = threading.Event(), threading.Event()
+real_launch, real_forward = gluon_layers.warm_launch, prefill_graph.forward
+held = {"forward": False, "launch_during_capture": None}
+
+def warm_launch(*a, **k):  # the loop-pass launch: compiled, loaded and launched while a capture is open
+    if held["launch_during_capture"] is None:
+        held["launch_during_capture"] = capturing.wait(120)
+    try:
+        return real_launch(*a, **k)
+    finally:
+        launched.set()
+
+def forward(*a, **k):  # the first prefill capture stays open until that launch has been made
+    if torch.cuda.is_current_stream_capturing() and not held["forward"]:
+        held["forward"] = True
+        capturing.set()
+        launched.wait(120)
+    return real_forward(*a, **k)
+
+if sys.argv[4] == "1":
+    gluon_layers.warm_launch, prefill_graph.forward = warm_launch, forward
+cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], **json.loads(sys.argv[3]))
+counter = compile_cache.install_compile_counter()
+with capture_logs() as logs, SyncEngine(cfg) as engine:
+    graphs = engine.core.executor.graphs
+    before, captures = counter.snapshot(), graphs.num_captures
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=12, seed=i, temperature=0.0 if i % 2 else 1.0, ignore_eos=True)
+              for i in range(6)]
+    outs = engine.generate_batch(prompts, params)
+    after = counter.snapshot()
+    captured = graphs.num_captures - captures
+print(json.dumps(dict(tokens=[c.token_ids for o in outs for c in o.outputs], compiled=after.compiled - before.compiled,
+                      loaded=after.loaded - before.loaded, captures=captured, held=held,
+                      early=[e["late_launches"] for e in logs if e["event"] == "warmup_kernels_early"],
+                      graphs=[(e["graphs"], e["early"]) for e in logs if e["event"] == "cuda_graphs_captured"])))
+"""
+
+
+def test_early_capture_with_the_loop_pass_launch_loaded_and_launched_inside_a_capture(tmp_path):
+    # OUROBATCH_EARLY_CAPTURE=1 (ourobatch/kernel_prefetch.py): the graphs without the loop-pass launch are
+    # captured while its compile runs; here its load and launch are held until a prefill capture is open, and
+    # that capture until they are done (a fresh process each, an empty compile cache each); the engine must then
+    # give the tokens of the plain order, and its first round compile and capture nothing
+    from engine import layers_dispatch
+
+    if not layers_dispatch.switch_on() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the loop-pass launch runs on Hopper with OUROBATCH_DECODE_LAYERS on")
+    ckpt = make_tiny_checkpoint(tmp_path / "m", dtype=torch.bfloat16, **LAUNCH_SHAPE)
+    config = json.dumps(dict(mode="deferred", deep_interval=4, **{**CONFIG, "block_size": 16}))
+    runs = {}
+    for early in ("1", "0"):
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+        env["OUROBATCH_EARLY_CAPTURE"] = early
+        run = subprocess.run([sys.executable, "-c", EARLY_CHILD, str(ckpt), str(tmp_path / f"cache{early}"), config,
+                              early], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[early] = json.loads(run.stdout.strip().splitlines()[-1])
+    early, plain = runs["1"], runs["0"]
+    assert early["early"] == [1] and early["held"]["launch_during_capture"] is True, early
+    assert early["graphs"][0][1] is True and early["graphs"][0][0] > 0 and early["graphs"][-1] == [4, False]
+    assert plain["early"] == [] and [e for _, e in plain["graphs"]] == [False]
+    for r in (early, plain):
+        assert (r["compiled"], r["loaded"], r["captures"]) == (0, 0, 0), r
+    assert early["tokens"] == plain["tokens"]
