@@ -228,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                  f"got {args.hidden}")
     task = dict(nodes=args.nodes, hops=args.hops, answers=args.answers)
     model, raw = build_model(args)
-    T = model.config.total_ut_steps
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(args.seed)
     budget, start, step = args.minutes * 60, time.time(), 0

@@ -74,7 +74,7 @@ def test_rows_and_summary_follow_from_the_samples(result):
         slope, fixed = np.polyfit([k for k, _ in points], [e for _, e in points], 1)
         assert summary["fixed_ms"] == pytest.approx(fixed, abs=1e-6)
         assert summary["us_per_token"] == pytest.approx(1e3 * slope, abs=1e-6)
-        assert report.summary_line(summary) in md and f"largest k whose mixed step stays <= 1.5x" in md
+        assert report.summary_line(summary) in md and "largest k whose mixed step stays <= 1.5x" in md
 
 
 def test_profile_traces_one_step_of_each_kind(result):
