@@ -32,9 +32,9 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, use_pdl: bool, tma: int = 0) -> list[str]:
-    """The kernel's PTX; with tma (GemmConfig.tma) 1 its weights, with 2 also its activations, come in as
-    TMA descriptors of the kernel's boxes."""
+def _source(name: str, use_pdl: bool, tma: int = 0) -> ASTSource:
+    """The kernel's source as the engine's launch specializes it; with tma (GemmConfig.tma) 1 its weights, with 2
+    also its activations, come in as TMA descriptors of the kernel's boxes (benchmarks/triton_key.py uses it)."""
     fn, types, constexprs = KERNELS[name]
     rows = constexprs.get("BLOCK_N", constexprs.get("BLOCK_D"))
     boxes = {"w_ptr": (rows, constexprs["BLOCK_K"]), "x_ptr": (constexprs["BLOCK_M"], constexprs["BLOCK_K"])}
@@ -44,8 +44,12 @@ def _ptx(name: str, use_pdl: bool, tma: int = 0) -> list[str]:
     names = list(signature)  # as at the decode shapes, Triton knows the pointers and K, N, strides are 16-aligned
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
              if t.startswith("*") or n in ("N", "K", "k_per_split") or n.startswith("stride")}
-    compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32))
+    return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _ptx(name: str, use_pdl: bool, tma: int = 0) -> list[str]:
+    """The kernel's PTX (`_source`'s)."""
+    compiled = triton.compile(_source(name, use_pdl, tma), target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]  # ptxas accepted it
     return [line.strip() for line in compiled.asm["ptx"].splitlines()]
 
