@@ -90,7 +90,10 @@ def child(args) -> dict:
                     compiled_during=ev.get("compiled_during"),
                     weights_breakdown={k: v for k, v in ev.items() if k.startswith("weights_") and k != "weights_s"},
                     warmup_requests=_strip(events.get("warmup_requests")),
-                    graph_seconds=events.get("cuda_graph_timings", {}).get("seconds"),
+                    graph_seconds={k: v for e in logs if e["event"] == "cuda_graph_timings"  # early + the rest
+                                   for k, v in e["seconds"].items()} or None,
+                    early_graphs=sum(e["graphs"] for e in logs if e["event"] == "cuda_graphs_captured"
+                                     and e.get("early")),
                     rounds=rounds, first_round_s=first, warm_round_s=warm, first_over_warm=first / warm,
                     tokens=rounds[0]["tokens"], compiles_in_first_round=rounds[0]["compiles"],
                     captures_in_first_round=rounds[0]["captures"],

@@ -171,6 +171,8 @@ with capture_logs() as logs, SyncEngine(cfg) as engine:
 print(json.dumps(dict(tokens=[c.token_ids for o in outs for c in o.outputs], compiled=after.compiled - before.compiled,
                       loaded=after.loaded - before.loaded, captures=captured, held=held,
                       early=[e["late_launches"] for e in logs if e["event"] == "warmup_kernels_early"],
+                      failed=[e["error"] for e in logs if e["event"] in ("warmup_kernel_failed",
+                                                                         "warmup_kernels_prefetch_failed")],
                       graphs=[(e["graphs"], e["early"]) for e in logs if e["event"] == "cuda_graphs_captured"])))
 """
 
@@ -199,5 +201,6 @@ def test_early_capture_with_the_loop_pass_launch_loaded_and_launched_inside_a_ca
     assert early["graphs"][0][1] is True and early["graphs"][0][0] > 0 and early["graphs"][-1] == [4, False]
     assert plain["early"] == [] and [e for _, e in plain["graphs"]] == [False]
     for r in (early, plain):
+        assert r["failed"] == [], r["failed"]  # the held launch itself worked (not compiled later instead)
         assert (r["compiled"], r["loaded"], r["captures"]) == (0, 0, 0), r
     assert early["tokens"] == plain["tokens"]
