@@ -118,7 +118,9 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
     split = config.splits > 1
     strides = (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)) if split else ()
-    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(m_tiles), tiles > 0)
+    # a tiled launch passes m_tiles as 1 (its programs walk the tile map instead): one specialization for all
+    paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(1 if tiles else m_tiles),
+             tiles > 0)
     combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
     return paged + strides, combine
 

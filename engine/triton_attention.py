@@ -157,7 +157,7 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
     grid = (seqs, kv_heads * m_tiles, splits) if tiles is None else (tiles.shape[0], kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_plane, v_plane, part, lse, block_tables, context_lens, query_start,
-        query_start if tiles is None else tiles, m_tiles,
+        query_start if tiles is None else tiles, m_tiles if tiles is None else 1,  # (tiled: unused; one class)
         q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
         lse.stride(-2) if splits > 1 else 0,
         k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
