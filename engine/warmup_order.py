@@ -45,8 +45,8 @@ class KernelReport:
     task_seconds: float = 0.0  # the launches' times summed (the sequential cost: / seconds = the speed-up)
     failures: list[str] = field(default_factory=list)
     threads: int = 0  # threads it ran in
-    driver_seconds: float = 0.0  # before the first launch: Triton's driver (warmup_pass._driver)
-    list_seconds: float = 0.0  # and listing the launches (kernel_cases)
+    driver_seconds: float = 0.0  # before the first launch: Triton's driver (warmup_pass._driver), in a thread
+    list_seconds: float = 0.0  # listing the launches (kernel_cases), beside it (from the pass's start)
     prepare_seconds: float = 0.0  # and the kernels' per-device caches (warmup_pass._prepare)
     key_seconds: float = 0.0  # Triton's own key, made known beside all three (fork_compile.prime_key)
     key_source: str = ""  # how: "hashed", "stored" (engine/triton_key.py), "memory"; "" not asked, "none"

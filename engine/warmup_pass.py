@@ -185,21 +185,28 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], ps: _Pass, stopped: Cal
 
 def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: KernelReport,
             started: float) -> tuple[list[Task], bool]:
-    """Triton's driver, the launch list and the kernels' per-device caches, while a thread makes Triton's own key
-    known (forking only). Returns the list and whether the launches fork."""
+    """Triton's driver and Triton's own key in threads of their own (forking only; the driver's first use in a
+    process builds its utilities with gcc, ~0.3-1.1 s on an empty cache), the launch list beside them, then the
+    kernels' per-device caches. Returns the list and whether the launches fork."""
     forking = device.type == "cuda" and fork_compile.available()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ourobatch-triton-key") as primer:
-        key = primer.submit(fork_compile.prime_key) if forking else None  # beside the driver and the list
-        forking = forking and _driver(device)
-        report.driver_seconds = time.perf_counter() - started
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-triton-key") as primer:
+        key = primer.submit(fork_compile.prime_key) if forking else None
+        driver = primer.submit(_timed, _driver, device) if forking else None
         tasks = tasks_of()
-        report.list_seconds = time.perf_counter() - started - report.driver_seconds
+        report.list_seconds = time.perf_counter() - started
+        if driver is not None:
+            forking, report.driver_seconds = driver.result()
         t = time.perf_counter()
         forking = forking and _prepare(device)
         report.prepare_seconds = time.perf_counter() - t
         if key is not None and key.exception() is None:
             report.key_seconds, report.key_source = key.result()
     return tasks, forking
+
+
+def _timed(fn: Callable, *args) -> tuple:
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
 
 
 def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,

@@ -20,3 +20,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.fixture(autouse=True)
+def _structlog_left_as_found():
+    """structlog.testing.capture_logs (and a restored configuration) leave structlog marked as configured, after
+    which ourobatch's logger (ourobatch/log.py) sends events to structlog instead of the standard library's logger,
+    where caplog reads them: a later test in the same worker would see none. Undone after each test that did it."""
+    import structlog
+
+    was = structlog.is_configured()
+    yield
+    if not was and structlog.is_configured():
+        structlog.reset_defaults()
