@@ -7,8 +7,9 @@ Theory of operation (forked). The pass is as long as its slowest chain: the loop
 ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
 same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
-it, engine/triton_key.py; else hashed), in a thread of its own beside the driver, the launch list and the
-kernels' per-device caches (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
+it, engine/triton_key.py; else hashed) and the driver made ready (its gcc build on an empty cache), each in a
+thread of its own, while this thread lists the launches; then the kernels' per-device caches (`_prepare`,
+~0.05 s: so two first launches of one kernel cannot race to make them);
 the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
 Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
 children, at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the
