@@ -202,12 +202,13 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
         with clock.phase("kv_pool"):
             num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
             pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
-        executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
-                                 max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
-                                 deep_interval=config.deep_interval, attention=config.attention_backend,
-                                 cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
-                                 head_dtype=resolve_head_dtype(config),
-                                 max_num_batched_tokens=config.max_num_batched_tokens)
+        with clock.phase("executor"):  # its buffers, the layer stack, the graph cache
+            executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
+                                     max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
+                                     deep_interval=config.deep_interval, attention=config.attention_backend,
+                                     cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
+                                     head_dtype=resolve_head_dtype(config),
+                                     max_num_batched_tokens=config.max_num_batched_tokens)
         scheduler_config = make_scheduler_config(config, mc, num_blocks)
         # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
         warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
