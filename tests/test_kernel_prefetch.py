@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from engine import kernel_cases, warmup_pass
@@ -325,3 +327,28 @@ def test_capture_all_stops_when_told(monkeypatch):
     record = []
     g = fake_cache(record)
     assert g.capture_all(CALLS, should_stop=lambda: len(record) >= 3) == 3 and g.capture_mode == "global"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.integers(0, 3)), min_size=0, max_size=10))
+def test_the_milestone_is_reached_exactly_when_every_other_launch_ran(spec):
+    """Random passes (staged on the CPU): launches of the loop-pass kernel or not, failing or not, one of them
+    possibly stopping the pass; the milestone's answer against what ran."""
+    ran, stop = [], threading.Event()
+
+    def launch(i: int, fails: bool, stops: bool) -> None:
+        ran.append(i)
+        if stops:
+            stop.set()
+        if fails:
+            raise RuntimeError(f"launch {i} failed")
+
+    tasks = [Task("gemm", lambda i=i, f=fails, s=stops: launch(i, f, s),
+                  frozenset({"gluon_layers" if late else f"k{kernel}"}), ((i,),))
+             for i, (late, fails, stops, kernel) in enumerate(spec)]
+    m = warmup_pass.Milestone()
+    warmup_pass.run_pass(lambda: tasks, torch.device("cpu"), 3, stop.is_set, m)
+    others = {i for i, (late, *_) in enumerate(spec) if not late}
+    assert m.wait(0) and m.late == len(spec) - len(others)
+    assert m.reached == others.issubset(ran)
+    assert m.failed == any(spec[i][1] for i in others & set(ran))
