@@ -218,8 +218,8 @@ def prime_key() -> tuple[float, str]:
     from . import triton_key
 
     knobs = getattr(getattr(triton, "knobs", None), "cache", None)
-    folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".triton", "cache")
+    folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(  # Triton's default
+        os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
     how = triton_key.prime(cache, folder)
     return time.perf_counter() - started, how
 

@@ -101,16 +101,19 @@ class Milestone:
 
     def __init__(self) -> None:
         self._event, self._lock = threading.Event(), threading.Lock()
-        self._left: int | None = None
+        self._left: int | None = None  # the other launches not ended yet (None: the list is not known yet)
         self.failed = False
         self.late = 0  # the launches that do not count
-        self.reached = False  # every other launch ended (not merely the pass closed it)
+
+    @property
+    def reached(self) -> bool:
+        """Every other launch ended (not merely the pass closed it)."""
+        return self._left == 0
 
     def expect(self, tasks: list[Task]) -> None:
         self.late = sum(self.LATE in t.kernels for t in tasks)
         with self._lock:
             self._left = len(tasks) - self.late
-            self.reached = self._left == 0
         if self.reached:
             self._event.set()
 
@@ -119,8 +122,8 @@ class Milestone:
             return
         with self._lock:
             self.failed = self.failed or error is not None
-            self._left = None if self._left is None else self._left - 1
-            self.reached = self._left == 0
+            if self._left is not None:
+                self._left -= 1
         if self.reached:
             self._event.set()
 
@@ -190,7 +193,7 @@ def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: Ke
     process builds its utilities with gcc, ~0.3-1.1 s on an empty cache), the launch list beside them, then the
     kernels' per-device caches. Returns the list and whether the launches fork."""
     forking = device.type == "cuda" and fork_compile.available()
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-triton-key") as primer:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-pass-setup") as primer:
         key = primer.submit(fork_compile.prime_key) if forking else None
         driver = primer.submit(_timed, _driver, device) if forking else None
         tasks = tasks_of()
