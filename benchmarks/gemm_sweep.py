@@ -124,7 +124,7 @@ def sweep_op(op: str, M: int, around_table: bool = False, tma: bool = False) -> 
         rows.append(dict(cfg=cfg.__dict__, splits=splits, us=us))
     ok = [r for r in rows if "us" in r]
     best = min(ok, key=lambda r: r["us"]) if ok else None
-    del ws
+    ws.clear()  # the lambdas above still name ws: empty it (frees the copies) rather than del it
     torch.cuda.empty_cache()
     return dict(op=op, M=M, cublas_us=base, best=best, speedup=base / best["us"] if best else None, all=rows)
 

@@ -21,12 +21,16 @@ from .helpers import GatedExecutor, until
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rollout")
+def make_ckpts(root):
+    """Three tiny checkpoints (no EOS) under root: the policy and two weight updates."""
     return (make_tiny_checkpoint(root / "a", seed=21, eos_token_id=None),
             make_tiny_checkpoint(root / "b", seed=22, eos_token_id=None),
             make_tiny_checkpoint(root / "c", seed=23, eos_token_id=None))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return make_ckpts(tmp_path_factory.mktemp("rollout"))
 
 
 def config(path, B=1, dtype="float32", **kw) -> EngineConfig:

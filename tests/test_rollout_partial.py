@@ -15,9 +15,14 @@ from ourobatch import Engine, SyncEngine
 from ourobatch.rollout import Collector
 
 from .helpers import until
-from .test_rollout import check_batches, ckpts, config, params, tasks, tensors  # noqa: F401 (fixture)
+from .test_rollout import check_batches, config, make_ckpts, params, tasks, tensors
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return make_ckpts(tmp_path_factory.mktemp("rollout_partial"))
 
 
 async def run_slow_consumer(engine, tasks_, *, k: int, updates=(), wait_tokens: int = 0, **kw):
