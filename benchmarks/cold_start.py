@@ -41,7 +41,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-PHASES = ("weights", "kv_pool", "executor", "kernels", "graphs", "requests")
+PHASES = ("setup", "weights", "kv_pool", "executor", "kernels", "graphs", "requests")
 
 
 def child(args) -> dict:
@@ -190,9 +190,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"prefill included), through the async Engine; process 1 starts with an empty compile cache, "
              f"process 2 with the folder process 1 filled. start to ready: from the process's spawn "
              f"(interpreter, imports) to the engine ready; warm = the last round.", "",
-             "| config | process | start to ready s | import s | ready s | weights | KV pool | executor | kernels | "
+             "| config | process | start to ready s | import s | ready s | setup | weights | KV pool | executor | kernels | "
              "graphs | requests | other | compiled / loaded | round s | first / warm | compiles, captures per round | "
-             "prefix-cache hits |", "|---" * 17 + "|"]
+             "prefix-cache hits |", "|---" * 18 + "|"]
     for r in rows:
         ph, rounds = r["phases"], r["rounds"]
         lines.append(f"| {r['config']} | {r['process']} | {f(r.get('start_to_ready_s'))} | {f(r['import_s'])} | "

@@ -183,13 +183,15 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
-    mc, dtype = check_before_loading(config)
-    max_model_len = effective_max_model_len(config, mc)
+    clock = StartupClock()
+    with clock.phase("setup"):  # the checks (the device's context, Triton's import), the compile cache's folders
+        mc, dtype = check_before_loading(config)
+        max_model_len = effective_max_model_len(config, mc)
+        compiles = StartupCompiles(config.compile_cache_dir, config.device)
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,
                     max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
-    compiles = StartupCompiles(config.compile_cache_dir, config.device)
-    clock, loading = StartupClock(counter=compiles.counter), LoadTimings() if model is None else None
+    clock.counter, loading = compiles.counter, LoadTimings() if model is None else None
     plan = WarmupPlan.for_engine(config.warmup, config.device)
     shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
     # the kernels compile while the weights load (they need only the config's shapes)

@@ -5,7 +5,7 @@ so the pass (engine/kernel_warmup.warm_kernels) starts in its own thread before 
 (forked children, CPU work) run beside the load's copies. ``KernelPrefetch`` is a context manager around the rest
 of the startup: ``loaded()``, once the weights are in, waits for the pass (the "kernels" phase).
 
-Early capture (``OUROBATCH_EARLY_CAPTURE=1``; off by default until measured on the H200). The pass's tail is one
+Early capture (on by default; ``OUROBATCH_EARLY_CAPTURE=0`` turns it off). The pass's tail is one
 compile: the loop-pass launch's (engine/gluon_layers.py), ~4.5-6 s on the H200 host beside the others, and in
 session 20's cold starts it ended up to ~1.2 s after every other launch; the graph captures (1.3-2.2 s) waited for
 it, though only the shallow graphs of at most 8 requests use that launch. With early capture ``loaded()`` waits
@@ -37,9 +37,10 @@ EARLY_ENV = "OUROBATCH_EARLY_CAPTURE"
 
 
 def early_capture() -> bool:
-    """OUROBATCH_EARLY_CAPTURE: "1" (capture the graphs the loop-pass launch is not in while it compiles) or "0"
-    (the default: every capture after the whole pass)."""
-    value = os.environ.get(EARLY_ENV, "").strip() or "0"
+    """OUROBATCH_EARLY_CAPTURE: "1" (the default: capture the graphs the loop-pass launch is not in while it
+    compiles) or "0" (every capture after the whole pass). Measured on the H200 (docs/benchmarks.md, session 24):
+    cold ready 6.2-8.1 s with it against 8.3-9.7 s without, side by side."""
+    value = os.environ.get(EARLY_ENV, "").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{EARLY_ENV} must be 1 (on) or 0 (off), got {value!r}")
     return value == "1"

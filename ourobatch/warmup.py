@@ -70,9 +70,9 @@ class WarmupPlan:
 
 @dataclass
 class StartupClock:
-    """Seconds per startup phase (weights, kv_pool, kernels, graphs, requests), in order, and with a compile
-    counter (ourobatch/compile_cache.py), the Triton kernels compiled during each (in any thread: the kernel
-    prefetch compiles while the weights load)."""
+    """Seconds per startup phase (setup, weights, kv_pool, executor, kernels, graphs, requests), in order, and with
+    a compile counter (ourobatch/compile_cache.py), the Triton kernels compiled during each (in any thread: the
+    kernel prefetch compiles while the weights load)."""
 
     counter: Any = None  # CompileCounter or None
     seconds: dict[str, float] = field(default_factory=dict)
@@ -81,13 +81,14 @@ class StartupClock:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t, before = time.perf_counter(), self.counter.snapshot().compiled if self.counter is not None else 0
+        counter, t = self.counter, time.perf_counter()  # the counter of the phase's start (setup installs one)
+        before = counter.snapshot().compiled if counter is not None else 0
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-            if self.counter is not None:
-                self.compiled[name] = self.compiled.get(name, 0) + self.counter.snapshot().compiled - before
+            if counter is not None:
+                self.compiled[name] = self.compiled.get(name, 0) + counter.snapshot().compiled - before
 
     def fields(self) -> dict[str, Any]:
         """engine_ready's timing fields: startup_s, <phase>_s and (with a counter) compiled_during."""
