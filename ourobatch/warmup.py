@@ -11,9 +11,9 @@ exists and before the engine reports ready:
    once the executor exists, then finds every kernel compiled and only checks (a launch each). The
    graph captures and the request pass after it compile nothing (engine_ready's ``compiled_during``);
 2. ``graphs``: the CUDA graph captures of every bucket of the mode's calls (engine/cuda_graphs.py). With
-   early capture (kernel_prefetch.py, ``OUROBATCH_EARLY_CAPTURE=1``) the graphs without the loop-pass launch
-   come first, while that launch still compiles, then the prefetch's wait, then steps 1-3 as here (the graphs
-   step captures only what is left);
+   early capture (kernel_prefetch.py; on unless ``OUROBATCH_EARLY_CAPTURE=0``) the graphs without the loop-pass
+   launch come first, while that launch still compiles, then the prefetch's wait, then steps 1-3 as here (the
+   graphs step captures only what is left);
 3. ``requests``: a few rounds of dummy requests through a scratch EngineCore (its own Scheduler, this
    executor): a prefill of the whole token budget, a prefix-cache hit (a chunk after cached blocks), n = 2,
    decode and deep calls or verify, and every sampling variant (greedy, temperature, top-k / top-p /
