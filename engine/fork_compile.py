@@ -121,7 +121,7 @@ def _wait(pid: int, read_fd: int, timeout: float) -> str | None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([read_fd], [], [], left)[0]:
                 return None
-            chunk = os.read(read_fd, 256)
+            chunk = os.read(read_fd, 65536)
             if not chunk:  # EOF: the child has exited (or is exiting)
                 closed = True
                 break
@@ -187,6 +187,37 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
         _LOCAL.child = None
 
 
+def value_in_child(fn: Callable[[], str], timeout: float) -> str | None:
+    """fn() in a forked child, for a CPU-bound job that takes the GIL often (Triton's key: ~300 file reads and
+    ~400 chunks of libtriton): the child's interpreter has no other thread to hand the GIL to, while here the
+    weight load and the launch list would take it between every two steps. Returns fn()'s string, or None where
+    the fork, the child or its time (`timeout`) failed (the caller then runs fn itself)."""
+    with _FORK_LOCK, warnings.catch_warnings():  # as in compile_in_child: no other child inherits the write end
+        warnings.simplefilter("ignore", DeprecationWarning)
+        read_fd, write_fd = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        if pid == 0:
+            os.close(read_fd)
+            code = 1
+            try:
+                gc.disable()  # as in _child: no finalizer takes a lock a parent thread held at the fork
+                data = memoryview(f"{len(value := fn())}:{value}".encode())
+                while data:
+                    data = data[os.write(write_fd, data):]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+    report = _wait(pid, read_fd, timeout)
+    size, _, value = (report or "").partition(":")
+    return value if size.isdigit() and int(size) == len(value) else None  # a child cut short says nothing
+
+
 class ForkCompiler:
     """The executor triton.AsyncCompileMode takes: ``submit(fn)`` returns a finished Future (the calling
     thread waits for its child; each warm-up thread compiles one kernel at a time)."""
@@ -202,7 +233,8 @@ class ForkCompiler:
 
 def prime_key() -> tuple[float, str]:
     """Triton's own key (triton.runtime.cache.triton_key: a hash of its ~400 MB libtriton and its Python files,
-    ~0.6 s, mostly without the GIL), made known before the compiles that need it: every compile's cache key
+    0.3 s on a quiet core, 0.70-0.94 s in the H200 host's startup beside the other threads), made known before
+    the compiles that need it (read back or hashed in a forked child: engine/triton_key.py): every compile's cache key
     starts with it, its cache is not shared by threads that miss it at once (session 20's timeline: the first
     four launches each hashed it at the same time, ~1.1 s before their children could fork), and a forked child
     inherits it. engine/triton_key.py keeps it beside Triton's cache, so a later process reads it instead.
@@ -220,7 +252,7 @@ def prime_key() -> tuple[float, str]:
     knobs = getattr(getattr(triton, "knobs", None), "cache", None)
     folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(  # Triton's default
         os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
-    how = triton_key.prime(cache, folder)
+    how = triton_key.prime(cache, folder, in_child=value_in_child if enabled() else None)
     return time.perf_counter() - started, how
 
 

@@ -14,6 +14,10 @@ files is another fingerprint), and the path, size, mtime and inode of every file
 reads (``compiler``, ``backends``, ``language``), of ``runtime/cache.py`` and of ``_C/libtriton.*``: ~300 stats,
 ~2 ms. A reinstalled or edited Triton changes one of them, and the key is then hashed again and the file
 rewritten. A file that cannot be read or written only costs the hash.
+
+Both the stat fingerprint and the hash take the GIL hundreds of times, and the startup runs them beside its weight
+load and launch list, so ``prime`` runs them in a forked child where it is given one (fork_compile.prime_key
+gives fork_compile.value_in_child) and takes the key it sends back; a child that fails or hangs only costs doing it here.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Callable
 
 FILE = "ourobatch-triton-key.json"
 HASHED = ("compiler", "backends", "language")  # the folders triton_key reads, under Triton's own
+CHILD_TIMEOUT_S = 30.0  # a child hashing longer than this is stuck: hashed here instead
 
 
 def fingerprint(cache: ModuleType) -> str:
@@ -49,24 +54,41 @@ def fingerprint(cache: ModuleType) -> str:
     return digest.hexdigest()
 
 
-def prime(cache: ModuleType, cache_dir: str | os.PathLike) -> str:
+def prime(cache: ModuleType, cache_dir: str | os.PathLike,
+          in_child: Callable[[Callable[[], str], float], str | None] | None = None) -> str:
     """Make `cache.triton_key()` known in this process (forked children inherit it): the stored key where the
-    fingerprint matches, else hashed and stored. Returns how: "memory" (this process had it), "stored" or "hashed"."""
+    fingerprint matches, else hashed and stored. Returns how: "memory" (this process had it), "stored" or "hashed".
+
+    With `in_child` (fork_compile.value_in_child: fn() in a forked child, its string or None), the fingerprint,
+    the read and the hash run in a forked child: here the startup's other threads (the weight load, the launch
+    list) take the GIL between their ~300 stats and ~700 reads and digests. On the 2-core machine beside two busy Python threads: hashed 8.4-9.8 s here, 0.37-0.48 s
+    in a child; stored 0.81-1.13 s here, 0.03-0.05 s in a child (benchmarks/triton_key.py --busy 2; quiet, the
+    child adds ~15 ms). Resolved here if the child fails."""
     current = cache.triton_key
     if getattr(current, "ourobatch_stored", False) or _cached(current):
         return "memory"
+    found = in_child(lambda: ":".join(_resolve(cache, cache_dir)), CHILD_TIMEOUT_S) if in_child else None
+    how, _, key = found.partition(":") if found else ("", "", "")
+    if how not in ("stored", "hashed") or not key:
+        how, key = _resolve(cache, cache_dir)
+    cache.triton_key = _stored(key, current)
+    return how
+
+
+def _resolve(cache: ModuleType, cache_dir: str | os.PathLike) -> tuple[str, str]:
+    """("stored", the key) where the store's fingerprint matches, else ("hashed", Triton's own hash), then stored."""
+    current = cache.triton_key
     try:
         mark = fingerprint(cache)
     except (OSError, TypeError, ValueError):  # a Triton laid out otherwise: its own hash, nothing stored
-        current()
-        return "hashed"
+        return "hashed", current()
     path = Path(cache_dir) / FILE
     stored = _read(path, mark)
     if stored is not None:
-        cache.triton_key = _stored(stored, current)
-        return "stored"
-    _write(path, mark, current())
-    return "hashed"
+        return "stored", stored
+    key = current()
+    _write(path, mark, key)
+    return "hashed", key
 
 
 def _original(cache: ModuleType) -> Callable[[], str]:

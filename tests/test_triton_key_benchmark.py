@@ -23,14 +23,19 @@ def test_without_triton_it_names_what_it_needs(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--processes", "1"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 2 and "--processes must be >= 2" in run.stderr
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--busy", "-1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "--busy must be >= 0, got -1" in run.stderr
 
 
-@pytest.mark.parametrize("store", [True, False])
-def test_with_triton_the_later_processes_read_the_key(tmp_path, store):
+@pytest.mark.parametrize("store,here", [(True, False), (False, False), (False, True)])
+def test_with_triton_the_later_processes_read_the_key(tmp_path, store, here):
     pytest.importorskip("triton")  # where Triton is installed (CI has none)
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--processes", "2"]
-                         + ([] if store else ["--no-store"]), capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--processes", "2", "--busy", "1"]
+                         + ([] if store else ["--no-store"]) + (["--hash-here"] if here else []),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "triton_key.json").read_text())["rows"]
     assert [r["key"] for r in rows] == ["hashed", "stored" if store else "hashed"]
     assert len(rows[0]["compiles_s"]) == 6 and "| 2 |" in (tmp_path / "triton_key.md").read_text()
+    assert {(r["busy"], r["hashed_in"]) for r in rows} == {(1, "here" if here else "child")}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import fork_compile
 from engine import triton_key as tk
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,11 @@ def fake_triton(root: Path) -> Path:
     return root / "triton"
 
 
+def child(fork: bool):
+    """What fork_compile.prime_key gives prime: a forked child's runner, or None (here)."""
+    return fork_compile.value_in_child if fork else None
+
+
 def process(tree: Path):
     """runtime/cache.py as a new process would import it (its own in-memory cache, no calls yet)."""
     spec = importlib.util.spec_from_file_location(f"fake_triton_cache_{next(_names)}", tree / "runtime/cache.py")
@@ -83,10 +89,11 @@ def tree(tmp_path: Path) -> Path:
     return fake_triton(tmp_path / "site")
 
 
-def test_the_first_process_hashes_and_stores_a_later_one_reads(tree, tmp_path):
+@pytest.mark.parametrize("fork", [True, False], ids=["hashed in a child", "hashed here"])
+def test_the_first_process_hashes_and_stores_a_later_one_reads(tree, tmp_path, fork):
     store = tmp_path / "cache"
     first = process(tree)
-    assert tk.prime(first, store) == "hashed" and len(first.CALLS) == 1
+    assert tk.prime(first, store, in_child=child(fork)) == "hashed" and len(first.CALLS) == (0 if fork else 1)
     saved = json.loads((store / tk.FILE).read_text())
     assert saved["key"] == first.triton_key() == fresh_hash(tree)
     second = process(tree)
@@ -127,14 +134,15 @@ CHANGES = {
 }
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["hashed in a child", "hashed here"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_a_change_to_what_the_hash_reads_is_hashed_again(tree, tmp_path, change):
+def test_a_change_to_what_the_hash_reads_is_hashed_again(tree, tmp_path, change, fork):
     store = tmp_path / "cache"
-    assert tk.prime(process(tree), store) == "hashed"
+    assert tk.prime(process(tree), store, in_child=child(fork)) == "hashed"
     old = json.loads((store / tk.FILE).read_text())["key"]
     CHANGES[change](tree)
     later = process(tree)
-    assert tk.prime(later, store) == "hashed" and len(later.CALLS) == 1
+    assert tk.prime(later, store, in_child=child(fork)) == "hashed" and len(later.CALLS) == (0 if fork else 1)
     new = fresh_hash(tree)
     assert later.triton_key() == new != old
     again = process(tree)  # and the store now holds the new one
@@ -191,9 +199,9 @@ def _prime_in_a_process(pythonpath: str, cache_dir: Path) -> list[str]:
 def test_prime_key_in_two_processes(tree, tmp_path):
     path = f"{tree.parent}{os.pathsep}{REPO}"
     how, key, calls = _prime_in_a_process(path, tmp_path / "cache")
-    assert (how, calls) == ("hashed", "1") and key == fresh_hash(tree)
+    assert (how, calls) == ("hashed", "0") and key == fresh_hash(tree)  # hashed in a forked child
     assert _prime_in_a_process(path, tmp_path / "cache") == ["stored", key, "0"]
-    assert _prime_in_a_process(path, tmp_path / "other") == ["hashed", key, "1"]  # another cache: its own store
+    assert _prime_in_a_process(path, tmp_path / "other") == ["hashed", key, "0"]  # another cache: its own store
 
 
 def test_prime_key_without_triton(tmp_path):
@@ -214,3 +222,25 @@ def test_the_real_triton_key_is_stored_and_read_back(tmp_path):
     plain = subprocess.run([sys.executable, "-c", "from triton.runtime.cache import triton_key; print(triton_key())"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert plain.stdout.strip() == key
+
+
+def test_a_child_that_fails_or_hangs_costs_only_the_hash_here(tree, tmp_path, monkeypatch):
+    for broken in ("raise RuntimeError('boom')", "os._exit(3)", "time.sleep(30)"):
+        module = process(tree)
+        original = module.triton_key
+        here = []
+
+        def key_fn(broken=broken, original=original):
+            if os.getpid() != parent:  # only in the child: it fails, or outlives the timeout
+                exec(broken, {"os": os, "time": __import__("time")})
+            here.append(1)
+            return original()
+
+        parent = os.getpid()
+        module.triton_key = functools.lru_cache()(key_fn)
+        monkeypatch.setattr(tk, "CHILD_TIMEOUT_S", 2.0)
+        monkeypatch.setattr(tk, "fingerprint", lambda cache: "mark")  # key_fn has no Triton-shaped source
+        assert tk.prime(module, tmp_path / broken[:5], in_child=fork_compile.value_in_child) == "hashed"
+        assert here == [1] and module.triton_key() == fresh_hash(tree)  # hashed here, once, after the child
+    assert fork_compile.value_in_child(lambda: "k" * 100_000, 10.0) == "k" * 100_000  # past a pipe's buffer
+    assert fork_compile.value_in_child(lambda: "", 10.0) == ""
