@@ -252,6 +252,9 @@ def prime_key() -> tuple[float, str]:
     knobs = getattr(getattr(triton, "knobs", None), "cache", None)
     folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(  # Triton's default
         os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
+    import pkgutil  # noqa: F401 - what triton_key imports: here, so a child never waits on an import lock
+    import sysconfig  # noqa: F401
+
     how = triton_key.prime(cache, folder, in_child=value_in_child if enabled() else None)
     return time.perf_counter() - started, how
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 FILE = "ourobatch-triton-key.json"
 HASHED = ("compiler", "backends", "language")  # the folders triton_key reads, under Triton's own
-CHILD_TIMEOUT_S = 30.0  # a child hashing longer than this is stuck: hashed here instead
+CHILD_TIMEOUT_S = 10.0  # a child past this (~0.3-0.5 s is usual) is stuck: killed, and resolved here instead
 
 
 def fingerprint(cache: ModuleType) -> str:
