@@ -83,6 +83,7 @@ def child(args) -> dict:
         return dict(config=args.config, import_s=imported, ready_s=ready,
                     start_to_ready_s=ready_at - args.spawned_at if args.spawned_at else None,
                     phases={p: ev.get(f"{p}_s") for p in PHASES}, startup_s=ev.get("startup_s"),
+                    setup_checks_s=ev.get("setup_checks_s"),  # the part of setup before the compile caches
                     kernels_compiled=compiled.get("compiled"), kernels_loaded=compiled.get("loaded"),
                     compile_s=compiled.get("seconds"), warmup_kernels=_strip(events.get("warmup_kernels")),
                     prefetch_kernels=_strip(events.get("warmup_kernels_prefetch")),

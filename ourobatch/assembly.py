@@ -184,9 +184,10 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
     clock = StartupClock()
-    with clock.phase("setup"):  # the checks (the device's context, Triton's import), the compile cache's folders
-        mc, dtype = check_before_loading(config)
-        max_model_len = effective_max_model_len(config, mc)
+    with clock.phase("setup"):  # the checks (the device's first use), the compile caches (Triton's import)
+        with clock.phase("setup_checks"):
+            mc, dtype = check_before_loading(config)
+            max_model_len = effective_max_model_len(config, mc)
         compiles = StartupCompiles(config.compile_cache_dir, config.device)
     if max_model_len < config.max_model_len:
         log.warning("max_model_len_capped", requested=config.max_model_len,
