@@ -274,9 +274,10 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
 
 
 def warm_kernels(s: KernelShapes, device: torch.device, threads: int | None = None,
-                 should_stop: Callable[[], bool] | None = None,
-                 milestone: "warmup_pass.Milestone | None" = None) -> KernelReport:
+                 should_stop: Callable[[], bool] | None = None, milestone: "warmup_pass.Milestone | None" = None,
+                 setup: "warmup_pass.PassSetup | None" = None) -> KernelReport:
     """Launch one call of every specialization (CUDA only; engine/warmup_pass.py runs them), `threads` at a time
     (default: warmup_pass.NUM_THREADS, else its default_threads), their compiles in forked children where
-    fork_compile is on; `milestone`: told when every launch but the loop-pass launch's has ended."""
-    return warmup_pass.run_pass(lambda: task_list(s, device), device, threads, should_stop, milestone)
+    fork_compile is on; `milestone`: told when every launch but the loop-pass launch's has ended; `setup`: the
+    driver and Triton's key, started before (warmup_pass.PassSetup)."""
+    return warmup_pass.run_pass(lambda: task_list(s, device), device, threads, should_stop, milestone, setup)

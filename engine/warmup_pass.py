@@ -7,8 +7,9 @@ Theory of operation (forked). The pass is as long as its slowest chain: the loop
 ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
 same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
-it, engine/triton_key.py; else hashed) and the driver made ready (its gcc build on an empty cache), each in a
-thread of its own, while this thread lists the launches; then the kernels' per-device caches (`_prepare`,
+it, engine/triton_key.py; else hashed; in a forked child either way) and the driver made ready (its gcc build on
+an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them beside its checks and
+Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches (`_prepare`,
 ~0.05 s: so two first launches of one kernel cannot race to make them);
 the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
 Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
@@ -187,24 +188,64 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], ps: _Pass, stopped: Cal
     report.add([f.result() for f in futures])
 
 
+class PassSetup:
+    """What the pass needs before its first fork, started early: Triton's driver (its first use in a process builds
+    its utilities with gcc: 0.4-1.4 s on an empty cache on the H200 host) and Triton's own key (fork_compile.
+    prime_key), each in a thread of its own, and whether the launches fork. The engine's startup starts it as soon
+    as the compile cache's folder is set (ourobatch/assembly.py), so both run beside its checks and Triton's import
+    (0.4-0.7 s) instead of after them; a pass without one starts its own. A context manager: its exit waits for
+    both threads. CUDA devices only (elsewhere nothing starts and nothing forks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        on = device.type == "cuda" and fork_compile.enabled()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-pass-setup") if on else None
+        self.key = self._pool.submit(_key) if self._pool else None
+        self.driver = self._pool.submit(_timed, _driver, device) if self._pool else None
+
+    def __enter__(self) -> "PassSetup":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def forking(self, report: KernelReport) -> bool:
+        """Waits for the driver: whether the launches can fork (its seconds into `report`)."""
+        if self.driver is None:
+            return False
+        ready, report.driver_seconds = self.driver.result()
+        return ready and fork_compile.available()
+
+    def key_into(self, report: KernelReport) -> None:
+        """Waits for the key: its seconds and source into `report` (nothing where it failed: the launches hash)."""
+        if self.key is not None and self.key.exception() is None and self.key.result() is not None:
+            report.key_seconds, report.key_source = self.key.result()
+
+
+def _key() -> tuple[float, str] | None:
+    return fork_compile.prime_key() if fork_compile.available() else None
+
+
 def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: KernelReport,
-            started: float) -> tuple[list[Task], bool]:
-    """Triton's driver and Triton's own key in threads of their own (forking only; the driver's first use in a
-    process builds its utilities with gcc, ~0.3-1.1 s on an empty cache), the launch list beside them, then the
-    kernels' per-device caches. Returns the list and whether the launches fork."""
-    forking = device.type == "cuda" and fork_compile.available()
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-pass-setup") as primer:
-        key = primer.submit(fork_compile.prime_key) if forking else None
-        driver = primer.submit(_timed, _driver, device) if forking else None
+            started: float, setup: PassSetup | None = None) -> tuple[list[Task], bool]:
+    """The launch list, beside `setup`'s driver and key (this pass's own where none is given), then the kernels'
+    per-device caches. Returns the list and whether the launches fork."""
+    own = setup is None
+    setup = PassSetup(device) if own else setup
+    try:
         tasks = tasks_of()
         report.list_seconds = time.perf_counter() - started
-        if driver is not None:
-            forking, report.driver_seconds = driver.result()
+        forking = setup.forking(report)
         t = time.perf_counter()
         forking = forking and _prepare(device)
         report.prepare_seconds = time.perf_counter() - t
-        if key is not None and key.exception() is None:
-            report.key_seconds, report.key_source = key.result()
+        setup.key_into(report)
+    finally:
+        if own:
+            setup.close()
     return tasks, forking
 
 
@@ -214,15 +255,17 @@ def _timed(fn: Callable, *args) -> tuple:
 
 
 def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: int | None = None,
-             should_stop: Callable[[], bool] | None = None, milestone: Milestone | None = None) -> KernelReport:
+             should_stop: Callable[[], bool] | None = None, milestone: Milestone | None = None,
+             setup: PassSetup | None = None) -> KernelReport:
     """Run every launch `tasks_of()` lists (CUDA: forked where fork_compile is available), `threads` at a time
     (default: NUM_THREADS, else default_threads); `should_stop()` true: no further launch starts. `milestone`: told
     of each launch's end (closed when the pass ends, however); the launches then run on a stream of their own, and
-    the pass ends by syncing it, not the device (a graph may be capturing in another thread meanwhile)."""
+    the pass ends by syncing it, not the device (a graph may be capturing in another thread meanwhile). `setup`:
+    the driver and key started before the pass (PassSetup; else the pass starts its own)."""
     report, started = KernelReport(), time.perf_counter()
     stopped = lambda: should_stop is not None and bool(should_stop())  # noqa: E731
     try:
-        tasks, forking = _before(device, tasks_of, report, started)
+        tasks, forking = _before(device, tasks_of, report, started, setup)
         if milestone is not None:
             milestone.expect(tasks)
         ps = _Pass(device, started, threading.Semaphore(PARENT_SLOTS) if forking else None, milestone,

@@ -13,6 +13,7 @@ from engine.executor import ModelExecutor, resolve_attention, resolve_cuda_graph
 from engine.kv_cache import KVPool
 from engine.loader import LoadTimings, expected_shapes, load_model
 from engine.model import OuroForCausalLM
+from engine.warmup_pass import PassSetup
 from scheduler.config import SchedulerConfig, check_shallow_loops
 from ourobatch.runtime.engine_core import EngineCore
 from ourobatch.log import get_logger
@@ -178,44 +179,58 @@ def tensor_names(mc: OuroConfig) -> list[str]:
     return [n for n in expected_shapes(mc) if not (mc.tie_word_embeddings and n == "lm_head.weight")]
 
 
+def _weights(config: EngineConfig, model: OuroForCausalLM | None, dtype: torch.dtype, should_stop,
+             clock: StartupClock, loading: LoadTimings | None) -> OuroForCausalLM:
+    """The "weights" phase: the checkpoint loaded (unless a model is given) and its projections fused."""
+    with clock.phase("weights"):
+        if model is None:
+            model = load_model(config.model, dtype, config.device, should_stop, loading)
+            model.fuse_projections()
+    return model
+
+
+def _executor(config: EngineConfig, model: OuroForCausalLM, pool: KVPool, max_model_len: int) -> ModelExecutor:
+    return ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
+                         max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
+                         deep_interval=config.deep_interval, attention=config.attention_backend,
+                         cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
+                         head_dtype=resolve_head_dtype(config), max_num_batched_tokens=config.max_num_batched_tokens)
+
+
 def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None,
                       should_stop: Callable[[], bool] | None = None) -> EngineCore:
     """Load the checkpoint and wire model, pool, executor and scheduler. Blocking (loads weights).
 
     `model`: an already loaded model of this checkpoint, dtype and device, to share (benchmarks)."""
-    clock = StartupClock()
-    with clock.phase("setup"):  # the checks (the device's first use), the compile caches (Triton's import)
-        with clock.phase("setup_checks"):
-            mc, dtype = check_before_loading(config)
-            max_model_len = effective_max_model_len(config, mc)
-        compiles = StartupCompiles(config.compile_cache_dir, config.device)
-    if max_model_len < config.max_model_len:
-        log.warning("max_model_len_capped", requested=config.max_model_len,
-                    max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
-    clock.counter, loading = compiles.counter, LoadTimings() if model is None else None
-    plan = WarmupPlan.for_engine(config.warmup, config.device)
-    shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
-    # the kernels compile while the weights load (they need only the config's shapes)
-    with KernelPrefetch(shapes, config.device, clock, should_stop, early=early_capture()) as prefetch:
-        with clock.phase("weights"):
-            if model is None:
-                model = load_model(config.model, dtype, config.device, should_stop, loading)
-                model.fuse_projections()
-        prefetch.loaded()
-        with clock.phase("kv_pool"):
-            num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
-            pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
-        with clock.phase("executor"):  # its buffers, the layer stack, the graph cache
-            executor = ModelExecutor(model, pool, config.device, max_num_seqs=config.max_num_seqs,
-                                     max_blocks_per_seq=math.ceil(max_model_len / config.block_size),
-                                     deep_interval=config.deep_interval, attention=config.attention_backend,
-                                     cuda_graphs=config.cuda_graphs, logprobs_mode=config.logprobs_mode,
-                                     head_dtype=resolve_head_dtype(config),
-                                     max_num_batched_tokens=config.max_num_batched_tokens)
-        scheduler_config = make_scheduler_config(config, mc, num_blocks)
-        # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now, so no request pays them
-        warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
-                async_scheduling=resolve_async_scheduling(config), should_stop=should_stop, prefetch=prefetch)
+    clock, plan = StartupClock(), WarmupPlan.for_engine(config.warmup, config.device)
+    with clock.phase("setup"):
+        check_machine(config)  # its clear errors before anything starts
+        compiles = StartupCompiles(config.compile_cache_dir, config.device)  # the folders, before the driver's build
+    # Triton's driver and key start now, beside the checks and Triton's import (engine/warmup_pass.PassSetup)
+    with PassSetup(torch.device(config.device) if plan.kernels else torch.device("cpu")) as setup:
+        with clock.phase("setup"):  # the checks (the device's first use), then the compile counter (Triton's import)
+            with clock.phase("setup_checks"):
+                mc, dtype = check_before_loading(config)
+                max_model_len = effective_max_model_len(config, mc)
+            clock.counter = compiles.count()
+        if max_model_len < config.max_model_len:
+            log.warning("max_model_len_capped", requested=config.max_model_len,
+                        max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
+        shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
+        loading = LoadTimings() if model is None else None
+        # the kernels compile while the weights load (they need only the config's shapes)
+        with KernelPrefetch(shapes, config.device, clock, should_stop, early=early_capture(), setup=setup) as prefetch:
+            model = _weights(config, model, dtype, should_stop, clock, loading)
+            prefetch.loaded()
+            with clock.phase("kv_pool"):
+                num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, dtype)
+                pool = KVPool.for_model(mc, num_blocks, config.block_size, dtype, config.device)
+            with clock.phase("executor"):  # its buffers, the layer stack, the graph cache
+                executor = _executor(config, model, pool, max_model_len)
+            scheduler_config = make_scheduler_config(config, mc, num_blocks)
+            # kernels, CUDA graphs (every bucket of the mode's calls) and dummy requests now: no request pays them
+            warm_up(executor, scheduler_config, plan, clock, seed=config.seed,
+                    async_scheduling=resolve_async_scheduling(config), should_stop=should_stop, prefetch=prefetch)
 
     def extra_stats() -> dict:
         stats = {"max_model_len": max_model_len, "kv_capacity_tokens": pool.num_blocks * pool.block_size,

@@ -161,11 +161,17 @@ class StartupCompiles:
     ``kernels_compiled`` event at ready: how many kernels were compiled and loaded from the cache, in how long."""
 
     def __init__(self, compile_cache_dir: str | os.PathLike | None, device: str) -> None:
+        """Sets the folders (no import); count() installs the counter (imports Triton)."""
         self.setting = self.counter = self.before = None
         if device.startswith("cuda"):
             self.setting = configure(compile_cache_dir)
+
+    def count(self) -> "CompileCounter | None":
+        """Install the counter (CUDA) and take the count from here; returns it (None: nothing counts)."""
+        if self.setting is not None and self.counter is None:
             self.counter = install_compile_counter()
             self.before = self.counter.snapshot() if self.counter is not None else None
+        return self.counter
 
     def log(self) -> CompileCounts | None:
         if self.counter is None or self.before is None:

@@ -22,6 +22,7 @@ executor exists, compiles whatever it missed.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,12 +50,13 @@ def early_capture() -> bool:
 class KernelPrefetch:
     """The compile pass beside the weight load (module docstring). `shapes` None: nothing to prefetch (CPU, or
     warmup off); `clock`: the StartupClock whose "kernels" phase counts the waits; `run`: the pass (tests give
-    their own: run(shapes, device, should_stop, milestone) -> report)."""
+    their own: run(shapes, device, should_stop, milestone) -> report); `setup`: the driver and Triton's key, started
+    before (engine/warmup_pass.PassSetup; the default pass takes it, else starts its own)."""
 
     def __init__(self, shapes: Callable[[], Any] | None, device: str, clock, should_stop: Callable[[], bool] | None
-                 = None, *, early: bool = False, run: Callable[..., Any] | None = None) -> None:
+                 = None, *, early: bool = False, run: Callable[..., Any] | None = None, setup: Any = None) -> None:
         self.shapes, self.device, self.clock, self.should_stop = shapes, device, clock, should_stop
-        self.early, self._run = early, run or _warm_kernels
+        self.early, self._run = early, run or functools.partial(_warm_kernels, setup=setup)
         self._stop = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future | None = None
@@ -120,10 +122,11 @@ class KernelPrefetch:
             self._pool.shutdown(wait=True)
 
 
-def _warm_kernels(shapes: Callable[[], Any], device: torch.device, should_stop: Callable[[], bool], milestone):
+def _warm_kernels(shapes: Callable[[], Any], device: torch.device, should_stop: Callable[[], bool], milestone,
+                  setup=None):
     from engine import kernel_warmup
 
-    return kernel_warmup.warm_kernels(shapes(), device, should_stop=should_stop, milestone=milestone)
+    return kernel_warmup.warm_kernels(shapes(), device, should_stop=should_stop, milestone=milestone, setup=setup)
 
 
 def log_kernels(event: str, report) -> None:
