@@ -579,19 +579,27 @@ def test_the_cold_start_report_shows_the_compile_passs_tail_and_its_peak():
 
 
 def test_the_warm_up_reports_each_launchs_times_in_order_of_their_end(monkeypatch):
+    import threading
     import time
 
     from engine import kernel_warmup as kw
     from engine.warmup_order import Task
 
-    def task(i: int, seconds: float, fails: bool = False) -> Task:
+    ended = {i: threading.Event() for i in range(4)}
+
+    def task(i: int, seconds: float, fails: bool = False, after: tuple[int, ...] = ()) -> Task:
         def launch() -> None:
-            time.sleep(seconds)
-            if fails:
-                raise RuntimeError("no such kernel")
+            try:
+                for j in after:  # ends last by construction (gates, not a race of sleeps)
+                    assert ended[j].wait(60), f"k{j} never ended"
+                time.sleep(seconds)
+                if fails:
+                    raise RuntimeError("no such kernel")
+            finally:
+                ended[i].set()
         return Task("gemm", launch, frozenset({f"k{i}"}), ((f"k{i}", i),))
 
-    tasks = [task(0, 0.05), task(1, 0.3), task(2, 0.01, fails=True), task(3, 0.1)]
+    tasks = [task(0, 0.05), task(1, 0.3, after=(0, 2, 3)), task(2, 0.01, fails=True), task(3, 0.1)]
     monkeypatch.setattr(kw, "task_list", lambda s, device: tasks)
     report = kw.warm_kernels(None, torch.device("cpu"), threads=4)
     line = report.timeline  # one entry per launch, by end, queued <= given its slot <= ended, within the pass
