@@ -191,8 +191,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"prefill included), through the async Engine; process 1 starts with an empty compile cache, "
              f"process 2 with the folder process 1 filled. start to ready: from the process's spawn "
              f"(interpreter, imports) to the engine ready; warm = the last round.", "",
-             "| config | process | start to ready s | import s | ready s | setup | weights | KV pool | executor | kernels | "
-             "graphs | requests | other | compiled / loaded | round s | first / warm | compiles, captures per round | "
+             "| config | process | start to ready s | import s | ready s | setup | weights | KV pool | executor | "
+             "kernels | graphs | requests | other | compiled / loaded | round s | first / warm | compiles, captures per round | "
              "prefix-cache hits |", "|---" * 18 + "|"]
     for r in rows:
         ph, rounds = r["phases"], r["rounds"]

@@ -17,7 +17,8 @@ rewritten. A file that cannot be read or written only costs the hash.
 
 Both the stat fingerprint and the hash take the GIL hundreds of times, and the startup runs them beside its weight
 load and launch list, so ``prime`` runs them in a forked child where it is given one (fork_compile.prime_key
-gives fork_compile.value_in_child) and takes the key it sends back; a child that fails or hangs only costs doing it here.
+gives fork_compile.value_in_child) and takes the key it sends back; a child that fails or hangs only costs doing
+it here.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def prime(cache: ModuleType, cache_dir: str | os.PathLike,
 
     With `in_child` (fork_compile.value_in_child: fn() in a forked child, its string or None), the fingerprint,
     the read and the hash run in a forked child: here the startup's other threads (the weight load, the launch
-    list) take the GIL between their ~300 stats and ~700 reads and digests. On the 2-core machine beside two busy Python threads: hashed 8.4-9.8 s here, 0.37-0.48 s
-    in a child; stored 0.81-1.13 s here, 0.03-0.05 s in a child (benchmarks/triton_key.py --busy 2; quiet, the
-    child adds ~15 ms). Resolved here if the child fails."""
+    list) take the GIL between their ~300 stats and ~700 reads and digests. On the 2-core machine beside two busy
+    Python threads: hashed 8.4-9.8 s here, 0.37-0.48 s in a child; stored 0.81-1.13 s here, 0.03-0.05 s in a
+    child (benchmarks/triton_key.py --busy 2; quiet, the child adds ~15 ms). Resolved here if the child fails."""
     current = cache.triton_key
     if getattr(current, "ourobatch_stored", False) or _cached(current):
         return "memory"

@@ -9,8 +9,8 @@ the first children forked, the first four launches each hashing Triton's own key
 same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
 it, engine/triton_key.py; else hashed; in a forked child either way) and the driver made ready (its gcc build on
 an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them beside its checks and
-Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches (`_prepare`,
-~0.05 s: so two first launches of one kernel cannot race to make them);
+Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches
+(`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
 the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
 Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
 children, at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the

@@ -140,8 +140,8 @@ def test_warmup_true_on_cpu_does_nothing_and_ready_reports_the_startup_phases(ck
     caplog.set_level(logging.INFO, logger="ourobatch")
     core = build_engine_core(config(ckpts["gqa"]))
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine_ready")]
-    assert len(ready) == 1 and all(f"{p}_s=" in ready[0] for p in ("startup", "setup", "setup_checks", "weights", "kv_pool",
-                                                             "executor"))
+    phases = ("startup", "setup", "setup_checks", "weights", "kv_pool", "executor")
+    assert len(ready) == 1 and all(f"{p}_s=" in ready[0] for p in phases)
     assert not any(r.getMessage().startswith("warmup_") for r in caplog.records)
     assert core.stats()["requests_added"] == 0
     core.close()
