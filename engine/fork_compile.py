@@ -96,20 +96,50 @@ def triton_child(fn: Callable[[], Any]) -> bool:
     return bool(hits) and not all(hits)
 
 
-def _child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool], write_fd: int) -> None:
-    """In the child: in_child(fn), report "<compiled> <seconds>", leave. Never returns."""
+def _child(report: Callable[[], str], write_fd: int, niceness: int) -> None:
+    """In the child: report() written whole to the pipe, then leave (exit 1 where it raised). Never returns."""
     code = 1
     try:
         gc.disable()  # a finalizer could take a lock (the CUDA allocator's) a parent thread held at the fork
-        os.nice(CHILD_NICENESS)  # the parent's weight load first
-        started = time.perf_counter()
-        compiled = in_child(fn)
-        os.write(write_fd, f"{int(compiled)} {time.perf_counter() - started:.6f}".encode())
+        if niceness:
+            os.nice(niceness)
+        data = memoryview(report().encode())
+        while data:
+            data = data[os.write(write_fd, data):]
         code = 0
-    except BaseException:  # noqa: BLE001 - the parent compiles it instead
+    except BaseException:  # noqa: BLE001 - the parent does the work instead
         code = 1
     finally:
         os._exit(code)
+
+
+def _fork(report: Callable[[], str], niceness: int = 0) -> tuple[int, int, float] | None:
+    """A forked child running _child(report): (its pid, the pipe's read end, the fork's seconds), or None where no
+    process could be had. Under the lock from the pipe to closing its write end here: a child forked by another
+    thread in between would inherit that write end and hold this child's EOF until it exits too."""
+    with _FORK_LOCK, warnings.catch_warnings():
+        # Python 3.12 warns on fork in a threaded process: the child runs no other thread's code
+        warnings.simplefilter("ignore", DeprecationWarning)
+        read_fd, write_fd = os.pipe()
+        started = time.perf_counter()
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had (memory, limits)
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        if pid == 0:
+            os.close(read_fd)
+            _child(report, write_fd, niceness)
+        os.close(write_fd)
+        return pid, read_fd, time.perf_counter() - started
+
+
+def _compiled(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool]) -> str:
+    """The compile child's report: "<compiled> <seconds>" of in_child(fn)."""
+    started = time.perf_counter()
+    compiled = in_child(fn)
+    return f"{int(compiled)} {time.perf_counter() - started:.6f}"
 
 
 def _wait(pid: int, read_fd: int, timeout: float) -> str | None:
@@ -139,25 +169,8 @@ def compile_in_child(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any
                      timeout: float = CHILD_TIMEOUT_S) -> Any:
     """in_child(fn) in a forked child (for fn's side effects on disk; it returns whether fn compiled), then
     fn() here; returns the latter. A child that fails or times out: fn() here all the same."""
-    # Under the lock from the pipe to closing its write end here: a child forked by another thread in
-    # between would inherit that write end and hold this child's EOF until it exits too.
-    with _FORK_LOCK, warnings.catch_warnings():
-        # Python 3.12 warns on fork in a threaded process: the child runs no other thread's code
-        warnings.simplefilter("ignore", DeprecationWarning)
-        read_fd, write_fd = os.pipe()
-        forked = time.perf_counter()
-        try:
-            pid = os.fork()
-        except OSError:  # no process to be had (memory, limits): compile here
-            os.close(read_fd)
-            os.close(write_fd)
-            pid = -1
-        if pid == 0:
-            os.close(read_fd)
-            _child(fn, in_child, write_fd)
-        forked = time.perf_counter() - forked
-        if pid > 0:
-            os.close(write_fd)
+    child = _fork(lambda: _compiled(fn, in_child), CHILD_NICENESS)  # niced: the parent's weight load first
+    pid, read_fd, forked = child if child is not None else (-1, -1, 0.0)  # no process: compile here
     report, started = None, time.perf_counter()
     on_fork = getattr(_LOCAL, "on_fork", None)
     if on_fork is not None:
@@ -192,29 +205,11 @@ def value_in_child(fn: Callable[[], str], timeout: float) -> str | None:
     ~400 chunks of libtriton): the child's interpreter has no other thread to hand the GIL to, while here the
     weight load and the launch list would take it between every two steps. Returns fn()'s string, or None where
     the fork, the child or its time (`timeout`) failed (the caller then runs fn itself)."""
-    with _FORK_LOCK, warnings.catch_warnings():  # as in compile_in_child: no other child inherits the write end
-        warnings.simplefilter("ignore", DeprecationWarning)
-        read_fd, write_fd = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(read_fd)
-            os.close(write_fd)
-            return None
-        if pid == 0:
-            os.close(read_fd)
-            code = 1
-            try:
-                gc.disable()  # as in _child: no finalizer takes a lock a parent thread held at the fork
-                data = memoryview(f"{len(value := fn())}:{value}".encode())
-                while data:
-                    data = data[os.write(write_fd, data):]
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-    report = _wait(pid, read_fd, timeout)
-    size, _, value = (report or "").partition(":")
+    child = _fork(lambda: f"{len(value := fn())}:{value}")
+    if child is None:
+        return None
+    pid, read_fd, _ = child
+    size, _, value = (_wait(pid, read_fd, timeout) or "").partition(":")
     return value if size.isdigit() and int(size) == len(value) else None  # a child cut short says nothing
 
 
@@ -250,8 +245,7 @@ def prime_key() -> tuple[float, str]:
     from . import triton_key
 
     knobs = getattr(getattr(triton, "knobs", None), "cache", None)
-    folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or os.path.join(  # Triton's default
-        os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
+    folder = getattr(knobs, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or triton_key.default_dir()
     import pkgutil  # noqa: F401 - what triton_key imports: here, so a child never waits on an import lock
     import sysconfig  # noqa: F401
 

@@ -38,6 +38,11 @@ HASHED = ("compiler", "backends", "language")  # the folders triton_key reads, u
 CHILD_TIMEOUT_S = 10.0  # a child past this (~0.3-0.5 s is usual) is stuck: killed, and resolved here instead
 
 
+def default_dir() -> str:
+    """Triton's own default cache folder: $TRITON_HOME/.triton/cache, TRITON_HOME defaulting to the home folder."""
+    return os.path.join(os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
+
+
 def fingerprint(cache: ModuleType) -> str:
     """A digest of everything `cache.triton_key` (triton.runtime.cache's) reads, by stat, and of its source."""
     key_fn = _original(cache)

@@ -45,8 +45,10 @@ class CacheSetting:
 
 
 def default_triton_dir() -> str:
-    """Triton's own default: $TRITON_HOME/.triton/cache, TRITON_HOME defaulting to the home folder."""
-    return os.path.join(os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
+    """Triton's own default folder (engine/triton_key.default_dir, which the key's store also uses)."""
+    from engine.triton_key import default_dir
+
+    return default_dir()
 
 
 def _set(var: str, value: str | None) -> str | None:
