@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from . import fork_compile
+from .ahead_compile import AheadCompile
 from .warmup_order import KernelReport, Task, entry, head_first, staged
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
@@ -196,8 +197,10 @@ class PassSetup:
     (0.4-0.7 s) instead of after them; a pass without one starts its own. A context manager: its exit waits for
     both threads. CUDA devices only (elsewhere nothing starts and nothing forks)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, shapes=None) -> None:
         on = device.type == "cuda" and fork_compile.enabled()
+        # `shapes` (KernelShapes): the loop-pass launch's compile forked first, before this setup's threads start
+        self.ahead = AheadCompile.start(shapes, device) if on and shapes is not None else None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-pass-setup") if on else None
         self.key = self._pool.submit(_key) if self._pool else None
         self.driver = self._pool.submit(_timed, _driver, device) if self._pool else None
@@ -209,8 +212,12 @@ class PassSetup:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+        finally:
+            if self.ahead is not None:
+                self.ahead.close()
 
     def forking(self, report: KernelReport) -> bool:
         """Waits for the driver: whether the launches can fork (its seconds into `report`)."""
@@ -237,6 +244,8 @@ def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: Ke
     setup = PassSetup(device) if own else setup
     try:
         tasks = tasks_of()
+        if setup.ahead is not None:  # its kernel's launches wait for the child that compiles it
+            tasks = [setup.ahead.wrap(t) for t in tasks]
         report.list_seconds = time.perf_counter() - started
         forking = setup.forking(report)
         t = time.perf_counter()
@@ -286,5 +295,7 @@ def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: 
         if milestone is not None:
             milestone.close()
     report.seconds = time.perf_counter() - started
+    if setup is not None and setup.ahead is not None:
+        report.ahead_into(setup.ahead, started)
     report.timeline.sort(key=lambda e: e["end"])
     return report

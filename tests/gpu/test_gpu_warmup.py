@@ -204,3 +204,57 @@ def test_early_capture_with_the_loop_pass_launch_loaded_and_launched_inside_a_ca
         assert r["failed"] == [], r["failed"]  # the held launch itself worked (not compiled later instead)
         assert (r["compiled"], r["loaded"], r["captures"]) == (0, 0, 0), r
     assert early["tokens"] == plain["tokens"]
+
+
+AHEAD_CHILD = """
+import json, sys
+from structlog.testing import capture_logs
+from ourobatch import EngineConfig, SamplingParams, SyncEngine, compile_cache
+
+cfg = EngineConfig(model=sys.argv[1], compile_cache_dir=sys.argv[2], **json.loads(sys.argv[3]))
+counter = compile_cache.install_compile_counter()
+with capture_logs() as logs, SyncEngine(cfg) as engine:
+    before = counter.snapshot()
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=10, seed=i, temperature=0.0 if i % 2 else 1.0, ignore_eos=True)
+              for i in range(6)]
+    outs = engine.generate_batch(prompts, params)
+    after = counter.snapshot()
+prefetch = [e for e in logs if e["event"] == "warmup_kernels_prefetch"][0]
+timeline = [e for e in logs if e["event"] == "warmup_kernels_prefetch_timeline"][0]["tasks"]
+print(json.dumps(dict(tokens=[c.token_ids for o in outs for c in o.outputs], ahead=prefetch["ahead"],
+                      round=(after.compiled - before.compiled, after.loaded - before.loaded),
+                      layers_children=[len(t["children"]) for t in timeline if "gluon_layers" in t["key"]
+                                       and t["task"] != "ahead"],
+                      failed=[e["error"] for e in logs if e["event"] in ("warmup_kernel_failed",
+                                                                         "warmup_kernels_prefetch_failed")])))
+"""
+
+
+def test_the_loop_pass_launchs_compile_forked_ahead_is_the_pass_launchs(tmp_path):
+    # engine/ahead_compile.py: a child forked before the pass compiles the loop-pass kernel for the GPU's target
+    # without touching it; the pass's launch must then find exactly that kernel on disk (no child of its own), a
+    # second process find it there without compiling, and the tokens be those of an engine without it
+    from engine import layers_dispatch
+
+    if not layers_dispatch.switch_on() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the loop-pass launch runs on Hopper with OUROBATCH_DECODE_LAYERS on")
+    ckpt = make_tiny_checkpoint(tmp_path / "m", dtype=torch.bfloat16, **LAUNCH_SHAPE)
+    config = json.dumps(dict(mode="deferred", deep_interval=4, **{**CONFIG, "block_size": 16}))
+    runs = []
+    for ahead, cache in (("1", "on"), ("1", "on"), ("0", "off")):
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+        env["OUROBATCH_AHEAD_COMPILE"] = ahead
+        run = subprocess.run([sys.executable, "-c", AHEAD_CHILD, str(ckpt), str(tmp_path / cache), config],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    first, second, off = runs
+    a = first["ahead"]
+    assert a["ok"] and a["compiled"] and a["launcher"] and a["key"] == "hashed" and a["forked"] < 0, a
+    assert first["layers_children"] == [0], first  # the pass's launch compiled nothing itself
+    assert second["ahead"]["ok"] and not second["ahead"]["compiled"] and second["ahead"]["key"] == "stored"
+    assert off["ahead"] == {} and off["layers_children"] and off["layers_children"][0] >= 1, off
+    for r in runs:
+        assert r["failed"] == [] and r["round"] == (0, 0), r
+    assert first["tokens"] == off["tokens"] == second["tokens"]
