@@ -3,12 +3,12 @@ its compiles in forked children (engine/fork_compile.py) where they can be, and 
 went.
 
 Theory of operation (forked). The pass is as long as its slowest chain: the loop-pass launch's compile alone takes
-~4-5 s on the H200 host, so what matters is how soon its child is forked. Session 20's timeline showed two things
-ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
+~4-5 s on the H200 host, so what matters is how soon its child is forked (now before the pass: ahead_compile.py).
+Session 20's timeline showed two things ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
 the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
 same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
 it, engine/triton_key.py; else hashed; in a forked child either way) and the driver made ready (its gcc build on
-an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them beside its checks and
+an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them after its checks, beside
 Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches
 (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
 the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
@@ -192,10 +192,11 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], ps: _Pass, stopped: Cal
 class PassSetup:
     """What the pass needs before its first fork, started early: Triton's driver (its first use in a process builds
     its utilities with gcc: 0.4-1.4 s on an empty cache on the H200 host) and Triton's own key (fork_compile.
-    prime_key), each in a thread of its own, and whether the launches fork. The engine's startup starts it as soon
-    as the compile cache's folder is set (ourobatch/assembly.py), so both run beside its checks and Triton's import
-    (0.4-0.7 s) instead of after them; a pass without one starts its own. A context manager: its exit waits for
-    both threads. CUDA devices only (elsewhere nothing starts and nothing forks)."""
+    prime_key), each in a thread of its own, and whether the launches fork; given the KernelShapes, first the
+    loop-pass launch's compile (engine/ahead_compile.py), forked before those threads start. The engine's startup
+    starts it once its checks have passed (ourobatch/assembly.py), so both threads run beside Triton's import
+    instead of after it; a pass without one starts its own. A context manager: its exit waits for both threads,
+    then reaps the ahead child. CUDA devices only (elsewhere nothing starts and nothing forks)."""
 
     def __init__(self, device: torch.device, shapes=None) -> None:
         on = device.type == "cuda" and fork_compile.enabled()
