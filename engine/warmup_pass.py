@@ -5,16 +5,16 @@ went.
 Theory of operation (forked). The pass is as long as its slowest chain: the loop-pass launch's compile alone takes
 ~4-5 s on the H200 host, so what matters is how soon its child is forked (now before the pass: ahead_compile.py).
 Session 20's timeline showed two things ahead of it: ~1 s before the first launch (Triton's driver, the kernels'
-per-device caches) and ~1.1 s more before the first children forked, the first four launches each hashing
-Triton's own key (~400 MB of libtriton) at the same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
-it, engine/triton_key.py; else hashed; in a forked child either way) and the driver made ready (its gcc build on
-an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them after its checks, beside
-Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches
-(`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
-the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
-Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
-children, at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the
-launches run in `staged` stages (warmup_order).
+per-device caches) and ~1.1 s more before the first children forked, the first four launches each hashing Triton's
+own key (~400 MB of libtriton) at the same time. So: Triton's key is made known once (read back from its cache
+folder where a process before stored it, engine/triton_key.py; else hashed; in a forked child either way) and the
+driver made ready (its gcc build on an empty cache), each in a thread of its own (PassSetup: the engine's startup
+starts them after its checks, beside Triton's import, before the pass), while this thread lists the launches; then
+the kernels' per-device caches (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
+the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their Python
+work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their children,
+at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the launches run in
+`staged` stages (warmup_order).
 """
 
 from __future__ import annotations
