@@ -129,9 +129,12 @@ def test_the_pass_puts_the_child_in_its_timeline_and_report():
 
 
 def test_the_switch(monkeypatch):
-    for value, on in (("", True), ("1", True), ("on", True), ("0", False), ("off", False)):
+    default = ahead_compile.DEFAULT == "1"
+    for value, on in (("", default), ("1", True), ("on", True), ("0", False), ("off", False)):
         monkeypatch.setenv(ahead_compile.ENV, value)
         assert ahead_compile.enabled() is (on and fork_compile.enabled())
+    monkeypatch.delenv(ahead_compile.ENV)
+    assert ahead_compile.enabled() is (default and fork_compile.enabled())
     monkeypatch.setenv(ahead_compile.ENV, "maybe")
     with pytest.raises(ValueError, match="OUROBATCH_AHEAD_COMPILE must be 1"):
         ahead_compile.enabled()
