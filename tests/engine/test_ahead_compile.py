@@ -5,7 +5,8 @@ waits for the child and counts its compile, others do not wait, a failed or stuc
 child nobody waited for is killed and reaped, and run_pass puts the child in its timeline and report. Where
 Triton is installed: the real child compiles gluon_layers.warm_compile for sm90 with no GPU, and a second child
 finds it on disk with the stored key; a process that then compiles the same launch through the JIT path (as the
-pass does, its driver naming sm90) loads it from the cache."""
+pass does, its driver naming sm90) loads it from the cache, and warm_compile hands the kernel what warm_launch
+launches it with."""
 
 from __future__ import annotations
 
@@ -182,3 +183,37 @@ def test_the_real_child_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
                             json.dumps(LAUNCH_KWARGS)], capture_output=True, text=True, timeout=300, cwd=root,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])})
     assert other.returncode == 0 and json.loads(other.stdout.strip().splitlines()[-1]) == [False]  # can fail
+
+
+def test_the_compile_ahead_passes_the_warm_launchs_arguments(monkeypatch):
+    # what makes the child's kernel the pass's: warm_compile hands layers_kernel what warm_launch launches it with
+    # (tensors by dtype and shape, descriptors by box, layout and shape, numbers by value, the same constexprs)
+    pytest.importorskip("triton.experimental.gluon")
+    from types import SimpleNamespace
+
+    from engine import gluon_layers, pdl
+
+    calls = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.__setitem__("launch", (grid, args, kw))
+
+        def warmup(self, *args, grid, **kw):
+            calls["compile"] = ((grid[0],), args, kw)
+
+    def described(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", x.dtype, tuple(x.shape), x.data_ptr() % 16 == 0)
+        if hasattr(x, "block_shape"):
+            return ("descriptor", tuple(x.block_shape), repr(x.layout), tuple(x.shape))
+        return x
+
+    monkeypatch.setattr(gluon_layers, "layers_kernel", Recorder())
+    s = SimpleNamespace(dtype=torch.bfloat16, **SHAPE)
+    cpu = torch.device("cpu")
+    gluon_layers.warm_launch(s, 3, 2, cpu)
+    gluon_layers.warm_compile(s, 3, 2, pdl.num_sms(cpu), pdl.launch_kwargs(cpu))
+    (g1, a1, k1), (g2, a2, k2) = calls["launch"], calls["compile"]
+    assert g1 == g2 and k1 == k2 and len(a1) == len(a2) == 36
+    assert [described(x) for x in a1] == [described(x) for x in a2]
