@@ -217,3 +217,16 @@ def test_the_compile_ahead_passes_the_warm_launchs_arguments(monkeypatch):
     (g1, a1, k1), (g2, a2, k2) = calls["launch"], calls["compile"]
     assert g1 == g2 and k1 == k2 and len(a1) == len(a2) == 36
     assert [described(x) for x in a1] == [described(x) for x in a2]
+
+
+def test_the_benchmark_compiles_then_finds_it_on_disk(tmp_path):
+    pytest.importorskip("triton.experimental.gluon")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "ahead_compile.py"), "--out", str(tmp_path),
+                          "--children", "2", "--hidden", "1024", "--inter", "2816", "--heads", "8", "--layers", "3"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "ahead_compile.json").read_text())["rows"]
+    assert [(r["compiled"], r["key"]) for r in rows] == [(True, "hashed"), (False, "stored")]
+    assert rows[0]["child_s"] > rows[1]["child_s"] > 0 and "| 2 | False | stored |" in (tmp_path / "ahead_compile.md").read_text()
