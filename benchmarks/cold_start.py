@@ -156,23 +156,9 @@ def _strip(event: dict | None) -> dict | None:
     return None if event is None else {k: v for k, v in event.items() if k not in ("event", "log_level")}
 
 
-SWITCHES = {"early": ("early_capture", "OUROBATCH_EARLY_CAPTURE"),  # tag: (the option's field, the env variable)
-            "ahead": ("ahead_compile", "OUROBATCH_AHEAD_COMPILE")}
-
-
-def variants(args) -> list[dict[str, str | None]]:
-    """Each process pair's switch values, {field: "0" / "1" / None (the environment's)}: every combination of the
-    --early-capture and --ahead-compile settings."""
-    out: list[dict[str, str | None]] = [{}]
-    for field, _ in SWITCHES.values():
-        values = {"env": [None], "0": ["0"], "1": ["1"], "both": ["0", "1"]}[getattr(args, field)]
-        out = [{**v, field: x} for v in out for x in values]
-    return out
-
-
-def spawn(args, config: str, cache_dir: str, process: int, switches: dict[str, str | None] | None = None) -> dict:
-    """Run one child process; its JSON line is the last line of its stdout. `switches` (variants): each switch's
-    env value (None: this process's environment's); "1" marks the row's config "+<tag>"."""
+def spawn(args, config: str, cache_dir: str, process: int, early: str | None = None) -> dict:
+    """Run one child process; its JSON line is the last line of its stdout. `early`: its OUROBATCH_EARLY_CAPTURE
+    (None: this process's environment's); "1" marks the row's config "+early"."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--cache-dir", cache_dir,
            "--out", args.out, "-N", str(args.N), "-P", str(args.P), "-M", str(args.M), "--device", args.device,
            "--dtype", args.dtype, "--workdir", args.workdir, "--shallow-loops", str(args.shallow_loops),
@@ -183,18 +169,16 @@ def spawn(args, config: str, cache_dir: str, process: int, switches: dict[str, s
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--no-warmup"] if args.no_warmup else []
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    switches = switches or {}
-    for field, name in SWITCHES.values():
-        if switches.get(field) is not None:
-            env[name] = switches[field]
+    if early is not None:
+        env["OUROBATCH_EARLY_CAPTURE"] = early
     t = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if run.returncode != 0:
         raise RuntimeError(f"{config} process {process} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     row = json.loads(run.stdout.strip().splitlines()[-1])
-    row.update(process=process, process_wall_s=time.perf_counter() - t,
-               **{field: switches.get(field) for field, _ in SWITCHES.values()})
-    row["config"] = config + "".join(f"+{tag}" for tag, (field, _) in SWITCHES.items() if switches.get(field) == "1")
+    row.update(process=process, process_wall_s=time.perf_counter() - t, early_capture=early)
+    if early == "1":
+        row["config"] = f"{config}+early"
     return row
 
 
@@ -248,10 +232,6 @@ def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
         before = ", ".join(f"{k} {pre[f'{k}_seconds']:.2f} s" for k in ("driver", "list", "key", "prepare")
                            if pre.get(f"{k}_seconds") is not None)
         before += f" (key {pre['key_source']})" if pre.get("key_source") else ""
-        if (ahead := pre.get("ahead")) and ahead.get("ok"):  # engine/ahead_compile.py's child
-            before += (f"; ahead compile forked at {ahead['forked']:.2f} s, reported at {ahead['reported']:.2f} s "
-                       f"({'compiled' if ahead['compiled'] else 'on disk'}, {ahead['seconds']:.2f} s, key "
-                       f"{ahead['key']}), waited for {ahead['waited']:.2f} s")
         if tasks and not children:  # every kernel was cached: when the launches started and ended
             out += ["", f"{r['config']}, process {r['process']}: {before + '; ' if before else ''}{len(tasks)} "
                     f"launches, no child, the first queued at {min(t['queued'] for t in tasks):.2f} s, the last "
@@ -297,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--early-capture", choices=("env", "0", "1", "both"), default="env",
                     help="OUROBATCH_EARLY_CAPTURE of the processes (ourobatch/kernel_prefetch.py): the environment's, "
                          "off, on, or both (each config off, then on, each with its own empty cache)")
-    ap.add_argument("--ahead-compile", choices=("env", "0", "1", "both"), default="env",
-                    help="OUROBATCH_AHEAD_COMPILE of the processes (engine/ahead_compile.py), as --early-capture")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process, each with its own prompts (>= 2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -321,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_checkpoint(args)  # written once, before any timed process
     rows = []
-    for name, switches in [(n, v) for n in names for v in variants(args)]:
+    settings = {"env": [None], "0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.early_capture]
+    for name, early in [(n, e) for n in names for e in settings]:
         cache_dir = tempfile.mkdtemp(prefix=f"ourobatch-cold-{name}-")
         try:
             for process in (1, 2):
-                rows.append(spawn(args, name, cache_dir, process, switches))
+                rows.append(spawn(args, name, cache_dir, process, early))
                 print(json.dumps(rows[-1]), flush=True)
                 meta = dict(date=datetime.date.today().isoformat(), device=args.device, dtype=args.dtype, N=args.N,
                             P=args.P, M=args.M, rounds=args.rounds, device_name=rows[-1].get("device_name"),

@@ -59,7 +59,6 @@ fi
 status=0
 if [ "$what" = startup ]; then  # the startup's GPU tests (warm-up, captures, graphed prefill), then `cold` below
   GPU_TESTS=${GPU_TESTS:-tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_startup.py tests/gpu/test_gpu_prefill_graph.py}
-  [ $# -eq 0 ] && set -- --ahead-compile both  # no cold_start.py arguments: the newest startup switch off, then on
 fi
 if [ -z "${GPU_TESTS:-}" ] && [ -n "${GPU_TESTS_PART:-}" ]; then  # i/n: every n-th file of tests/gpu from the i-th
   part=${GPU_TESTS_PART%/*}; parts=${GPU_TESTS_PART#*/}  # (the whole suite outgrew one 600 s device call)

@@ -1,18 +1,21 @@
 """Triton compiles in forked child processes, for the startup warm-up (engine/kernel_warmup.py).
 
-Theory of operation. A Triton compile holds the GIL for much of its time, so threads reach only ~4x (8 threads:
-30 s of compiles in 6.5-8.5 s on the H200), and fresh worker processes lose 4-6 s each to the interpreter, torch
-and a CUDA context before their first compile (docs/benchmarks.md, session 6). A forked child starts in
-milliseconds with everything imported. Triton (>= 3.5) routes the compiles of a thread that is inside
-``triton.AsyncCompileMode(executor)`` through ``executor.submit(compile_fn)``; `ForkCompiler` is that executor:
-``submit`` forks a child that runs ``compile_fn`` (which writes the kernel into Triton's on-disk cache) and builds
-the kernel's launcher module (gcc, cached on disk too), waits for it (the GIL is free while it waits), then runs
-``compile_fn`` itself, which now finds the kernel on disk and only loads it (milliseconds; the compile counter,
-ourobatch/compile_cache.py, asks `child_result()`). The child never touches CUDA: a compile needs only the target,
-which the parent's Triton already resolved, and the child leaves with ``os._exit`` (no finalizers, no CUDA
-teardown). It runs with the garbage collector and Triton's compilation listener off, so it takes no lock a parent
-thread may have held at the fork. A child that fails or outlives `CHILD_TIMEOUT_S` only costs the compile in the
-parent, as before.
+Theory of operation. A Triton compile holds the GIL for much of its time, so threads reach only ~4x (8
+threads: 30 s of compiles in 6.5-8.5 s on the H200), and fresh worker processes lose 4-6 s each to the
+interpreter, torch and a CUDA context before their first compile (docs/benchmarks.md, session 6). A forked
+child starts in milliseconds with everything imported. Triton (>= 3.5) routes the compiles of a
+thread that is inside ``triton.AsyncCompileMode(executor)`` through ``executor.submit(compile_fn)``;
+`ForkCompiler` is that executor: ``submit`` forks a child that runs ``compile_fn`` (which writes the
+kernel into Triton's on-disk cache) and builds the kernel's launcher module (gcc, cached on disk too),
+waits for it (the GIL is free while it waits), then runs ``compile_fn`` itself, which now finds the
+kernel on disk and only loads it (milliseconds). The child never touches CUDA: a compile needs only the
+target, which the parent's Triton already resolved, and the child leaves with ``os._exit`` (no
+finalizers, no CUDA teardown). It runs with the garbage collector and Triton's compilation listener off,
+so it takes no lock a parent thread may have held at the fork. A child that fails or outlives
+`CHILD_TIMEOUT_S` only costs the compile in the parent, as before.
+
+Counting: the parent's re-run is a disk-cache hit, so ourobatch/compile_cache.py's counter asks
+`child_result()` and counts a kernel its child compiled as compiled (with the child's time).
 
 ``OUROBATCH_FORK_COMPILE=0`` turns it off (threads only). Nothing here imports Triton or torch until
 `compiles_in_children` is entered with it on.
@@ -132,32 +135,6 @@ def _fork(report: Callable[[], str], niceness: int = 0) -> tuple[int, int, float
         return pid, read_fd, time.perf_counter() - started
 
 
-def fork_report(report: Callable[[], str], niceness: int = 0) -> tuple[int, int, float] | None:
-    """A forked child that runs report() (engine/ahead_compile.py): a handle for read_report, or None (no process)."""
-    return _fork(report, niceness)
-
-
-def read_report(child: tuple[int, int, float], timeout: float) -> str | None:
-    """fork_report's child's string, or None where it failed or outlived `timeout` (then killed); reaped. Once."""
-    return _wait(child[0], child[1], timeout)
-
-
-@contextlib.contextmanager
-def compiled_elsewhere(wait: Callable[[], tuple[bool, float] | None]) -> Iterator[None]:
-    """A launch whose kernel a child forked elsewhere compiles (engine/ahead_compile.py): this thread's `recording`
-    is told of that child, wait() (its (compiled, seconds), None where it failed) runs with the parent slot let
-    go, and the block's compiles that load its kernel count as its (child_result)."""
-    on_fork = getattr(_LOCAL, "on_fork", None)
-    if on_fork is not None:
-        on_fork()
-    with _slot_let_go():
-        _LOCAL.child = wait()
-    try:
-        yield
-    finally:
-        _LOCAL.child = None
-
-
 def _compiled(fn: Callable[[], Any], in_child: Callable[[Callable[[], Any]], bool]) -> str:
     """The compile child's report: "<compiled> <seconds>" of in_child(fn)."""
     started = time.perf_counter()
@@ -231,7 +208,8 @@ def value_in_child(fn: Callable[[], str], timeout: float) -> str | None:
     child = _fork(lambda: f"{len(value := fn())}:{value}")
     if child is None:
         return None
-    size, _, value = (read_report(child, timeout) or "").partition(":")
+    pid, read_fd, _ = child
+    size, _, value = (_wait(pid, read_fd, timeout) or "").partition(":")
     return value if size.isdigit() and int(size) == len(value) else None  # a child cut short says nothing
 
 

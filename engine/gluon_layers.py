@@ -251,21 +251,6 @@ def _descriptors(stack: "LayerStack", k: torch.Tensor, v: torch.Tensor) -> tuple
     return found
 
 
-def _arguments(h: torch.Tensor, out: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torch.Tensor, meta,
-               inv_freq: torch.Tensor, eps: float, scale: float, trace: torch.Tensor | None) -> tuple[tuple, dict]:
-    """layers_kernel's arguments and constexprs for one loop pass (launch_layers and warm_compile alike: the same
-    values make the same specialization, so a compile ahead of the launch is the launch's)."""
-    rows, hidden = h.shape
-    L, _, page, heads, d = k.shape
-    args = (*_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
-            meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens,
-            stack.counters, stack.row_sums, stack.counters if trace is None else trace,
-            L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634)
-    return args, dict(H=hidden, QKV=stack.qkv_width, INTER=stack.inter, HEADS=heads, D=d, PAGE=page,
-                      XCHUNKS=ld.staged_chunks(hidden, stack.inter), x_layout=X_LAYOUT, STAGES=ld.STAGES,
-                      TRACE=trace is not None, num_warps=4)
-
-
 def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torch.Tensor, meta,
                   inv_freq: torch.Tensor, eps: float, scale: float, trace: torch.Tensor | None = None) -> torch.Tensor:
     """One loop pass over every layer: h [rows <= 8, hidden] (the loop's input) -> the loop's readout
@@ -273,9 +258,16 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     are written at meta.slots. layer_stack.layers_run says which calls come here. trace (measuring only): int64
     [SMs, layers, TRACE_EVENTS], each CTA's global-timer stamps (gluon_layers_stage.stamp's events)."""
     h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
+    rows, hidden = h.shape
+    L, _, page, heads, d = k.shape
     out = torch.empty_like(h)
-    args, constexprs = _arguments(h, out, stack, k, v, meta, inv_freq, eps, scale, trace)
-    layers_kernel[(pdl.num_sms(h.device),)](*args, **constexprs, **pdl.launch_kwargs(h.device))
+    layers_kernel[(pdl.num_sms(h.device),)](
+        *_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
+        meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens, stack.counters,
+        stack.row_sums, stack.counters if trace is None else trace,
+        L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634, H=hidden, QKV=stack.qkv_width,
+        INTER=stack.inter, HEADS=heads, D=d, PAGE=page, XCHUNKS=ld.staged_chunks(hidden, stack.inter),
+        x_layout=X_LAYOUT, STAGES=ld.STAGES, TRACE=trace is not None, num_warps=4, **pdl.launch_kwargs(h.device))
     return out
 
 
@@ -290,37 +282,19 @@ def run_loops(model, h: torch.Tensor, meta, pool, first_loop: int, last_loop: in
     return readouts
 
 
-def _warm_inputs(s, rows: int, layers: int, device: torch.device, make=torch.zeros) -> tuple:
-    """warm_launch's inputs, zeros: weights for two layers only (the TMA reads past them come back as zeros),
-    everything the launch writes or reads by pointer for all of them; a table row as wide as the engine's.
-    `make`: the weights' (torch.empty for a compile alone: ~200 MB never touched). Returns (h, stack, k, v, meta)."""
+def warm_launch(s, rows: int, layers: int, device: torch.device) -> None:
+    """One loop-pass launch of `rows` requests through `layers` layers on zeros, for the startup's compile pass
+    (kernel_warmup): weights for two layers only (the TMA reads past them come back as zeros), everything the
+    launch writes or reads by pointer for all of them; a table row as wide as the engine's."""
     H, inter, heads, d = s.hidden_size, s.intermediate_size, s.num_heads, s.head_dim
     z = dict(dtype=s.dtype, device=device)
     qkv = (heads + 2 * s.num_kv_heads) * d
-    stack = LayerStack(make(2 * qkv, H, **z), make(2 * H, H, **z), make(4 * inter, H, **z), make(2 * H, inter, **z),
-                       torch.ones(len(NORMS), layers, H, **z), torch.ones(H, **z),
+    stack = LayerStack(torch.zeros(2 * qkv, H, **z), torch.zeros(2 * H, H, **z), torch.zeros(4 * inter, H, **z),
+                       torch.zeros(2 * H, inter, **z), torch.ones(len(NORMS), layers, H, **z), torch.ones(H, **z),
                        torch.ones(d // 2, dtype=torch.float32, device=device), layers, weight_layers=2)
     k = torch.zeros(layers, 2, s.block_size, s.num_kv_heads, d, **z)
     meta = SimpleNamespace(positions=torch.zeros(rows, dtype=torch.int64, device=device),
                            slots=torch.zeros(rows, dtype=torch.int64, device=device),
                            block_tables=torch.zeros(rows, s.table_width, dtype=torch.int32, device=device),
                            context_lens=torch.ones(rows, dtype=torch.int32, device=device))
-    return torch.zeros(rows, H, **z), stack, k, torch.zeros_like(k), meta
-
-
-def warm_launch(s, rows: int, layers: int, device: torch.device) -> None:
-    """One loop-pass launch of `rows` requests through `layers` layers on zeros, for the startup's compile pass
-    (kernel_warmup)."""
-    h, stack, k, v, meta = _warm_inputs(s, rows, layers, device)
-    launch_layers(h, stack, k, v, meta, stack.inv_freq, s.eps, s.head_dim**-0.5)
-
-
-def warm_compile(s, rows: int, layers: int, num_sms: int, launch_kwargs: dict) -> object:
-    """warm_launch's compile without a GPU (engine/ahead_compile.py: in a child whose Triton driver only names the
-    target): the same arguments on CPU stand-ins (a tensor's specialization is its dtype and its 16-byte
-    alignment, a descriptor's its box and layout), the device's grid size and launch options (pdl.launch_kwargs)
-    given. Returns Triton's compiled kernel (into its cache)."""
-    h, stack, k, v, meta = _warm_inputs(s, rows, layers, torch.device("cpu"), torch.empty)
-    args, constexprs = _arguments(h, torch.empty_like(h), stack, k, v, meta, stack.inv_freq, s.eps,
-                                  s.head_dim**-0.5, None)
-    return layers_kernel.warmup(*args, **constexprs, **launch_kwargs, grid=(num_sms,))
+    launch_layers(torch.zeros(rows, H, **z), stack, k, torch.zeros_like(k), meta, stack.inv_freq, s.eps, d**-0.5)

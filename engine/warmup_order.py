@@ -51,17 +51,6 @@ class KernelReport:
     key_seconds: float = 0.0  # Triton's own key, made known beside all three (fork_compile.prime_key)
     key_source: str = ""  # how: "hashed", "stored" (engine/triton_key.py), "memory"; "" not asked, "none"
     timeline: list[dict] = field(default_factory=list)  # per launch (`entry`), by its end
-    ahead: dict = field(default_factory=dict)  # the compile forked ahead of the pass (engine/ahead_compile.py)
-
-    def ahead_into(self, ahead, zero: float) -> None:
-        """An AheadCompile's child, once waited for: its line in the timeline and its result in `ahead`."""
-        line = ahead.entry(zero)
-        if line is not None:
-            self.timeline.append(line)
-            r = ahead.join()
-            self.ahead = dict(ok=r.ok, compiled=r.compiled, seconds=round(r.seconds, 3), key=r.key,
-                              launcher=r.launcher, waited=round(r.waited, 3), forked=line["queued"],
-                              reported=line["end"])
 
     def add(self, results: list[tuple[str, float, str | None, dict]]) -> None:
         """Launches' (name, seconds, error or None, timeline entry)."""

@@ -3,18 +3,18 @@ its compiles in forked children (engine/fork_compile.py) where they can be, and 
 went.
 
 Theory of operation (forked). The pass is as long as its slowest chain: the loop-pass launch's compile alone takes
-~4-5 s on the H200 host, so what matters is how soon its child is forked (now before the pass: ahead_compile.py).
-Session 20's timeline showed two things ahead of it: ~1 s before the first launch (Triton's driver, the kernels'
-per-device caches) and ~1.1 s more before the first children forked, the first four launches each hashing Triton's
-own key (~400 MB of libtriton) at the same time. So: Triton's key is made known once (read back from its cache
-folder where a process before stored it, engine/triton_key.py; else hashed; in a forked child either way) and the
-driver made ready (its gcc build on an empty cache), each in a thread of its own (PassSetup: the engine's startup
-starts them after its checks, beside Triton's import, before the pass), while this thread lists the launches; then
-the kernels' per-device caches (`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
-the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their Python
-work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their children,
-at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the launches run in
-`staged` stages (warmup_order).
+~4-5 s on the H200 host, so what matters is how soon its child is forked. Session 20's timeline showed two things
+ahead of it: ~1 s before the first launch (Triton's driver, the kernels' per-device caches) and ~1.1 s more before
+the first children forked, the first four launches each hashing Triton's own key (~400 MB of libtriton) at the
+same time. So: Triton's key is made known once (read back from its cache folder where a process before stored
+it, engine/triton_key.py; else hashed; in a forked child either way) and the driver made ready (its gcc build on
+an empty cache), each in a thread of its own (PassSetup: the engine's startup starts them beside its checks and
+Triton's import, before the pass), while this thread lists the launches; then the kernels' per-device caches
+(`_prepare`, ~0.05 s: so two first launches of one kernel cannot race to make them);
+the slowest kernels' launches (warmup_order.SLOWEST) start first, each alone until its child is forked (their
+Python work meets no other thread's); then every other launch starts at once, `threads` threads waiting on their
+children, at most PARENT_SLOTS working in this process at a time. Where fork is off or `_prepare` fails, the
+launches run in `staged` stages (warmup_order).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Callable
 import torch
 
 from . import fork_compile
-from .ahead_compile import AheadCompile
 from .warmup_order import KernelReport, Task, entry, head_first, staged
 
 NUM_THREADS: int | None = None  # compile threads; None: `default_threads` (benchmarks/cold_start.py --threads)
@@ -192,16 +191,13 @@ def _forked(pool: ThreadPoolExecutor, tasks: list[Task], ps: _Pass, stopped: Cal
 class PassSetup:
     """What the pass needs before its first fork, started early: Triton's driver (its first use in a process builds
     its utilities with gcc: 0.4-1.4 s on an empty cache on the H200 host) and Triton's own key (fork_compile.
-    prime_key), each in a thread of its own, and whether the launches fork; given the KernelShapes, first the
-    loop-pass launch's compile (engine/ahead_compile.py), forked before those threads start. The engine's startup
-    starts it once its checks have passed (ourobatch/assembly.py), so both threads run beside Triton's import
-    instead of after it; a pass without one starts its own. A context manager: its exit waits for both threads,
-    then reaps the ahead child. CUDA devices only (elsewhere nothing starts and nothing forks)."""
+    prime_key), each in a thread of its own, and whether the launches fork. The engine's startup starts it as soon
+    as the compile cache's folder is set (ourobatch/assembly.py), so both run beside its checks and Triton's import
+    (0.4-0.7 s) instead of after them; a pass without one starts its own. A context manager: its exit waits for
+    both threads. CUDA devices only (elsewhere nothing starts and nothing forks)."""
 
-    def __init__(self, device: torch.device, shapes=None) -> None:
+    def __init__(self, device: torch.device) -> None:
         on = device.type == "cuda" and fork_compile.enabled()
-        # `shapes` (KernelShapes): the loop-pass launch's compile forked first, before this setup's threads start
-        self.ahead = AheadCompile.start(shapes, device) if on and shapes is not None else None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ourobatch-pass-setup") if on else None
         self.key = self._pool.submit(_key) if self._pool else None
         self.driver = self._pool.submit(_timed, _driver, device) if self._pool else None
@@ -213,12 +209,8 @@ class PassSetup:
         self.close()
 
     def close(self) -> None:
-        try:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-        finally:
-            if self.ahead is not None:
-                self.ahead.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def forking(self, report: KernelReport) -> bool:
         """Waits for the driver: whether the launches can fork (its seconds into `report`)."""
@@ -245,8 +237,6 @@ def _before(device: torch.device, tasks_of: Callable[[], list[Task]], report: Ke
     setup = PassSetup(device) if own else setup
     try:
         tasks = tasks_of()
-        if setup.ahead is not None:  # its kernel's launches wait for the child that compiles it
-            tasks = [setup.ahead.wrap(t) for t in tasks]
         report.list_seconds = time.perf_counter() - started
         forking = setup.forking(report)
         t = time.perf_counter()
@@ -296,7 +286,5 @@ def run_pass(tasks_of: Callable[[], list[Task]], device: torch.device, threads: 
         if milestone is not None:
             milestone.close()
     report.seconds = time.perf_counter() - started
-    if setup is not None and setup.ahead is not None:
-        report.ahead_into(setup.ahead, started)
     report.timeline.sort(key=lambda e: e["end"])
     return report

@@ -206,23 +206,20 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
     with clock.phase("setup"):
         check_machine(config)  # its clear errors before anything starts
         compiles = StartupCompiles(config.compile_cache_dir, config.device)  # the folders, before the driver's build
-        with clock.phase("setup_checks"):  # (the device's first use)
-            mc, dtype = check_before_loading(config)
-            max_model_len = effective_max_model_len(config, mc)
-        shapes = kernel_shapes_for(config, mc, dtype, max_model_len) if plan.kernels else None
-        # the loop-pass launch's compile forked first (engine/ahead_compile.py), then Triton's driver and key start
-        # in threads, beside Triton's import (engine/warmup_pass.PassSetup)
-        setup = PassSetup(torch.device(config.device) if plan.kernels else torch.device("cpu"), shapes)
-    with setup:
-        with clock.phase("setup"):
-            clock.counter = compiles.count()  # (Triton's import)
+    # Triton's driver and key start now, beside the checks and Triton's import (engine/warmup_pass.PassSetup)
+    with PassSetup(torch.device(config.device) if plan.kernels else torch.device("cpu")) as setup:
+        with clock.phase("setup"):  # the checks (the device's first use), then the compile counter (Triton's import)
+            with clock.phase("setup_checks"):
+                mc, dtype = check_before_loading(config)
+                max_model_len = effective_max_model_len(config, mc)
+            clock.counter = compiles.count()
         if max_model_len < config.max_model_len:
             log.warning("max_model_len_capped", requested=config.max_model_len,
                         max_position_embeddings=mc.max_position_embeddings, effective=max_model_len)
+        shapes = (lambda: kernel_shapes_for(config, mc, dtype, max_model_len)) if plan.kernels else None
         loading = LoadTimings() if model is None else None
         # the kernels compile while the weights load (they need only the config's shapes)
-        with KernelPrefetch(None if shapes is None else lambda: shapes, config.device, clock, should_stop,
-                            early=early_capture(), setup=setup) as prefetch:
+        with KernelPrefetch(shapes, config.device, clock, should_stop, early=early_capture(), setup=setup) as prefetch:
             model = _weights(config, model, dtype, should_stop, clock, loading)
             prefetch.loaded()
             with clock.phase("kv_pool"):

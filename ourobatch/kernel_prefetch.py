@@ -143,5 +143,5 @@ def log_kernels(event: str, report) -> None:
              fork_on_disk=forks.on_disk, failures=len(report.failures),
              driver_seconds=round(report.driver_seconds, 3), list_seconds=round(report.list_seconds, 3),
              key_seconds=round(report.key_seconds, 3), key_source=report.key_source,
-             prepare_seconds=round(report.prepare_seconds, 3), ahead=report.ahead)
+             prepare_seconds=round(report.prepare_seconds, 3))
     log.debug(f"{event}_timeline", tasks=report.timeline)  # by end: where the pass's wall time goes

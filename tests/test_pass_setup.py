@@ -20,8 +20,6 @@ from ourobatch.testing import make_tiny_checkpoint
 class FakeSetup:
     """PassSetup's interface, recording what the pass asked."""
 
-    ahead = None  # no compile forked ahead (engine/ahead_compile.py)
-
     def __init__(self) -> None:
         self.asked: list[str] = []
 
@@ -38,8 +36,8 @@ class FakeSetup:
 def test_a_pass_given_a_setup_takes_its_answers_and_starts_none_of_its_own(monkeypatch):
     ran, started = [], []
     init = warmup_pass.PassSetup.__init__
-    monkeypatch.setattr(warmup_pass.PassSetup, "__init__", lambda self, device, shapes=None: started.append(device)
-                        or init(self, device, shapes))
+    monkeypatch.setattr(warmup_pass.PassSetup, "__init__", lambda self, device: started.append(device)
+                        or init(self, device))
     tasks = [Task("gemm", lambda i=i: ran.append(i), frozenset({"x"}), ((i,),)) for i in range(3)]
     setup = FakeSetup()
     report = warmup_pass.run_pass(lambda: tasks, torch.device("cpu"), 2, setup=setup)
@@ -65,32 +63,8 @@ def test_a_setup_without_a_gpu_forks_nothing_and_its_exit_joins_its_threads(monk
 
 def test_the_startup_checks_the_machine_before_it_starts_the_setup(monkeypatch, tmp_path):
     started = []
-    monkeypatch.setattr(assembly, "PassSetup", lambda device, shapes=None: started.append(device))
+    monkeypatch.setattr(assembly, "PassSetup", lambda device: started.append(device))
     ckpt = make_tiny_checkpoint(tmp_path / "m")
     with pytest.raises(ValueError, match="device='cuda:7'"):
         assembly.build_engine_core(EngineConfig(model=str(ckpt), device="cuda:7"))
     assert started == []
-
-
-def test_the_ahead_compile_forks_before_the_setups_threads_and_is_reaped_after_them(monkeypatch, tmp_path):
-    # engine/ahead_compile.py: a fork while the driver's or the key's thread runs could leave the child a lock
-    # that thread held; the child is reaped once the threads are joined
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    events = []
-
-    class Ahead:
-        def close(self) -> None:
-            events.append(("close", sorted(t.name for t in threading.enumerate() if "pass-setup" in t.name)))
-
-    def start(shapes, device):
-        events.append(("start", shapes, device, [t.name for t in threading.enumerate() if "pass-setup" in t.name]))
-        return Ahead()
-
-    monkeypatch.setattr(warmup_pass.AheadCompile, "start", staticmethod(start))
-    shapes = object()
-    with warmup_pass.PassSetup(torch.device("cuda"), shapes) as setup:
-        assert isinstance(setup.ahead, Ahead) and setup.driver is not None
-    assert events == [("start", shapes, torch.device("cuda"), []), ("close", [])]
-    with warmup_pass.PassSetup(torch.device("cpu"), shapes) as setup:  # a CPU engine forks nothing
-        assert setup.ahead is None
-    assert len(events) == 2
