@@ -31,11 +31,15 @@ from .test_warmup import shapes
 WAIT = 30.0  # a gate never opened fails the launch after this long, instead of hanging the test
 
 
-def gated(name: str, kernel: str, fails: bool = False) -> tuple[Task, threading.Event, threading.Event]:
-    """A launch that waits for its gate, then ends (or raises); and the event it sets when it ended."""
+def gated(name: str, kernel: str, fails: bool = False,
+          started: threading.Event | None = None) -> tuple[Task, threading.Event, threading.Event]:
+    """A launch that waits for its gate, then ends (or raises); and the event it sets when it ended (`started`: set
+    when it began)."""
     gate, ended = threading.Event(), threading.Event()
 
     def launch() -> None:
+        if started is not None:
+            started.set()
         try:
             if not gate.wait(WAIT):
                 raise TimeoutError(f"{name}: its gate was never opened")
@@ -208,7 +212,8 @@ def test_early_after_a_failed_launch_waits_for_the_whole_pass():
 
 
 def test_a_body_that_fails_while_the_loop_pass_launch_runs_stops_and_joins_the_pass():
-    (a, ga, _), (late, gl, late_ended) = gated("a", "x"), gated("L", "gluon_layers")
+    late_started = threading.Event()
+    (a, ga, _), (late, gl, late_ended) = gated("a", "x"), gated("L", "gluon_layers", started=late_started)
     received = []
 
     def open_when_stopped() -> None:  # the launch under way ends (as a compile does); nothing new starts
@@ -224,6 +229,9 @@ def test_a_body_that_fails_while_the_loop_pass_launch_runs_stops_and_joins_the_p
             ga.set()
             p.loaded()
             assert p.pending
+            # (the pass may start the late launch after `a` has ended: fail the body only once it runs, or the
+            # stop would find it not started yet, a different case; this failed 1 run in ~10 under load)
+            assert late_started.wait(WAIT)
             opener.start()
             raise RuntimeError("graphs failed")
     opener.join()
