@@ -148,6 +148,11 @@ def check_before_loading(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]
     """Every check that needs no weights (the machine, config.json, the kernels); cheap, so callers like
     the CLI run it before reading their input. Returns the checkpoint's config and the resolved dtype."""
     check_machine(config)
+    return _check_checkpoint(config)
+
+
+def _check_checkpoint(config: EngineConfig) -> tuple[OuroConfig, torch.dtype]:
+    """check_before_loading's checks after the machine's."""
     dtype = resolve_dtype(config)
     mc = OuroConfig.from_checkpoint(config.model)
     check_checkpoint_fit(config, mc)
@@ -208,9 +213,9 @@ def build_engine_core(config: EngineConfig, model: OuroForCausalLM | None = None
         compiles = StartupCompiles(config.compile_cache_dir, config.device)  # the folders, before the driver's build
     # Triton's driver and key start now, beside the checks and Triton's import (engine/warmup_pass.PassSetup)
     with PassSetup(torch.device(config.device) if plan.kernels else torch.device("cpu")) as setup:
-        with clock.phase("setup"):  # the checks (the device's first use), then the compile counter (Triton's import)
-            with clock.phase("setup_checks"):
-                mc, dtype = check_before_loading(config)
+        with clock.phase("setup"):  # the checkpoint's checks, then the compile counter (Triton's import)
+            with clock.phase("setup_checks"):  # (the machine's were made above)
+                mc, dtype = _check_checkpoint(config)
                 max_model_len = effective_max_model_len(config, mc)
             clock.counter = compiles.count()
         if max_model_len < config.max_model_len:

@@ -44,13 +44,6 @@ class CacheSetting:
     source: str  # "TRITON_CACHE_DIR" (the user's variable) | "compile_cache_dir" | "default"
 
 
-def default_triton_dir() -> str:
-    """Triton's own default folder (engine/triton_key.default_dir, which the key's store also uses)."""
-    from engine.triton_key import default_dir
-
-    return default_dir()
-
-
 def _set(var: str, value: str | None) -> str | None:
     """Point `var` at `value` unless the user set it; returns the folder in force (None: unset, default)."""
     current = os.environ.get(var)
@@ -81,7 +74,9 @@ def configure(compile_cache_dir: str | os.PathLike | None) -> CacheSetting:
                         reason="TRITON_CACHE_DIR is set in the environment; it wins")
     else:
         source = "compile_cache_dir" if base is not None else "default"
-    setting = CacheSetting(triton_dir or default_triton_dir(), inductor_dir, source)
+    from engine.triton_key import default_dir  # Triton's own default folder (the key's store uses it too)
+
+    setting = CacheSetting(triton_dir or default_dir(), inductor_dir, source)
     log.info("compile_cache", triton_dir=setting.triton_dir, inductor_dir=setting.inductor_dir, source=source)
     return setting
 
