@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
 from ws_chain import BLOCK_K_WS, CHAIN_ALIGNED, chain_signature, compile_sm90, smem_layouts, ws_chain_kernel  # noqa: E402,E501
 from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
+from ws_chain64_wg import compile_wg_for_sm90, parse_ways_wg, run_ws64wg  # noqa: E402
 
 
 def ws_block_m(rows: int) -> int:
@@ -111,9 +112,9 @@ def parse_ways(text: str) -> list[tuple[int, ...]]:
 
 
 def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
-          variants64: list[tuple[int, int, int]]) -> dict:
+          variants64: list[tuple[int, int, int]], variants_wg: list[tuple[int, int, int]] = ()) -> dict:
     """Up to 16 rows: the kernels and ws_chain_kernel's `variants`; 17-64 rows: the kernels (16- and 64-column
-    tiles) and ws_chain64_kernel's `variants64`."""
+    tiles), ws_chain64_kernel's `variants64` and (33-64 rows) ws64wg_kernel's `variants_wg`."""
     chain = Chain(rows, phase_columns(sms, layers), "cuda")
     ref = chain.reference()
     floor_ms = chain.w.numel() * 2 / (COPY_TBPS * 1e9)
@@ -123,6 +124,9 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
         for st, xs, sk in variants64:
             ways[f"ws64_s{st}_x{xs}" + ("", "_nomma", "_nobarrier")[sk]] = (
                 lambda st=st, xs=xs, sk=sk: run_ws64(chain, st, xs, sms, sk))
+        for st, sp, sk in variants_wg if chain.block_m == 64 else ():
+            ways[f"ws64wg_s{st}_k{sp}" + ("", "_nomma", "_nobarrier")[sk]] = (
+                lambda st=st, sp=sp, sk=sk: run_ws64wg(chain, st, sp, sms, sk))
     for v in variants if rows <= 16 else ():
         st, ch, sk, sp, cu, kk = v
         name = (f"ws_s{st}_c{ch}_split{sp}" + (f"_chunks{cu}" if cu else "") + (f"_stage{kk}" if kk else "")
@@ -154,6 +158,9 @@ def main(argv=None) -> int:
                          "chains; skip 1: no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: "
                          "ws_chain_kernel's SPLIT; chunks: the staging's column chunks; stage_k: columns staged)")
     ap.add_argument("--ways64", default="12:3:0", help="17-64 rows: stages:xstages:skip,... (benchmarks/ws_chain64.py)")
+    ap.add_argument("--ways64wg", default="8:4:0,6:2:0,8:4:1,8:4:2",
+                    help="33-64 rows: stages:splits:skip,... (benchmarks/ws_chain64_wg.py: split K, wgmma, TMA "
+                         "activations)")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")
     args = ap.parse_args(argv)
     if args.compile:
@@ -163,6 +170,8 @@ def main(argv=None) -> int:
                            **compile_for_sm90(st, block_m, ch, sk, sp, cu, kk)), flush=True)
         for st, xs, sk in parse_ways64(args.ways64):
             print(dict(stages=st, xstages=xs, skip=sk, block_m=64, **compile64_for_sm90(st, xs, sk)), flush=True)
+        for st, sp, sk in parse_ways_wg(args.ways64wg):
+            print(dict(kernel="ws64wg", stages=st, splits=sp, skip=sk, **compile_wg_for_sm90(st, sp, sk)), flush=True)
         return 0
     if not args.out:
         ap.error("--out is required to measure")
@@ -171,7 +180,8 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = dict(device=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, probes=[])
     for rows in (int(r) for r in args.rows.split(",")):
-        results["probes"].append(probe(rows, args.layers, sms, parse_ways(args.ways), parse_ways64(args.ways64)))
+        results["probes"].append(probe(rows, args.layers, sms, parse_ways(args.ways), parse_ways64(args.ways64),
+                                       parse_ways_wg(args.ways64wg)))
         (out / "phase_probe_ws.json").write_text(json.dumps(results, indent=1))
         torch.cuda.empty_cache()
     return 0

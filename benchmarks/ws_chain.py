@@ -245,6 +245,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, 
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
             "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
-            "gdc_wait": ptx.count("griddepcontrol.wait"), "globaltimer": ptx.count("%globaltimer"), "spills": compiled.metadata.n_spills
+            "gdc_wait": ptx.count("griddepcontrol.wait"), "wgmma": ptx.count("wgmma.mma_async"),
+            "proxy_fence": ptx.count("fence.proxy.async.global"), "globaltimer": ptx.count("%globaltimer"), "spills": compiled.metadata.n_spills
             if hasattr(compiled.metadata, "n_spills") else None,
             "cubin_bytes": len(compiled.asm["cubin"])}

@@ -104,3 +104,36 @@ def test_the_persistent_kernels_refuse_a_chain_where_a_cta_would_have_no_tile():
     chain.check_whole_waves(4)  # 64 and 128 columns: 1 and 2 waves of 4 x 16
     with pytest.raises(ValueError, match="whole waves of 16-column tiles on 3 programs"):
         chain.check_whole_waves(3)
+
+
+@pytest.mark.parametrize("stages,splits", [(8, 4), (6, 2)])
+def test_the_split_k_64_row_kernel_multiplies_with_wgmma_and_stages_its_k_range_once(stages, splits):
+    wg = load_benchmark("ws_chain64_wg")
+    built = wg.compile_wg_for_sm90(stages=stages, splits=splits)
+    chunks = ws.K // splits // wg.BOX_K
+    # per staged chunk one box of the unit's weights: BOX_K / 16 wgmma m64n64k16 each, written once (static loop)
+    assert built["wgmma"] == chunks * wg.BOX_K // 16 and built["mma"] == 0, built
+    assert built["tma_loads"] > 0 and built["cp_async"] == 0, built  # weights and activations both through TMA
+    assert built["proxy_fence"] == 2, built  # the tiles' writer before its count, the stager after its poll
+    # the staged K range and the ring exactly, plus the barriers and the scalar atomic's broadcast word
+    staged = (chunks + stages) * wg.ROWS * wg.BOX_K * 2
+    assert staged <= built["shared"] <= staged + 1024 and built["shared"] <= H200_SHARED, built
+    assert wg.compile_wg_for_sm90(stages=stages, splits=splits, skip=1)["wgmma"] == 0
+
+
+def test_the_split_k_kernel_names_what_a_way_or_a_chain_lacks():
+    wg = load_benchmark("ws_chain64_wg")
+    assert wg.parse_ways_wg("8:4:0,6:2:2") == [(8, 4, 0), (6, 2, 2)]
+    assert wg.parse_ways_wg("") == []  # the probe without this kernel
+    for bad in ("8:4", "8:4:0:1", "8:4:0,"):
+        with pytest.raises(ValueError, match="stages:splits:skip"):
+            wg.parse_ways_wg(bad)
+    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:3", "skip 0, 1 or 2")]:
+        with pytest.raises(ValueError, match=field):
+            wg.parse_ways_wg(bad)
+    cols = [2112, 6336]
+    wg.check_chain(2048, cols, 132, 4)
+    for args, field in [((2048, cols, 130, 4), "multiple of splits"), ((2048, [2100], 132, 4), "multiple of 64"),
+                        ((1600, cols, 132, 4), "K \\(1600\\)")]:
+        with pytest.raises(ValueError, match=field):
+            wg.check_chain(*args)
