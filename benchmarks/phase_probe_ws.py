@@ -125,7 +125,7 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
             ways[f"ws64_s{st}_x{xs}" + ("", "_nomma", "_nobarrier")[sk]] = (
                 lambda st=st, xs=xs, sk=sk: run_ws64(chain, st, xs, sms, sk))
         for st, sp, sk in variants_wg if chain.block_m == 64 else ():
-            ways[f"ws64wg_s{st}_k{sp}" + ("", "_nomma", "_nobarrier")[sk]] = (
+            ways[f"ws64wg_s{st}_k{sp}" + ("", "_nomma", "_nobarrier", "_nosum")[sk]] = (
                 lambda st=st, sp=sp, sk=sk: run_ws64wg(chain, st, sp, sms, sk))
     for v in variants if rows <= 16 else ():
         st, ch, sk, sp, cu, kk = v
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                          "chains; skip 1: no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: "
                          "ws_chain_kernel's SPLIT; chunks: the staging's column chunks; stage_k: columns staged)")
     ap.add_argument("--ways64", default="12:3:0", help="17-64 rows: stages:xstages:skip,... (benchmarks/ws_chain64.py)")
-    ap.add_argument("--ways64wg", default="8:4:0,6:2:0,8:4:1,8:4:2",
+    ap.add_argument("--ways64wg", default="8:4:0,6:2:0,8:4:1,8:4:2,8:4:3",
                     help="33-64 rows: stages:splits:skip,... (benchmarks/ws_chain64_wg.py: split K, wgmma, TMA "
                          "activations)")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")

@@ -231,8 +231,8 @@ def chain_signature(w_layout: gl.NVMMASharedLayout) -> dict:
 def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...]) -> dict:
     """Compile a Gluon kernel for sm90 without a GPU (Triton builds the PTX, ptxas the cubin). `aligned`: the
     arguments the launcher would specialize as 16-byte aligned / divisible by 16 at the probes' shapes.
-    Returns its shared memory and the PTX's counts of TMA loads, cp.async copies, mma.sync instructions and
-    programmatic-dependent-launch waits."""
+    Returns its shared memory and the PTX's counts of TMA loads, cp.async copies, mma.sync and wgmma
+    instructions, programmatic-dependent-launch waits, global proxy fences, global atomics and clock reads."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -243,9 +243,8 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, 
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": constexprs.get("num_warps", 4)})
     ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, "tma_loads": ptx.count("cp.async.bulk.tensor"),
-            "cp_async": ptx.count("cp.async.cg.shared.global"), "mma": ptx.count("mma.sync"),
-            "gdc_wait": ptx.count("griddepcontrol.wait"), "wgmma": ptx.count("wgmma.mma_async"),
-            "proxy_fence": ptx.count("fence.proxy.async.global"), "globaltimer": ptx.count("%globaltimer"), "spills": compiled.metadata.n_spills
-            if hasattr(compiled.metadata, "n_spills") else None,
-            "cubin_bytes": len(compiled.asm["cubin"])}
+    counts = {"tma_loads": "cp.async.bulk.tensor", "cp_async": "cp.async.cg.shared.global", "mma": "mma.sync",
+              "gdc_wait": "griddepcontrol.wait", "wgmma": "wgmma.mma_async", "proxy_fence": "fence.proxy.async.global",
+              "atomics": "atom.global", "globaltimer": "%globaltimer"}
+    return {"shared": compiled.metadata.shared, **{name: ptx.count(text) for name, text in counts.items()},
+            "spills": getattr(compiled.metadata, "n_spills", None), "cubin_bytes": len(compiled.asm["cubin"])}

@@ -83,14 +83,18 @@ def _stage_phases(xbuf, x_ready, x_empty, x_desc, cnt_ptr, num_phases, K: gl.con
 
 @gluon.jit
 def _finish_unit(acc, t, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, max_tiles, SPLITS: gl.constexpr,
-                 mma: gl.constexpr):
-    # the unit's partial; the tile's last unit to arrive sums them (split order) and writes the tile
+                 SKIP: gl.constexpr, mma: gl.constexpr):
+    # the unit's partial; the tile's last unit to arrive sums them (split order) and writes the tile. SKIP 3
+    # (a diagnostic): each unit writes its partial as the tile, no count and no sum
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     rn = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     offs = rm[:, None] * stride_y + rn[None, :]
     rows = (rm < M)[:, None]
     out = y_ptr + (p + 1) * slot
     split = gl.program_id(0) % SPLITS
+    if SKIP == 3:
+        gl.store(out + offs, acc.to(gl.bfloat16), mask=rows)
+        return
     gl.store(part_ptr + split * (BLOCK_M * stride_y) + offs, acc)
     gl.thread_barrier()  # every warp's partial stores are issued before the count (release)
     arrived = gl.atomic_add(tile_cnt_ptr + p * max_tiles + t, 1, sem="acq_rel", scope="gpu")
@@ -123,7 +127,7 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_p
                 give(empty, i, STAGES)
                 i += 1
             _finish_unit(acc, u // SPLITS, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, max_tiles, SPLITS,
-                         mma)
+                         SKIP, mma)
         for c in gl.static_range(CHUNKS):  # a CTA without units too: no chunk may still be landing when the
             mbarrier.wait(x_ready.index(c), p & 1)  # stager arms the next phase's (one completion a phase)
         fence_async_shared()  # the wgmmas' reads (synchronous, done) ordered before the next phase's TMA writes
@@ -138,7 +142,7 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_p
 def ws64wg_kernel(w_desc, x_desc, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_ptr, w_row_ptr, num_phases, M,
                   stride_y, slot, max_tiles, K: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
                   SKIP: gl.constexpr, num_warps: gl.constexpr):
-    # SKIP (diagnostics; the output is then wrong): 1 no MMA, 2 no phase barrier
+    # SKIP (diagnostics; the output is then wrong): 1 no MMA, 2 no phase barrier, 3 no sum of the partials
     CHUNKS: gl.constexpr = K // SPLITS // BLOCK_K
     ring, ready, empty = weight_ring(w_desc, STAGES)
     xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], x_desc.layout)
@@ -166,8 +170,8 @@ def check_way(stages: int, splits: int, skip: int) -> None:
     """A way's values, with the field named."""
     if splits not in (2, 4, 8):
         raise ValueError(f"splits must be 2, 4 or 8 (K / splits columns of activations staged), got {splits}")
-    if not 2 <= stages <= 12 or skip not in (0, 1, 2):
-        raise ValueError(f"stages must be 2..12 (16 KB weight boxes) and skip 0, 1 or 2, got {stages}, {skip}")
+    if not 2 <= stages <= 12 or skip not in (0, 1, 2, 3):
+        raise ValueError(f"stages must be 2..12 (16 KB weight boxes) and skip 0..3, got {stages}, {skip}")
 
 
 def check_chain(k: int, cols: list[int], sms: int, splits: int) -> None:
@@ -224,7 +228,7 @@ def parse_ways_wg(text: str) -> list[tuple[int, int, int]]:
         values = [int(v) for v in item.split(":")] if item.strip() else []
         if len(values) != 3:
             raise ValueError(f"--ways64wg item {item!r}: stages:splits:skip with stages 2..12 (16 KB weight "
-                             "boxes), splits 2, 4 or 8, skip 0, 1 (no MMA) or 2 (no phase barrier)")
+                             "boxes), splits 2, 4 or 8, skip 0, 1 (no MMA), 2 (no phase barrier) or 3 (no sum of the partials)")
         check_way(*values)
         ways.append(tuple(values))
     return ways

@@ -119,6 +119,8 @@ def test_the_split_k_64_row_kernel_multiplies_with_wgmma_and_stages_its_k_range_
     staged = (chunks + stages) * wg.ROWS * wg.BOX_K * 2
     assert staged <= built["shared"] <= staged + 1024 and built["shared"] <= H200_SHARED, built
     assert wg.compile_wg_for_sm90(stages=stages, splits=splits, skip=1)["wgmma"] == 0
+    nosum = wg.compile_wg_for_sm90(stages=stages, splits=splits, skip=3)  # the diagnostic: no count, no L2 sum
+    assert nosum["wgmma"] == built["wgmma"] and nosum["atomics"] < built["atomics"], (nosum, built)
 
 
 def test_the_split_k_kernel_names_what_a_way_or_a_chain_lacks():
@@ -128,7 +130,7 @@ def test_the_split_k_kernel_names_what_a_way_or_a_chain_lacks():
     for bad in ("8:4", "8:4:0:1", "8:4:0,"):
         with pytest.raises(ValueError, match="stages:splits:skip"):
             wg.parse_ways_wg(bad)
-    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:3", "skip 0, 1 or 2")]:
+    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:4", "skip 0..3")]:
         with pytest.raises(ValueError, match=field):
             wg.parse_ways_wg(bad)
     cols = [2112, 6336]
