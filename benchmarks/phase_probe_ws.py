@@ -24,6 +24,7 @@ Same chain, same columns (whole waves of 16-column tiles), same CUDA-graph timin
 phase_probe.py; the ways run side by side, each twice in turn:
 
     python benchmarks/phase_probe_ws.py --out DIR [--rows 8,16,64] [--ways 12:4:0:3,12:4:0:2] [--ways64 12:3:0]
+        [--ways64wg 8:4:0]   # 33-64 rows: benchmarks/ws_chain64_wg.py (split K, wgmma, TMA activations)
     python benchmarks/phase_probe_ws.py --compile   # CPU: compile the kernel (benchmarks/ws_chain.py) for sm90
 """
 
@@ -124,6 +125,8 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
         for st, xs, sk in variants64:
             ways[f"ws64_s{st}_x{xs}" + ("", "_nomma", "_nobarrier")[sk]] = (
                 lambda st=st, xs=xs, sk=sk: run_ws64(chain, st, xs, sms, sk))
+        if variants_wg and chain.block_m != 64:
+            print(f"rows={rows}: ws64wg takes 33-64 rows (slots of 64); its ways are left out", flush=True)
         for st, sp, sk in variants_wg if chain.block_m == 64 else ():
             ways[f"ws64wg_s{st}_k{sp}" + ("", "_nomma", "_nobarrier", "_nosum")[sk]] = (
                 lambda st=st, sp=sp, sk=sk: run_ws64wg(chain, st, sp, sms, sk))

@@ -208,8 +208,7 @@ def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0) -> None
 
 
 def compile_wg_for_sm90(stages: int = 8, splits: int = 4, skip: int = 0) -> dict:
-    """ws64wg_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90), plus its PTX's wgmma and
-    proxy-fence counts."""
+    """ws64wg_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90: shared memory and PTX counts)."""
     from phase_probe import K
     check_way(stages, splits, skip)
     box = f"tensordesc<bf16[{ROWS}, {BOX_K}],{box_layout()!r}>"
@@ -228,7 +227,8 @@ def parse_ways_wg(text: str) -> list[tuple[int, int, int]]:
         values = [int(v) for v in item.split(":")] if item.strip() else []
         if len(values) != 3:
             raise ValueError(f"--ways64wg item {item!r}: stages:splits:skip with stages 2..12 (16 KB weight "
-                             "boxes), splits 2, 4 or 8, skip 0, 1 (no MMA), 2 (no phase barrier) or 3 (no sum of the partials)")
+                             "boxes), splits 2, 4 or 8, skip 0, 1 (no MMA), 2 (no phase barrier) or 3 (no sum of "
+                             "the partials)")
         check_way(*values)
         ways.append(tuple(values))
     return ways
