@@ -113,7 +113,7 @@ def parse_ways(text: str) -> list[tuple[int, ...]]:
 
 
 def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
-          variants64: list[tuple[int, int, int]], variants_wg: list[tuple[int, int, int]] = ()) -> dict:
+          variants64: list[tuple[int, int, int]], variants_wg: list[tuple[int, int, int, int]] = ()) -> dict:
     """Up to 16 rows: the kernels and ws_chain_kernel's `variants`; 17-64 rows: the kernels (16- and 64-column
     tiles), ws_chain64_kernel's `variants64` and (33-64 rows) ws64wg_kernel's `variants_wg`."""
     chain = Chain(rows, phase_columns(sms, layers), "cuda")
@@ -127,9 +127,9 @@ def probe(rows: int, layers: int, sms: int, variants: list[tuple[int, ...]],
                 lambda st=st, xs=xs, sk=sk: run_ws64(chain, st, xs, sms, sk))
         if variants_wg and chain.block_m != 64:
             print(f"rows={rows}: ws64wg takes 33-64 rows (slots of 64); its ways are left out", flush=True)
-        for st, sp, sk in variants_wg if chain.block_m == 64 else ():
-            ways[f"ws64wg_s{st}_k{sp}" + ("", "_nomma", "_nobarrier", "_nosum")[sk]] = (
-                lambda st=st, sp=sp, sk=sk: run_ws64wg(chain, st, sp, sms, sk))
+        for st, sp, sk, gr in variants_wg if chain.block_m == 64 else ():
+            ways[f"ws64wg_s{st}_k{sp}" + ("", "_group")[gr] + ("", "_nomma", "_nobarrier", "_nosum")[sk]] = (
+                lambda st=st, sp=sp, sk=sk, gr=gr: run_ws64wg(chain, st, sp, sms, sk, gr))
     for v in variants if rows <= 16 else ():
         st, ch, sk, sp, cu, kk = v
         name = (f"ws_s{st}_c{ch}_split{sp}" + (f"_chunks{cu}" if cu else "") + (f"_stage{kk}" if kk else "")
@@ -161,9 +161,9 @@ def main(argv=None) -> int:
                          "chains; skip 1: no MMA, 2: no phase barrier, diagnostics whose output is wrong; split: "
                          "ws_chain_kernel's SPLIT; chunks: the staging's column chunks; stage_k: columns staged)")
     ap.add_argument("--ways64", default="12:3:0", help="17-64 rows: stages:xstages:skip,... (benchmarks/ws_chain64.py)")
-    ap.add_argument("--ways64wg", default="8:4:0,6:2:0,8:4:1,8:4:2,8:4:3",
-                    help="33-64 rows: stages:splits:skip,... (benchmarks/ws_chain64_wg.py: split K, wgmma, TMA "
-                         "activations)")
+    ap.add_argument("--ways64wg", default="8:4:0,8:4:0:1,6:2:0,8:4:1,8:4:2,8:4:3",
+                    help="33-64 rows: stages:splits:skip[:group],... (benchmarks/ws_chain64_wg.py: split K, wgmma, "
+                         "TMA activations; group 1: a group of CTAs sums the partials at the phase's end)")
     ap.add_argument("--compile", action="store_true", help="CPU: compile for sm90 and print what it built")
     args = ap.parse_args(argv)
     if args.compile:
@@ -173,8 +173,9 @@ def main(argv=None) -> int:
                            **compile_for_sm90(st, block_m, ch, sk, sp, cu, kk)), flush=True)
         for st, xs, sk in parse_ways64(args.ways64):
             print(dict(stages=st, xstages=xs, skip=sk, block_m=64, **compile64_for_sm90(st, xs, sk)), flush=True)
-        for st, sp, sk in parse_ways_wg(args.ways64wg):
-            print(dict(kernel="ws64wg", stages=st, splits=sp, skip=sk, **compile_wg_for_sm90(st, sp, sk)), flush=True)
+        for st, sp, sk, gr in parse_ways_wg(args.ways64wg):
+            print(dict(kernel="ws64wg", stages=st, splits=sp, skip=sk, group=gr, **compile_wg_for_sm90(st, sp, sk, gr)),
+                  flush=True)
         return 0
     if not args.out:
         ap.error("--out is required to measure")

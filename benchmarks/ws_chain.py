@@ -232,7 +232,8 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, 
     """Compile a Gluon kernel for sm90 without a GPU (Triton builds the PTX, ptxas the cubin). `aligned`: the
     arguments the launcher would specialize as 16-byte aligned / divisible by 16 at the probes' shapes.
     Returns its shared memory and the PTX's counts of TMA loads, cp.async copies, mma.sync and wgmma
-    instructions, programmatic-dependent-launch waits, global proxy fences, global atomics and clock reads."""
+    instructions, programmatic-dependent-launch waits, global proxy fences, global atomics, acquire loads
+    (Triton's atomic adds of 0 with acquire) and clock reads."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -245,6 +246,6 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: tuple[str, 
     ptx = compiled.asm["ptx"]
     counts = {"tma_loads": "cp.async.bulk.tensor", "cp_async": "cp.async.cg.shared.global", "mma": "mma.sync",
               "gdc_wait": "griddepcontrol.wait", "wgmma": "wgmma.mma_async", "proxy_fence": "fence.proxy.async.global",
-              "atomics": "atom.global", "globaltimer": "%globaltimer"}
+              "atomics": "atom.global", "acquire_loads": "ld.global.gpu.acquire", "globaltimer": "%globaltimer"}
     return {"shared": compiled.metadata.shared, **{name: ptx.count(text) for name, text in counts.items()},
             "spills": getattr(compiled.metadata, "n_spills", None), "cubin_bytes": len(compiled.asm["cubin"])}

@@ -83,9 +83,10 @@ def _stage_phases(xbuf, x_ready, x_empty, x_desc, cnt_ptr, num_phases, K: gl.con
 
 @gluon.jit
 def _finish_unit(acc, t, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, max_tiles, SPLITS: gl.constexpr,
-                 SKIP: gl.constexpr, mma: gl.constexpr):
-    # the unit's partial; the tile's last unit to arrive sums them (split order) and writes the tile. SKIP 3
-    # (a diagnostic): each unit writes its partial as the tile, no count and no sum
+                 SKIP: gl.constexpr, GROUP: gl.constexpr, mma: gl.constexpr):
+    # the unit's partial; the tile's last unit to arrive sums them (split order) and writes the tile (GROUP 0;
+    # with GROUP 1 _group_sum does at the phase's end). SKIP 3 (a diagnostic): each unit writes its partial as
+    # the tile, no count and no sum
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     rn = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     offs = rm[:, None] * stride_y + rn[None, :]
@@ -96,6 +97,8 @@ def _finish_unit(acc, t, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, ma
         gl.store(out + offs, acc.to(gl.bfloat16), mask=rows)
         return
     gl.store(part_ptr + split * (BLOCK_M * stride_y) + offs, acc)
+    if GROUP:
+        return
     gl.thread_barrier()  # every warp's partial stores are issued before the count (release)
     arrived = gl.atomic_add(tile_cnt_ptr + p * max_tiles + t, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
@@ -106,9 +109,35 @@ def _finish_unit(acc, t, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, ma
 
 
 @gluon.jit
+def _group_sum(p, units, y_ptr, part_ptr, cnt_ptr, M, stride_y, slot, SPLITS: gl.constexpr, WARPS: gl.constexpr):
+    # GROUP 1: CTAs g * SPLITS .. g * SPLITS + SPLITS - 1 (one per K split) hold the same tiles in every phase.
+    # Once all of them have stored their partials (a count per (phase, group)), each sums its 1 / SPLITS of
+    # the tiles' rows in split order and writes them in bf16
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    count = cnt_ptr + p * (programs // SPLITS) + pid // SPLITS
+    gl.thread_barrier()  # every warp's partial stores are issued before the count (release)
+    gl.atomic_add(count, 1, sem="release", scope="gpu")
+    seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
+    while seen < SPLITS:
+        seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+    RS: gl.constexpr = BLOCK_M // SPLITS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rm = (pid % SPLITS) * RS + gl.arange(0, RS, layout=gl.SliceLayout(1, layout))
+    rn0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    for u in range(pid, units, programs):
+        offs = rm[:, None] * stride_y + ((u // SPLITS) * BLOCK_N + rn0)[None, :]
+        total = gl.zeros([RS, BLOCK_N], gl.float32, layout)
+        for s in gl.static_range(SPLITS):  # L2 (.cg): an earlier phase may have left these lines in L1
+            total += gl.load(part_ptr + s * (BLOCK_M * stride_y) + offs, cache_modifier=".cg")
+        gl.store(y_ptr + (p + 1) * slot + offs, total.to(gl.bfloat16), mask=(rm < M)[:, None])
+
+
+@gluon.jit
 def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_ptr,
               num_phases, M, stride_y, slot, max_tiles, K: gl.constexpr, SPLITS: gl.constexpr,
-              STAGES: gl.constexpr, SKIP: gl.constexpr, WARPS: gl.constexpr):
+              STAGES: gl.constexpr, SKIP: gl.constexpr, GROUP: gl.constexpr, WARPS: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     CHUNKS: gl.constexpr = K // SPLITS // BLOCK_K
@@ -127,7 +156,9 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_p
                 give(empty, i, STAGES)
                 i += 1
             _finish_unit(acc, u // SPLITS, p, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, max_tiles, SPLITS,
-                         SKIP, mma)
+                         SKIP, GROUP, mma)
+        if GROUP and SKIP != 3:
+            _group_sum(p, units, y_ptr, part_ptr, tile_cnt_ptr, M, stride_y, slot, SPLITS, WARPS)
         for c in gl.static_range(CHUNKS):  # a CTA without units too: no chunk may still be landing when the
             mbarrier.wait(x_ready.index(c), p & 1)  # stager arms the next phase's (one completion a phase)
         fence_async_shared()  # the wgmmas' reads (synchronous, done) ordered before the next phase's TMA writes
@@ -141,8 +172,9 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_p
 @gluon.jit
 def ws64wg_kernel(w_desc, x_desc, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_ptr, w_row_ptr, num_phases, M,
                   stride_y, slot, max_tiles, K: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, num_warps: gl.constexpr):
-    # SKIP (diagnostics; the output is then wrong): 1 no MMA, 2 no phase barrier, 3 no sum of the partials
+                  SKIP: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+    # SKIP (diagnostics; the output is then wrong): 1 no MMA, 2 no phase barrier, 3 no sum of the partials.
+    # GROUP: who sums a tile's partials (0: its last unit to arrive; 1: the CTAs of its group, at the phase's end)
     CHUNKS: gl.constexpr = K // SPLITS // BLOCK_K
     ring, ready, empty = weight_ring(w_desc, STAGES)
     xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], x_desc.layout)
@@ -153,7 +185,7 @@ def ws64wg_kernel(w_desc, x_desc, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_p
     mbarrier.init(x_empty.index(0), count=1)
     gl.warp_specialize([
         (_multiply, (xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_ptr,
-                     num_phases, M, stride_y, slot, max_tiles, K, SPLITS, STAGES, SKIP, num_warps)),
+                     num_phases, M, stride_y, slot, max_tiles, K, SPLITS, STAGES, SKIP, GROUP, num_warps)),
         (_load_weights, (ring, ready, empty, w_desc, cols_ptr, w_row_ptr, num_phases, K, SPLITS, STAGES)),
         (_stage_phases, (xbuf, x_ready, x_empty, x_desc, cnt_ptr, num_phases, K, SPLITS, SKIP)),
     ], [1, 1], [40, 40])
@@ -166,8 +198,11 @@ def box_layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([ROWS, BOX_K], gl.bfloat16)
 
 
-def check_way(stages: int, splits: int, skip: int) -> None:
+def check_way(stages: int, splits: int, skip: int, group: int = 0) -> None:
     """A way's values, with the field named."""
+    if group not in (0, 1):
+        raise ValueError(f"group must be 0 (a tile's last unit sums its partials) or 1 (the CTAs of its group do), "
+                         f"got {group}")
     if splits not in (2, 4, 8):
         raise ValueError(f"splits must be 2, 4 or 8 (K / splits columns of activations staged), got {splits}")
     if not 2 <= stages <= 12 or skip not in (0, 1, 2, 3):
@@ -184,19 +219,20 @@ def check_chain(k: int, cols: list[int], sms: int, splits: int) -> None:
         raise ValueError(f"every phase's columns must be a multiple of {TILE_N}, got {sorted(set(cols))}")
 
 
-def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0) -> None:
+def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0, group: int = 0) -> None:
     """The chain (phase_probe.Chain, 33-64 rows) as one launch of `sms` CTAs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from phase_probe import K
     if chain.block_m != ROWS:
         raise ValueError(f"the kernel takes 33-64 rows (slots of 64), got {chain.rows} rows")
-    check_way(stages, splits, skip)
+    check_way(stages, splits, skip, group)
     check_chain(K, chain.cols, sms, splits)
     max_tiles = max(chain.cols) // TILE_N
+    counts = len(chain.cols) * max(max_tiles, sms // splits)  # per (phase, tile) or per (phase, group)
     if getattr(chain, "wg_scratch", None) is None or chain.wg_scratch[0].shape[0] != splits:
         chain.wg_scratch = (torch.empty(splits, ROWS, chain.width, dtype=torch.float32, device=chain.y.device),
-                            torch.zeros(len(chain.cols) * max_tiles, dtype=torch.int32, device=chain.y.device))
+                            torch.zeros(counts, dtype=torch.int32, device=chain.y.device))
     part, tile_cnt = chain.wg_scratch
     w_desc = TensorDescriptor.from_tensor(chain.w, [TILE_N, BOX_K], box_layout())
     x_desc = TensorDescriptor.from_tensor(chain.y.view(-1, chain.width), [ROWS, BOX_K], box_layout())
@@ -204,31 +240,32 @@ def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0) -> None
     tile_cnt.zero_()
     ws64wg_kernel[(sms,)](w_desc, x_desc, chain.y, part, chain.cnt, tile_cnt, chain.cols_t, chain.w_rows,
                           len(chain.cols), chain.rows, chain.width, chain.y.stride(0), max_tiles, K=K, SPLITS=splits,
-                          STAGES=stages, SKIP=skip, num_warps=4)
+                          STAGES=stages, SKIP=skip, GROUP=group, num_warps=4)
 
 
-def compile_wg_for_sm90(stages: int = 8, splits: int = 4, skip: int = 0) -> dict:
+def compile_wg_for_sm90(stages: int = 8, splits: int = 4, skip: int = 0, group: int = 0) -> dict:
     """ws64wg_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90: shared memory and PTX counts)."""
     from phase_probe import K
-    check_way(stages, splits, skip)
+    check_way(stages, splits, skip, group)
     box = f"tensordesc<bf16[{ROWS}, {BOX_K}],{box_layout()!r}>"
     signature = {"w_desc": box, "x_desc": box, "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
                  "tile_cnt_ptr": "*i32", "cols_ptr": "*i32", "w_row_ptr": "*i64", "num_phases": "i32", "M": "i32",
                  "stride_y": "i32", "slot": "i32", "max_tiles": "i32"}
-    constexprs = {"K": K, "SPLITS": splits, "STAGES": stages, "SKIP": skip, "num_warps": 4}
+    constexprs = {"K": K, "SPLITS": splits, "STAGES": stages, "SKIP": skip, "GROUP": group, "num_warps": 4}
     aligned = ("y_ptr", "part_ptr", "cnt_ptr", "tile_cnt_ptr", "cols_ptr", "w_row_ptr", "stride_y", "slot")
     return compile_sm90(ws64wg_kernel, signature, constexprs, aligned)
 
 
-def parse_ways_wg(text: str) -> list[tuple[int, int, int]]:
-    """"8:4:0,8:4:2" -> [(weight slots, splits, skip), ...]; "" -> none."""
+def parse_ways_wg(text: str) -> list[tuple[int, int, int, int]]:
+    """"8:4:0,8:4:2:1" -> [(weight slots, splits, skip, group), ...] (group 0 when left out); "" -> none."""
     ways = []
     for item in text.split(",") if text.strip() else ():
         values = [int(v) for v in item.split(":")] if item.strip() else []
-        if len(values) != 3:
-            raise ValueError(f"--ways64wg item {item!r}: stages:splits:skip with stages 2..12 (16 KB weight "
+        if len(values) not in (3, 4):
+            raise ValueError(f"--ways64wg item {item!r}: stages:splits:skip[:group] with stages 2..12 (16 KB weight "
                              "boxes), splits 2, 4 or 8, skip 0, 1 (no MMA), 2 (no phase barrier) or 3 (no sum of "
-                             "the partials)")
+                             "the partials), group 0 (a tile's last unit sums) or 1 (its group's CTAs do)")
+        values += [0] * (4 - len(values))
         check_way(*values)
         ways.append(tuple(values))
     return ways

@@ -121,16 +121,20 @@ def test_the_split_k_64_row_kernel_multiplies_with_wgmma_and_stages_its_k_range_
     assert wg.compile_wg_for_sm90(stages=stages, splits=splits, skip=1)["wgmma"] == 0
     nosum = wg.compile_wg_for_sm90(stages=stages, splits=splits, skip=3)  # the diagnostic: no count, no L2 sum
     assert nosum["wgmma"] == built["wgmma"] and nosum["atomics"] < built["atomics"], (nosum, built)
+    # group 1: no count per unit (no acq_rel atomic in the unit loop), the group's count and poll instead
+    group = wg.compile_wg_for_sm90(stages=stages, splits=splits, group=1)
+    assert group["wgmma"] == built["wgmma"] and group["shared"] == built["shared"], (group, built)
+    assert group["acquire_loads"] > built["acquire_loads"] and group["atomics"] == built["atomics"], (group, built)
 
 
 def test_the_split_k_kernel_names_what_a_way_or_a_chain_lacks():
     wg = load_benchmark("ws_chain64_wg")
-    assert wg.parse_ways_wg("8:4:0,6:2:2") == [(8, 4, 0), (6, 2, 2)]
+    assert wg.parse_ways_wg("8:4:0,6:2:2:1") == [(8, 4, 0, 0), (6, 2, 2, 1)]
     assert wg.parse_ways_wg("") == []  # the probe without this kernel
-    for bad in ("8:4", "8:4:0:1", "8:4:0,"):
+    for bad in ("8:4", "8:4:0:1:0", "8:4:0,"):
         with pytest.raises(ValueError, match="stages:splits:skip"):
             wg.parse_ways_wg(bad)
-    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:4", "skip 0..3")]:
+    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:4", "skip 0..3"), ("8:4:0:2", "group must be")]:
         with pytest.raises(ValueError, match=field):
             wg.parse_ways_wg(bad)
     cols = [2112, 6336]
