@@ -219,8 +219,9 @@ def check_chain(k: int, cols: list[int], sms: int, splits: int) -> None:
         raise ValueError(f"every phase's columns must be a multiple of {TILE_N}, got {sorted(set(cols))}")
 
 
-def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0, group: int = 0) -> None:
-    """The chain (phase_probe.Chain, 33-64 rows) as one launch of `sms` CTAs."""
+def launch_args(chain, stages: int, splits: int, sms: int, skip: int = 0, group: int = 0) -> tuple[tuple, dict]:
+    """ws64wg_kernel's arguments and constexprs for the chain (phase_probe.Chain, 33-64 rows) on `sms` CTAs, its
+    counts zeroed (a graph captures the memsets)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from phase_probe import K
@@ -230,7 +231,8 @@ def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0, group: 
     check_chain(K, chain.cols, sms, splits)
     max_tiles = max(chain.cols) // TILE_N
     counts = len(chain.cols) * max(max_tiles, sms // splits)  # per (phase, tile) or per (phase, group)
-    if getattr(chain, "wg_scratch", None) is None or chain.wg_scratch[0].shape[0] != splits:
+    scratch = getattr(chain, "wg_scratch", None)
+    if scratch is None or scratch[0].shape[0] != splits or scratch[1].numel() < counts:
         chain.wg_scratch = (torch.empty(splits, ROWS, chain.width, dtype=torch.float32, device=chain.y.device),
                             torch.zeros(counts, dtype=torch.int32, device=chain.y.device))
     part, tile_cnt = chain.wg_scratch
@@ -238,9 +240,15 @@ def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0, group: 
     x_desc = TensorDescriptor.from_tensor(chain.y.view(-1, chain.width), [ROWS, BOX_K], box_layout())
     chain.cnt.zero_()
     tile_cnt.zero_()
-    ws64wg_kernel[(sms,)](w_desc, x_desc, chain.y, part, chain.cnt, tile_cnt, chain.cols_t, chain.w_rows,
-                          len(chain.cols), chain.rows, chain.width, chain.y.stride(0), max_tiles, K=K, SPLITS=splits,
-                          STAGES=stages, SKIP=skip, GROUP=group, num_warps=4)
+    args = (w_desc, x_desc, chain.y, part, chain.cnt, tile_cnt, chain.cols_t, chain.w_rows, len(chain.cols), chain.rows,
+            chain.width, chain.y.stride(0), max_tiles)
+    return args, dict(K=K, SPLITS=splits, STAGES=stages, SKIP=skip, GROUP=group, num_warps=4)
+
+
+def run_ws64wg(chain, stages: int, splits: int, sms: int, skip: int = 0, group: int = 0) -> None:
+    """The chain as one launch of `sms` CTAs."""
+    args, constexprs = launch_args(chain, stages, splits, sms, skip, group)
+    ws64wg_kernel[(sms,)](*args, **constexprs)
 
 
 def compile_wg_for_sm90(stages: int = 8, splits: int = 4, skip: int = 0, group: int = 0) -> dict:

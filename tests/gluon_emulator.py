@@ -1,0 +1,181 @@
+"""Runs a Gluon kernel's Python on the CPU, for the probes' warp-specialized kernels that Triton's interpreter cannot
+run (it has no Gluon): each CTA and each warp-specialized partition is a thread, global and shared memory are torch
+tensors, and mbarriers, TMA copies, wgmma and global atomics are emulated with the semantics the PTX gives them.
+
+What it checks is a kernel's protocol and arithmetic: ring and barrier parities, counts, who computes which unit,
+the split sums, the results against torch. A wait that can never complete is reported as a `Hang` naming each
+thread's last wait; a read of shared memory that a TMA copy has been issued to and not yet landed is a `Race`.
+TMA copies land later, in random order, from a thread of their own, so a missing wait shows up as a race or as
+wrong data. What it cannot check is the memory model: a Python thread sees every write at once, so fences are
+no-ops here and a missing one is found on the GPU only.
+
+Emulated: gl.program_id / num_programs / arange / zeros / full / load / store / atomic_add / static_range /
+thread_barrier / allocate_shared_memory / warp_specialize / inline_asm_elementwise (a no-op: the kernels' asm is
+fences and PDL), the layouts (ignored), mbarrier.init / expect / arrive / wait, tma.async_copy_global_to_shared,
+warpgroup_mma, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import torch
+
+from tests.gluon_emulator_ops import (
+    TIMEOUT_S,
+    Desc,
+    Hang,
+    Ptr,
+    Race,
+    _Aborted,
+    _allocate_shared_memory,
+    _arrive,
+    _atomic_add,
+    _expect,
+    _init,
+    _load,
+    _local,
+    _State,
+    _state,
+    _store,
+    _tma_engine,
+    _tma_load,
+    _wait,
+    _warpgroup_mma,
+)
+
+__all__ = ["Hang", "Race", "emulate"]
+
+
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs, **_):
+    pid = _local.pid
+    threads = []
+    for k, (fn, args) in enumerate(functions_and_args):
+        threads.append(_start(f"cta{pid}.partition{k}", pid, fn, args))
+    for t in threads:
+        t.join()
+
+
+def _start(name: str, pid: int, fn, args) -> threading.Thread:
+    state = _state()
+
+    def body():
+        _local.state, _local.pid = state, pid
+        try:
+            fn(*args)
+        except _Aborted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported by emulate()
+            with state.lock:
+                state.errors.append(exc)
+                state.abort = True
+                state.cond.notify_all()
+
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def _unsupported(name: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"the Gluon emulator has no {name}")
+    return call
+
+
+class _Namespace(types.SimpleNamespace):
+    """An emulated module: what it lacks, and the real module has, raises NotImplementedError when called."""
+
+    def __init__(self, real, **attrs) -> None:
+        super().__init__(**attrs)
+        self._real = real
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if isinstance(value, type) and name.endswith("Layout"):
+            return value  # layouts: real (plain data), ignored by the emulated ops
+        return _unsupported(f"{self._real.__name__}.{name}")
+
+
+def _modules():
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    emu_gl = _Namespace(
+        gl, program_id=lambda axis=0: _local.pid, num_programs=lambda axis=0: _state().programs,
+        arange=lambda start, end, layout=None: torch.arange(start, end, dtype=torch.int32),
+        zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype),
+        full=lambda shape, value, dtype, layout=None: torch.full(shape, value, dtype=dtype),
+        load=_load, store=_store, atomic_add=_atomic_add, static_range=range, thread_barrier=lambda: None,
+        allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
+        inline_asm_elementwise=lambda *a, **k: torch.tensor(0), constexpr=lambda v: v,
+        float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16, int32=torch.int32, int64=torch.int64,
+        int8=torch.int8)
+    emu_mbarrier = _Namespace(mbarrier, init=_init, expect=_expect, arrive=_arrive, wait=_wait,
+                              invalidate=lambda bar: None, MBarrierLayout=mbarrier.MBarrierLayout)
+    emu_tma = _Namespace(tma, async_copy_global_to_shared=_tma_load)
+    replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _warpgroup_mma,
+               id(hopper.fence_async_shared): lambda cluster=False: None}
+    return replace
+
+
+def _emulated(fn, replace: dict, cache: dict):
+    """The JIT function's Python with the emulated modules, ops and JIT functions in its globals."""
+    from triton.runtime.jit import JITFunction
+
+    if id(fn) in cache:
+        return cache[id(fn)]
+    raw = fn.fn
+    glb = {}
+    new = types.FunctionType(raw.__code__, glb, raw.__name__, raw.__defaults__, raw.__closure__)
+    cache[id(fn)] = new
+    for name, value in raw.__globals__.items():
+        if isinstance(value, JITFunction):
+            value = _emulated(value, replace, cache)
+        elif type(value).__name__ == "constexpr":
+            value = value.value
+        glb[name] = replace.get(id(value), value)
+    return new
+
+
+def _argument(value):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if isinstance(value, torch.Tensor):
+        return Ptr(value.reshape(-1) if value.is_contiguous() else value.contiguous().view(-1), 0)
+    if isinstance(value, TensorDescriptor):
+        return Desc(value)
+    return value
+
+
+def emulate(kernel, grid: int, *args, seed: int = 0, timeout: float = TIMEOUT_S, **constexprs) -> None:
+    """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU. Tensors are its global memory (written in
+    place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs (num_warps included).
+    Raises Hang, Race, or the first error a thread raised."""
+    state = _State(grid, seed)
+    _local.state = state
+    fn = _emulated(kernel, _modules(), {})
+    args = [_argument(a) for a in args]
+    params = [p.name for p in kernel.params]
+    kwargs = {k: v for k, v in constexprs.items() if k in params}
+    done = threading.Event()
+    engine = threading.Thread(target=_tma_engine, args=(state, done), name="tma", daemon=True)
+    engine.start()
+    ctas = [_start(f"cta{pid}", pid, lambda: fn(*args, **kwargs), ()) for pid in range(grid)]
+    deadline = time.monotonic() + timeout
+    for t in ctas:
+        t.join(max(0.0, deadline - time.monotonic()))
+    done.set()
+    stuck = [t.name for t in threading.enumerate() if t.name.startswith("cta") and t.is_alive()]
+    with state.lock:
+        waits = dict(state.waits)
+        state.abort = True
+        state.cond.notify_all()
+    engine.join(5)
+    if state.errors:
+        raise state.errors[0]
+    if stuck:
+        raise Hang(f"{len(stuck)} threads still running after {timeout:.0f} s; their last waits: "
+                   f"{ {n: waits.get(n, 'not in an mbarrier wait (a poll loop?)') for n in sorted(stuck)[:12]} }")

@@ -1,0 +1,274 @@
+"""The emulated memory, synchronization and MMA of tests/gluon_emulator.py (its docstring says what is emulated
+and what is not): global memory through pointers into flat torch tensors, shared memory descriptors, mbarriers,
+TMA copies landing late and out of order from an engine thread, wgmma, and the launch's shared state."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import types
+
+import torch
+
+TIMEOUT_S = 60.0
+
+
+class Hang(AssertionError):
+    """Some thread waits for what never comes (the emulation's time limit passed)."""
+
+
+class Race(AssertionError):
+    """Shared memory was read while a TMA copy into it was in flight."""
+
+
+class _Aborted(BaseException):
+    pass
+
+
+class _State:
+    """One emulated launch: the CTAs' threads, the TMA engine, the abort flag and each thread's last wait."""
+
+    def __init__(self, programs: int, seed: int) -> None:
+        self.programs = programs
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.abort = False
+        self.pending: list = []  # TMA copies issued, not yet landed
+        self.rng = random.Random(seed)
+        self.waits: dict[str, str] = {}
+        self.errors: list[BaseException] = []
+
+
+_local = threading.local()
+
+
+def _state() -> _State:
+    return _local.state
+
+
+def _check_abort() -> None:
+    if _state().abort:
+        raise _Aborted
+
+
+# ------------------------------------------------------------------------------------------------- global memory
+
+class Ptr:
+    """A pointer (or a tensor of pointers) into a flat torch tensor: `off` an int or an integer tensor."""
+
+    def __init__(self, flat: torch.Tensor, off) -> None:
+        self.flat, self.off = flat, off
+
+    def __add__(self, other):
+        if isinstance(other, torch.Tensor) and other.dim() > 0:
+            return Ptr(self.flat, self.off + other.long())
+        return Ptr(self.flat, self.off + int(other))
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self + (-other)
+
+
+def _load(ptr: Ptr, mask=None, other=None, **_):
+    if not isinstance(ptr.off, torch.Tensor):
+        return ptr.flat[ptr.off].clone()
+    off = ptr.off
+    if mask is None:
+        return ptr.flat[off]
+    mask = torch.broadcast_to(mask, off.shape)
+    values = ptr.flat[torch.where(mask, off, torch.zeros_like(off))]
+    return torch.where(mask, values, torch.as_tensor(0 if other is None else other, dtype=values.dtype))
+
+
+def _store(ptr: Ptr, value, mask=None, **_):
+    if not isinstance(ptr.off, torch.Tensor):
+        ptr.flat[ptr.off] = torch.as_tensor(value).to(ptr.flat.dtype)
+        return
+    off = ptr.off
+    value = torch.broadcast_to(torch.as_tensor(value), off.shape).to(ptr.flat.dtype)
+    if mask is None:
+        ptr.flat[off] = value
+        return
+    mask = torch.broadcast_to(mask, off.shape)
+    ptr.flat[off[mask]] = value[mask]
+
+
+def _atomic_add(ptr: Ptr, val, mask=None, sem=None, scope=None):
+    _check_abort()
+    if isinstance(ptr.off, torch.Tensor):
+        raise NotImplementedError("gl.atomic_add on a tensor of pointers")
+    with _state().lock:
+        old = ptr.flat[ptr.off].clone()
+        ptr.flat[ptr.off] += val
+    time.sleep(0)  # a poll loop yields to the others
+    return old
+
+
+# ------------------------------------------------------------------------------------------------- shared memory
+
+class SMem:
+    """A shared-memory descriptor: a view of the CTA's allocation."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    @property
+    def shape(self):
+        return list(self.t.shape)
+
+    def index(self, i):
+        return SMem(self.t[int(i)])
+
+    def permute(self, dims):
+        return SMem(self.t.permute(*dims))
+
+    def slice(self, start, length, dim=0):
+        return SMem(self.t.narrow(dim, int(start), int(length)))
+
+    def load(self, layout=None):
+        _check_race(self.t)
+        return self.t.clone()
+
+    def store(self, value):
+        self.t.copy_(value)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    return lo, lo + extent * t.element_size()
+
+
+def _check_race(t: torch.Tensor) -> None:
+    lo, hi = _span(t)
+    with _state().lock:
+        for copy in _state().pending:
+            d_lo, d_hi = _span(copy[1].t)
+            if lo < d_hi and d_lo < hi:
+                raise Race(f"shared memory read while a TMA copy into it is in flight ({threading.current_thread().name})")
+
+
+class Barrier:
+    """An mbarrier: `count` arrivals and the expected transaction bytes complete a phase."""
+
+    def __init__(self) -> None:
+        self.count = self.pending = self.tx = self.phase = 0
+
+    def _complete_if_done(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+            _state().cond.notify_all()
+
+
+class _Barriers:
+    def __init__(self, n: int) -> None:
+        self.bars = [Barrier() for _ in range(n)]
+
+    def index(self, i):
+        return self.bars[int(i)]
+
+
+def _allocate_shared_memory(dtype, shape, layout=None, value=None):
+    if type(layout).__name__ == "MBarrierLayout":
+        return _Barriers(shape[0])
+    t = torch.zeros(shape, dtype=dtype)
+    if value is not None:
+        t.copy_(value)
+    return SMem(t)
+
+
+def _init(bar: Barrier, count):
+    with _state().lock:
+        bar.count = bar.pending = int(count)
+        bar.tx = bar.phase = 0
+
+
+def _expect(bar: Barrier, nbytes, pred=True):
+    if pred:
+        with _state().lock:
+            bar.tx += int(nbytes)
+            bar.pending -= 1
+            bar._complete_if_done()
+
+
+def _arrive(bar: Barrier, *, count=1, pred=True):
+    if pred:
+        with _state().lock:
+            bar.pending -= int(count)
+            if bar.pending < 0:
+                raise AssertionError(f"mbarrier arrived at more than its count ({bar.count})")
+            bar._complete_if_done()
+
+
+def _wait(bar: Barrier, phase, pred=True, deps=()):
+    # try_wait.parity P returns once the phase of parity P has completed: the current phase's parity is not P
+    if not pred:
+        return
+    state, name = _state(), threading.current_thread().name
+    with state.lock:
+        state.waits[name] = f"mbarrier.wait(parity {int(phase)}) at phase {bar.phase}"
+        while (bar.phase & 1) == int(phase):
+            if state.abort:
+                raise _Aborted
+            state.cond.wait(0.05)
+        state.waits.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------------------- TMA
+
+class Desc:
+    """A host TensorDescriptor as a kernel sees it."""
+
+    def __init__(self, d) -> None:
+        self.base, self.layout, self.dtype = d.base, d.layout, d.base.dtype
+        nbytes = d.base.element_size()
+        for s in d.block_shape:
+            nbytes *= s
+        self.block_type = types.SimpleNamespace(shape=list(d.block_shape), nbytes=nbytes)
+
+
+def _tma_load(desc: Desc, coord, bar: Barrier, dest: SMem, pred=True):
+    if not pred:
+        return
+    with _state().lock:
+        _state().pending.append((desc, dest, [int(c) for c in coord], bar))
+        _state().cond.notify_all()
+
+
+def _land(copy) -> None:
+    desc, dest, coord, bar = copy
+    box = torch.zeros(desc.block_type.shape, dtype=desc.dtype)  # out of bounds: zeros, as the hardware's fill
+    src = desc.base
+    rows = slice(coord[0], min(coord[0] + box.shape[0], src.shape[0]))
+    cols = slice(coord[1], min(coord[1] + box.shape[1], src.shape[1]))
+    part = src[rows, cols]
+    box[:part.shape[0], :part.shape[1]] = part
+    dest.t.copy_(box)
+    bar.tx -= desc.block_type.nbytes
+    bar._complete_if_done()
+
+
+def _tma_engine(state: _State, done: threading.Event) -> None:
+    # copies land one at a time, in random order, a little later than issued
+    _local.state = state
+    while not (done.is_set() and not state.pending) and not state.abort:
+        with state.lock:
+            if not state.pending:
+                state.cond.wait(0.01)
+                continue
+            _land(state.pending.pop(state.rng.randrange(len(state.pending))))
+        time.sleep(state.rng.random() * 1e-4)
+
+
+# ------------------------------------------------------------------------------------------------- MMA and misc
+
+def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
+    a_t = a.t if isinstance(a, SMem) else a
+    if isinstance(a, SMem):
+        _check_race(a.t)
+    _check_race(b.t)
+    out = a_t.float() @ b.t.float()
+    return out + acc if use_acc else out
