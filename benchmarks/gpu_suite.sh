@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -210,6 +210,12 @@ if [ "$what" = probe_layer ]; then  # Ouro-1.4B-shaped layers (norms, residual, 
   # warp-specialized Gluon kernel (benchmarks/ws_layer_probe.py; checked vs torch; a hang exits)
   timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_layer_probe.py --out "$OUT/probe_layer" "$@" 2>&1 \
     | tee "$OUT/probe_layer.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = probe_layer64 ]; then  # the same layers at 64 rows in the split-K design of ws_chain64_wg.py
+  # (benchmarks/ws_layer64_probe.py; every stage checked vs torch; a hang exits)
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_layer64_probe.py --out "$OUT/probe_layer64" "$@" 2>&1 \
+    | tee "$OUT/probe_layer64.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = probe ]; then  # a phase boundary's cost: PDL-chained kernels vs a persistent kernel's grid

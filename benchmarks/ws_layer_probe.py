@@ -36,29 +36,33 @@ _H, _QKV, _INTER, _BN, _BK, _BM = (SIZES[k] for k in ("H", "QKV", "INTER", "BN",
 
 
 class LayerChain:
-    """Weights and activation slots of `layers` layer-shaped steps at `rows` <= 8 batch rows. hm and d have
-    layers + 1 slots: hm[0] is the input, d[0] zeros; layer l adds hm[l + 1] = h_l + o_l and d[l + 1]."""
+    """Weights and activation slots of `layers` layer-shaped steps at `rows` <= block_m batch rows (hidden size
+    h, qkv 3 h, intermediate inter; Ouro-1.4B's and 8 rows by default: ws_layer.py's kernel; ws_layer64_probe.py
+    makes 64-row ones). hm and d have layers + 1 slots: hm[0] is the input, d[0] zeros; layer l adds
+    hm[l + 1] = h_l + o_l and d[l + 1]."""
 
-    def __init__(self, rows: int, layers: int, device: str = "cuda", seed: int = 0) -> None:
-        if not 1 <= rows <= SIZES["BM"]:
-            raise ValueError(f"rows must be 1..{SIZES['BM']}, got {rows}")
+    def __init__(self, rows: int, layers: int, device: str = "cuda", seed: int = 0, h: int = _H,
+                 inter: int = _INTER, block_m: int = _BM) -> None:
+        if not 1 <= rows <= block_m:
+            raise ValueError(f"rows must be 1..{block_m}, got {rows}")
         g = torch.Generator(device=device).manual_seed(seed)
-        self.rows, self.layers = rows, layers
+        self.rows, self.layers, self.block_m = rows, layers, block_m
+        self.h, self.qkv_cols, self.inter = h, 3 * h, inter
 
         def weight(n, k):
             return (torch.randn(n, k, generator=g, device=device) / k**0.5).to(torch.bfloat16)
 
-        self.wq, self.wo = weight(layers * _QKV, _H), weight(layers * _H, _H)
-        self.wgu, self.wd = weight(layers * 2 * _INTER, _H), weight(layers * _H, _INTER)
-        self.n1, self.n2 = ((1 + 0.1 * torch.randn(layers, _H, generator=g, device=device)).to(torch.bfloat16)
+        self.wq, self.wo = weight(layers * self.qkv_cols, self.h), weight(layers * self.h, self.h)
+        self.wgu, self.wd = weight(layers * 2 * self.inter, self.h), weight(layers * self.h, self.inter)
+        self.n1, self.n2 = ((1 + 0.1 * torch.randn(layers, self.h, generator=g, device=device)).to(torch.bfloat16)
                             for _ in range(2))
 
         def slots(n, width):
-            return torch.zeros(n, _BM, width, dtype=torch.bfloat16, device=device)
+            return torch.zeros(n, block_m, width, dtype=torch.bfloat16, device=device)
 
-        self.hm, self.d, self.hq = slots(layers + 1, _H), slots(layers + 1, _H), slots(layers, _H)
-        self.qkv, self.o, self.act = slots(layers, _QKV), slots(layers, _H), slots(layers, _INTER)
-        self.hm[0, :rows] = torch.randn(rows, _H, generator=g, device=device).to(torch.bfloat16)
+        self.hm, self.d, self.hq = slots(layers + 1, self.h), slots(layers + 1, self.h), slots(layers, self.h)
+        self.qkv, self.o, self.act = slots(layers, self.qkv_cols), slots(layers, self.h), slots(layers, self.inter)
+        self.hm[0, :rows] = torch.randn(rows, self.h, generator=g, device=device).to(torch.bfloat16)
         self.cnt = torch.zeros(4 * layers, dtype=torch.int32, device=device)
 
     @property
@@ -78,18 +82,19 @@ class LayerChain:
         def mm(x, w):
             return x @ w.float().T
 
-        hm, d = self.hm[0, :self.rows].float(), torch.zeros(self.rows, _H, device=self.wq.device)
+        hm, d = self.hm[0, :self.rows].float(), torch.zeros(self.rows, self.h, device=self.wq.device)
         self.ref_steps = []
         for layer in range(self.layers):
             h = (hm + d).bfloat16().float()
-            qkv = mm(rms(h, self.n1[layer]), self.wq[layer * _QKV:(layer + 1) * _QKV]).bfloat16().float()
-            o = mm(qkv[:, :_H], self.wo[layer * _H:(layer + 1) * _H]).bfloat16().float()
+            wq = self.wq[layer * self.qkv_cols:(layer + 1) * self.qkv_cols]
+            qkv = mm(rms(h, self.n1[layer]), wq).bfloat16().float()
+            o = mm(qkv[:, :self.h], self.wo[layer * self.h:(layer + 1) * self.h]).bfloat16().float()
             hm = (h + o).bfloat16().float()
             x2 = rms(hm, self.n2[layer])
-            gu = self.wgu[layer * 2 * _INTER:(layer + 1) * 2 * _INTER]
-            gate, up = mm(x2, gu[:_INTER]), mm(x2, gu[_INTER:])
+            gu = self.wgu[layer * 2 * self.inter:(layer + 1) * 2 * self.inter]
+            gate, up = mm(x2, gu[:self.inter]), mm(x2, gu[self.inter:])
             act = (gate * torch.sigmoid(gate) * up).bfloat16().float()
-            d = mm(act, self.wd[layer * _H:(layer + 1) * _H]).bfloat16().float()
+            d = mm(act, self.wd[layer * self.h:(layer + 1) * self.h]).bfloat16().float()
             self.ref_steps.append({"qkv": qkv, "o": o, "hm": hm, "act": act, "d": d})
         return (hm + d).bfloat16()
 
@@ -98,7 +103,7 @@ class LayerChain:
         r, ref = self.rows, self.ref_steps[layer]
         got = self.act[layer, :r].float()
         hm = ref["hm"]
-        gu = self.wgu[layer * 2 * _INTER:(layer + 1) * 2 * _INTER].float()
+        gu = self.wgu[layer * 2 * self.inter:(layer + 1) * 2 * self.inter].float()
 
         def rms(h, n):
             return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _EPS) * n).bfloat16().float()
@@ -106,7 +111,7 @@ class LayerChain:
         out = {}
         for name, x2 in (("n2", rms(hm, self.n2[layer].float())), ("n1", rms(hm, self.n1[layer].float())),
                          ("no_n", rms(hm, torch.ones_like(hm[0])))):
-            gate, up = x2 @ gu[:_INTER].T, x2 @ gu[_INTER:].T
+            gate, up = x2 @ gu[:self.inter].T, x2 @ gu[self.inter:].T
             out[f"silu(g)*u {name}"] = rel_err(got, gate * torch.sigmoid(gate) * up)
             out[f"silu(u)*g {name}"] = rel_err(got, up * torch.sigmoid(up) * gate)
         tile_err = ((got - ref["act"]).norm(dim=0).reshape(-1, _BN).norm(dim=1)

@@ -11,8 +11,9 @@ no-ops here and a missing one is found on the GPU only.
 
 Emulated: gl.program_id / num_programs / arange / zeros / full / load / store / atomic_add / static_range /
 thread_barrier / allocate_shared_memory / warp_specialize / inline_asm_elementwise (a no-op: the kernels' asm is
-fences and PDL), the layouts (ignored), mbarrier.init / expect / arrive / wait, tma.async_copy_global_to_shared,
-warpgroup_mma, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
+fences and PDL) / sum / max / rsqrt / exp / sqrt / maximum / minimum / where / expand_dims, the layouts (ignored),
+mbarrier.init / expect / arrive / wait, tma.async_copy_global_to_shared, warpgroup_mma, fence_async_shared. Anything
+else a kernel calls raises NotImplementedError with its name.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def _modules():
         load=_load, store=_store, atomic_add=_atomic_add, static_range=range, thread_barrier=lambda: None,
         allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
         inline_asm_elementwise=lambda *a, **k: torch.tensor(0), constexpr=lambda v: v,
+        sum=lambda x, axis=None, **_: x.sum(dim=axis), max=lambda x, axis=None, **_: x.amax(dim=axis),
+        rsqrt=torch.rsqrt, exp=torch.exp, sqrt=torch.sqrt, maximum=torch.maximum, minimum=torch.minimum,
+        where=torch.where, expand_dims=lambda x, axis: x.unsqueeze(axis),
         float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16, int32=torch.int32, int64=torch.int64,
         int8=torch.int8)
     emu_mbarrier = _Namespace(mbarrier, init=_init, expect=_expect, arrive=_arrive, wait=_wait,
