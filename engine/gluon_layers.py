@@ -257,18 +257,28 @@ def launch_layers(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torc
     rms(h_out) * model.norm. k, v: the loop's planes [layers, blocks, page, kv_heads, d]; the rows' keys and values
     are written at meta.slots. layer_stack.layers_run says which calls come here. trace (measuring only): int64
     [SMs, layers, TRACE_EVENTS], each CTA's global-timer stamps (gluon_layers_stage.stamp's events)."""
+    args, constexprs, out = layers_args(h, stack, k, v, meta, inv_freq, eps, scale, trace)
+    layers_kernel[(pdl.num_sms(h.device),)](*args, **constexprs, **pdl.launch_kwargs(h.device))
+    return out
+
+
+def layers_args(h: torch.Tensor, stack: "LayerStack", k: torch.Tensor, v: torch.Tensor, meta,
+                inv_freq: torch.Tensor, eps: float, scale: float, trace: torch.Tensor | None = None
+                ) -> tuple[tuple, dict, torch.Tensor]:
+    """launch_layers' kernel arguments, its constexprs but USE_PDL (pdl.launch_kwargs), and the readout it fills
+    (tests/test_gluon_layers_emulated.py runs the kernel on them on the CPU)."""
     h = h.contiguous()  # rows of `hidden` (a no-op on the engine's calls)
     rows, hidden = h.shape
     L, _, page, heads, d = k.shape
     out = torch.empty_like(h)
-    layers_kernel[(pdl.num_sms(h.device),)](
-        *_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
-        meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens, stack.counters,
-        stack.row_sums, stack.counters if trace is None else trace,
-        L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634, H=hidden, QKV=stack.qkv_width,
-        INTER=stack.inter, HEADS=heads, D=d, PAGE=page, XCHUNKS=ld.staged_chunks(hidden, stack.inter),
-        x_layout=X_LAYOUT, STAGES=ld.STAGES, TRACE=trace is not None, num_warps=4, **pdl.launch_kwargs(h.device))
-    return out
+    args = (*_descriptors(stack, k, v), h, out, k, v, inv_freq, *stack.rows, *stack.norms, stack.final_norm,
+            meta.positions, meta.slots, meta.block_tables, meta.block_tables.stride(0), meta.context_lens,
+            stack.counters, stack.row_sums, stack.counters if trace is None else trace,
+            L, rows, k.shape[1] * page, eps, scale * 1.4426950408889634)
+    constexprs = dict(H=hidden, QKV=stack.qkv_width, INTER=stack.inter, HEADS=heads, D=d, PAGE=page,
+                      XCHUNKS=ld.staged_chunks(hidden, stack.inter), x_layout=X_LAYOUT, STAGES=ld.STAGES,
+                      TRACE=trace is not None, num_warps=4)
+    return args, constexprs, out
 
 
 def run_loops(model, h: torch.Tensor, meta, pool, first_loop: int, last_loop: int) -> list[torch.Tensor]:

@@ -24,46 +24,30 @@ import types
 
 import torch
 
-from tests.gluon_emulator_ops import (
-    TIMEOUT_S,
-    Desc,
-    Hang,
-    Ptr,
-    Race,
-    _Aborted,
-    _allocate_shared_memory,
-    _arrive,
-    _atomic_add,
-    _expect,
-    _init,
-    _load,
-    _local,
-    _State,
-    _state,
-    _store,
-    _tma_engine,
-    _tma_load,
-    _wait,
-    _warpgroup_mma,
-)
+from tests.gluon_emulator_ops import (TIMEOUT_S, Desc, Hang, Ptr, Race, _Aborted, _allocate_shared_memory, _arrive,
+                                      _async_copy, _async_copy_arrive, _atomic_add, _atomic_xchg, _expect, _init,
+                                      _load, _local, _mma_v2, _State, _state, _store, _tma_engine, _tma_load, _wait,
+                                      _warpgroup_mma)
 
 __all__ = ["Hang", "Race", "emulate"]
 
 
 def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs, **_):
     pid = _local.pid
+    warps = [_state().num_warps, *worker_num_warps]  # the default partition's, then each worker's
     threads = []
     for k, (fn, args) in enumerate(functions_and_args):
-        threads.append(_start(f"cta{pid}.partition{k}", pid, fn, args))
+        threads.append(_start(f"cta{pid}.partition{k}", pid, fn, args, 32 * warps[k]))
     for t in threads:
         t.join()
 
 
-def _start(name: str, pid: int, fn, args) -> threading.Thread:
+def _start(name: str, pid: int, fn, args, threads: int) -> threading.Thread:
+    # threads: the GPU threads this one stands for (a cp.async arrival counts each of them)
     state = _state()
 
     def body():
-        _local.state, _local.pid = state, pid
+        _local.state, _local.pid, _local.threads = state, pid, threads
         try:
             fn(*args)
         except _Aborted:
@@ -77,6 +61,36 @@ def _start(name: str, pid: int, fn, args) -> threading.Thread:
     t = threading.Thread(target=body, name=name, daemon=True)
     t.start()
     return t
+
+
+def _maximum(a, b, **_):
+    return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def _minimum(a, b, **_):
+    return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+
+
+class _Int(int):
+    """A loop index or a program id: an int that, as in Triton, also converts like a scalar tensor."""
+
+    def to(self, dtype, **_):
+        return torch.tensor(int(self), dtype=dtype)
+
+
+def _range(*args):
+    for i in range(*(int(a) for a in args)):
+        yield _Int(i)
+
+
+def _where(cond, a, b):
+    if not any(isinstance(x, torch.Tensor) for x in (cond, a, b)):
+        return a if cond else b
+    return torch.where(torch.as_tensor(cond), a, b)
+
+
+def _static_assert(cond, msg=""):
+    assert cond, msg
 
 
 def _unsupported(name: str):
@@ -102,10 +116,11 @@ class _Namespace(types.SimpleNamespace):
 def _modules():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     emu_gl = _Namespace(
-        gl, program_id=lambda axis=0: _local.pid, num_programs=lambda axis=0: _state().programs,
+        gl, program_id=lambda axis=0: _Int(_local.pid), num_programs=lambda axis=0: _Int(_state().programs),
         arange=lambda start, end, layout=None: torch.arange(start, end, dtype=torch.int32),
         zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype),
         full=lambda shape, value, dtype, layout=None: torch.full(shape, value, dtype=dtype),
@@ -113,15 +128,20 @@ def _modules():
         allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
         inline_asm_elementwise=lambda *a, **k: torch.tensor(0), constexpr=lambda v: v,
         sum=lambda x, axis=None, **_: x.sum(dim=axis), max=lambda x, axis=None, **_: x.amax(dim=axis),
-        rsqrt=torch.rsqrt, exp=torch.exp, sqrt=torch.sqrt, maximum=torch.maximum, minimum=torch.minimum,
-        where=torch.where, expand_dims=lambda x, axis: x.unsqueeze(axis),
+        rsqrt=torch.rsqrt, exp=torch.exp, exp2=torch.exp2, log2=torch.log2, sin=torch.sin, cos=torch.cos,
+        sqrt=torch.sqrt, maximum=_maximum, minimum=_minimum, where=_where, cdiv=lambda a, b: (a + b - 1) // b,
+        expand_dims=lambda x, axis: x.unsqueeze(axis), convert_layout=lambda x, layout, **_: x,
+        atomic_xchg=_atomic_xchg, static_assert=_static_assert,
         float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16, int32=torch.int32, int64=torch.int64,
         int8=torch.int8)
     emu_mbarrier = _Namespace(mbarrier, init=_init, expect=_expect, arrive=_arrive, wait=_wait,
                               invalidate=lambda bar: None, MBarrierLayout=mbarrier.MBarrierLayout)
     emu_tma = _Namespace(tma, async_copy_global_to_shared=_tma_load)
+    emu_async_copy = _Namespace(async_copy, async_copy_global_to_shared=_async_copy, commit_group=lambda: None,
+                                wait_group=lambda num_outstanding=0: None, mbarrier_arrive=_async_copy_arrive)
     replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _warpgroup_mma,
-               id(hopper.fence_async_shared): lambda cluster=False: None}
+               id(hopper.fence_async_shared): lambda cluster=False: None, id(async_copy): emu_async_copy,
+               id(mma_v2): _mma_v2}
     return replace
 
 
@@ -135,6 +155,7 @@ def _emulated(fn, replace: dict, cache: dict):
     glb = {}
     new = types.FunctionType(raw.__code__, glb, raw.__name__, raw.__defaults__, raw.__closure__)
     cache[id(fn)] = new
+    glb["range"] = _range  # Triton's loops: the index converts like a tensor
     for name, value in raw.__globals__.items():
         if isinstance(value, JITFunction):
             value = _emulated(value, replace, cache)
@@ -167,7 +188,8 @@ def emulate(kernel, grid: int, *args, seed: int = 0, timeout: float = TIMEOUT_S,
     done = threading.Event()
     engine = threading.Thread(target=_tma_engine, args=(state, done), name="tma", daemon=True)
     engine.start()
-    ctas = [_start(f"cta{pid}", pid, lambda: fn(*args, **kwargs), ()) for pid in range(grid)]
+    state.num_warps = constexprs.get("num_warps", 4)
+    ctas = [_start(f"cta{pid}", pid, lambda: fn(*args, **kwargs), (), 32 * state.num_warps) for pid in range(grid)]
     deadline = time.monotonic() + timeout
     for t in ctas:
         t.join(max(0.0, deadline - time.monotonic()))

@@ -60,6 +60,10 @@ class Ptr:
     def __init__(self, flat: torch.Tensor, off) -> None:
         self.flat, self.off = flat, off
 
+    @property
+    def dtype(self):  # ptr.dtype.element_ty: the pointee's dtype
+        return types.SimpleNamespace(element_ty=self.flat.dtype)
+
     def __add__(self, other):
         if isinstance(other, torch.Tensor) and other.dim() > 0:
             return Ptr(self.flat, self.off + other.long())
@@ -106,6 +110,30 @@ def _atomic_add(ptr: Ptr, val, mask=None, sem=None, scope=None):
     return old
 
 
+def _atomic_xchg(ptr: Ptr, val, mask=None, sem=None, scope=None):
+    _check_abort()
+    with _state().lock:
+        old = ptr.flat[ptr.off].clone()
+        ptr.flat[ptr.off] = val
+    return old
+
+
+def _async_copy(smem, pointer: Ptr, mask=None, **_):
+    # cp.async, landed at once (the copies' own waits and arrivals below then pass)
+    smem.t.copy_(_load(pointer, mask, 0))
+
+
+def _async_copy_arrive(bar, increment_count=True):
+    # cp.async.mbarrier.arrive: each of the partition's threads arrives once its copies have landed (.noinc); with
+    # the count incremented at issue the arrivals cancel out
+    if not increment_count:
+        _arrive(bar, count=_local.threads)
+
+
+def _mma_v2(a, b, acc, input_precision=None):
+    return acc + a.float() @ b.float()
+
+
 # ------------------------------------------------------------------------------------------------- shared memory
 
 class SMem:
@@ -130,6 +158,13 @@ class SMem:
     def load(self, layout=None):
         _check_race(self.t)
         return self.t.clone()
+
+    def _reinterpret(self, dtype, shape, layout=None):
+        return SMem(self.t.view(dtype).view(list(shape)))
+
+    @property
+    def dtype(self):
+        return self.t.dtype
 
     def store(self, value):
         self.t.copy_(value)
