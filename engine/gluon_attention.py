@@ -270,6 +270,20 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
                             scale: float, config: DecodeConfig) -> torch.Tensor:
     """q: [rows, heads, d] (one row per request at most); k_plane, v_plane: [blocks, page, kv_heads, d]
     -> [rows, heads, d]; rows no request covers hold no defined value."""
+    grid, args, constexprs, (part, lse, out) = decode_attention_args(
+        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, pdl.num_sms(q.device))
+    decode_attention_kernel[grid](*args, **constexprs, **_pdl_kwargs(q.device, config))
+    if config.splits > 1 and q.shape[0] > 0:
+        combine_splits(part, lse, out)
+    return out
+
+
+def decode_attention_args(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, query_start: torch.Tensor, scale: float, config: DecodeConfig,
+                          sms: int) -> tuple[tuple, tuple, dict, tuple]:
+    """launch_decode_attention's grid, kernel arguments, constexprs but USE_PDL, and (the splits' float32
+    partials, their log-sum-exps, the output); with one split the kernel writes the output itself
+    (tests/test_gluon_attention_emulated.py runs the kernel on them on the CPU)."""
     rows, heads, d = q.shape
     seqs = context_lens.shape[0]
     out = torch.empty_like(q)
@@ -281,16 +295,13 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
         split_strides = (part.stride(0), lse.stride(0))
     items = seqs * heads
     if config.ctas_per_sm:  # persistent: CTAs walk the (request, kv head) pairs
-        grid = (max(1, min(items, config.ctas_per_sm * pdl.num_sms(q.device))), 1, 1)
+        grid = (max(1, min(items, config.ctas_per_sm * sms)), 1, 1)
     else:
         grid = (seqs, heads, config.splits)
-    decode_attention_kernel[grid](
-        _descriptor(k_plane), _descriptor(v_plane), q, part, lse, block_tables, context_lens, query_start,
-        q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
-        lse.stride(-2) if config.splits > 1 else 0, block_tables.stride(0), scale * 1.4426950408889634, heads, items,
-        PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
-        SPLIT=config.splits > 1, PERSIST=config.ctas_per_sm > 0, num_warps=4, **_pdl_kwargs(q.device, config),
-    )
-    if config.splits > 1 and rows > 0:
-        combine_splits(part, lse, out)
-    return out
+    args = (_descriptor(k_plane), _descriptor(v_plane), q, part, lse, block_tables, context_lens, query_start,
+            q.stride(0), q.stride(1), split_strides[0], part.stride(-3), part.stride(-2), split_strides[1],
+            lse.stride(-2) if config.splits > 1 else 0, block_tables.stride(0), scale * 1.4426950408889634, heads,
+            items)
+    constexprs = dict(PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
+                      SPLIT=config.splits > 1, PERSIST=config.ctas_per_sm > 0, num_warps=4)
+    return grid, args, constexprs, (part, lse, out)

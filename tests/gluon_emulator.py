@@ -37,12 +37,12 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs, **_)
     warps = [_state().num_warps, *worker_num_warps]  # the default partition's, then each worker's
     threads = []
     for k, (fn, args) in enumerate(functions_and_args):
-        threads.append(_start(f"cta{pid}.partition{k}", pid, fn, args, 32 * warps[k]))
+        threads.append(_start(f"{threading.current_thread().name}.partition{k}", pid, fn, args, 32 * warps[k]))
     for t in threads:
         t.join()
 
 
-def _start(name: str, pid: int, fn, args, threads: int) -> threading.Thread:
+def _start(name: str, pid: tuple[int, int, int], fn, args, threads: int) -> threading.Thread:
     # threads: the GPU threads this one stands for (a cp.async arrival counts each of them)
     state = _state()
 
@@ -120,7 +120,8 @@ def _modules():
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     emu_gl = _Namespace(
-        gl, program_id=lambda axis=0: _Int(_local.pid), num_programs=lambda axis=0: _Int(_state().programs),
+        gl, program_id=lambda axis=0: _Int(_local.pid[axis]),
+        num_programs=lambda axis=0: _Int(_state().programs[axis]),
         arange=lambda start, end, layout=None: torch.arange(start, end, dtype=torch.int32),
         zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype),
         full=lambda shape, value, dtype, layout=None: torch.full(shape, value, dtype=dtype),
@@ -175,10 +176,12 @@ def _argument(value):
     return value
 
 
-def emulate(kernel, grid: int, *args, seed: int = 0, timeout: float = TIMEOUT_S, **constexprs) -> None:
-    """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU. Tensors are its global memory (written in
-    place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs (num_warps included).
-    Raises Hang, Race, or the first error a thread raised."""
+def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: float = TIMEOUT_S,
+            **constexprs) -> None:
+    """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU (an int, or up to 3 axes). Tensors are its
+    global memory (written in place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs
+    (num_warps included). Raises Hang, Race, or the first error a thread raised."""
+    grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, (tuple, list)) else (grid, 1, 1)
     state = _State(grid, seed)
     _local.state = state
     fn = _emulated(kernel, _modules(), {})
@@ -189,7 +192,9 @@ def emulate(kernel, grid: int, *args, seed: int = 0, timeout: float = TIMEOUT_S,
     engine = threading.Thread(target=_tma_engine, args=(state, done), name="tma", daemon=True)
     engine.start()
     state.num_warps = constexprs.get("num_warps", 4)
-    ctas = [_start(f"cta{pid}", pid, lambda: fn(*args, **kwargs), (), 32 * state.num_warps) for pid in range(grid)]
+    pids = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    ctas = [_start(f"cta{'.'.join(map(str, pid))}", pid, lambda: fn(*args, **kwargs), (), 32 * state.num_warps)
+            for pid in pids]
     deadline = time.monotonic() + timeout
     for t in ctas:
         t.join(max(0.0, deadline - time.monotonic()))

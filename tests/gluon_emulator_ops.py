@@ -182,7 +182,8 @@ def _check_race(t: torch.Tensor) -> None:
         for copy in _state().pending:
             d_lo, d_hi = _span(copy[1].t)
             if lo < d_hi and d_lo < hi:
-                raise Race(f"shared memory read while a TMA copy into it is in flight ({threading.current_thread().name})")
+                name = threading.current_thread().name
+                raise Race(f"shared memory read while a TMA copy into it is in flight ({name})")
 
 
 class Barrier:

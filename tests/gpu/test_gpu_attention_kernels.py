@@ -29,7 +29,7 @@ class Case:
     """Random paged KV (shuffled blocks, padded tables) and new rows; `ref` is the float64 torch reference."""
 
     def __init__(self, ctx: list[int], rows: list[int], heads: int, kv_heads: int, d: int, dtype: torch.dtype,
-                 seed: int, block_size: int = 16, strided_q: bool = False) -> None:
+                 seed: int, block_size: int = 16, strided_q: bool = False, device: str = DEVICE) -> None:
         g = torch.Generator().manual_seed(seed)
         nb = [-(-c // block_size) for c in ctx]
         num_blocks = sum(nb) + 3
@@ -50,10 +50,10 @@ class Case:
         starts = torch.zeros(len(ctx) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(rows).cumsum(0)
         # slice on the device: .to() of a non-dense view would make it contiguous there
-        self.q = full.to(DEVICE)[:, 1:heads + 1] if strided_q else q.to(DEVICE)
-        self.k, self.v = k[0, 0].to(DEVICE), v[0, 0].to(DEVICE)
-        self.args = (torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-                     torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts.to(DEVICE), max(rows), self.scale)
+        self.q = full.to(device)[:, 1:heads + 1] if strided_q else q.to(device)
+        self.k, self.v = k[0, 0].to(device), v[0, 0].to(device)
+        self.args = (torch.tensor(tables, dtype=torch.int32, device=device),
+                     torch.tensor(ctx, dtype=torch.int32, device=device), starts.to(device), max(rows), self.scale)
         self.dtype = dtype
         self.ctx, self.block_size = ctx, block_size
 

@@ -1,0 +1,48 @@
+"""The engine's Gluon decode attention kernel (engine/gluon_attention.py: the decode calls of more than 8 requests,
+N = 64 among them) run on the CPU by tests/gluon_emulator.py against the float64 reference, as
+tests/gpu/test_gpu_gluon_attention.py checks it on the H200: one pass, split-K partials (combined here in torch:
+the combine kernel is Triton's, tested in its interpreter) and the persistent grid. Where Triton is installed (CI
+has none); the memory model is the GPU test's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention_dispatch import DecodeConfig
+
+pytest.importorskip("triton.experimental.gluon")
+emulator = pytest.importorskip("tests.gluon_emulator")
+from tests.gpu.test_gpu_attention_kernels import Case  # noqa: E402
+
+SMS = 4  # the persistent grid's SMs
+
+
+def run(case: Case, config: DecodeConfig) -> torch.Tensor:
+    from engine import gluon_attention
+
+    tables, ctx, starts, _, scale = case.args
+    grid, args, constexprs, (part, lse, out) = gluon_attention.decode_attention_args(
+        case.q, case.k, case.v, tables, ctx, starts, scale, config, SMS)
+    emulator.emulate(gluon_attention.decode_attention_kernel, grid, *args, USE_PDL=0, **constexprs)
+    if config.splits > 1:  # the splits' base-2 log-sum-exps weight their partials
+        weight = torch.exp2(lse - lse.amax(0))
+        out = ((part * weight[..., None]).sum(0) / weight.sum(0)[..., None]).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(32, 3, 1), DecodeConfig(16, 4, 3), DecodeConfig(32, 2, 1, True, 1)],
+                         ids=["one_pass", "split3", "persistent"])
+@pytest.mark.parametrize("heads,d", [(2, 128), (3, 64)])
+def test_decode_kernel_matches_reference(config, heads, d):
+    # contexts that end on, before and after page and slot boundaries; a split count past some requests' tiles
+    ctx = [1, 15, 16, 17, 33, 70]
+    case = Case(ctx, [1] * len(ctx), heads, heads, d, torch.bfloat16, seed=heads * d + config.splits, device="cpu")
+    case.check(run(case, config))
+
+
+def test_slots_nobody_wrote_do_not_reach_the_output():
+    # NaN in every slot no request reads (a last page's tail, the tables' padding blocks): masked, not weighted by 0
+    case = Case([3, 16, 21], [1, 1, 1], 2, 2, 128, torch.bfloat16, seed=11, device="cpu")
+    case.poison_unread()
+    case.check(run(case, DecodeConfig(32, 3, 2)))
