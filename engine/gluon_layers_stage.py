@@ -186,13 +186,15 @@ def _attend(kv_ring, ready, empty, i, qkv_ptr, attn_ptr, kv, layer_row0, item, q
     for t in range(0, pages, 2):  # two pages at a time: their latencies overlap (one at a time: ~14 us for 40)
         two = t + 1 < pages
         k0, v0 = _page(kv_ring, ready, i, True, layout, PAGE, STAGES)
-        k1, v1 = _page(kv_ring, ready, i + 1, two, layout, PAGE, STAGES)  # (not two: whatever the slot holds)
+        # not two: slot i again (landed, not yet given back; all masked below), not slot i + 1, which a copy may
+        # be landing in (found by tests/test_gluon_layers_emulated.py: harmless, the values are masked, but a race)
+        k1, v1 = _page(kv_ring, ready, gl.where(two, i + 1, i), two, layout, PAGE, STAGES)
         gl.thread_barrier()  # every warp has its values in registers: the slots go back before the math
         fence_async_shared()
         mbarrier.arrive(empty.index(i % STAGES), count=1)
         mbarrier.arrive(empty.index((i + 1) % STAGES), count=1, pred=two)
         valid0 = t * PAGE + offs_n < new
-        valid1 = (t + 1) * PAGE + offs_n < new  # not two: none (the slot holds whatever it holds)
+        valid1 = (t + 1) * PAGE + offs_n < new  # not two: none
         s0 = gl.where(valid0, gl.sum(k0 * q[None, :], axis=1), float("-inf"))
         s1 = gl.where(valid1, gl.sum(k1 * q[None, :], axis=1), float("-inf"))
         if t + 2 >= pages:  # the pair holding the new position's page: its slots from `new` on hold anything

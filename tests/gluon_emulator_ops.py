@@ -11,7 +11,7 @@ import types
 
 import torch
 
-TIMEOUT_S = 60.0
+TIMEOUT_S = 120.0
 
 
 class Hang(AssertionError):
@@ -103,10 +103,18 @@ def _atomic_add(ptr: Ptr, val, mask=None, sem=None, scope=None):
     _check_abort()
     if isinstance(ptr.off, torch.Tensor):
         raise NotImplementedError("gl.atomic_add on a tensor of pointers")
-    with _state().lock:
+    state = _state()
+    with state.lock:
+        if isinstance(val, (int, float)) and val == 0:  # a poll: sleep until some atomic changes memory (a
+            polls = _local.__dict__.setdefault("polls", {})  # spinning thread would starve the others of the GIL)
+            key = (ptr.flat.data_ptr(), int(ptr.off))
+            if polls.get(key) == int(ptr.flat[ptr.off]):
+                state.cond.wait(0.002)
+            polls[key] = int(ptr.flat[ptr.off])
         old = ptr.flat[ptr.off].clone()
         ptr.flat[ptr.off] += val
-    time.sleep(0)  # a poll loop yields to the others
+        if not (isinstance(val, (int, float)) and val == 0):
+            state.cond.notify_all()
     return old
 
 
@@ -115,6 +123,7 @@ def _atomic_xchg(ptr: Ptr, val, mask=None, sem=None, scope=None):
     with _state().lock:
         old = ptr.flat[ptr.off].clone()
         ptr.flat[ptr.off] = val
+        _state().cond.notify_all()
     return old
 
 

@@ -29,8 +29,12 @@ CTAS = 16  # >= rows x heads (an attention item each) and >= hidden / 16 (a resi
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("layers_emulated") / "m", seed=5, eos_token_id=None, **SHAPE)
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("layers_emulated") / "m", seed=5, eos_token_id=None, **SHAPE)
+
+
+@pytest.fixture
+def models(ckpt):  # per test: a launch that failed leaves the stack's never-reset counts where it stopped
     fast = load_model(ckpt, torch.bfloat16, "cpu")
     fast.fuse_projections()
     stack = stack_layers(fast)  # the CPU has no launch: the stack is made here, the model keeps its torch path
