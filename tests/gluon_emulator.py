@@ -1,19 +1,25 @@
-"""Runs a Gluon kernel's Python on the CPU, for the probes' warp-specialized kernels that Triton's interpreter cannot
-run (it has no Gluon): each CTA and each warp-specialized partition is a thread, global and shared memory are torch
-tensors, and mbarriers, TMA copies, wgmma and global atomics are emulated with the semantics the PTX gives them.
+"""Runs a Gluon kernel's Python on the CPU, for the warp-specialized kernels that Triton's interpreter cannot run (it
+has no Gluon): each CTA and each warp-specialized partition is a thread, global and shared memory are torch tensors,
+and mbarriers, TMA copies, cp.async, wgmma, mma_v2 and global atomics are emulated with the semantics the PTX gives
+them.
 
 What it checks is a kernel's protocol and arithmetic: ring and barrier parities, counts, who computes which unit,
-the split sums, the results against torch. A wait that can never complete is reported as a `Hang` naming each
-thread's last wait; a read of shared memory that a TMA copy has been issued to and not yet landed is a `Race`.
-TMA copies land later, in random order, from a thread of their own, so a missing wait shows up as a race or as
-wrong data. What it cannot check is the memory model: a Python thread sees every write at once, so fences are
-no-ops here and a missing one is found on the GPU only.
+the results against torch. A wait that can never complete is reported as a `Hang` naming each thread's last wait;
+a read of shared memory that a TMA copy has been issued to and not yet landed is a `Race`. TMA copies land later,
+in random order, from a thread of their own, so a missing wait shows up as a race or as wrong data. Crossings
+between the generic and the async proxy are a `ProxyRace` without a fence between them: shared memory a thread
+stored to (or read) and then a wgmma reads (or a TMA copy overwrites) with no fence_async_shared by that thread
+since; with check_global, global memory a generic store wrote and a TMA copy then reads with no
+fence.proxy.async since (by any thread: an approximation, as Python threads see every write at once). What it
+cannot check is the rest of the memory model (acquire / release ordering): that is found on the GPU only.
 
-Emulated: gl.program_id / num_programs / arange / zeros / full / load / store / atomic_add / static_range /
-thread_barrier / allocate_shared_memory / warp_specialize / inline_asm_elementwise (a no-op: the kernels' asm is
-fences and PDL) / sum / max / rsqrt / exp / sqrt / maximum / minimum / where / expand_dims, the layouts (ignored),
-mbarrier.init / expect / arrive / wait, tma.async_copy_global_to_shared, warpgroup_mma, fence_async_shared. Anything
-else a kernel calls raises NotImplementedError with its name.
+Emulated: gl.program_id / num_programs (grids of up to 3 axes) / arange / zeros / full / load / store / atomic_add /
+atomic_xchg / static_range / range (indices convert like Triton's) / thread_barrier / allocate_shared_memory (and
+index / slice / permute / _reinterpret / load / store) / warp_specialize / inline_asm_elementwise (PDL's asm a no-op,
+fence.proxy.async a fence) / sum / max / rsqrt / exp / exp2 / log2 / sin / cos / sqrt / maximum / minimum / where /
+cdiv / expand_dims / convert_layout / static_assert, the layouts (ignored), mbarrier.init / expect / arrive / wait,
+tma.async_copy_global_to_shared, async_copy (cp.async; a partition's arrival counts each of its threads), mma_v2,
+warpgroup_mma, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import types
 
 import torch
 
-from tests.gluon_emulator_ops import (TIMEOUT_S, Desc, Hang, Ptr, Race, _Aborted, _allocate_shared_memory, _arrive,
-                                      _async_copy, _async_copy_arrive, _atomic_add, _atomic_xchg, _expect, _init,
-                                      _load, _local, _mma_v2, _State, _state, _store, _tma_engine, _tma_load, _wait,
-                                      _warpgroup_mma)
+from tests.gluon_emulator_ops import (TIMEOUT_S, Desc, Hang, ProxyRace, Ptr, Race, _Aborted, _allocate_shared_memory,
+                                      _arrive, _async_copy, _async_copy_arrive, _atomic_add, _atomic_xchg, _expect,
+                                      _init, _load, _local, _mma_v2, _State, _state, _store, _tma_engine, _tma_load,
+                                      _wait, _warpgroup_mma, fence_async_shared, fence_proxy_async_global)
 
-__all__ = ["Hang", "Race", "emulate"]
+__all__ = ["Hang", "ProxyRace", "Race", "emulate"]
 
 
 def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs, **_):
@@ -83,6 +89,13 @@ def _range(*args):
         yield _Int(i)
 
 
+def _inline_asm(asm, *args, **kwargs):
+    # the kernels' asm: PDL's griddepcontrol (nothing to do here) and proxy fences
+    if "fence.proxy.async" in asm:
+        fence_proxy_async_global()
+    return torch.tensor(0)
+
+
 def _where(cond, a, b):
     if not any(isinstance(x, torch.Tensor) for x in (cond, a, b)):
         return a if cond else b
@@ -127,7 +140,7 @@ def _modules():
         full=lambda shape, value, dtype, layout=None: torch.full(shape, value, dtype=dtype),
         load=_load, store=_store, atomic_add=_atomic_add, static_range=range, thread_barrier=lambda: None,
         allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
-        inline_asm_elementwise=lambda *a, **k: torch.tensor(0), constexpr=lambda v: v,
+        inline_asm_elementwise=_inline_asm, constexpr=lambda v: v,
         sum=lambda x, axis=None, **_: x.sum(dim=axis), max=lambda x, axis=None, **_: x.amax(dim=axis),
         rsqrt=torch.rsqrt, exp=torch.exp, exp2=torch.exp2, log2=torch.log2, sin=torch.sin, cos=torch.cos,
         sqrt=torch.sqrt, maximum=_maximum, minimum=_minimum, where=_where, cdiv=lambda a, b: (a + b - 1) // b,
@@ -141,7 +154,7 @@ def _modules():
     emu_async_copy = _Namespace(async_copy, async_copy_global_to_shared=_async_copy, commit_group=lambda: None,
                                 wait_group=lambda num_outstanding=0: None, mbarrier_arrive=_async_copy_arrive)
     replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _warpgroup_mma,
-               id(hopper.fence_async_shared): lambda cluster=False: None, id(async_copy): emu_async_copy,
+               id(hopper.fence_async_shared): fence_async_shared, id(async_copy): emu_async_copy,
                id(mma_v2): _mma_v2}
     return replace
 
@@ -177,12 +190,13 @@ def _argument(value):
 
 
 def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: float = TIMEOUT_S,
-            **constexprs) -> None:
+            check_global: bool = False, **constexprs) -> None:
     """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU (an int, or up to 3 axes). Tensors are its
     global memory (written in place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs
     (num_warps included). Raises Hang, Race, or the first error a thread raised."""
     grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, (tuple, list)) else (grid, 1, 1)
     state = _State(grid, seed)
+    state.check_global = check_global
     _local.state = state
     fn = _emulated(kernel, _modules(), {})
     args = [_argument(a) for a in args]

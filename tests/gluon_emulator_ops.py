@@ -22,6 +22,11 @@ class Race(AssertionError):
     """Shared memory was read while a TMA copy into it was in flight."""
 
 
+class ProxyRace(AssertionError):
+    """Memory that the generic proxy wrote (or read) is reached by the async proxy (wgmma, TMA) with no proxy fence
+    between the two."""
+
+
 class _Aborted(BaseException):
     pass
 
@@ -38,6 +43,9 @@ class _State:
         self.rng = random.Random(seed)
         self.waits: dict[str, str] = {}
         self.errors: list[BaseException] = []
+        self.unfenced: dict[str, set] = {}  # per thread: generic shared-memory accesses since its last proxy fence
+        self.unfenced_global: set = set()  # generic global stores since the last fence.proxy.async (check_global)
+        self.check_global = False
 
 
 _local = threading.local()
@@ -86,7 +94,36 @@ def _load(ptr: Ptr, mask=None, other=None, **_):
     return torch.where(mask, values, torch.as_tensor(0 if other is None else other, dtype=values.dtype))
 
 
+def _global_written(ptr: Ptr) -> None:
+    # a generic store to global memory, pending until a fence.proxy.async (only when the launch checks them)
+    if _state().check_global:
+        off = ptr.off if isinstance(ptr.off, torch.Tensor) else torch.tensor([ptr.off])
+        size = ptr.flat.element_size()
+        base = ptr.flat.data_ptr()
+        with _state().lock:
+            _state().unfenced_global.add((base + int(off.min()) * size, base + (int(off.max()) + 1) * size))
+
+
+def _check_global_proxy(desc, coord) -> None:
+    rows = desc.base[coord[0]:coord[0] + desc.block_type.shape[0]]
+    if rows.numel() == 0:
+        return
+    lo, hi = _span(rows)
+    with _state().lock:
+        for w_lo, w_hi in _state().unfenced_global:
+            if lo < w_hi and w_lo < hi:
+                raise ProxyRace(f"a TMA read of global memory that a generic store wrote with no fence.proxy.async "
+                                f"since ({threading.current_thread().name})")
+
+
+def fence_proxy_async_global() -> None:
+    # approximated: a fence by any thread orders every generic store made so far (what happened before it here)
+    with _state().lock:
+        _state().unfenced_global.clear()
+
+
 def _store(ptr: Ptr, value, mask=None, **_):
+    _global_written(ptr)
     if not isinstance(ptr.off, torch.Tensor):
         ptr.flat[ptr.off] = torch.as_tensor(value).to(ptr.flat.dtype)
         return
@@ -128,7 +165,8 @@ def _atomic_xchg(ptr: Ptr, val, mask=None, sem=None, scope=None):
 
 
 def _async_copy(smem, pointer: Ptr, mask=None, **_):
-    # cp.async, landed at once (the copies' own waits and arrivals below then pass)
+    # cp.async (the generic proxy), landed at once (the copies' own waits and arrivals below then pass)
+    _generic(smem.t, "write")
     smem.t.copy_(_load(pointer, mask, 0))
 
 
@@ -166,6 +204,7 @@ class SMem:
 
     def load(self, layout=None):
         _check_race(self.t)
+        _generic(self.t, "read")
         return self.t.clone()
 
     def _reinterpret(self, dtype, shape, layout=None):
@@ -176,6 +215,7 @@ class SMem:
         return self.t.dtype
 
     def store(self, value):
+        _generic(self.t, "write")
         self.t.copy_(value)
 
 
@@ -183,6 +223,27 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     lo = t.data_ptr()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
     return lo, lo + extent * t.element_size()
+
+
+def _generic(t: torch.Tensor, kind: str) -> None:
+    # a generic-proxy access to shared memory, pending until this thread's next fence_async_shared
+    with _state().lock:
+        _state().unfenced.setdefault(threading.current_thread().name, set()).add((*_span(t), kind))
+
+
+def fence_async_shared(cluster=False) -> None:
+    with _state().lock:
+        _state().unfenced.pop(threading.current_thread().name, None)
+
+
+def _check_proxy(t: torch.Tensor, kinds: tuple[str, ...], what: str) -> None:
+    lo, hi = _span(t)
+    with _state().lock:
+        for thread, accesses in _state().unfenced.items():
+            for a_lo, a_hi, kind in accesses:
+                if kind in kinds and lo < a_hi and a_lo < hi:
+                    raise ProxyRace(f"{what}: shared memory that {thread} accessed ({kind}) with no fence_async_shared "
+                                    f"since ({threading.current_thread().name})")
 
 
 def _check_race(t: torch.Tensor) -> None:
@@ -278,6 +339,9 @@ class Desc:
 def _tma_load(desc: Desc, coord, bar: Barrier, dest: SMem, pred=True):
     if not pred:
         return
+    _check_proxy(dest.t, ("read", "write"), "a TMA copy into")
+    if _state().check_global:
+        _check_global_proxy(desc, [int(c) for c in coord])
     with _state().lock:
         _state().pending.append((desc, dest, [int(c) for c in coord], bar))
         _state().cond.notify_all()
@@ -314,6 +378,8 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
     a_t = a.t if isinstance(a, SMem) else a
     if isinstance(a, SMem):
         _check_race(a.t)
+        _check_proxy(a.t, ("write",), "a wgmma operand in")
     _check_race(b.t)
+    _check_proxy(b.t, ("write",), "a wgmma operand in")
     out = a_t.float() @ b.t.float()
     return out + acc if use_acc else out

@@ -13,7 +13,7 @@ from tests.benchmark_scripts import load_benchmark
 pytest.importorskip("triton.experimental.gluon")
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 emulator = pytest.importorskip("tests.gluon_emulator")
 load_benchmark("phase_probe_ws")  # puts benchmarks/ on sys.path, as running a script of it does
 probe = load_benchmark("phase_probe")
@@ -29,7 +29,7 @@ def chain(rows: int, cols: list[int], seed: int):
 def run(c, stages: int, splits: int, ctas: int, skip: int = 0, group: int = 0, seed: int = 0) -> torch.Tensor:
     args, constexprs = wg.launch_args(c, stages, splits, ctas, skip, group)
     c.y[1:].zero_()
-    emulator.emulate(wg.ws64wg_kernel, ctas, *args, seed=seed, **constexprs)
+    emulator.emulate(wg.ws64wg_kernel, ctas, *args, seed=seed, check_global=True, **constexprs)
     return c.output().clone()
 
 
@@ -77,6 +77,31 @@ def _read_in_flight(desc, x_ptr):
     x = buf.load(None)  # before waiting for the copy
     mbarrier.wait(bar.index(0), 0)
     gl.store(x_ptr, x.sum())
+
+
+@gluon.jit
+def _store_then_copy(desc, x_ptr, FENCE: gl.constexpr):
+    buf = gl.allocate_shared_memory(desc.dtype, desc.block_type.shape, desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    buf.store(gl.zeros(desc.block_type.shape, desc.dtype, None))  # the generic proxy
+    if FENCE:
+        fence_async_shared()
+    mbarrier.expect(bar.index(0), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [0, 0], bar.index(0), buf)  # the async proxy, into the same bytes
+    mbarrier.wait(bar.index(0), 0)
+    gl.store(x_ptr, buf.load(None).sum())
+
+
+def test_the_emulator_wants_a_proxy_fence_between_a_generic_store_and_a_tma_copy_into_it():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    desc = TensorDescriptor.from_tensor(torch.ones(64, 128, dtype=torch.bfloat16), [64, 128], wg.box_layout())
+    with pytest.raises(emulator.ProxyRace, match="TMA copy into"):
+        emulator.emulate(_store_then_copy, 1, desc, torch.zeros(1), FENCE=False, timeout=5.0)
+    x = torch.zeros(1)
+    emulator.emulate(_store_then_copy, 1, desc, x, FENCE=True, timeout=5.0)
+    assert float(x) == 64 * 128
 
 
 def test_the_emulator_reports_a_wait_that_never_completes_and_a_read_of_a_copy_in_flight():

@@ -20,7 +20,7 @@ H, INTER = 512, 1024  # 1 chunk of 128 per CTA: K / 4 splits for qkv, o, gate_up
 def run(chain, ctas: int, stages: int = 4, s_in: int = 4, s_down: int = 8, seed: int = 0) -> None:
     args, constexprs = probe.launch_args(chain, ctas, stages, s_in, s_down)
     chain.reset()
-    emulator.emulate(probe.ws_layer64_kernel, ctas, *args, seed=seed, **constexprs)
+    emulator.emulate(probe.ws_layer64_kernel, ctas, *args, seed=seed, check_global=True, **constexprs)
 
 
 @pytest.mark.parametrize("rows,ctas,seed", [(64, 8, 0), (37, 16, 1)])
