@@ -251,6 +251,15 @@ def probe(rows: int, layers: int, sms: int, per_sm: list[int]) -> dict:
     return result
 
 
+def out_and_sms(ap: argparse.ArgumentParser, out: str | None) -> tuple[Path, int]:
+    """A measuring run's output folder (made) and the GPU's SM count; --out missing is the parser's error."""
+    if not out:
+        ap.error("--out is required to measure")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path, torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def measure(chain: Chain, ways: dict, ref: torch.Tensor, floor_ms: float, result: dict) -> None:
     """Every way twice in turn (the spread between rounds is the noise), each checked against ref: ms per
     chain and us per phase above the bytes floor, into result["ways"]."""

@@ -41,7 +41,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, phase_columns, rel_err  # noqa: E402
+from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, out_and_sms, phase_columns, rel_err  # noqa: E402
 from ws_chain import BLOCK_K_WS, CHAIN_ALIGNED, chain_signature, compile_sm90, smem_layouts, ws_chain_kernel  # noqa: E402,E501
 from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
 from ws_chain64_wg import compile_wg_for_sm90, parse_ways_wg, run_ws64wg  # noqa: E402
@@ -191,11 +191,7 @@ def main(argv=None) -> int:
             print(dict(kernel="ws64wg", stages=st, splits=sp, skip=sk, group=gr, **compile_wg_for_sm90(st, sp, sk, gr)),
                   flush=True)
         return 0
-    if not args.out:
-        ap.error("--out is required to measure")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out, sms = out_and_sms(ap, args.out)
     results = dict(device=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, probes=[])
     for rows in (int(r) for r in args.rows.split(",")):
         def save(partial: dict) -> None:  # so far: the earlier rows' probes and this one's

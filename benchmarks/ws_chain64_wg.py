@@ -48,6 +48,19 @@ def _fence_proxy_async():
 
 
 @gluon.jit
+def staged_chunks(CHUNKS: gl.constexpr, desc):
+    """A CTA's staged K range: CHUNKS [64, BLOCK_K] chunks in the layout of desc's boxes, a barrier each (landed:
+    one completion a phase) and one the multiplying partition arrives at once it is done with the phase's chunks."""
+    xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], desc.layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [CHUNKS, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CHUNKS):
+        mbarrier.init(x_ready.index(c), count=1)
+    mbarrier.init(x_empty.index(0), count=1)
+    return xbuf, x_ready, x_empty
+
+
+@gluon.jit
 def _load_weights(ring, ready, empty, w_desc, cols_ptr, w_row_ptr, num_phases, K: gl.constexpr,
                   SPLITS: gl.constexpr, STAGES: gl.constexpr):
     pid = gl.program_id(0)
@@ -177,12 +190,7 @@ def ws64wg_kernel(w_desc, x_desc, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_p
     # GROUP: who sums a tile's partials (0: its last unit to arrive; 1: the CTAs of its group, at the phase's end)
     CHUNKS: gl.constexpr = K // SPLITS // BLOCK_K
     ring, ready, empty = weight_ring(w_desc, STAGES)
-    xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], x_desc.layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [CHUNKS, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(CHUNKS):
-        mbarrier.init(x_ready.index(c), count=1)
-    mbarrier.init(x_empty.index(0), count=1)
+    xbuf, x_ready, x_empty = staged_chunks(CHUNKS, x_desc)
     gl.warp_specialize([
         (_multiply, (xbuf, x_ready, x_empty, ring, ready, empty, y_ptr, part_ptr, cnt_ptr, tile_cnt_ptr, cols_ptr,
                      num_phases, M, stride_y, slot, max_tiles, K, SPLITS, STAGES, SKIP, GROUP, num_warps)),

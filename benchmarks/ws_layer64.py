@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from engine.gluon_ring import give, load_box, take, weight_ring
 from ws_chain import _wait_for_phase
-from ws_chain64_wg import _fence_proxy_async
+from ws_chain64_wg import _fence_proxy_async, staged_chunks
 
 BLOCK_M, BLOCK_N, BLOCK_K = gl.constexpr(64), gl.constexpr(64), gl.constexpr(128)
 EPS = gl.constexpr(1e-6)
@@ -280,12 +280,7 @@ def ws_layer64_kernel(wq, wo, wgu, wd, qkv_desc, act_desc, hm_ptr, d_ptr, qkv_pt
     # PW: the partials' row width (max(QKV, 2 INTER)); every phase stages the same number of chunks
     CHUNKS: gl.constexpr = H // S_IN // BLOCK_K
     ring, ready, empty = weight_ring(wq, STAGES)
-    xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], qkv_desc.layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [CHUNKS, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(CHUNKS):
-        mbarrier.init(x_ready.index(c), count=1)
-    mbarrier.init(x_empty.index(0), count=1)
+    xbuf, x_ready, x_empty = staged_chunks(CHUNKS, qkv_desc)
     gl.warp_specialize([
         (_multiply, (xbuf, x_ready, x_empty, ring, ready, empty, hm_ptr, d_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr,
                      rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, H, QKV, INTER, PW, S_IN, S_DOWN, CHUNKS, STAGES,

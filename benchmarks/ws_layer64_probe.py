@@ -16,18 +16,16 @@ floor at 4.3 TB/s; us per phase above the floor compares with phase_probe_ws.py'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_probe import COPY_TBPS, rel_err, timed  # noqa: E402
-from phase_probe_ws import first_call_or_exit  # noqa: E402
+from phase_probe import out_and_sms  # noqa: E402
 from ws_chain import compile_sm90  # noqa: E402
 from ws_chain64_wg import BOX_K, ROWS, TILE_N, box_layout  # noqa: E402
-from ws_layer_probe import LayerChain  # noqa: E402
+from ws_layer_probe import LayerChain, measure_layers  # noqa: E402
 from ws_layer64 import ws_layer64_kernel  # noqa: E402
 
 
@@ -125,34 +123,10 @@ def main(argv=None) -> int:
         for name, way in ways.items():
             print({"way": name, **compile_for_sm90(*way)}, flush=True)
         return 0
-    if not args.out:
-        ap.error("--out is required to measure")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out, sms = out_and_sms(ap, args.out)
     chain = make_chain(args.rows, args.layers)
-    ref = chain.reference()
-    floor_ms = chain.weight_bytes / (COPY_TBPS * 1e9)
-    phases = 4 * args.layers
-    result = {"device": torch.cuda.get_device_name(0), "sms": sms, "rows": args.rows, "layers": args.layers,
-              "phases": phases, "floor_ms": floor_ms, "ways": {}, "stage_errors": {}}
-    for name, way in ways.items():
-        chain.reset()
-        first_call_or_exit(lambda way=way: run(chain, sms, *way), f"ws_layer64 {name}")
-        errors = {layer: chain.stage_errors(layer) for layer in sorted({0, args.layers - 1})}
-        result["stage_errors"][name] = errors
-        print(f"{name}: first call done, rel err {rel_err(chain.output(), ref):.1e}; per stage {errors}", flush=True)
-    for _ in range(2):  # twice in turn: the spread between rounds is the noise
-        for name, way in ways.items():
-            chain.reset()
-            ms = timed(lambda way=way: run(chain, sms, *way))
-            err = rel_err(chain.output(), ref)
-            per_phase = (ms - floor_ms) * 1e3 / phases
-            result["ways"].setdefault(name, []).append({"ms": ms, "us_above_floor_per_phase": per_phase,
-                                                        "rel_err": err})
-            print(f"rows={args.rows} {name:28s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase "
-                  f"above the floor, rel err {err:.1e}", flush=True)
-            (out / "ws_layer64.json").write_text(json.dumps(result, indent=1))
+    measure_layers(chain, {name: (lambda way=way: run(chain, sms, *way)) for name, way in ways.items()},
+                   out / "ws_layer64.json", sms)
     return 0
 
 

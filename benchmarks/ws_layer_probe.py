@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_probe import COPY_TBPS, rel_err, timed  # noqa: E402
+from phase_probe import COPY_TBPS, out_and_sms, rel_err, timed  # noqa: E402
 from phase_probe_ws import first_call_or_exit  # noqa: E402
 from ws_chain import box_type, compile_sm90, smem_layouts  # noqa: E402
 from ws_layer import _EPS, SIZES, ws_layer_kernel  # noqa: E402
@@ -132,6 +132,36 @@ class LayerChain:
         return (self.hm[self.layers, :self.rows].float() + self.d[self.layers, :self.rows].float()).bfloat16()
 
 
+def measure_layers(chain: LayerChain, runs: dict, path: Path, sms: int, after_first=lambda name: None) -> dict:
+    """Each way's first call (checked per stage of the first and last layers against chain.reference(), with a
+    deadline), then every way timed twice in turn in CUDA graphs against the weights' bytes floor; the JSON to
+    `path` after every timing. runs: name -> a call of one launch on `chain`."""
+    ref = chain.reference()
+    floor_ms = chain.weight_bytes / (COPY_TBPS * 1e9)
+    phases = 4 * chain.layers
+    result = {"device": torch.cuda.get_device_name(0), "sms": sms, "rows": chain.rows, "layers": chain.layers,
+              "phases": phases, "floor_ms": floor_ms, "ways": {}, "stage_errors": {}}
+    for name, fn in runs.items():
+        chain.reset()
+        first_call_or_exit(fn, f"{path.stem} {name}")
+        errors = {layer: chain.stage_errors(layer) for layer in sorted({0, chain.layers - 1})}
+        result["stage_errors"][name] = errors
+        print(f"{name}: first call done, rel err {rel_err(chain.output(), ref):.1e}; per stage {errors}", flush=True)
+        after_first(name)
+    for _ in range(2):  # twice in turn: the spread between rounds is the noise
+        for name, fn in runs.items():
+            chain.reset()
+            ms = timed(fn)
+            err = rel_err(chain.output(), ref)
+            per_phase = (ms - floor_ms) * 1e3 / phases
+            result["ways"].setdefault(name, []).append(
+                {"ms": ms, "us_above_floor_per_phase": per_phase, "rel_err": err})
+            print(f"rows={chain.rows} {name:28s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase "
+                  f"above the floor, rel err {err:.1e}", flush=True)
+            path.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def run(chain: LayerChain, sms: int, stages: int = 10, diag: int = 0, epilogue_norm: bool = True) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -170,42 +200,21 @@ def main(argv=None) -> int:
         for s in stages:
             print({"stages": s, **compile_for_sm90(s)}, flush=True)
         return 0
-    if not args.out:
-        ap.error("--out is required to measure")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out, sms = out_and_sms(ap, args.out)
     chain = LayerChain(args.rows, args.layers)
-    ref = chain.reference()
-    floor_ms = chain.weight_bytes / (COPY_TBPS * 1e9)
-    phases = 4 * args.layers
-    result = {"device": torch.cuda.get_device_name(0), "sms": sms, "rows": args.rows, "layers": args.layers,
-              "phases": phases, "floor_ms": floor_ms, "ways": {}}
     # (stages, diag, epilogue_norm) per way: the epilogue norm at every ring size, the norm before the GEMM
     # (every chunk signalled once the rows are normalized) and the diagnostics at the first
     ways = {f"ws_layer_s{s}": (s, 0, True) for s in stages}
     ways[f"ws_layer_s{stages[0]}_norm_first"] = (stages[0], 0, False)
     if args.diag:
         ways[f"ws_layer_s{stages[0]}_norms_as_copies"] = (stages[0], 2, False)
-    for name, way in ways.items():
-        chain.reset()
-        first_call_or_exit(lambda way=way: run(chain, sms, *way), f"ws_layer {name}")
-        errors = {layer: chain.stage_errors(layer) for layer in sorted({0, args.layers - 1})}
-        result.setdefault("stage_errors", {})[name] = errors
-        print(f"{name}: first call done, rel err {rel_err(chain.output(), ref):.1e}; per stage {errors}", flush=True)
-        if way[1] == 0:
+    runs = {name: (lambda way=way: run(chain, sms, *way)) for name, way in ways.items()}
+
+    def diagnose(name: str) -> None:
+        if ways[name][1] == 0:
             print(f"{name}: act of layer 0: {chain.act_diagnosis(0)}", flush=True)
-    for _ in range(2):  # twice in turn: the spread between rounds is the noise
-        for name, way in ways.items():
-            chain.reset()
-            ms = timed(lambda way=way: run(chain, sms, *way))
-            err = rel_err(chain.output(), ref)
-            per_phase = (ms - floor_ms) * 1e3 / phases
-            result["ways"].setdefault(name, []).append(
-                {"ms": ms, "us_above_floor_per_phase": per_phase, "rel_err": err})
-            print(f"rows={args.rows} {name:28s} {ms:7.3f} ms (floor {floor_ms:.3f}) {per_phase:5.2f} us/phase "
-                  f"above the floor, rel err {err:.1e}", flush=True)
-            (out / "ws_layer.json").write_text(json.dumps(result, indent=1))
+
+    measure_layers(chain, runs, out / "ws_layer.json", sms, diagnose)
     return 0
 
 
