@@ -243,6 +243,27 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
     later launches; h contiguous. fold.norm False: the add + norm runs as triton_gemm's kernel after the launch.
     partials_only (fold.norm False): o itself, float32 [1, rows, hidden], for the MLP launch (gluon_mlp.py)
     that runs the add + norm."""
+    grid, args, constexprs, (partials, h_out, x_out) = decode_attention_o_args(
+        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, wo, barrier, h, w_branch, w_next,
+        eps, fold)
+    decode_attention_o_kernel[grid](*args, **constexprs, **_pdl_kwargs(q.device, config))
+    rows, hidden = q.shape[0], wo.shape[0]
+    if fold.norm:
+        return h_out, x_out
+    if partials_only:
+        return partials.view(1, rows, hidden)
+    from .triton_gemm import add_rms_norm2_partials
+
+    return add_rms_norm2_partials(h, partials.view(1, rows, hidden), w_branch, w_next, eps)
+
+
+def decode_attention_o_args(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, query_start: torch.Tensor, scale: float, config: DecodeConfig,
+                            wo: torch.Tensor, barrier: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor,
+                            w_next: torch.Tensor, eps: float, fold: FoldConfig) -> tuple[tuple, tuple, dict, tuple]:
+    """launch_decode_attention_o's grid, kernel arguments, constexprs but USE_PDL, and (o in float32 [rows,
+    hidden], the new residual and the next input: h itself twice without fold.norm)
+    (tests/test_gluon_attention_o_emulated.py runs the kernel on them on the CPU)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, heads, d = q.shape
@@ -253,17 +274,11 @@ def launch_decode_attention_o(q: torch.Tensor, k_plane: torch.Tensor, v_plane: t
     h_out, x_out = (torch.empty_like(h), torch.empty_like(h)) if fold.norm else (h, h)
     w_layout, a_layout = smem_layouts(O_ROWS, K)
     wo_desc = TensorDescriptor.from_tensor(wo, [O_BLOCK_N.value, O_BLOCK_K.value], w_layout)
-    decode_attention_o_kernel[(seqs, heads, 1)](
-        _descriptor(k_plane), _descriptor(v_plane), wo_desc, q, out, partials, barrier, block_tables, context_lens,
-        query_start, h, w_branch, w_next, h_out, x_out, q.stride(0), q.stride(1), out.stride(1),
-        block_tables.stride(0), scale * 1.4426950408889634, heads, rows, eps, a_layout=a_layout,
-        PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n, STAGES=config.stages,
-        TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS, BLOCK_H=max(128, 1 << (hidden - 1).bit_length()),
-        NORM=fold.norm, STAGER=fold.stager, num_warps=4, **_pdl_kwargs(q.device, config))
-    if fold.norm:
-        return h_out, x_out
-    if partials_only:
-        return partials.view(1, rows, hidden)
-    from .triton_gemm import add_rms_norm2_partials
-
-    return add_rms_norm2_partials(h, partials.view(1, rows, hidden), w_branch, w_next, eps)
+    args = (_descriptor(k_plane), _descriptor(v_plane), wo_desc, q, out, partials, barrier, block_tables, context_lens,
+            query_start, h, w_branch, w_next, h_out, x_out, q.stride(0), q.stride(1), out.stride(1),
+            block_tables.stride(0), scale * 1.4426950408889634, heads, rows, eps)
+    constexprs = dict(a_layout=a_layout, PAGE=k_plane.shape[1], HEAD_DIM=d, BLOCK_N=config.block_n,
+                      STAGES=config.stages, TILES=hidden // O_BLOCK_N.value, K=K, BM=O_ROWS,
+                      BLOCK_H=max(128, 1 << (hidden - 1).bit_length()), NORM=fold.norm, STAGER=fold.stager,
+                      num_warps=4)
+    return (seqs, heads, 1), args, constexprs, (partials, h_out, x_out)

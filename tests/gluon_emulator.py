@@ -78,10 +78,25 @@ def _minimum(a, b, **_):
 
 
 class _Int(int):
-    """A loop index or a program id: an int that, as in Triton, also converts like a scalar tensor."""
+    """A loop index or a program id (and the ints made from them): an int that, as in Triton, also converts like a
+    scalar tensor."""
 
     def to(self, dtype, **_):
         return torch.tensor(int(self), dtype=dtype)
+
+
+def _int_op(name: str):
+    op = getattr(int, name)
+
+    def call(self, other):
+        out = op(self, other)
+        return _Int(out) if type(out) is int else out
+    return call
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__rfloordiv__",
+              "__mod__", "__rmod__"):
+    setattr(_Int, _name, _int_op(_name))
 
 
 def _range(*args):
