@@ -2,7 +2,7 @@
 N = 64 among them) run on the CPU by tests/gluon_emulator.py against the float64 reference, as
 tests/gpu/test_gpu_gluon_attention.py checks it on the H200: one pass, split-K partials (combined here in torch:
 the combine kernel is Triton's, tested in its interpreter) and the persistent grid. Where Triton is installed (CI
-has none); the memory model is the GPU test's."""
+has none); acquire / release ordering is the GPU test's (proxy fences are checked here)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,10 @@ def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
     for p in data["profiles"]:
         assert p["tokens"] == N * M
         # M tokens: token 1 from the prefill step, then one token per step; the prefills of N short prompts
-        # share one step, so the round is M steps
-        assert p["steps"] == M
+        # share one step when all N have arrived before it starts, so the round is M steps. The async engine may
+        # start stepping after the first arrival, though (seen once in a full parallel run: 10 steps for M = 9):
+        # then some prefills come one step later, at most N - 1 steps more
+        assert M <= p["steps"] <= M + N - 1
         phases = sum(p["device_s"].values())  # on the CPU these are host clocks inside execute
         assert 0 < phases <= p["host_s"]["execute_wall"] <= p["wall_s"]
         assert p["device_s"]["prefill"] > 0 and p["device_s"]["shallow"] > 0
