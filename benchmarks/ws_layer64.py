@@ -3,7 +3,7 @@ CTA stages its K range once, wgmma, the split partials summed by each group of C
 GEMMs: benchmarks/ws_layer64_probe.py runs it, docs/benchmarks.md (session 26) says why.
 
 Per layer (attention aside: o's input stands in for attention's output), the four phases and their stagings:
-    qkv   x = rms(h) n1, h = hm_l + d_l        the stager adds the residual (bf16), stages h * n1 and writes
+    qkv   x = rms(h) n1, h = hm_layer + d_layer        the stager adds the residual (bf16), stages h * n1 and writes
                                                its K range's row sums of h^2; the rows' 1 / rms scales the sums
     o     qkv[:, :H]                           TMA
     gu    x2 = rms(hm) n2, hm = h + o          the stager adds o, stages hm * n2 and its row sums; group 0 writes
@@ -45,7 +45,7 @@ def _rows_per_layer(kind, h, qkv, inter):
 
 
 @gluon.jit
-def _load_phase(desc, l, i, ring, ready, empty, KIND: gl.constexpr, H: gl.constexpr, QKV: gl.constexpr,
+def _load_phase(desc, layer, i, ring, ready, empty, KIND: gl.constexpr, H: gl.constexpr, QKV: gl.constexpr,
                 INTER: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -53,7 +53,7 @@ def _load_phase(desc, l, i, ring, ready, empty, KIND: gl.constexpr, H: gl.conste
     rows_per_layer: gl.constexpr = _rows_per_layer(KIND, H, QKV, INTER)
     k0 = (pid % S) * (CHUNKS * BLOCK_K)
     for u in range(pid, cols // BLOCK_N * S, programs):
-        row = l * rows_per_layer + (u // S) * BLOCK_N
+        row = layer * rows_per_layer + (u // S) * BLOCK_N
         for c in gl.static_range(CHUNKS):
             load_box(desc, row, k0 + c * BLOCK_K, ring, ready, empty, i, STAGES)
             i += 1
@@ -68,49 +68,49 @@ def _loader(wq, wo, wgu, wd, ring, ready, empty, num_layers, H: gl.constexpr, QK
             INTER: gl.constexpr, S_IN: gl.constexpr, S_DOWN: gl.constexpr, CHUNKS: gl.constexpr,
             STAGES: gl.constexpr):
     i = 0
-    for l in range(num_layers):
-        i = _load_phase(wq, l, i, ring, ready, empty, QKV_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
-        i = _load_phase(wo, l, i, ring, ready, empty, O_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
-        i = _load_phase(wgu, l, i, ring, ready, empty, GU_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
-        i = _load_phase(wd, l, i, ring, ready, empty, DOWN_, H, QKV, INTER, S_DOWN, CHUNKS, STAGES)
+    for layer in range(num_layers):
+        i = _load_phase(wq, layer, i, ring, ready, empty, QKV_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
+        i = _load_phase(wo, layer, i, ring, ready, empty, O_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
+        i = _load_phase(wgu, layer, i, ring, ready, empty, GU_, H, QKV, INTER, S_IN, CHUNKS, STAGES)
+        i = _load_phase(wd, layer, i, ring, ready, empty, DOWN_, H, QKV, INTER, S_DOWN, CHUNKS, STAGES)
 
 
 @gluon.jit
-def _norm_rows(xs, l, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
+def _norm_rows(xs, layer, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-    # half of chunk c's rows (32, so that a thread holds 32 values a tensor): h = hm_l + d_l (qkv), hm = h + o_l
-    # (gu; group 0 writes it to hm_(l + 1)), staged times n; returns the rows' sums of squares
+    # half of chunk c's rows (32, so that a thread holds 32 values a tensor): h = hm_layer + d_layer (qkv), hm = h + o_layer
+    # (gu; group 0 writes it to hm_(layer + 1)), staged times n; returns the rows' sums of squares
     pid = gl.program_id(0)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     rm = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
     cols = (pid % S) * (CHUNKS * BLOCK_K) + c * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     offs = rm[:, None] * H + cols[None, :]
     rows = (rm < M)[:, None]
-    h = gl.load(hm_ptr + l * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)
-    h = (h + gl.load(d_ptr + l * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)).to(gl.bfloat16)
+    h = gl.load(hm_ptr + layer * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)
+    h = (h + gl.load(d_ptr + layer * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)).to(gl.bfloat16)
     h = h.to(gl.float32)
     if KIND == GU_:
-        h = (h + gl.load(o_ptr + l * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)).to(gl.bfloat16)
+        h = (h + gl.load(o_ptr + layer * (BLOCK_M * H) + offs, mask=rows, other=0.0).to(gl.float32)).to(gl.bfloat16)
         h = h.to(gl.float32)
         if pid < S:  # group 0 covers every K range once
-            gl.store(hm_ptr + (l + 1) * (BLOCK_M * H) + offs, h.to(gl.bfloat16), mask=rows)
-    n = gl.load(n_ptr + l * H + cols).to(gl.float32)
+            gl.store(hm_ptr + (layer + 1) * (BLOCK_M * H) + offs, h.to(gl.bfloat16), mask=rows)
+    n = gl.load(n_ptr + layer * H + cols).to(gl.float32)
     xs.store((h * n[None, :]).to(gl.bfloat16))
     return gl.sum(h * h, axis=1)
 
 
 @gluon.jit
-def _stage_norm(xbuf, x_ready, l, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr, M, KIND: gl.constexpr,
+def _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr, M, KIND: gl.constexpr,
                 H: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-    # qkv: (hm_l + d_l) * n1; gu: (h + o_l) * n2, chunk by chunk (each signalled once both halves are staged),
+    # qkv: (hm_layer + d_layer) * n1; gu: (h + o_layer) * n2, chunk by chunk (each signalled once both halves are staged),
     # then this CTA's row sums of squares over its K range
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     sq0 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
     sq1 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
     for c in gl.static_range(CHUNKS):
-        sq0 += _norm_rows(xbuf.index(c).slice(0, 32, dim=0), l, c, 0, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND, H, S,
+        sq0 += _norm_rows(xbuf.index(c).slice(0, 32, dim=0), layer, c, 0, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND, H, S,
                           CHUNKS, WARPS)
-        sq1 += _norm_rows(xbuf.index(c).slice(32, 32, dim=0), l, c, 1, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND, H, S,
+        sq1 += _norm_rows(xbuf.index(c).slice(32, 32, dim=0), layer, c, 1, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND, H, S,
                           CHUNKS, WARPS)
         fence_async_shared()  # the generic stores ordered before the wgmmas' reads
         mbarrier.arrive(x_ready.index(c), count=1)
@@ -121,12 +121,12 @@ def _stage_norm(xbuf, x_ready, l, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr, M, 
 
 
 @gluon.jit
-def _stage_copy(desc, xbuf, x_ready, l, width, S: gl.constexpr, CHUNKS: gl.constexpr):
-    # o: qkv_l[:, :H]; down: act_l (desc over [layers x 64, width])
+def _stage_copy(desc, xbuf, x_ready, layer, width, S: gl.constexpr, CHUNKS: gl.constexpr):
+    # o: qkv_layer[:, :H]; down: act_layer (desc over [layers x 64, width])
     k0 = (gl.program_id(0) % S) * (CHUNKS * BLOCK_K)
     for c in gl.static_range(CHUNKS):
         mbarrier.expect(x_ready.index(c), desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [l * BLOCK_M, k0 + c * BLOCK_K], x_ready.index(c), xbuf.index(c))
+        tma.async_copy_global_to_shared(desc, [layer * BLOCK_M, k0 + c * BLOCK_K], x_ready.index(c), xbuf.index(c))
 
 
 @gluon.jit
@@ -134,23 +134,23 @@ def _stager(xbuf, x_ready, x_empty, qkv_desc, act_desc, hm_ptr, d_ptr, o_ptr, n1
             num_layers, M, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, S_IN: gl.constexpr,
             S_DOWN: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
     programs = gl.num_programs(0)
-    for l in range(num_layers):
+    for layer in range(num_layers):
         for k in gl.static_range(4):
-            q = 4 * l + k
+            q = 4 * layer + k
             mbarrier.wait(x_empty.index(0), (q & 1) ^ 1)  # this CTA is done with the last phase's chunks
             if q > 0:
                 _wait_for_phase(cnt_ptr + q - 1, programs)
                 _fence_proxy_async()
             if k == QKV_:
-                _stage_norm(xbuf, x_ready, l, q, hm_ptr, d_ptr, o_ptr, n1_ptr, rowsq_ptr, M, QKV_, H, S_IN, CHUNKS,
+                _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n1_ptr, rowsq_ptr, M, QKV_, H, S_IN, CHUNKS,
                             WARPS)
             elif k == O_:
-                _stage_copy(qkv_desc, xbuf, x_ready, l, QKV, S_IN, CHUNKS)
+                _stage_copy(qkv_desc, xbuf, x_ready, layer, QKV, S_IN, CHUNKS)
             elif k == GU_:
-                _stage_norm(xbuf, x_ready, l, q, hm_ptr, d_ptr, o_ptr, n2_ptr, rowsq_ptr, M, GU_, H, S_IN, CHUNKS,
+                _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n2_ptr, rowsq_ptr, M, GU_, H, S_IN, CHUNKS,
                             WARPS)
             else:
-                _stage_copy(act_desc, xbuf, x_ready, l, INTER, S_DOWN, CHUNKS)
+                _stage_copy(act_desc, xbuf, x_ready, layer, INTER, S_DOWN, CHUNKS)
 
 
 @gluon.jit
@@ -191,7 +191,7 @@ def _group_barrier(gcnt_ptr, q, S: gl.constexpr):
 
 
 @gluon.jit
-def _group_sums(q, l, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
+def _group_sums(q, layer, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                 QKV: gl.constexpr, INTER: gl.constexpr, PW: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
     # this CTA's items of its group's tiles: (tile, 16-row block) pairs s, s + S, ...; the partials summed in split
     # order, scaled by the rows' 1 / rms (qkv, gu), SiLU(g) x u (gu), written in bf16
@@ -226,12 +226,12 @@ def _group_sums(q, l, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constex
 
 
 @gluon.jit
-def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, out_ptr, part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr,
+def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, out_ptr, part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr,
                num_layers, M, KIND: gl.constexpr, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr,
                PW: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    q = 4 * l + KIND
+    q = 4 * layer + KIND
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     n_tiles: gl.constexpr = _cols_of(KIND, H, QKV, INTER) // BLOCK_N
@@ -243,7 +243,7 @@ def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, out_ptr, part_p
     fence_async_shared()  # the wgmmas' reads (synchronous, done) ordered before the next phase's writes
     mbarrier.arrive(x_empty.index(0), count=1)
     _group_barrier(gcnt_ptr, q, S)
-    _group_sums(q, l, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND, H, QKV, INTER, PW, S, WARPS)
+    _group_sums(q, layer, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND, H, QKV, INTER, PW, S, WARPS)
     if q + 1 < 4 * num_layers:
         _fence_proxy_async()
         gl.thread_barrier()  # every warp's stores of this phase are issued before its count
@@ -257,19 +257,19 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, hm_ptr, d_ptr, qkv_ptr
               PW: gl.constexpr, S_IN: gl.constexpr, S_DOWN: gl.constexpr, CHUNKS: gl.constexpr,
               STAGES: gl.constexpr, WARPS: gl.constexpr):
     i = 0
-    for l in range(num_layers):
-        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, qkv_ptr + l * (BLOCK_M * QKV), part_ptr,
-                       rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, QKV_, H, QKV, INTER, PW, S_IN, CHUNKS, STAGES,
-                       WARPS)
-        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, o_ptr + l * (BLOCK_M * H), part_ptr,
-                       rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, O_, H, QKV, INTER, PW, S_IN, CHUNKS, STAGES,
-                       WARPS)
-        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, act_ptr + l * (BLOCK_M * INTER), part_ptr,
-                       rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, GU_, H, QKV, INTER, PW, S_IN, CHUNKS, STAGES,
-                       WARPS)
-        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, l, d_ptr + (l + 1) * (BLOCK_M * H), part_ptr,
-                       rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, DOWN_, H, QKV, INTER, PW, S_DOWN, CHUNKS, STAGES,
-                       WARPS)
+    for layer in range(num_layers):
+        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, qkv_ptr + layer * (BLOCK_M * QKV),
+                       part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, QKV_, H, QKV, INTER, PW, S_IN, CHUNKS,
+                       STAGES, WARPS)
+        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, o_ptr + layer * (BLOCK_M * H),
+                       part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, O_, H, QKV, INTER, PW, S_IN, CHUNKS,
+                       STAGES, WARPS)
+        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, act_ptr + layer * (BLOCK_M * INTER),
+                       part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, GU_, H, QKV, INTER, PW, S_IN, CHUNKS,
+                       STAGES, WARPS)
+        i = _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, d_ptr + (layer + 1) * (BLOCK_M * H),
+                       part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, DOWN_, H, QKV, INTER, PW, S_DOWN, CHUNKS,
+                       STAGES, WARPS)
 
 
 @gluon.jit
