@@ -3,7 +3,7 @@ CTA stages its K range once, wgmma, the split partials summed by each group of C
 GEMMs: benchmarks/ws_layer64_probe.py runs it, docs/benchmarks.md (session 26) says why.
 
 Per layer (attention aside: o's input stands in for attention's output), the four phases and their stagings:
-    qkv   x = rms(h) n1, h = hm_layer + d_layer        the stager adds the residual (bf16), stages h * n1 and writes
+    qkv   x = rms(h) n1, h = hm_l + d_l        the stager adds the residual (bf16), stages h * n1 and writes
                                                its K range's row sums of h^2; the rows' 1 / rms scales the sums
     o     qkv[:, :H]                           TMA
     gu    x2 = rms(hm) n2, hm = h + o          the stager adds o, stages hm * n2 and its row sums; group 0 writes
