@@ -78,7 +78,7 @@ def _loader(wq, wo, wgu, wd, ring, ready, empty, num_layers, H: gl.constexpr, QK
 @gluon.jit
 def _norm_rows(xs, layer, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-    # half of chunk c's rows (32, so that a thread holds 32 values a tensor): h = hm_layer + d_layer (qkv), hm = h + o_layer
+    # half of chunk c's rows (32, so that a thread holds 32 values a tensor): h = hm_l + d_l (qkv), hm = h + o_l
     # (gu; group 0 writes it to hm_(layer + 1)), staged times n; returns the rows' sums of squares
     pid = gl.program_id(0)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -102,7 +102,7 @@ def _norm_rows(xs, layer, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.cons
 @gluon.jit
 def _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr, M, KIND: gl.constexpr,
                 H: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-    # qkv: (hm_layer + d_layer) * n1; gu: (h + o_layer) * n2, chunk by chunk (each signalled once both halves are staged),
+    # qkv: (hm_l + d_l) * n1; gu: (h + o_l) * n2, chunk by chunk (each signalled once both halves are staged),
     # then this CTA's row sums of squares over its K range
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     sq0 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
