@@ -79,7 +79,7 @@ def _loader(wq, wo, wgu, wd, ring, ready, empty, num_layers, H: gl.constexpr, QK
 def _norm_rows(xs, layer, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
     # half of chunk c's rows (32, so that a thread holds 32 values a tensor): h = hm_l + d_l (qkv), hm = h + o_l
-    # (gu; group 0 writes it to hm_(layer + 1)), staged times n; returns the rows' sums of squares
+    # (gu; group 0 writes it to hm_(l + 1)), staged times n; returns the rows' sums of squares
     pid = gl.program_id(0)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     rm = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
