@@ -121,8 +121,8 @@ def _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr,
 
 
 @gluon.jit
-def _stage_copy(desc, xbuf, x_ready, layer, width, S: gl.constexpr, CHUNKS: gl.constexpr):
-    # o: qkv_layer[:, :H]; down: act_layer (desc over [layers x 64, width])
+def _stage_copy(desc, xbuf, x_ready, layer, S: gl.constexpr, CHUNKS: gl.constexpr):
+    # o: qkv_l[:, :H]; down: act_l (desc over [layers x 64, the row's width])
     k0 = (gl.program_id(0) % S) * (CHUNKS * BLOCK_K)
     for c in gl.static_range(CHUNKS):
         mbarrier.expect(x_ready.index(c), desc.block_type.nbytes)
@@ -145,12 +145,12 @@ def _stager(xbuf, x_ready, x_empty, qkv_desc, act_desc, hm_ptr, d_ptr, o_ptr, n1
                 _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n1_ptr, rowsq_ptr, M, QKV_, H, S_IN, CHUNKS,
                             WARPS)
             elif k == O_:
-                _stage_copy(qkv_desc, xbuf, x_ready, layer, QKV, S_IN, CHUNKS)
+                _stage_copy(qkv_desc, xbuf, x_ready, layer, S_IN, CHUNKS)
             elif k == GU_:
                 _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n2_ptr, rowsq_ptr, M, GU_, H, S_IN, CHUNKS,
                             WARPS)
             else:
-                _stage_copy(act_desc, xbuf, x_ready, layer, INTER, S_DOWN, CHUNKS)
+                _stage_copy(act_desc, xbuf, x_ready, layer, S_DOWN, CHUNKS)
 
 
 @gluon.jit
@@ -191,7 +191,7 @@ def _group_barrier(gcnt_ptr, q, S: gl.constexpr):
 
 
 @gluon.jit
-def _group_sums(q, layer, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
+def _group_sums(q, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                 QKV: gl.constexpr, INTER: gl.constexpr, PW: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
     # this CTA's items of its group's tiles: (tile, 16-row block) pairs s, s + S, ...; the partials summed in split
     # order, scaled by the rows' 1 / rms (qkv, gu), SiLU(g) x u (gu), written in bf16
@@ -243,7 +243,7 @@ def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, out_ptr, pa
     fence_async_shared()  # the wgmmas' reads (synchronous, done) ordered before the next phase's writes
     mbarrier.arrive(x_empty.index(0), count=1)
     _group_barrier(gcnt_ptr, q, S)
-    _group_sums(q, layer, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND, H, QKV, INTER, PW, S, WARPS)
+    _group_sums(q, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND, H, QKV, INTER, PW, S, WARPS)
     if q + 1 < 4 * num_layers:
         _fence_proxy_async()
         gl.thread_barrier()  # every warp's stores of this phase are issued before its count
@@ -252,7 +252,7 @@ def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, out_ptr, pa
 
 
 @gluon.jit
-def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, hm_ptr, d_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr,
+def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, d_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr,
               rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr,
               PW: gl.constexpr, S_IN: gl.constexpr, S_DOWN: gl.constexpr, CHUNKS: gl.constexpr,
               STAGES: gl.constexpr, WARPS: gl.constexpr):
@@ -282,7 +282,7 @@ def ws_layer64_kernel(wq, wo, wgu, wd, qkv_desc, act_desc, hm_ptr, d_ptr, qkv_pt
     ring, ready, empty = weight_ring(wq, STAGES)
     xbuf, x_ready, x_empty = staged_chunks(CHUNKS, qkv_desc)
     gl.warp_specialize([
-        (_multiply, (xbuf, x_ready, x_empty, ring, ready, empty, hm_ptr, d_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr,
+        (_multiply, (xbuf, x_ready, x_empty, ring, ready, empty, d_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr,
                      rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, H, QKV, INTER, PW, S_IN, S_DOWN, CHUNKS, STAGES,
                      num_warps)),
         (_loader, (wq, wo, wgu, wd, ring, ready, empty, num_layers, H, QKV, INTER, S_IN, S_DOWN, CHUNKS, STAGES)),
