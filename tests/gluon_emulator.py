@@ -65,6 +65,8 @@ def _start(name: str, pid: tuple[int, int, int], fn, args, threads: int) -> thre
                 state.cond.notify_all()
 
     t = threading.Thread(target=body, name=name, daemon=True)
+    with state.lock:
+        state.threads.append(t)
     t.start()
     return t
 
@@ -197,8 +199,9 @@ def _emulated(fn, replace: dict, cache: dict):
 def _argument(value):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if isinstance(value, torch.Tensor):
-        return Ptr(value.reshape(-1) if value.is_contiguous() else value.contiguous().view(-1), 0)
+    if isinstance(value, torch.Tensor):  # a pointer to its first element, into its whole storage (views alias it)
+        whole = value.as_strided((value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
+        return Ptr(whole, value.storage_offset())
     if isinstance(value, TensorDescriptor):
         return Desc(value)
     return value
@@ -208,10 +211,9 @@ def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: 
             check_global: bool = False, **constexprs) -> None:
     """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU (an int, or up to 3 axes). Tensors are its
     global memory (written in place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs
-    (num_warps included). Raises Hang, Race, or the first error a thread raised."""
+    (num_warps included). Raises Hang, Race, ProxyRace, or the first error a thread raised."""
     grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, (tuple, list)) else (grid, 1, 1)
-    state = _State(grid, seed)
-    state.check_global = check_global
+    state = _State(grid, seed, constexprs.get("num_warps", 4), check_global)
     _local.state = state
     fn = _emulated(kernel, _modules(), {})
     args = [_argument(a) for a in args]
@@ -220,7 +222,6 @@ def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: 
     done = threading.Event()
     engine = threading.Thread(target=_tma_engine, args=(state, done), name="tma", daemon=True)
     engine.start()
-    state.num_warps = constexprs.get("num_warps", 4)
     pids = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     ctas = [_start(f"cta{'.'.join(map(str, pid))}", pid, lambda: fn(*args, **kwargs), (), 32 * state.num_warps)
             for pid in pids]
@@ -228,7 +229,8 @@ def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: 
     for t in ctas:
         t.join(max(0.0, deadline - time.monotonic()))
     done.set()
-    stuck = [t.name for t in threading.enumerate() if t.name.startswith("cta") and t.is_alive()]
+    with state.lock:
+        stuck = [t.name for t in state.threads if t.is_alive()]
     with state.lock:
         waits = dict(state.waits)
         state.abort = True

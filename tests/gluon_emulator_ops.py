@@ -32,10 +32,12 @@ class _Aborted(BaseException):
 
 
 class _State:
-    """One emulated launch: the CTAs' threads, the TMA engine, the abort flag and each thread's last wait."""
+    """One emulated launch: its grid (3 axes), its threads, the TMA engine's copies, the abort flag and each thread's
+    last wait."""
 
-    def __init__(self, programs: int, seed: int) -> None:
-        self.programs = programs
+    def __init__(self, programs: tuple[int, int, int], seed: int, num_warps: int, check_global: bool) -> None:
+        self.programs, self.num_warps, self.check_global = programs, num_warps, check_global
+        self.threads: list[threading.Thread] = []  # every CTA's and partition's, as started
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.abort = False
@@ -45,7 +47,6 @@ class _State:
         self.errors: list[BaseException] = []
         self.unfenced: dict[str, set] = {}  # per thread: generic shared-memory accesses since its last proxy fence
         self.unfenced_global: set = set()  # generic global stores since the last fence.proxy.async (check_global)
-        self.check_global = False
 
 
 _local = threading.local()
@@ -141,16 +142,17 @@ def _atomic_add(ptr: Ptr, val, mask=None, sem=None, scope=None):
     if isinstance(ptr.off, torch.Tensor):
         raise NotImplementedError("gl.atomic_add on a tensor of pointers")
     state = _state()
+    poll = isinstance(val, (int, float)) and val == 0
     with state.lock:
-        if isinstance(val, (int, float)) and val == 0:  # a poll: sleep until some atomic changes memory (a
-            polls = _local.__dict__.setdefault("polls", {})  # spinning thread would starve the others of the GIL)
+        if poll:  # sleep until some atomic changes memory (a spinning thread would starve the others of the GIL)
+            polls = _local.__dict__.setdefault("polls", {})
             key = (ptr.flat.data_ptr(), int(ptr.off))
             if polls.get(key) == int(ptr.flat[ptr.off]):
                 state.cond.wait(0.002)
             polls[key] = int(ptr.flat[ptr.off])
         old = ptr.flat[ptr.off].clone()
         ptr.flat[ptr.off] += val
-        if not (isinstance(val, (int, float)) and val == 0):
+        if not poll:
             state.cond.notify_all()
     return old
 
@@ -380,10 +382,8 @@ def _tma_engine(state: _State, done: threading.Event) -> None:
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
     a_t = a.t if isinstance(a, SMem) else a
-    if isinstance(a, SMem):
-        _check_race(a.t)
-        _check_proxy(a.t, ("write",), "a wgmma operand in")
-    _check_race(b.t)
-    _check_proxy(b.t, ("write",), "a wgmma operand in")
+    for operand in (a, b) if isinstance(a, SMem) else (b,):  # read by the async proxy: landed, and fenced
+        _check_race(operand.t)
+        _check_proxy(operand.t, ("write",), "a wgmma operand in")
     out = a_t.float() @ b.t.float()
     return out + acc if use_acc else out
