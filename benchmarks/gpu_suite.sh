@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -216,6 +216,12 @@ if [ "$what" = probe_layer64 ]; then  # the same layers at 64 rows in the split-
   # (benchmarks/ws_layer64_probe.py; every stage checked vs torch; a hang exits)
   timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_layer64_probe.py --out "$OUT/probe_layer64" "$@" 2>&1 \
     | tee "$OUT/probe_layer64.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = probe_step64 ]; then  # the N = 64 loop pass: the engine's kernels against the decode attention +
+  # ws_layer64's kernel a layer (benchmarks/ws_step64_probe.py; outputs checked finite, the chain way vs torch)
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/ws_step64_probe.py --out "$OUT/probe_step64" "$@" 2>&1 \
+    | tee "$OUT/probe_step64.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = probe ]; then  # a phase boundary's cost: PDL-chained kernels vs a persistent kernel's grid

@@ -23,6 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
+from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait
 from engine.gluon_ring import give, load_box, take, weight_ring
 from ws_chain import _wait_for_phase
 from ws_chain64_wg import _fence_proxy_async, staged_chunks
@@ -132,8 +133,11 @@ def _stage_copy(desc, xbuf, x_ready, layer, S: gl.constexpr, CHUNKS: gl.constexp
 @gluon.jit
 def _stager(xbuf, x_ready, x_empty, qkv_desc, act_desc, hm_ptr, d_ptr, o_ptr, n1_ptr, n2_ptr, rowsq_ptr, cnt_ptr,
             num_layers, M, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, S_IN: gl.constexpr,
-            S_DOWN: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
+            S_DOWN: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr, USE_PDL: gl.constexpr):
     programs = gl.num_programs(0)
+    if USE_PDL:  # the kernel before wrote what the first staging reads; every store of the launch comes after a
+        _gdc_wait()  # staging, so this wait orders them too. The loader streams weights (nobody writes them) ahead
+        _gdc_launch_dependents()
     for layer in range(num_layers):
         for k in gl.static_range(4):
             q = 4 * layer + k
@@ -276,7 +280,7 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, d_ptr, qkv_ptr, o_ptr,
 def ws_layer64_kernel(wq, wo, wgu, wd, qkv_desc, act_desc, hm_ptr, d_ptr, qkv_ptr, o_ptr, act_ptr, n1_ptr, n2_ptr,
                       part_ptr, rowsq_ptr, cnt_ptr, gcnt_ptr, num_layers, M, H: gl.constexpr, QKV: gl.constexpr,
                       INTER: gl.constexpr, PW: gl.constexpr, S_IN: gl.constexpr, S_DOWN: gl.constexpr,
-                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, num_warps: gl.constexpr, USE_PDL: gl.constexpr = False):
     # PW: the partials' row width (max(QKV, 2 INTER)); every phase stages the same number of chunks
     CHUNKS: gl.constexpr = H // S_IN // BLOCK_K
     ring, ready, empty = weight_ring(wq, STAGES)
@@ -287,5 +291,5 @@ def ws_layer64_kernel(wq, wo, wgu, wd, qkv_desc, act_desc, hm_ptr, d_ptr, qkv_pt
                      num_warps)),
         (_loader, (wq, wo, wgu, wd, ring, ready, empty, num_layers, H, QKV, INTER, S_IN, S_DOWN, CHUNKS, STAGES)),
         (_stager, (xbuf, x_ready, x_empty, qkv_desc, act_desc, hm_ptr, d_ptr, o_ptr, n1_ptr, n2_ptr, rowsq_ptr,
-                   cnt_ptr, num_layers, M, H, QKV, INTER, S_IN, S_DOWN, CHUNKS, 4)),
+                   cnt_ptr, num_layers, M, H, QKV, INTER, S_IN, S_DOWN, CHUNKS, 4, USE_PDL)),
     ], [1, 4], [40, 232])

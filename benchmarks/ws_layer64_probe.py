@@ -82,8 +82,10 @@ def run(chain: LayerChain, sms: int, stages: int = 8, s_in: int = 4, s_down: int
     ws_layer64_kernel[(sms,)](*args, **constexprs)
 
 
-def compile_for_sm90(stages: int = 8, s_in: int = 4, s_down: int = 11, h: int = 2048, inter: int = 5632) -> dict:
-    """ws_layer64_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90)."""
+def compile_for_sm90(stages: int = 8, s_in: int = 4, s_down: int = 11, h: int = 2048, inter: int = 5632,
+                     use_pdl: bool = False) -> dict:
+    """ws_layer64_kernel compiled for sm90 without a GPU (ws_chain.compile_sm90); use_pdl: the build
+    ws_step64_probe.py launches a layer at a time with PDL."""
     check_way(h, inter, s_in * s_down, stages, s_in, s_down)
     box = f"tensordesc<bf16[{TILE_N}, {BOX_K}],{box_layout()!r}>"
     rows_box = f"tensordesc<bf16[{ROWS}, {BOX_K}],{box_layout()!r}>"
@@ -93,7 +95,7 @@ def compile_for_sm90(stages: int = 8, s_in: int = 4, s_down: int = 11, h: int = 
     signature.update({name: "*bf16" for name in pointers})
     signature.update(part_ptr="*fp32", rowsq_ptr="*fp32", cnt_ptr="*i32", gcnt_ptr="*i32", num_layers="i32", M="i32")
     constexprs = dict(H=h, QKV=3 * h, INTER=inter, PW=max(3 * h, 2 * inter), S_IN=s_in, S_DOWN=s_down,
-                      STAGES=stages, num_warps=4)
+                      STAGES=stages, num_warps=4, USE_PDL=use_pdl)
     return compile_sm90(ws_layer64_kernel, signature, constexprs,
                         (*pointers, "part_ptr", "rowsq_ptr", "cnt_ptr", "gcnt_ptr"))
 
