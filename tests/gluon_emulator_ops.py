@@ -35,7 +35,8 @@ class _State:
     """One emulated launch: its grid (3 axes), its threads, the TMA engine's copies, the abort flag and each thread's
     last wait."""
 
-    def __init__(self, programs: tuple[int, int, int], seed: int, num_warps: int, check_global: bool) -> None:
+    def __init__(self, programs: tuple[int, int, int], seed: int, num_warps: int, check_global: bool,
+                 slow: float = 0.0) -> None:
         self.programs, self.num_warps, self.check_global = programs, num_warps, check_global
         self.threads: list[threading.Thread] = []  # every CTA's and partition's, as started
         self.lock = threading.RLock()
@@ -43,6 +44,13 @@ class _State:
         self.abort = False
         self.pending: list = []  # TMA copies issued, not yet landed
         self.rng = random.Random(seed)
+        # `slow` seconds' lag after each mbarrier wait for the upper half of the CTAs by index (the lower half: the
+        # seed's parity): blocks of adjacent CTAs that sync among themselves end apart, so a read of another block's
+        # data with no wait for it sees the data missing
+        n = programs[0] * programs[1] * programs[2]
+        lagging = (lambda i: 2 * i >= n) if seed % 2 == 0 else (lambda i: 2 * i < n)
+        self.lags = {(i % programs[0], i // programs[0] % programs[1], i // (programs[0] * programs[1])):
+                     slow * lagging(i) for i in range(n)} if slow else {}
         self.waits: dict[str, str] = {}
         self.errors: list[BaseException] = []
         self.unfenced: dict[str, set] = {}  # per thread: generic shared-memory accesses since its last proxy fence
@@ -327,6 +335,8 @@ def _wait(bar: Barrier, phase, pred=True, deps=()):
                 raise _Aborted
             state.cond.wait(0.05)
         state.waits.pop(name, None)
+    if state.lags:
+        time.sleep(state.lags[_local.pid])
 
 
 # ---------------------------------------------------------------------------------------------------------- TMA
