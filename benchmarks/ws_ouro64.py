@@ -35,6 +35,10 @@ from ws_ouro64_stage import BLOCK_K, BLOCK_N, DOWN_, GU_, O_, QKV_, group_sums, 
 from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait  # noqa: E402
 from engine.gluon_ring import weight_ring  # noqa: E402
 
+STAGER_WARPS = gl.constexpr(8)  # the stager's warps (its sandwich's rows: 16 x 128 values over 256 threads)
+STAGER_REGS = gl.constexpr(144)
+
+
 @gluon.constexpr_function
 def _kind64(kind):
     # ws_layer64's kind of a phase (its column count and gate / up pairs in _load_phase and _mma_unit)
@@ -96,16 +100,16 @@ def _stager(xbuf, x_ready, x_empty, a_desc, act_desc, rows_io, n_ptr, rowsq_ptr,
                 _stage_copy(a_desc, xbuf, x_ready, S_IN, CHUNKS)
             elif kind == GU_:
                 stage_sandwich(xbuf, x_ready, GU_, h_ptr, o_ptr, osq_ptr, hm_ptr, n_ptr + (LAYERS + layer) * H,
-                               n_ptr + (2 * LAYERS + layer) * H, rowsq_ptr, M, eps, True, S_IN, CHUNKS, H, 4)
+                               n_ptr + (2 * LAYERS + layer) * H, rowsq_ptr, M, eps, True, S_IN, CHUNKS, H, STAGER_WARPS)
             elif kind == DOWN_:
                 _stage_copy(act_desc, xbuf, x_ready, S_DOWN, CHUNKS)
             elif HAS_MLP:
                 stage_sandwich(xbuf, x_ready, QKV_, hm_ptr, d_ptr, dsq_ptr, h_out_ptr,
                                n_ptr + (3 * LAYERS + layer) * H, n_ptr + (layer + 1) * H, rowsq_ptr, M, eps, True,
-                               S_IN, CHUNKS, H, 4)
+                               S_IN, CHUNKS, H, STAGER_WARPS)
             else:
                 stage_sandwich(xbuf, x_ready, QKV_, h_ptr, d_ptr, dsq_ptr, h_out_ptr, n_ptr, n_ptr + (layer + 1) * H,
-                               rowsq_ptr, M, eps, False, S_IN, CHUNKS, H, 4)
+                               rowsq_ptr, M, eps, False, S_IN, CHUNKS, H, STAGER_WARPS)
             p += 1
 
 
@@ -184,7 +188,7 @@ def ws_ouro64_kernel(wo, wgu, wd, wq, a_desc, act_desc, h_ptr, h_out_ptr, hm_ptr
                                                                dsq_ptr),
                    n_ptr, rowsq_ptr, cnt_ptr, layer, M, eps, H, S_IN, S_DOWN, CHUNKS, HAS_MLP, HAS_QKV, USE_PDL,
                    LAYERS)),
-    ], [1, 4], [40, 232])
+    ], [1, STAGER_WARPS], [40, STAGER_REGS])
 
 
 class Scratch:
@@ -256,3 +260,25 @@ def ouro64_args(w: dict, sc: Scratch, launch: int, layer: int, rows: dict, kv, r
             sc.rowsq, counts[:4], counts[4:], layer, m, eps)
     return args, dict(H=h, QKV=qkv, INTER=inter, HQ=hq, HKV=hkv, D=d, LAYERS=layers, PW=sc.part.shape[2], S_IN=s_in,
                       S_DOWN=s_down, STAGES=stages, HAS_MLP=has_mlp, HAS_QKV=has_qkv, num_warps=4)
+
+
+def compile_for_sm90(has_mlp: bool = True, has_qkv: bool = True, stages: int = 8, s_in: int = 4, s_down: int = 11,
+                     use_pdl: bool = True) -> dict:
+    """ws_ouro64_kernel compiled for sm90 at Ouro-1.4B's shape without a GPU (ws_chain.compile_sm90)."""
+    from ws_chain import compile_sm90
+
+    h, inter, heads, d, layers = 2048, 5632, 16, 128, 24
+    check_shapes(h, inter, heads, heads, d, s_in * s_down, stages, s_in, s_down)
+    layout = gl.NVMMASharedLayout.get_default_for([64, BOX], gl.bfloat16)
+    box = f"tensordesc<bf16[64, {BOX}],{layout!r}>"
+    signature = {name: box for name in ("wo", "wgu", "wd", "wq", "a_desc", "act_desc")}
+    bf16 = ("h_ptr", "h_out_ptr", "hm_ptr", "o_ptr", "d_ptr", "act_ptr")
+    signature.update({name: "*bf16" for name in bf16})
+    signature.update(osq_ptr="*fp32", dsq_ptr="*fp32", n_ptr="*bf16", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
+                     pos_ptr="*i64", slot_ptr="*i64", inv_freq_ptr="*fp32", part_ptr="*fp32", rowsq_ptr="*fp32",
+                     cnt_ptr="*i32", gcnt_ptr="*i32", layer="i32", M="i32", eps="fp32")
+    constexprs = dict(H=h, QKV=3 * h, INTER=inter, HQ=heads, HKV=heads, D=d, LAYERS=layers,
+                      PW=max(3 * h, 2 * inter), S_IN=s_in, S_DOWN=s_down, STAGES=stages, HAS_MLP=has_mlp,
+                      HAS_QKV=has_qkv, USE_PDL=use_pdl, num_warps=4)
+    aligned = (*bf16, "osq_ptr", "dsq_ptr", "n_ptr", "q_ptr", "k_ptr", "v_ptr", "part_ptr", "rowsq_ptr")
+    return compile_sm90(ws_ouro64_kernel, signature, constexprs, aligned)

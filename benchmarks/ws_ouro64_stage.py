@@ -22,22 +22,22 @@ O_, GU_, DOWN_, QKV_ = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.con
 
 
 @gluon.jit
-def _branch_scale(sq_ptr, half, eps, H: gl.constexpr, WARPS: gl.constexpr, layout: gl.constexpr):
-    # rsqrt(mean(y^2) + eps) for 32 rows (half 0: rows 0-31, 1: 32-63) from the tiles' row sums [H / 64, 64]
+def _branch_scale(sq_ptr, quarter, eps, H: gl.constexpr, WARPS: gl.constexpr, layout: gl.constexpr):
+    # rsqrt(mean(y^2) + eps) for 16 rows (rows 16 quarter ..) from the tiles' row sums [H / 64, 64]
     tiles: gl.constexpr = H // BLOCK_N
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [1, 0])
-    rm = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, rows_layout))
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [WARPS, 1], [1, 0])
+    rm = quarter * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, rows_layout))
     tt = gl.arange(0, tiles, layout=gl.SliceLayout(0, rows_layout))
     sq = gl.load(sq_ptr + tt[None, :] * BLOCK_M + rm[:, None], cache_modifier=".cg")
     return gl.convert_layout(gl.rsqrt(gl.sum(sq, axis=1) / H + eps), gl.SliceLayout(1, layout))
 
 
 @gluon.jit
-def _sandwich_rows(xs, c, half, scale, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH: gl.constexpr,
+def _sandwich_rows(xc, c, quarter, scale, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH: gl.constexpr,
                    H: gl.constexpr, layout: gl.constexpr):
-    # half of chunk c: h' = h + n_a y scale (BRANCH; else h' = h), written to out where `write`, staged times n_b;
-    # returns the rows' sums of h'^2 over the chunk
-    rm = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    # a quarter of chunk c (16 rows, so that a thread holds 16 values a tensor): h' = h + n_a y scale (BRANCH;
+    # else h' = h), written to out where `write`, staged times n_b; returns the rows' sums of h'^2 over the chunk
+    rm = quarter * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
     cols = k0 + c * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     offs = rm[:, None] * H + cols[None, :]
     rows = (rm < M)[:, None]
@@ -48,7 +48,7 @@ def _sandwich_rows(xs, c, half, scale, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M,
         h = (h + na[None, :] * (y * scale[:, None])).to(gl.bfloat16).to(gl.float32)
         gl.store(out_ptr + offs, h.to(gl.bfloat16), mask=rows & write)
     nb = gl.load(nb_ptr + cols).to(gl.float32)
-    xs.store((h * nb[None, :]).to(gl.bfloat16))
+    xc.slice(quarter * 16, 16, dim=0).store((h * nb[None, :]).to(gl.bfloat16))
     return gl.sum(h * h, axis=1)
 
 
@@ -61,25 +61,28 @@ def stage_sandwich(xbuf, x_ready, kind, h_ptr, y_ptr, sq_ptr, out_ptr, na_ptr, n
     pid = gl.program_id(0)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     k0 = (pid % S) * (CHUNKS * BLOCK_K)
-    sq0 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
-    sq1 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
-    scale0, scale1 = sq0, sq1
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    sq0, sq1, sq2, sq3 = (gl.zeros([16], gl.float32, rows), gl.zeros([16], gl.float32, rows),
+                          gl.zeros([16], gl.float32, rows), gl.zeros([16], gl.float32, rows))
+    sc0, sc1, sc2, sc3 = sq0, sq1, sq2, sq3
     if BRANCH:
-        scale0 = _branch_scale(sq_ptr, 0, eps, H, WARPS, layout)
-        scale1 = _branch_scale(sq_ptr, 1, eps, H, WARPS, layout)
+        sc0, sc1 = _branch_scale(sq_ptr, 0, eps, H, WARPS, layout), _branch_scale(sq_ptr, 1, eps, H, WARPS, layout)
+        sc2, sc3 = _branch_scale(sq_ptr, 2, eps, H, WARPS, layout), _branch_scale(sq_ptr, 3, eps, H, WARPS, layout)
     write = pid < S
     for c in gl.static_range(CHUNKS):
         xc = xbuf.index(c)
-        sq0 += _sandwich_rows(xc.slice(0, 32, dim=0), c, 0, scale0, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0,
-                              write, BRANCH, H, layout)
-        sq1 += _sandwich_rows(xc.slice(32, 32, dim=0), c, 1, scale1, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0,
-                              write, BRANCH, H, layout)
+        sq0 += _sandwich_rows(xc, c, 0, sc0, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
+        sq1 += _sandwich_rows(xc, c, 1, sc1, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
+        sq2 += _sandwich_rows(xc, c, 2, sc2, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
+        sq3 += _sandwich_rows(xc, c, 3, sc3, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
         fence_async_shared()  # the generic stores ordered before the wgmmas' reads
         mbarrier.arrive(x_ready.index(c), count=1)
-    rm = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    rm = gl.arange(0, 16, layout=rows)
     row0 = (kind * gl.num_programs(0) + pid) * BLOCK_M
     gl.store(rowsq_ptr + row0 + rm, sq0)
-    gl.store(rowsq_ptr + row0 + 32 + rm, sq1)
+    gl.store(rowsq_ptr + row0 + 16 + rm, sq1)
+    gl.store(rowsq_ptr + row0 + 32 + rm, sq2)
+    gl.store(rowsq_ptr + row0 + 48 + rm, sq3)
 
 
 @gluon.jit

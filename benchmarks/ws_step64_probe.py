@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ws_chain64_wg import BOX_K, ROWS, TILE_N, box_layout  # noqa: E402
 from ws_layer64_probe import check_way, make_chain  # noqa: E402
+from ws_ouro64_pass import attention_launch  # noqa: E402
 
 HEADS, D, PAGE = 16, 128, 16  # Ouro-1.4B's heads; the engine's pages
 WAYS = ("kernels", "ws", "ws_nopdl", "attention", "w", "chain")
@@ -82,25 +83,6 @@ def layer_args(chain, layer: int, o_in: torch.Tensor, scratch, stages: int, s_in
             gcnt[q:], 1, chain.rows)
     return args, dict(H=h, QKV=qkv, INTER=inter, PW=part.shape[2], S_IN=s_in, S_DOWN=s_down, STAGES=stages,
                       num_warps=4)
-
-
-def attention_launch(q, k_plane, v_plane, tables, lens, starts, scale: float, config, sms: int,
-                     o_in: torch.Tensor) -> tuple[tuple, tuple, dict]:
-    """The engine's Gluon decode attention launch (one pass: config.splits 1) with its output rows in o_in's first
-    rows ([>= rows, heads x d], contiguous): grid, arguments and constexprs but USE_PDL."""
-    from engine import gluon_attention
-
-    rows, heads, d = q.shape
-    if config.splits != 1:
-        raise ValueError(f"config.splits must be 1 (the kernel writes the rows itself), got {config.splits}")
-    if not o_in.is_contiguous() or o_in.shape[0] < rows or o_in.shape[1] != heads * d:
-        raise ValueError(f"o_in must be contiguous [>= {rows}, {heads * d}], got {tuple(o_in.shape)}")
-    grid, args, constexprs, (_, _, out) = gluon_attention.decode_attention_args(
-        q, k_plane, v_plane, tables, lens, starts, scale, config, sms)
-    rows_out = o_in[:rows].view(rows, heads, d)
-    if rows_out.stride() != out.stride():
-        raise ValueError(f"o_in's rows must have the kernel's output strides {out.stride()}")
-    return grid, tuple(rows_out if a is out else a for a in args), dict(constexprs)
 
 
 def engine_model(layers: int = 24, device: str = "cuda"):

@@ -150,3 +150,61 @@ def test_shapes_the_kernel_cannot_run_name_the_field():
                         ((512, 1024, 4, 4, 128, 8, 13, 4, 8), "stages must")]:
         with pytest.raises(ValueError, match=field):
             ouro64.check_shapes(*args)
+
+
+def small_model(dtype, layers: int = 2, seed: int = 4):
+    """The engine's model at hidden 512 (4 heads of 128), intermediate 1024: random weights (norms near 1), fused."""
+    from engine.config import OuroConfig
+    from engine.model import OuroForCausalLM
+
+    cfg = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=64, hidden_size=512, intermediate_size=1024,
+                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                    head_dim=D, total_ut_steps=2))
+    model = OuroForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for t in model.parameters():
+        t.data = (1 + 0.1 * torch.randn(t.shape, generator=g) if t.dim() == 1
+                  else torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+    model = model.to(dtype)
+    model.fuse_projections()
+    return model
+
+
+def test_a_loop_pass_of_launches_matches_the_models_float64_pass():
+    # launch 0 (layer 0's qkv), then per layer the engine's decode attention and a layer launch, the readout's
+    # add + norm (in torch here: Triton's kernel): against the model's float64 torch path over the same pool, the
+    # readout and every layer's new keys and values; 9 requests of 40 positions on scattered pages
+    from engine import layer_stack
+    from engine.attention_dispatch import DecodeConfig
+
+    probe = load_benchmark("ws_step64_probe")
+    pass_ = load_benchmark("ws_ouro64_pass")
+    fast, ref_model = small_model(torch.bfloat16), small_model(torch.float64)
+    ref_model.set_attention_backend("torch")
+    pool, meta = probe.decode_batch(fast.config, 9, 40, 0.0, seed=3, device="cpu")
+    ref_pool = probe.decode_batch(fast.config, 9, 40, 0.0, seed=3, device="cpu")[0]
+    ref_pool.k, ref_pool.v = pool.k.double(), pool.v.double()
+    stack = layer_stack.stack_layers(fast)
+    run = pass_.Ouro64Pass(pass_.stacked_weights(stack), stack.final_norm, stack.inv_freq, pool, 1, meta, 8,
+                           DecodeConfig(32, 3, 1), fast.config.rms_norm_eps, 4, 4, 8)
+    h = torch.randn(9, 512, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    run.h.copy_(h)
+    for i, (kernel, grid, args, kwargs) in enumerate(run.launches()):
+        pdl = {"USE_PDL": True} if kernel is ouro64.ws_ouro64_kernel else {"USE_PDL": 0}
+        emulator.emulate(kernel, grid, *args, seed=i, check_global=True, **kwargs, **pdl)
+    hm, d, n3, final = (t.detach().double() for t in run.readout_inputs())
+    readout = rms(hm + rms(d, n3), final)
+    with torch.no_grad():
+        expected = ref_model.run_loops(h.double(), meta, ref_pool, 1, 1)[-1]
+    assert rel(readout, expected) < 2e-2, rel(readout, expected)
+    slots = meta.slots
+    for layer in range(2):
+        for got, want in zip(pool.plane(1, layer), ref_pool.plane(1, layer)):
+            assert rel(got[slots], want[slots]) < 2e-2, layer
+
+
+def test_every_launch_kind_compiles_for_sm90_at_ouro_1_4b():
+    # o 32 + gate_up 64 + down 32 + qkv 32 wgmma (4 chunks x 8 a box); one PDL wait; within the H200's shared memory
+    for (mlp, qkv), wgmma in {(True, True): 160, (False, True): 32, (True, False): 128}.items():
+        built = ouro64.compile_for_sm90(mlp, qkv)
+        assert built["wgmma"] == wgmma and built["gdc_wait"] == 1 and built["shared"] <= 232448, (mlp, qkv, built)
