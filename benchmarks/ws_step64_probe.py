@@ -1,13 +1,16 @@
-"""The N = 64 decode loop pass with benchmarks/ws_layer64.py's kernel as each layer's GEMM side: does a launch
-per layer, with the decode attention between two of them, keep what the 24-layer launch gains? (docs/benchmarks.md,
-session 27). The full-depth decode step at N = 64 is four such passes; issue 22's row wants it within 1.2x of
-its bytes floor.
+"""The N = 64 decode loop pass with a warp-specialized launch per layer between the decode attention calls: does
+it beat the engine's kernels? (docs/benchmarks.md, session 27). The full-depth decode step at N = 64 is four such
+passes; issue 22's row wants it within 1.2x of its bytes floor.
 
 Each way runs one pass of Ouro-1.4B's 24 layers at `rows` requests of `context` keys each, in CUDA graphs, every
-way twice in turn, on one pool of keys and values (pages scattered over it), against the pass's floor (the layers' weights and each layer's keys and values at 4.3 TB/s):
+way twice in turn, on one pool of keys and values (pages scattered over it), against the pass's floor (the
+layers' weights and each layer's keys and values at 4.3 TB/s):
 - kernels: the engine's own model (random weights, fused, Triton backend) running the pass: at these rows
   engine/model.py `_run_loops_fused`'s kernels (qkv + RoPE + KV store, the decode attention, o_proj's split-K
   partials + add + norm + norm, gate_up + SiLU, down's partials + add + norm + norm), with PDL as in the engine;
+- exact, exact_nopdl: the same model on the same pool as benchmarks/ws_ouro64_pass.py's launches (Ouro's layer
+  exactly: sandwich norms, RoPE, the key / value store), with PDL and without; its readout is compared with the
+  kernels way's (`vs_kernels`: same weights, same history, bf16 roundings apart);
 - ws, ws_nopdl: per layer the same decode attention launch, then ws_layer64_kernel for that layer alone (its
   qkv, o, gate_up and down phases, o's input the attention's output), with PDL (the layer launch's loader streams
   weights before the wait) and without;
@@ -39,7 +42,7 @@ from ws_layer64_probe import check_way, make_chain  # noqa: E402
 from ws_ouro64_pass import attention_launch  # noqa: E402
 
 HEADS, D, PAGE = 16, 128, 16  # Ouro-1.4B's heads; the engine's pages
-WAYS = ("kernels", "ws", "ws_nopdl", "attention", "w", "chain")
+WAYS = ("kernels", "exact", "exact_nopdl", "ws", "ws_nopdl", "attention", "w", "chain")
 
 
 def floor_ms(chain, context: int, copy_tbps: float) -> float:
@@ -135,8 +138,9 @@ def decode_batch(cfg, rows: int, context: int, pool_gb: float, seed: int = 1, de
 
 
 class Pass:
-    """One loop pass three ways on one pool: the engine's model (kernels), the layer kernel's weights
-    (ws_layer64_probe's chain: 64-row slots) with the engine's decode attention launches between its layers."""
+    """One loop pass on one pool: the engine's model through its kernels (kernels) or through ws_ouro64's launches
+    (exact), and the layer kernel's weights (ws_layer64_probe's chain: 64-row slots) with the engine's decode
+    attention launches between its layers (ws, attention, w) or alone (chain)."""
 
     def __init__(self, rows: int, context: int, pool_gb: float, sms: int, way: tuple[int, int, int]) -> None:
         from engine import pdl
@@ -148,6 +152,21 @@ class Pass:
         self.scratch = layer_scratch(self.chain, sms, way[1], way[2])
         self.h = self.chain.hm[0, :rows].clone()
         self._attention_launches()
+        self.exact_pass = None  # made by ways() when an exact way is asked for
+
+    def _exact_pass(self):
+        from ws_ouro64_pass import Ouro64Pass, stacked_weights
+
+        from engine.triton_attention import decode_launch
+
+        st, m = self.model.layer_stack, self.meta
+        if st is None:
+            raise SystemExit("the model has no layer stack (layer_stack.wanted: a Hopper GPU with Gluon)")
+        run = Ouro64Pass(stacked_weights(st), st.final_norm, st.inv_freq, self.pool, 1, m, self.sms,
+                         decode_launch(m.context_lens.shape[0], HEADS, torch.device("cuda")),
+                         self.model.config.rms_norm_eps, *self.way)
+        run.h.copy_(self.h)
+        return run
 
     def _attention_launches(self) -> None:
         """Per layer the engine's decode attention launch (its DecodeConfig for these requests), its q the layer
@@ -202,7 +221,11 @@ class Pass:
         run(self.chain, self.sms, *self.way)
 
     def ways(self, names: list[str]) -> dict:
-        table = {"kernels": self.kernels, "ws": self.ws, "ws_nopdl": lambda: self.ws(use_pdl=False),
+        if any(n.startswith("exact") for n in check_ways(names)) and self.exact_pass is None:
+            self.exact_pass = self._exact_pass()
+        table = {"kernels": self.kernels, "exact": lambda: self.exact_pass.run(),
+                 "exact_nopdl": lambda: self.exact_pass.run(use_pdl=False), "ws": self.ws,
+                 "ws_nopdl": lambda: self.ws(use_pdl=False),
                  "attention": lambda: self.ws(layers=False), "w": lambda: self.ws(attention=False),
                  "chain": self.chain_launch}
         return {n: table[n] for n in check_ways(names)}
@@ -214,9 +237,12 @@ class Pass:
         from phase_probe import rel_err
 
         c = self.chain
-        outs = {"kernels": lambda: self.out, "attention": lambda: self.o_in[-1][:c.rows]}
+        outs = {"kernels": lambda: self.out, "attention": lambda: self.o_in[-1][:c.rows],
+                "exact": lambda: self.exact_pass.readout, "exact_nopdl": lambda: self.exact_pass.readout}
         out = outs.get(name, lambda: c.hm[-1, :c.rows])()
         result = {"finite": bool(torch.isfinite(out.float()).all())}
+        if name.startswith("exact") and getattr(self, "out", None) is not None:
+            result["vs_kernels"] = rel_err(out, self.out)
         if name == "chain":
             ref = c.reference()
             result.update(output=rel_err(c.output(), ref), first=c.stage_errors(0), last=c.stage_errors(c.layers - 1))
