@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -92,6 +92,24 @@ if [ "$what" = pdl ]; then  # the decode harness's floor scenarios with engine/p
     for p in 0 1; do
       OUROBATCH_PDL=$p python3 benchmarks/throughput.py --out "$OUT/pdl/pdl${p}_r$r" --configs interval1 \
         --scenarios 8x512x256,64x512x256 "$@" 2>&1 | tee "$OUT/pdl_${p}_r$r.log" | grep '^|' | tail -4
+    done
+  done
+fi
+if [ "$what" = layers64 ]; then  # the 64-row launches (engine/layers64.py, OUROBATCH_DECODE_LAYERS64): their GPU
+  # tests, the loop-pass probe (benchmarks/ws_step64_probe.py), then the decode harness at N = 64 with the switch
+  # off and on, alternated (L64_ROUNDS pairs, default 2; L64_SCENARIOS), each run its own process; a hang exits
+  timeout -k 10 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+    tests/gpu/test_gpu_gluon_layers64.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+  if [ "${L64_PROBE:-1}" != 0 ]; then
+    timeout -k 10 "${PROBE_TIMEOUT_S:-240}" python3 benchmarks/ws_step64_probe.py --out "$OUT/probe_step64" 2>&1 \
+      | tee "$OUT/probe_step64.log" | tail -14
+  fi
+  for r in $(seq 1 "${L64_ROUNDS:-2}"); do
+    for v in 0 1; do
+      OUROBATCH_DECODE_LAYERS64=$v timeout -k 10 200 python3 benchmarks/throughput.py \
+        --out "$OUT/layers64/l64_${v}_r$r" --configs interval1 --scenarios "${L64_SCENARIOS:-64x512x256}" "$@" 2>&1 \
+        | tee "$OUT/layers64_${v}_r$r.log" | grep '^|' | tail -3
     done
   done
 fi

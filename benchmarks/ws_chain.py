@@ -14,6 +14,7 @@ from engine.gluon_ring import give as _give  # the weight ring (ws_layer.py impo
 from engine.gluon_ring import load_box as _load_box
 from engine.gluon_ring import take as _take
 from engine.gluon_ring import weight_ring as _weight_ring
+from engine.gluon_splitk import wait_for_count as _wait_for_phase  # a phase's grid-wide count (ws_chain64 imports it)
 
 BOX_ROWS, BLOCK_K_WS = 16, 256  # one TMA box of weights: 16 rows x 256 (8 KB)
 
@@ -34,14 +35,6 @@ def _weight_loader(w_desc, ring, ready, empty, cols_ptr, w_row_ptr, num_phases,
             for kb in range(K // BLOCK_K):
                 _load_box(w_desc, row0 + t * BLOCK_N, kb * BLOCK_K, ring, ready, empty, i, STAGES)
                 i += 1
-
-
-@gluon.jit
-def _wait_for_phase(cnt_ptr, programs):
-    seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    while seen < programs:
-        seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
 
 
 @gluon.jit

@@ -34,30 +34,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from engine.gluon_ring import give, load_box, take, weight_ring
+from engine.gluon_splitk import fence_proxy_async_global as _fence_proxy_async
+from engine.gluon_splitk import staged_chunks
 from ws_chain import _wait_for_phase, compile_sm90
 
 ROWS, TILE_N, BOX_K = 64, 64, 128  # the batch rows (wgmma's M), a tile's columns (its N), a box's K
 BLOCK_M, BLOCK_N, BLOCK_K = gl.constexpr(ROWS), gl.constexpr(TILE_N), gl.constexpr(BOX_K)  # the kernel's
-
-
-@gluon.jit
-def _fence_proxy_async():
-    # generic-proxy writes to global memory ordered with async-proxy (TMA) accesses
-    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def staged_chunks(CHUNKS: gl.constexpr, desc):
-    """A CTA's staged K range: CHUNKS [64, BLOCK_K] chunks in the layout of desc's boxes, a barrier each (landed:
-    one completion a phase) and one the multiplying partition arrives at once it is done with the phase's chunks."""
-    xbuf = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_M, BLOCK_K], desc.layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [CHUNKS, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(CHUNKS):
-        mbarrier.init(x_ready.index(c), count=1)
-    mbarrier.init(x_empty.index(0), count=1)
-    return xbuf, x_ready, x_empty
 
 
 @gluon.jit

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait
-from engine.gluon_ring import give, load_box, take, weight_ring
+from engine.gluon_ring import weight_ring
+from engine.gluon_splitk import fence_proxy_async_global as _fence_proxy_async
+from engine.gluon_splitk import group_barrier, load_phase, mma_unit, staged_chunks
 from ws_chain import _wait_for_phase
-from ws_chain64_wg import _fence_proxy_async, staged_chunks
 
 BLOCK_M, BLOCK_N, BLOCK_K = gl.constexpr(64), gl.constexpr(64), gl.constexpr(128)
 EPS = gl.constexpr(1e-6)
@@ -45,23 +46,19 @@ def _rows_per_layer(kind, h, qkv, inter):
     return 2 * inter if kind == 2 else _cols_of(kind, h, qkv, inter)
 
 
+@gluon.constexpr_function
+def _pair(kind, inter):
+    """gate_up's up rows: INTER rows (and partial columns) after its gate rows; no pair elsewhere."""
+    return inter if kind == 2 else 0
+
+
 @gluon.jit
 def _load_phase(desc, layer, i, ring, ready, empty, KIND: gl.constexpr, H: gl.constexpr, QKV: gl.constexpr,
                 INTER: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    cols: gl.constexpr = _cols_of(KIND, H, QKV, INTER)
     rows_per_layer: gl.constexpr = _rows_per_layer(KIND, H, QKV, INTER)
-    k0 = (pid % S) * (CHUNKS * BLOCK_K)
-    for u in range(pid, cols // BLOCK_N * S, programs):
-        row = layer * rows_per_layer + (u // S) * BLOCK_N
-        for c in gl.static_range(CHUNKS):
-            load_box(desc, row, k0 + c * BLOCK_K, ring, ready, empty, i, STAGES)
-            i += 1
-            if KIND == GU_:  # the tile's up rows
-                load_box(desc, row + INTER, k0 + c * BLOCK_K, ring, ready, empty, i, STAGES)
-                i += 1
-    return i
+    n_tiles: gl.constexpr = _cols_of(KIND, H, QKV, INTER) // BLOCK_N
+    return load_phase(desc, layer * rows_per_layer, i, ring, ready, empty, n_tiles, _pair(KIND, INTER), S, CHUNKS,
+                      STAGES)
 
 
 @gluon.jit
@@ -158,43 +155,6 @@ def _stager(xbuf, x_ready, x_empty, qkv_desc, act_desc, hm_ptr, d_ptr, o_ptr, n1
 
 
 @gluon.jit
-def _mma_unit(xbuf, x_ready, ring, ready, empty, i, q, t, s, part_ptr, PW: gl.constexpr, INTER: gl.constexpr,
-              KIND: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr):
-    # one unit's wgmmas over the staged chunks (gate_up: a gate box and an up box per chunk), then its partials
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    for c in gl.static_range(CHUNKS):
-        mbarrier.wait(x_ready.index(c), q & 1)
-        acc = warpgroup_mma(xbuf.index(c), take(ring, ready, i, STAGES).permute((1, 0)), acc)
-        give(empty, i, STAGES)
-        i += 1
-        if KIND == GU_:
-            acc_u = warpgroup_mma(xbuf.index(c), take(ring, ready, i, STAGES).permute((1, 0)), acc_u)
-            give(empty, i, STAGES)
-            i += 1
-    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-    rn = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    offs = s * (BLOCK_M * PW) + rm[:, None] * PW + rn[None, :]
-    gl.store(part_ptr + offs, acc)
-    if KIND == GU_:
-        gl.store(part_ptr + offs + INTER, acc_u)
-    return i
-
-
-@gluon.jit
-def _group_barrier(gcnt_ptr, q, S: gl.constexpr):
-    # the S CTAs of this CTA's group have stored their partials and row sums (release / acquire)
-    pid = gl.program_id(0)
-    count = gcnt_ptr + q * gl.num_programs(0) + pid // S
-    gl.thread_barrier()
-    gl.atomic_add(count, 1, sem="release", scope="gpu")
-    seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
-    while seen < S:
-        seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _group_sums(q, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND: gl.constexpr, H: gl.constexpr,
                 QKV: gl.constexpr, INTER: gl.constexpr, PW: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
     # this CTA's items of its group's tiles: (tile, 16-row block) pairs s, s + S, ...; the partials summed in split
@@ -240,13 +200,13 @@ def _mma_phase(xbuf, x_ready, x_empty, ring, ready, empty, i, layer, out_ptr, pa
                                                   instr_shape=[16, BLOCK_N, 16])
     n_tiles: gl.constexpr = _cols_of(KIND, H, QKV, INTER) // BLOCK_N
     for u in range(pid, n_tiles * S, programs):
-        i = _mma_unit(xbuf, x_ready, ring, ready, empty, i, q, u // S, pid % S, part_ptr, PW, INTER, KIND, CHUNKS,
-                      STAGES, mma)
+        i = mma_unit(xbuf, x_ready, ring, ready, empty, i, q & 1, u // S, pid % S, part_ptr, PW, _pair(KIND, INTER),
+                     CHUNKS, STAGES, mma)
     for c in gl.static_range(CHUNKS):  # a CTA without units too: no chunk may still be landing when the stager
         mbarrier.wait(x_ready.index(c), q & 1)  # arms the next phase's (one completion a phase)
     fence_async_shared()  # the wgmmas' reads (synchronous, done) ordered before the next phase's writes
     mbarrier.arrive(x_empty.index(0), count=1)
-    _group_barrier(gcnt_ptr, q, S)
+    group_barrier(gcnt_ptr, q, S)
     _group_sums(q, n_tiles, out_ptr, part_ptr, rowsq_ptr, M, KIND, H, QKV, INTER, PW, S, WARPS)
     if q + 1 < 4 * num_layers:
         _fence_proxy_async()

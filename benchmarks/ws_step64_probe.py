@@ -8,9 +8,9 @@ layers' weights and each layer's keys and values at 4.3 TB/s):
 - kernels: the engine's own model (random weights, fused, Triton backend) running the pass: at these rows
   engine/model.py `_run_loops_fused`'s kernels (qkv + RoPE + KV store, the decode attention, o_proj's split-K
   partials + add + norm + norm, gate_up + SiLU, down's partials + add + norm + norm), with PDL as in the engine;
-- exact, exact_nopdl: the same model on the same pool as benchmarks/ws_ouro64_pass.py's launches (Ouro's layer
-  exactly: sandwich norms, RoPE, the key / value store), with PDL and without; its readout is compared with the
-  kernels way's (`vs_kernels`: same weights, same history, bf16 roundings apart);
+- exact: the same model on the same pool with OUROBATCH_DECODE_LAYERS64 on: engine/layers64.py's launches
+  (Ouro's layer exactly: sandwich norms, RoPE, the key / value store) between the same decode attention calls;
+  its readout is compared with the kernels way's (`vs_kernels`: same weights, same history, bf16 roundings apart);
 - ws, ws_nopdl: per layer the same decode attention launch, then ws_layer64_kernel for that layer alone (its
   qkv, o, gate_up and down phases, o's input the attention's output), with PDL (the layer launch's loader streams
   weights before the wait) and without;
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ws_chain64_wg import BOX_K, ROWS, TILE_N, box_layout  # noqa: E402
 from ws_layer64_probe import check_way, make_chain  # noqa: E402
-from ws_ouro64_pass import attention_launch  # noqa: E402
 
 HEADS, D, PAGE = 16, 128, 16  # Ouro-1.4B's heads; the engine's pages
-WAYS = ("kernels", "exact", "exact_nopdl", "ws", "ws_nopdl", "attention", "w", "chain")
+LAYERS64 = "OUROBATCH_DECODE_LAYERS64"  # engine/layers64_dispatch.ENV
+WAYS = ("kernels", "exact", "ws", "ws_nopdl", "attention", "w", "chain")
 
 
 def floor_ms(chain, context: int, copy_tbps: float) -> float:
@@ -138,9 +139,9 @@ def decode_batch(cfg, rows: int, context: int, pool_gb: float, seed: int = 1, de
 
 
 class Pass:
-    """One loop pass on one pool: the engine's model through its kernels (kernels) or through ws_ouro64's launches
-    (exact), and the layer kernel's weights (ws_layer64_probe's chain: 64-row slots) with the engine's decode
-    attention launches between its layers (ws, attention, w) or alone (chain)."""
+    """One loop pass on one pool: the engine's model through its kernels (kernels) or through engine/layers64.py's
+    launches (exact), and the layer kernel's weights (ws_layer64_probe's chain: 64-row slots) with the engine's
+    decode attention launches between its layers (ws, attention, w) or alone (chain)."""
 
     def __init__(self, rows: int, context: int, pool_gb: float, sms: int, way: tuple[int, int, int]) -> None:
         from engine import pdl
@@ -152,21 +153,6 @@ class Pass:
         self.scratch = layer_scratch(self.chain, sms, way[1], way[2])
         self.h = self.chain.hm[0, :rows].clone()
         self._attention_launches()
-        self.exact_pass = None  # made by ways() when an exact way is asked for
-
-    def _exact_pass(self):
-        from ws_ouro64_pass import Ouro64Pass, stacked_weights
-
-        from engine.triton_attention import decode_launch
-
-        st, m = self.model.layer_stack, self.meta
-        if st is None:
-            raise SystemExit("the model has no layer stack (layer_stack.wanted: a Hopper GPU with Gluon)")
-        run = Ouro64Pass(stacked_weights(st), st.final_norm, st.inv_freq, self.pool, 1, m, self.sms,
-                         decode_launch(m.context_lens.shape[0], HEADS, torch.device("cuda")),
-                         self.model.config.rms_norm_eps, *self.way)
-        run.h.copy_(self.h)
-        return run
 
     def _attention_launches(self) -> None:
         """Per layer the engine's decode attention launch (its DecodeConfig for these requests), its q the layer
@@ -184,8 +170,9 @@ class Pass:
             q = c.qkv[layer - 1, :c.rows, :c.h].view(c.rows, HEADS, D)
             o_in = torch.zeros(ROWS, c.h, dtype=q.dtype, device="cuda")  # 64 rows for the layer's TMA box
             k, v = self.pool.block_plane(1, layer)
-            grid, args, kwargs = attention_launch(q, k, v, m.block_tables, m.context_lens, m.query_start, D**-0.5,
-                                                  config, self.sms, o_in)
+            grid, args, kwargs, _ = gluon_attention.decode_attention_args(
+                q, k, v, m.block_tables, m.context_lens, m.query_start, D**-0.5, config, self.sms,
+                o_in[:c.rows].view(c.rows, HEADS, D))
             kwargs.update(gluon_attention._pdl_kwargs(torch.device("cuda"), config))
             self.attention.append((gluon_attention.decode_attention_kernel[grid], args, kwargs))
             self.o_in.append(o_in)
@@ -213,7 +200,16 @@ class Pass:
 
     def kernels(self) -> None:
         """The engine's loop pass: its model's run_loops for loop 1 (at these rows, _run_loops_fused's kernels)."""
+        os.environ[LAYERS64] = "0"
         self.out = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
+
+    def exact(self) -> None:
+        """The same with engine/layers64.py's launches (OUROBATCH_DECODE_LAYERS64 on for the call)."""
+        os.environ[LAYERS64] = "1"
+        try:
+            self.exact_out = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
+        finally:
+            os.environ[LAYERS64] = "0"
 
     def chain_launch(self) -> None:
         from ws_layer64_probe import run
@@ -221,10 +217,7 @@ class Pass:
         run(self.chain, self.sms, *self.way)
 
     def ways(self, names: list[str]) -> dict:
-        if any(n.startswith("exact") for n in check_ways(names)) and self.exact_pass is None:
-            self.exact_pass = self._exact_pass()
-        table = {"kernels": self.kernels, "exact": lambda: self.exact_pass.run(),
-                 "exact_nopdl": lambda: self.exact_pass.run(use_pdl=False), "ws": self.ws,
+        table = {"kernels": self.kernels, "exact": self.exact, "ws": self.ws,
                  "ws_nopdl": lambda: self.ws(use_pdl=False),
                  "attention": lambda: self.ws(layers=False), "w": lambda: self.ws(attention=False),
                  "chain": self.chain_launch}
@@ -238,10 +231,10 @@ class Pass:
 
         c = self.chain
         outs = {"kernels": lambda: self.out, "attention": lambda: self.o_in[-1][:c.rows],
-                "exact": lambda: self.exact_pass.readout, "exact_nopdl": lambda: self.exact_pass.readout}
+                "exact": lambda: self.exact_out}
         out = outs.get(name, lambda: c.hm[-1, :c.rows])()
         result = {"finite": bool(torch.isfinite(out.float()).all())}
-        if name.startswith("exact") and getattr(self, "out", None) is not None:
+        if name == "exact" and getattr(self, "out", None) is not None:
             result["vs_kernels"] = rel_err(out, self.out)
         if name == "chain":
             ref = c.reference()

@@ -267,11 +267,12 @@ def _descriptor(plane: torch.Tensor):
 
 def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                            scale: float, config: DecodeConfig) -> torch.Tensor:
+                            scale: float, config: DecodeConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [rows, heads, d] (one row per request at most); k_plane, v_plane: [blocks, page, kv_heads, d]
-    -> [rows, heads, d]; rows no request covers hold no defined value."""
+    -> [rows, heads, d] (`out` where given: contiguous, q's shape and dtype); rows no request covers hold no
+    defined value."""
     grid, args, constexprs, (part, lse, out) = decode_attention_args(
-        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, pdl.num_sms(q.device))
+        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, pdl.num_sms(q.device), out)
     decode_attention_kernel[grid](*args, **constexprs, **_pdl_kwargs(q.device, config))
     if config.splits > 1 and q.shape[0] > 0:
         combine_splits(part, lse, out)
@@ -280,13 +281,17 @@ def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: tor
 
 def decode_attention_args(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, query_start: torch.Tensor, scale: float, config: DecodeConfig,
-                          sms: int) -> tuple[tuple, tuple, dict, tuple]:
+                          sms: int, out: torch.Tensor | None = None) -> tuple[tuple, tuple, dict, tuple]:
     """launch_decode_attention's grid, kernel arguments, constexprs but USE_PDL, and (the splits' float32
     partials, their log-sum-exps, the output); with one split the kernel writes the output itself
     (tests/test_gluon_attention_emulated.py runs the kernel on them on the CPU)."""
     rows, heads, d = q.shape
     seqs = context_lens.shape[0]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if config.splits == 1:
         part, lse, split_strides = out, out, (0, 0)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import layers64_dispatch as d64
 from . import layers_dispatch as ld
 from . import pdl
 
@@ -97,7 +98,12 @@ def stack_layers(model) -> LayerStack:
     inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=ref.device, dtype=torch.float32) / d)
     if ref.device.type == "cuda":  # the per-layer copies' blocks: cached, they would count as this process's in
         torch.cuda.empty_cache()  # the KV pool's sizing (assembly.auto_num_blocks) and shrink it by the weights
-    return LayerStack(wq, wo, wgu, wd, norms, model.model.norm.weight, inv_freq, L)
+    stack = LayerStack(wq, wo, wgu, wd, norms, model.model.norm.weight, inv_freq, L)
+    if ref.device.type == "cuda" and d64.switch_on():  # the 64-row launches' buffers and compiles, before any
+        from .layers64 import warm  # graph capture (layers64.py; off by default: layers64_dispatch)
+
+        warm(stack, ref.device)
+    return stack
 
 
 def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
@@ -106,6 +112,25 @@ def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
     return (stack is not None and h.dtype == stack.wq.dtype and pool.k is not None and pool.k.dtype == h.dtype
             and pool.block_size == ld.PAGE and meta.context_lens.shape[0] == h.shape[0]  # row r is request r's
             and ld.call_fits(h.shape[0], meta.max_rows, meta.prefill, meta.tiles is not None))
+
+
+def layers64_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
+    """Whether this run_loops call goes to layers64.py's launches: the switch, a stack, decode rows they serve (9..64
+    requests), a bf16 pool of 16-position pages, the model's shape on this GPU (layers64_dispatch), and the Gluon
+    decode attention in one pass for the call."""
+    if stack is None or not d64.switch_on() or h.dtype != stack.wq.dtype or pool.k is None:
+        return False
+    rows, (k, _) = h.shape[0], pool.plane(1, 0)
+    kv_heads, d = k.shape[-2], k.shape[-1]
+    if not (d64.call_fits(rows, meta.max_rows, meta.prefill, meta.tiles is not None)
+            and meta.context_lens.shape[0] == rows and pool.k.dtype == h.dtype and pool.block_size == ld.PAGE
+            and d64.shape_fits(h.shape[1], stack.inter, stack.qkv_width // d - 2 * kv_heads, kv_heads, d,
+                               pdl.num_sms(h.device))):
+        return False
+    from .triton_attention import decode_launch  # (Triton: only where the stack, a Hopper GPU's, exists)
+
+    config = decode_launch(rows, kv_heads, h.device)
+    return config is not None and config.splits == 1
 
 
 def warm_runs(s, device: torch.device) -> bool:

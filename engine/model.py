@@ -19,7 +19,7 @@ from .batch import BatchMeta
 from .config import OuroConfig
 from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
-from .layer_stack import layers_run, stack_layers, wanted as stack_wanted
+from .layer_stack import layers64_run, layers_run, stack_layers, wanted as stack_wanted
 from .mlp_dispatch import mlp_folds, new_counters
 
 
@@ -289,6 +289,9 @@ class OuroForCausalLM(nn.Module):
         if self.fused_kernels and layers_run(self.layer_stack, h, meta, pool):
             from .gluon_layers import run_loops  # every layer of a loop pass as one launch
 
+            return run_loops(self, h, meta, pool, first_loop, last_loop)
+        if self.fused_kernels and layers64_run(self.layer_stack, h, meta, pool):
+            from .layers64 import run_loops  # 9..64 requests: a launch per layer between the attention calls
             return run_loops(self, h, meta, pool, first_loop, last_loop)
         if self.fused_kernels:
             return self._run_loops_fused(h, meta, pool, first_loop, last_loop)

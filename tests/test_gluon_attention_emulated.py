@@ -60,3 +60,22 @@ def test_slots_nobody_wrote_do_not_reach_the_output():
     case = Case([3, 16, 21], [1, 1, 1], 2, 2, 128, torch.bfloat16, seed=11, device="cpu")
     case.poison_unread()
     assert within_bf16(case, run(case, DecodeConfig(32, 3, 2)))
+
+
+def test_the_rows_go_to_a_given_output():
+    # `out` (engine/layers64.py: the layer launch's TMA-read rows): the kernel writes there, through its strides
+    from engine import gluon_attention
+
+    case = Case([3, 30, 17], [1, 1, 1], 2, 2, 128, torch.bfloat16, seed=17, device="cpu")
+    tables, ctx, starts, _, scale = case.args
+    rows = torch.full((8, 256), 7.0, dtype=torch.bfloat16)
+    out = rows[:3].view(3, 2, 128)
+    grid, args, constexprs, (_, _, got) = gluon_attention.decode_attention_args(
+        case.q, case.k, case.v, tables, ctx, starts, scale, DecodeConfig(32, 3, 1), SMS, out)
+    assert got is out
+    emulator.emulate(gluon_attention.decode_attention_kernel, grid, *args, USE_PDL=0, **constexprs)
+    assert within_bf16(case, out) and bool((rows[3:] == 7.0).all())
+    for bad in (torch.empty(3, 2, 64, dtype=torch.bfloat16), torch.empty(3, 2, 128), rows[:3, ::2].view(3, 1, 128)):
+        with pytest.raises(ValueError, match="out must be"):
+            gluon_attention.decode_attention_args(case.q, case.k, case.v, tables, ctx, starts, scale,
+                                                  DecodeConfig(32, 3, 1), SMS, bad)

@@ -14,7 +14,6 @@ pytest.importorskip("triton.experimental.gluon")
 emulator = pytest.importorskip("tests.gluon_emulator")
 probe = load_benchmark("ws_step64_probe")
 layer64 = load_benchmark("ws_layer64_probe")
-pass_ = load_benchmark("ws_ouro64_pass")
 
 H, INTER, CTAS, STAGES, S_IN, S_DOWN = 512, 1024, 8, 4, 4, 8
 
@@ -54,29 +53,6 @@ def test_layer_args_refuse_what_the_kernel_cannot_read():
             probe.layer_args(chain, 0, bad, scratch, STAGES, S_IN, S_DOWN)
     with pytest.raises(ValueError, match="multiple of"):
         probe.layer_args(chain, 0, chain.qkv[0], probe.layer_scratch(chain, 6, S_IN, S_DOWN), STAGES, S_IN, S_DOWN)
-
-
-def test_the_attention_launch_writes_its_rows_into_the_layer_input():
-    # q a view into the layer before's qkv rows (its own row stride), the output rows those of o_in, padded to the
-    # layer kernel's 64-row box: within bf16 of float64, the padding rows untouched
-    from engine import gluon_attention
-    from engine.attention_dispatch import DecodeConfig
-    from tests.gpu.test_gpu_attention_kernels import TOL, Case
-
-    case = Case([3, 30, 17, 40], [1] * 4, 2, 2, 128, torch.bfloat16, seed=21, device="cpu", strided_q=True)
-    tables, ctx, starts, _, scale = case.args
-    o_in = torch.full((8, 256), 7.0, dtype=torch.bfloat16)
-    grid, args, constexprs = pass_.attention_launch(case.q, case.k, case.v, tables, ctx, starts, scale,
-                                                    DecodeConfig(32, 3, 1), 4, o_in)
-    emulator.emulate(gluon_attention.decode_attention_kernel, grid, *args, USE_PDL=0, **constexprs)
-    out = o_in[:4].view(4, 2, 128)
-    assert float((out.double() - case.ref).norm() / case.ref.norm()) < TOL[torch.bfloat16]
-    assert bool((o_in[4:] == 7.0).all())
-    with pytest.raises(ValueError, match="splits must be 1"):
-        pass_.attention_launch(case.q, case.k, case.v, tables, ctx, starts, scale, DecodeConfig(16, 4, 3), 4, o_in)
-    with pytest.raises(ValueError, match="o_in must be contiguous"):
-        pass_.attention_launch(case.q, case.k, case.v, tables, ctx, starts, scale, DecodeConfig(32, 3, 1), 4,
-                               o_in[:, :128])
 
 
 def test_the_floor_and_the_table_read_what_was_measured():

@@ -63,7 +63,8 @@ class Decode:
         self.ref_pool.v.copy_(self.pool.v)
         free = list(range(blocks))
         rng.shuffle(free)
-        tables = BlockTables(8, max(-(-c // PAGE) for c in contexts), self.pool.scratch_block, torch.device("cuda"))
+        tables = BlockTables(max(8, len(contexts)), max(-(-c // PAGE) for c in contexts), self.pool.scratch_block,
+                             torch.device("cuda"))
         spans = []
         for i, c in enumerate(contexts):
             ids = tuple(free.pop() for _ in range(-(-c // PAGE)))

@@ -1,7 +1,6 @@
-"""What benchmarks/ws_ouro64.py's kernel does between its GEMMs: the stager's sandwich norms (Ouro's residual add
-of a normed branch, then the next norm) and the group sums (SiLU x up, the branch's row sums, RoPE and the key /
-value store). Gluon; the kernel's constants and layouts are ws_layer64.py's (64 rows, 64-column tiles, chunks of
-128 columns).
+"""What gluon_layers64.py's launch does between its GEMMs: the stager's sandwich norms (Ouro's residual add of a
+normed branch, then the next norm) and the group sums (SiLU x up, the branch's row sums, RoPE and the key / value
+store). Gluon; the tiles are gluon_splitk.py's (64 rows, 64-column tiles, chunks of 128 columns).
 
 The sandwich, for a branch y (o after attention, d after the MLP) on the residual h:
     h' = h + n_a * y * rsqrt(mean(y^2) + eps)      (bf16, as the engine stores the residual)
@@ -17,7 +16,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-BLOCK_M, BLOCK_N, BLOCK_K = gl.constexpr(64), gl.constexpr(64), gl.constexpr(128)
+from .gluon_splitk import BLOCK_K, BLOCK_M, BLOCK_N
+
 O_, GU_, DOWN_, QKV_ = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 
 
