@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from .attention_dispatch import HOPPER_SMEM_PER_CTA
+from .layers_dispatch import parse_flag
 
 ROWS, MIN_ROWS = 64, 9  # wgmma's M; below MIN_ROWS the loop-pass launch (layers_dispatch.ROWS) serves the call
 K_RANGE, BOX_K, TILE_N = 512, 128, 64  # a CTA's K columns a phase; a box's K; a tile's columns
@@ -47,10 +48,7 @@ def shape_fits(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int
 
 def parse_switch(text: str) -> bool:
     """OUROBATCH_DECODE_LAYERS64: "0" (off, the default for an empty value) or "1"."""
-    value = text.strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (on) or 0 (off), got {text!r}")
-    return value == "1"
+    return parse_flag(text, ENV, "0")
 
 
 def switch_on() -> bool:

@@ -43,12 +43,17 @@ def shape_fits(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int
             and smem_bytes(hidden, inter) <= HOPPER_SMEM_PER_CTA)
 
 
+def parse_flag(text: str, env: str, default: str) -> bool:
+    """A launch's on / off variable `env`: "1" or "0", `default` for an empty value; anything else refused."""
+    value = text.strip() or default
+    if value not in ("0", "1"):
+        raise ValueError(f"{env} must be 1 (on) or 0 (off), got {text!r}")
+    return value == "1"
+
+
 def parse_switch(text: str) -> bool:
     """OUROBATCH_DECODE_LAYERS: "1" (on, the default for an empty value) or "0"."""
-    value = text.strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (on) or 0 (off), got {text!r}")
-    return value == "1"
+    return parse_flag(text, ENV, "1")
 
 
 def switch_on() -> bool:

@@ -15,9 +15,8 @@ from engine.loader import load_model
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
-from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_layers import PAGE, Decode, logprob_gap, rel
+from .test_gpu_gluon_layers import PAGE, Decode, assert_a_replay_is_an_eager_call, logprob_gap, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
               pytest.mark.timeout(300)]
@@ -97,15 +96,7 @@ def test_repeated_calls_and_a_graph_replay_agree(models, switch_on):
         again = fast.run_loops(d.h, d.meta, d.pool, 1, 2)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
-    graph, out = capture(lambda: fast.run_loops(d.h, d.meta, d.pool, 1, 2))
-    fresh = torch.randn_like(d.h.float()).to(d.h.dtype)
-    d.h.copy_(fresh)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    eager = fast.run_loops(fresh, d.meta, d.pool, 1, 2)
-    for a, b in zip(out, eager):
-        assert torch.equal(a, b)
+    assert_a_replay_is_an_eager_call(fast, d)
 
 
 def test_calls_the_launches_do_not_serve_keep_the_kernels(models, switch_on):
