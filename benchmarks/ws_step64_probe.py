@@ -155,32 +155,25 @@ class Pass:
         self._attention_launches()
 
     def _attention_launches(self) -> None:
-        """Per layer the engine's decode attention launch (its DecodeConfig for these requests), its q the layer
-        before's qkv slot (the last layer's for layer 0), its output the layer launch's o input."""
-        from engine import gluon_attention
-        from engine.triton_attention import decode_launch
+        """Per layer the engine's decode attention as it dispatches the call (triton_paged_attention: at 64
+        requests of Ouro-1.4B's heads, Triton's paged kernel), its q the layer before's qkv slot (the last layer's
+        for layer 0), its rows into the layer launch's o input."""
+        from engine.triton_attention import triton_paged_attention
 
         c, m = self.chain, self.meta
-        config = decode_launch(c.rows, HEADS, torch.device("cuda"))
-        if config is None or config.splits != 1:
-            raise SystemExit(f"the engine's decode launch for {c.rows} requests is {config}: this probe needs the "
-                             "Gluon kernel in one pass (OUROBATCH_DECODE_ATTENTION=gluon)")
         self.attention, self.layers, self.o_in = [], [], []
         for layer in range(c.layers):
             q = c.qkv[layer - 1, :c.rows, :c.h].view(c.rows, HEADS, D)
             o_in = torch.zeros(ROWS, c.h, dtype=q.dtype, device="cuda")  # 64 rows for the layer's TMA box
             k, v = self.pool.block_plane(1, layer)
-            grid, args, kwargs, _ = gluon_attention.decode_attention_args(
-                q, k, v, m.block_tables, m.context_lens, m.query_start, D**-0.5, config, self.sms,
-                o_in[:c.rows].view(c.rows, HEADS, D))
-            kwargs.update(gluon_attention._pdl_kwargs(torch.device("cuda"), config))
-            self.attention.append((gluon_attention.decode_attention_kernel[grid], args, kwargs))
+            out = o_in[:c.rows].view(c.rows, HEADS, D)
+            self.attention.append(lambda q=q, k=k, v=v, out=out: triton_paged_attention(
+                q, k, v, m.block_tables, m.context_lens, m.query_start, 1, D**-0.5, None, out))
             self.o_in.append(o_in)
             self.layers.append(layer_args(c, layer, o_in, self.scratch, *self.way))
 
     def run_attention(self, layer: int) -> None:
-        kernel, args, kwargs = self.attention[layer]
-        kernel(*args, **kwargs)
+        self.attention[layer]()
 
     def run_layer(self, layer: int, use_pdl: bool) -> None:
         from ws_layer64 import ws_layer64_kernel

@@ -218,3 +218,14 @@ def tile_map(num_rows: list[int], group: int, block_m: int, capacity: int, pad_s
     if len(flat) > 2 * capacity:
         raise ValueError(f"{len(flat) // 2} M tiles, more than the map's capacity of {capacity}")
     return flat + [pad_seq, 0] * (capacity - len(flat) // 2)
+
+
+def given_out(q, out):
+    """An attention launch's output: a new tensor of q's shape, or `out` (engine/layers64.py's TMA-read buffer)
+    checked to be one: contiguous, q's shape and dtype."""
+    if out is None:
+        return q.new_empty(q.shape)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import pdl
 from .attention_combine import combine_splits
-from .attention_dispatch import DecodeConfig
+from .attention_dispatch import DecodeConfig, given_out
 
 
 @gluon.jit
@@ -287,11 +287,7 @@ def decode_attention_args(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch
     (tests/test_gluon_attention_emulated.py runs the kernel on them on the CPU)."""
     rows, heads, d = q.shape
     seqs = context_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    out = torch.empty_like(q) if out is None else given_out(q, out)
     if config.splits == 1:
         part, lse, split_strides = out, out, (0, 0)
     else:

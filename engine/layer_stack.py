@@ -116,21 +116,15 @@ def layers_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
 
 def layers64_run(stack: LayerStack | None, h: torch.Tensor, meta, pool) -> bool:
     """Whether this run_loops call goes to layers64.py's launches: the switch, a stack, decode rows they serve (9..64
-    requests), a bf16 pool of 16-position pages, the model's shape on this GPU (layers64_dispatch), and the Gluon
-    decode attention in one pass for the call."""
+    requests), a bf16 pool of 16-position pages, the model's shape on this GPU (layers64_dispatch)."""
     if stack is None or not d64.switch_on() or h.dtype != stack.wq.dtype or pool.k is None:
         return False
     rows, (k, _) = h.shape[0], pool.plane(1, 0)
     kv_heads, d = k.shape[-2], k.shape[-1]
-    if not (d64.call_fits(rows, meta.max_rows, meta.prefill, meta.tiles is not None)
+    return (d64.call_fits(rows, meta.max_rows, meta.prefill, meta.tiles is not None)
             and meta.context_lens.shape[0] == rows and pool.k.dtype == h.dtype and pool.block_size == ld.PAGE
             and d64.shape_fits(h.shape[1], stack.inter, stack.qkv_width // d - 2 * kv_heads, kv_heads, d,
-                               pdl.num_sms(h.device))):
-        return False
-    from .triton_attention import decode_launch  # (Triton: only where the stack, a Hopper GPU's, exists)
-
-    config = decode_launch(rows, kv_heads, h.device)
-    return config is not None and config.splits == 1
+                               pdl.num_sms(h.device)))
 
 
 def warm_runs(s, device: torch.device) -> bool:

@@ -1,8 +1,10 @@
 """A decode loop pass of 9..64 requests (one new row each) as gluon_layers64.py's launches between the engine's
-Gluon decode attention calls: OuroForCausalLM.run_loops sends a call here where `runs` says so (the switch and the
-rules in layers64_dispatch.py). For each loop over L layers, from the loop's input rows h:
+decode attention calls: OuroForCausalLM.run_loops sends a call here where layer_stack.layers64_run says so (the
+switch and the rules in layers64_dispatch.py). For each loop over L layers, from the loop's input rows h:
     launch 0         without the MLP: x = n0_0 rms(h), layer 0's q, keys and values
-    attention l      gluon_attention's decode kernel of layer l (q -> the rows a, in the scratch's buffer)
+    attention l      layer l's decode attention as the engine dispatches it (triton_paged_attention: the Gluon
+                     decode kernel, or Triton's paged kernel past 2 (request, head) pairs per SM, as at 64
+                     requests of Ouro-1.4B), its rows a into the scratch's buffer
     launch l + 1     layer l: o, sandwich, MLP, sandwich, and layer l + 1's q, keys and values (the last layer's
                      stops at d)
     readout          triton_fused.add_rms_norm2(hm, d, n3_(L-1), model.norm): the loop's readout, the next's input
@@ -99,21 +101,29 @@ def layer_args(stack, sc: Scratch64, launch: int, layer: int, rows: dict, kv, ro
                       HAS_MLP=has_mlp, HAS_QKV=has_qkv, num_warps=4)
 
 
-def _attention(sc: Scratch64, q: torch.Tensor, pool, loop: int, layer: int, meta, config, sms: int) -> tuple:
-    from . import gluon_attention
-
+def _attention(sc: Scratch64, q: torch.Tensor, pool, loop: int, layer: int, meta, config, sms: int):
+    """Layer `layer`'s decode attention, its rows into sc.a: the engine's dispatch (triton_paged_attention: the Gluon
+    decode kernel or Triton's, as for any decode call) as a call, or with `config` the Gluon kernel's launch."""
     k, v = pool.block_plane(loop, layer)
     rows, d = q.shape[0], k.shape[-1]
-    out = sc.a[:rows].view(rows, -1, d)
+    q3, out, m = q.view(rows, -1, d), sc.a[:rows].view(rows, -1, d), meta
+    if config is None:
+        from .triton_attention import triton_paged_attention
+
+        return lambda: triton_paged_attention(q3, k, v, m.block_tables, m.context_lens, m.query_start, 1, d**-0.5,
+                                              None, out)
+    from . import gluon_attention
+
     grid, args, constexprs, _ = gluon_attention.decode_attention_args(
-        q.view(rows, -1, d), k, v, meta.block_tables, meta.context_lens, meta.query_start, d**-0.5, config, sms, out)
+        q3, k, v, m.block_tables, m.context_lens, m.query_start, d**-0.5, config, sms, out)
     return gluon_attention.decode_attention_kernel, grid, args, constexprs
 
 
-def pass_launches(stack, sc: Scratch64, h: torch.Tensor, pool, loop: int, meta, config, eps: float,
-                  sms: int) -> tuple[list[tuple], torch.Tensor]:
-    """One loop's launches in order, (kernel, grid, args, kwargs) with USE_PDL left to the caller, and the q rows
-    they pass between them; h: the loop's input rows [M, H]."""
+def pass_launches(stack, sc: Scratch64, h: torch.Tensor, pool, loop: int, meta, eps: float, sms: int,
+                  attention=None) -> tuple[list, torch.Tensor]:
+    """One loop's launches in order and the q rows they pass between them; h: the loop's input rows [M, H]. A
+    layer launch is (kernel, grid, args, kwargs), its USE_PDL left to the caller; an attention is a call of the
+    engine's dispatch, or with `attention` (a DecodeConfig, one pass: the emulator's) the Gluon kernel's launch."""
     layers = stack.layers
     q = torch.empty(h.shape[0], stack.wo.shape[1], dtype=h.dtype, device=h.device)  # heads x d == hidden
     rope = (meta.positions, meta.slots, stack.inv_freq)
@@ -128,7 +138,7 @@ def pass_launches(stack, sc: Scratch64, h: torch.Tensor, pool, loop: int, meta, 
     h_in = h
     for index in range(layers):
         h_out = torch.empty_like(h) if index + 1 < layers else h_in  # the last layer writes no residual
-        out.append(_attention(sc, q, pool, loop, index, meta, config, sms))
+        out.append(_attention(sc, q, pool, loop, index, meta, attention, sms))
         out.append(layer(index + 1, index, h_in, h_out, True, index + 1 < layers))
         h_in = h_out
     return out, q
@@ -140,21 +150,22 @@ def readout_inputs(stack, sc: Scratch64, rows: int) -> tuple[torch.Tensor, ...]:
 
 
 def run_loops(model, h: torch.Tensor, meta, pool, first_loop: int, last_loop: int) -> list[torch.Tensor]:
-    """OuroForCausalLM.run_loops through the launches: per loop its launches (PDL as the engine's kernels) and the
-    readout's add + norm."""
-    from . import gluon_attention, triton_fused
-    from .triton_attention import decode_launch
+    """OuroForCausalLM.run_loops through the launches: per loop its launches (PDL as the engine's kernels), the
+    attention as the engine dispatches it, and the readout's add + norm."""
+    from . import triton_fused
 
     stack, device, eps = model.layer_stack, h.device, model.config.rms_norm_eps
-    sc, sms = scratch(stack, device), pdl.num_sms(device)
-    config = decode_launch(meta.context_lens.shape[0], pool.plane(first_loop, 0)[0].shape[-2], device)
-    layer_pdl, attention_pdl = pdl.launch_kwargs(device), gluon_attention._pdl_kwargs(device, config)
+    sc, sms, layer_pdl = scratch(stack, device), pdl.num_sms(device), pdl.launch_kwargs(device)
     readouts = []
     for loop in range(first_loop, last_loop + 1):
         sc.counts.zero_()
-        launches, _ = pass_launches(stack, sc, h, pool, loop, meta, config, eps, sms)
-        for kernel, grid, args, kwargs in launches:
-            kernel[grid](*args, **kwargs, **(layer_pdl if kernel is ws_ouro64_kernel else attention_pdl))
+        launches, _ = pass_launches(stack, sc, h, pool, loop, meta, eps, sms)
+        for launch in launches:
+            if callable(launch):  # an attention call
+                launch()
+            else:
+                kernel, grid, args, kwargs = launch
+                kernel[grid](*args, **kwargs, **layer_pdl)
         _, h = triton_fused.add_rms_norm2(*readout_inputs(stack, sc, h.shape[0]), eps)
         readouts.append(h)
     return readouts

@@ -32,7 +32,7 @@ import triton.language as tl
 from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
-                                 o_fold_applies, parse_fold, parse_ring, query_tiling)
+                                 given_out, o_fold_applies, parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -131,14 +131,15 @@ def _paged_attention_kernel(
 def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            max_rows: int, scale: float, config: LaunchConfig,
-                           tiles: torch.Tensor | None = None) -> torch.Tensor:
+                           tiles: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel with an explicit launch config (the sweep and the tests call this directly).
 
     q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d]; block_tables: [seqs, width] int32;
     context_lens: [seqs] int32; query_start: [seqs + 1] int32 -> [rows, heads, d]. Rows no sequence covers
     hold no defined value. `tiles` ([num_tiles, 2] int32, attention_dispatch.tile_map): the programs walk this
     list of (sequence, M tile) pairs instead of every sequence times max_rows' M tiles, so a launch's grid
-    is fixed by the list's length, not by how many sequences share max_rows (graphed prefill).
+    is fixed by the list's length, not by how many sequences share max_rows (graphed prefill). `out`: where the
+    rows go (contiguous, q's shape and dtype: engine/layers64.py's TMA-read buffer); a new tensor by default.
     """
     rows, heads, d = q.shape
     _, page, kv_heads, _ = k_plane.shape
@@ -146,7 +147,7 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
     group = heads // kv_heads
     seqs = context_lens.shape[0]
     block_m, m_tiles = query_tiling(max_rows, group, d, fp32=q.dtype == torch.float32)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = given_out(q, out)
     splits = config.splits
     if splits == 1:
         part, lse, split_strides = out, out, (0, 0)
@@ -186,9 +187,11 @@ def default_config(q: torch.Tensor, k_plane: torch.Tensor, num_seqs: int, max_ro
 
 def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                           max_rows: int, scale: float, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d]. Calls of
-    one new row per request go to the Gluon decode kernel where it is on (gluon_decode) and serves them."""
+                           max_rows: int, scale: float, tiles: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [rows, heads, d]; k_plane, v_plane: [blocks, block_size, kv_heads, d] -> [rows, heads, d] (into `out`
+    where given). Calls of one new row per request go to the Gluon decode kernel where it is on (gluon_decode)
+    and serves them."""
     if max_rows == 1 and tiles is None:
         decode = decode_launch(context_lens.shape[0], k_plane.shape[2], q.device)
         if decode is not None:
@@ -196,11 +199,11 @@ def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
 
             if gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
                 return gluon_attention.launch_decode_attention(q, k_plane, v_plane, block_tables, context_lens,
-                                                               query_start, scale, decode)
+                                                               query_start, scale, decode, out)
     config = default_config(q, k_plane, context_lens.shape[0], max_rows,
                             None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
-                                  config, tiles)
+                                  config, tiles, out)
 
 
 DECODE_ENV = "OUROBATCH_DECODE_ATTENTION"  # gluon | triton: which kernel serves one-row-per-request calls

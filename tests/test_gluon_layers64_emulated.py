@@ -180,7 +180,7 @@ def test_a_loop_pass_of_launches_matches_the_models_float64_pass():
     stack = layer_stack.stack_layers(fast)
     sc = layers64.Scratch64(stack, CTAS, k_range=128)
     h = torch.randn(9, 512, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    launches, _ = layers64.pass_launches(stack, sc, h, pool, 1, meta, DecodeConfig(32, 3, 1), EPS, CTAS)
+    launches, _ = layers64.pass_launches(stack, sc, h, pool, 1, meta, EPS, CTAS, DecodeConfig(32, 3, 1))
     for i, (kernel, grid, args, kwargs) in enumerate(launches):
         pdl = {"USE_PDL": True} if kernel is gluon_layers64.ws_ouro64_kernel else {"USE_PDL": 0}
         emulator.emulate(kernel, grid, *args, seed=i, check_global=True, **kwargs, **pdl)
