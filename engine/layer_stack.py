@@ -99,8 +99,9 @@ def stack_layers(model) -> LayerStack:
     if ref.device.type == "cuda":  # the per-layer copies' blocks: cached, they would count as this process's in
         torch.cuda.empty_cache()  # the KV pool's sizing (assembly.auto_num_blocks) and shrink it by the weights
     stack = LayerStack(wq, wo, wgu, wd, norms, model.model.norm.weight, inv_freq, L)
-    if ref.device.type == "cuda" and d64.switch_on():  # the 64-row launches' buffers and compiles, before any
-        from .layers64 import warm  # graph capture (layers64.py; off by default: layers64_dispatch)
+    if ref.device.type == "cuda" and d64.switch_on() and d64.shape_fits(  # the 64-row launches' buffers and
+            H, inter, cfg.num_attention_heads, cfg.num_key_value_heads, d, pdl.num_sms(ref.device)):  # compiles,
+        from .layers64 import warm  # before any graph capture (layers64.py; off by default: layers64_dispatch)
 
         warm(stack, ref.device)
     return stack
