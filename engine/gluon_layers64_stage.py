@@ -110,6 +110,7 @@ def _wait_group(gcnt_ptr, kind, group, S: gl.constexpr):
     seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
     while seen < S:
         seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()  # every warp's loads after the acquire (as gluon_splitk.group_barrier's)
 
 
 @gluon.jit
