@@ -156,7 +156,7 @@ def _multiply(xbuf, x_ready, x_empty, ring, ready, empty, scratch, part_ptr, row
 
 
 @gluon.jit(do_not_specialize=["layer", "M"])  # one compile a launch kind, for every layer and 1..64 rows
-def ws_ouro64_kernel(wo, wgu, wd, wq, a_desc, act_desc, h_ptr, h_out_ptr, hm_ptr, o_ptr, d_ptr, act_ptr, osq_ptr,
+def layers64_kernel(wo, wgu, wd, wq, a_desc, act_desc, h_ptr, h_out_ptr, hm_ptr, o_ptr, d_ptr, act_ptr, osq_ptr,
                      dsq_ptr, n_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, inv_freq_ptr, part_ptr, rowsq_ptr,
                      cnt_ptr, gcnt_ptr, layer, M, eps, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr,
                      HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, LAYERS: gl.constexpr, PW: gl.constexpr,

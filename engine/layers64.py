@@ -19,7 +19,7 @@ import torch
 
 from . import layers64_dispatch as d64
 from . import pdl
-from .gluon_layers64 import ws_ouro64_kernel
+from .gluon_layers64 import layers64_kernel
 
 
 class Scratch64:
@@ -71,7 +71,7 @@ def warm(stack, device: torch.device) -> None:
         sc.counts.zero_()
         args, kwargs = layer_args(stack, sc, 0, layer, rows, (plane, plane), (index, index, stack.inv_freq), 1e-6,
                                   has_mlp, has_qkv)
-        ws_ouro64_kernel[(pdl.num_sms(device),)](*args, **kwargs, **pdl.launch_kwargs(device))
+        layers64_kernel[(pdl.num_sms(device),)](*args, **kwargs, **pdl.launch_kwargs(device))
     torch.cuda.synchronize(device)
 
 
@@ -88,7 +88,7 @@ def scratch(stack, device: torch.device) -> Scratch64:
 
 def layer_args(stack, sc: Scratch64, launch: int, layer: int, rows: dict, kv, rope, eps: float, has_mlp: bool,
                has_qkv: bool) -> tuple[tuple, dict]:
-    """ws_ouro64_kernel's arguments and constexprs but USE_PDL. launch: its counts' row in the pass; layer: the
+    """layers64_kernel's arguments and constexprs but USE_PDL. launch: its counts' row in the pass; layer: the
     MLP's (-1 without); rows: h, h_out ([M, H]), q ([M, HQ x D]); kv: layer + 1's planes ([slots, HKV, D]); rope:
     (positions [M] int64, slots [M] int64, inv_freq [D / 2] float32)."""
     h_in, q = rows["h"], rows["q"]
@@ -132,7 +132,7 @@ def pass_launches(stack, sc: Scratch64, h: torch.Tensor, pool, loop: int, meta, 
         kv = pool.plane(loop, index + 1 if has_qkv else index)
         args, kwargs = layer_args(stack, sc, launch, index, {"h": h_in, "h_out": h_out, "q": q}, kv, rope, eps,
                                   has_mlp, has_qkv)
-        return ws_ouro64_kernel, (sms,), args, kwargs
+        return layers64_kernel, (sms,), args, kwargs
 
     out = [layer(0, -1, h, h, False, True)]
     h_in = h

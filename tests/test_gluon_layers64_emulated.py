@@ -65,7 +65,7 @@ class Layers:
         sc.a[:self.m] = self.a
         args, kwargs = layers64.layer_args(self.stack, sc, 0, layer, self.rows, self.kv,
                                            (self.pos, self.slots, self.inv_freq), EPS, has_mlp, has_qkv)
-        emulator.emulate(gluon_layers64.ws_ouro64_kernel, CTAS, *args, seed=seed, check_global=True, slow=slow,
+        emulator.emulate(gluon_layers64.layers64_kernel, CTAS, *args, seed=seed, check_global=True, slow=slow,
                          USE_PDL=True, **kwargs)
         return sc
 
@@ -182,7 +182,7 @@ def test_a_loop_pass_of_launches_matches_the_models_float64_pass():
     h = torch.randn(9, 512, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     launches, _ = layers64.pass_launches(stack, sc, h, pool, 1, meta, EPS, CTAS, DecodeConfig(32, 3, 1))
     for i, (kernel, grid, args, kwargs) in enumerate(launches):
-        pdl = {"USE_PDL": True} if kernel is gluon_layers64.ws_ouro64_kernel else {"USE_PDL": 0}
+        pdl = {"USE_PDL": True} if kernel is gluon_layers64.layers64_kernel else {"USE_PDL": 0}
         emulator.emulate(kernel, grid, *args, seed=i, check_global=True, **kwargs, **pdl)
     hm, d, n3, final = (t.detach().double() for t in layers64.readout_inputs(stack, sc, 9))
     readout = rms(hm + rms(d, n3), final)
@@ -202,7 +202,7 @@ def test_every_launch_kind_compiles_for_sm90_at_ouro_1_4b():
 
 
 def compile_for_sm90(has_mlp: bool, has_qkv: bool) -> dict:
-    """ws_ouro64_kernel compiled for sm90 at Ouro-1.4B's shape without a GPU (benchmarks/ws_chain.compile_sm90)."""
+    """layers64_kernel compiled for sm90 at Ouro-1.4B's shape without a GPU (benchmarks/ws_chain.compile_sm90)."""
     from triton.experimental.gluon import language as gl
 
     h, inter, heads, layers = 2048, 5632, 16, 24
@@ -218,5 +218,5 @@ def compile_for_sm90(has_mlp: bool, has_qkv: bool) -> dict:
     constexprs = dict(H=h, QKV=3 * h, INTER=inter, HQ=heads, HKV=heads, D=D, LAYERS=layers, PW=max(3 * h, 2 * inter),
                       S_IN=4, S_DOWN=11, STAGES=8, HAS_MLP=has_mlp, HAS_QKV=has_qkv, USE_PDL=True, num_warps=4)
     aligned = tuple(n for n in (*pointers, *floats) if n != "inv_freq_ptr")
-    return load_benchmark("ws_chain").compile_sm90(gluon_layers64.ws_ouro64_kernel, dict(signature), constexprs,
+    return load_benchmark("ws_chain").compile_sm90(gluon_layers64.layers64_kernel, dict(signature), constexprs,
                                                    aligned)
