@@ -20,10 +20,10 @@ The ws ways time the design, not the model: the layer kernel has no RoPE or KV s
 are plain ones there (its math: ws_layer64_probe.py and tests/test_ws_layer64_emulated.py). Here every way's
 output is checked to be finite and the chain way's stages against its torch reference; a way that fails is reported
 and left out, a hang ends the process with the earlier ways' results kept. tests/test_ws_step64_emulated.py checks
-the per-layer launches' arguments and the attention launch's output rows on the CPU.
+the per-layer launches' arguments and the engine side's pieces on the CPU.
 
     python benchmarks/ws_step64_probe.py --out DIR [--rows 64] [--context 640] [--pool-gb 0] [--way 8:4:11]
-        [--ways kernels,ws,ws_nopdl,attention,w,chain]
+        [--ways kernels,exact,ws,ws_nopdl,attention,w,chain]
 """
 
 from __future__ import annotations
