@@ -6,8 +6,8 @@ exist (layer_stack.py: a Hopper GPU with Gluon, OUROBATCH_DECODE_LAYERS on) and 
 128, no GQA, hidden and intermediate sizes multiples of K_RANGE, and the SMs a multiple of both K splits (every CTA
 stages K_RANGE columns of a phase's rows; 132 SMs at Ouro-1.4B's 2048 / 5632: 4 and 11 splits). The decode
 attention between them is whichever kernel the engine dispatches the call to (layers64.py).
-OUROBATCH_DECODE_LAYERS64: "0" (off, the default until the H200 measures it: docs/benchmarks.md, session 27) or
-"1".
+OUROBATCH_DECODE_LAYERS64: "0" (off, the default: measured slower than the kernels on the H200, docs/benchmarks.md
+session 27) or "1".
 """
 
 from __future__ import annotations
