@@ -50,19 +50,24 @@ def make_chain(rows: int, layers: int, device: str = "cuda", seed: int = 0, h: i
     return LayerChain(rows, layers, device, seed, h=h, inter=inter, block_m=ROWS)
 
 
+def scratch(chain: LayerChain, sms: int, s_in: int, s_down: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's float32 partials [max split, 64, max(qkv, 2 inter)] (one phase at a time), its ranges' row sums
+    [4 layers, CTAs, 64] and its group counts [4 layers, CTAs] (zeroed)."""
+    pw, device = max(chain.qkv_cols, 2 * chain.inter), chain.hm.device
+    return (torch.empty(max(s_in, s_down), ROWS, pw, dtype=torch.float32, device=device),
+            torch.empty(4 * chain.layers, sms, ROWS, dtype=torch.float32, device=device),
+            torch.zeros(4 * chain.layers, sms, dtype=torch.int32, device=device))
+
+
 def launch_args(chain: LayerChain, sms: int, stages: int, s_in: int, s_down: int) -> tuple[tuple, dict]:
     """ws_layer64_kernel's arguments and constexprs, its counts zeroed (a graph captures the memsets)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    h, qkv, inter, layers = chain.h, chain.qkv_cols, chain.inter, chain.layers
+    h, qkv, inter = chain.h, chain.qkv_cols, chain.inter
     check_way(h, inter, sms, stages, s_in, s_down)
-    pw = max(qkv, 2 * inter)
-    device = chain.hm.device
-    need = (max(s_in, s_down), 4 * layers, sms, pw)
+    need = (max(s_in, s_down), sms)
     if getattr(chain, "wg_scratch", None) is None or chain.wg_scratch[0] != need:
-        chain.wg_scratch = (need, torch.empty(need[0], ROWS, pw, dtype=torch.float32, device=device),
-                            torch.empty(4 * layers, sms, ROWS, dtype=torch.float32, device=device),
-                            torch.zeros(4 * layers, sms, dtype=torch.int32, device=device))
+        chain.wg_scratch = (need, *scratch(chain, sms, s_in, s_down))
     _, part, rowsq, gcnt = chain.wg_scratch
 
     def desc(t, width):
@@ -73,8 +78,9 @@ def launch_args(chain: LayerChain, sms: int, stages: int, s_in: int, s_down: int
     gcnt.zero_()
     args = (desc(chain.wq, h), desc(chain.wo, h), desc(chain.wgu, h), desc(chain.wd, inter), desc(chain.qkv, qkv),
             desc(chain.act, inter), chain.hm, chain.d, chain.qkv, chain.o, chain.act, chain.n1, chain.n2, part, rowsq,
-            chain.cnt, gcnt, layers, chain.rows)
-    return args, dict(H=h, QKV=qkv, INTER=inter, PW=pw, S_IN=s_in, S_DOWN=s_down, STAGES=stages, num_warps=4)
+            chain.cnt, gcnt, chain.layers, chain.rows)
+    return args, dict(H=h, QKV=qkv, INTER=inter, PW=part.shape[2], S_IN=s_in, S_DOWN=s_down, STAGES=stages,
+                      num_warps=4)
 
 
 def run(chain: LayerChain, sms: int, stages: int = 8, s_in: int = 4, s_down: int = 11) -> None:

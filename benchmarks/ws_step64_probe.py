@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ws_chain64_wg import BOX_K, ROWS, TILE_N, box_layout  # noqa: E402
 from ws_layer64_probe import check_way, make_chain  # noqa: E402
+from ws_layer64_probe import scratch as layer_scratch  # noqa: E402 - per layer counts: a pass zeroes them once
 
 HEADS, D, PAGE = 16, 128, 16  # Ouro-1.4B's heads; the engine's pages
 LAYERS64 = "OUROBATCH_DECODE_LAYERS64"  # engine/layers64_dispatch.ENV
@@ -50,16 +51,6 @@ def floor_ms(chain, context: int, copy_tbps: float) -> float:
     """The pass's bytes floor: its layers' weights and norms, and each layer's keys and values read once."""
     kv = 2 * chain.layers * chain.rows * context * chain.h * 2
     return (chain.weight_bytes + kv) / (copy_tbps * 1e9)
-
-
-def layer_scratch(chain, sms: int, s_in: int, s_down: int) -> tuple[torch.Tensor, ...]:
-    """The layer launches' float32 partials (shared: one launch at a time), row sums and group counts (per layer,
-    so a pass zeroes its counts once)."""
-    pw = max(chain.qkv_cols, 2 * chain.inter)
-    device = chain.hm.device
-    return (torch.empty(max(s_in, s_down), ROWS, pw, dtype=torch.float32, device=device),
-            torch.empty(4 * chain.layers, sms, ROWS, dtype=torch.float32, device=device),
-            torch.zeros(4 * chain.layers, sms, dtype=torch.int32, device=device))
 
 
 def layer_args(chain, layer: int, o_in: torch.Tensor, scratch, stages: int, s_in: int,
@@ -89,24 +80,26 @@ def layer_args(chain, layer: int, o_in: torch.Tensor, scratch, stages: int, s_in
                       num_warps=4)
 
 
-def engine_model(layers: int = 24, device: str = "cuda"):
-    """The engine's model at Ouro-1.4B's layer shapes (a small vocabulary: no head runs here), random bf16 weights
-    on the GPU, fused and on the Triton backend as an engine builds it (the probe runs its loop 1 only)."""
+def engine_model(layers: int = 24, device: str = "cuda", heads: int = HEADS, inter: int = 5632,
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "triton", seed: int = 2):
+    """The engine's model (Ouro-1.4B's layer shapes by default; heads of 128, a small vocabulary: no head runs
+    here), random weights (norms near 1, projections at unit output scale) in `dtype`, fused and on `backend` as an
+    engine builds it (the probe runs its loop 1 only)."""
     from engine.config import OuroConfig
     from engine.model import OuroForCausalLM
 
-    cfg = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=256, hidden_size=HEADS * D, intermediate_size=5632,
-                                    num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+    cfg = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=256, hidden_size=heads * D, intermediate_size=inter,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                     head_dim=D, total_ut_steps=2))
     with torch.device(device):
         model = OuroForCausalLM(cfg, init_weights=False)
-    g = torch.Generator(device=device).manual_seed(2)
-    for t in model.parameters():  # norms near 1, projections at unit output scale
+    g = torch.Generator(device=device).manual_seed(seed)
+    for t in model.parameters():
         t.data = (1 + 0.1 * torch.randn(t.shape, generator=g, device=device) if t.dim() == 1
                   else torch.randn(t.shape, generator=g, device=device) / t.shape[-1] ** 0.5)
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     model.fuse_projections()
-    model.set_attention_backend("triton")
+    model.set_attention_backend(backend)
     return model
 
 

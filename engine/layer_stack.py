@@ -28,6 +28,7 @@ class LayerStack:
         # weight_layers: the layers the weight tensors hold (the warm-up's launch: fewer; the launch's TMA reads
         # past them come back as zeros), `layers` those of everything else
         self.wq, self.wo, self.wgu, self.wd = wq, wo, wgu, wd
+        self.norm_table = norms  # [len(NORMS), layers, hidden] (layers64.py reads it as one tensor)
         self.norms = tuple(norms[k] for k in range(len(NORMS)))  # [layers, hidden] each, views
         self.final_norm, self.inv_freq, self.layers = final_norm, inv_freq, layers
         self.qkv_width = wq.shape[0] // (weight_layers or layers)

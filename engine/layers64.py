@@ -42,9 +42,7 @@ class Scratch64:
                                 device=dev)
         self.rowsq = torch.zeros(4, sms, d64.ROWS, dtype=torch.float32, device=dev)
         self.counts = torch.zeros(layers + 1, 4 + 4 * sms, dtype=torch.int32, device=dev)
-        self.norms = stack.norms[0]._base  # [4, layers, H]: the table LayerStack.norms are views of
-        if self.norms is None or self.norms.shape != (4, layers, h):
-            raise ValueError("the stack's norms must be views of one [4, layers, hidden] tensor (stack_layers)")
+        self.norms = stack.norm_table  # [4, layers, H]: n0..n3 (layer_stack.NORMS)
         self.descriptors = self._descriptors(stack)
 
     def _descriptors(self, stack) -> tuple:

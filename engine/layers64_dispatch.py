@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 
 from .attention_dispatch import HOPPER_SMEM_PER_CTA
+from .layers_dispatch import ROWS as LAUNCH_ROWS
 from .layers_dispatch import parse_flag
 
-ROWS, MIN_ROWS = 64, 9  # wgmma's M; below MIN_ROWS the loop-pass launch (layers_dispatch.ROWS) serves the call
+ROWS, MIN_ROWS = 64, LAUNCH_ROWS + 1  # wgmma's M; up to LAUNCH_ROWS the loop-pass launch serves the call
 K_RANGE, BOX_K, TILE_N = 512, 128, 64  # a CTA's K columns a phase; a box's K; a tile's columns
 STAGES = 8  # the weight ring's slots of 16 KB
 HEAD_DIM = 128  # a head's halves are two tiles (RoPE pairs them)

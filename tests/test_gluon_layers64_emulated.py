@@ -146,24 +146,6 @@ def test_the_result_does_not_depend_on_the_ctas_timing():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def small_model(dtype, layers: int = 2, seed: int = 4):
-    """The engine's model at hidden 512 (4 heads of 128), intermediate 1024: random weights (norms near 1), fused."""
-    from engine.config import OuroConfig
-    from engine.model import OuroForCausalLM
-
-    cfg = OuroConfig.from_dict(dict(model_type="ouro", vocab_size=64, hidden_size=512, intermediate_size=1024,
-                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                                    head_dim=D, total_ut_steps=2))
-    model = OuroForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    for t in model.parameters():
-        t.data = (1 + 0.1 * torch.randn(t.shape, generator=g) if t.dim() == 1
-                  else torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
-    model = model.to(dtype)
-    model.fuse_projections()
-    return model
-
-
 def test_a_loop_pass_of_launches_matches_the_models_float64_pass():
     # layers64.pass_launches: layer 0's qkv, then per layer the engine's decode attention and a layer launch; the
     # readout's add + norm (Triton's kernel on the GPU) in torch here: against the model's float64 torch path over
@@ -172,8 +154,9 @@ def test_a_loop_pass_of_launches_matches_the_models_float64_pass():
     from engine.attention_dispatch import DecodeConfig
 
     probe = load_benchmark("ws_step64_probe")
-    fast, ref_model = small_model(torch.bfloat16), small_model(torch.float64)
-    ref_model.set_attention_backend("torch")
+    # the engine's model at hidden 512 (4 heads of 128), intermediate 1024, 2 layers: the same random weights twice
+    fast, ref_model = (probe.engine_model(2, "cpu", 4, 1024, dtype, "torch", seed=4)
+                       for dtype in (torch.bfloat16, torch.float64))
     pool, meta = probe.decode_batch(fast.config, 9, 40, 0.0, seed=3, device="cpu")
     ref_pool = probe.decode_batch(fast.config, 9, 40, 0.0, seed=3, device="cpu")[0]
     ref_pool.k, ref_pool.v = pool.k.double(), pool.v.double()
