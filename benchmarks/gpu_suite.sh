@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -117,6 +117,22 @@ if [ "$what" = layers64 ]; then  # the 64-row launches (engine/layers64.py, OURO
     timeout -k 10 "${PROBE_TIMEOUT_S:-150}" python3 benchmarks/ws_step64_probe.py --out "$OUT/probe_step64" 2>&1 \
       | tee "$OUT/probe_step64.log" | tail -14
   fi
+fi
+if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the attention (engine/kv_prefetch.py):
+  # the loop-pass probe (benchmarks/kv_prefetch_probe.py, its args), then the decode harness at N = 64 with
+  # OUROBATCH_KV_PREFETCH off and at each of PF_SETTINGS (alternated, PF_ROUNDS rounds, default 1; none without
+  # PF_SETTINGS), each run its own process; a hang exits
+  if [ "${PF_PROBE:-1}" != 0 ]; then
+    timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/kv_prefetch_probe.py --out "$OUT/kv_prefetch" "$@" \
+      2>&1 | tee "$OUT/kv_prefetch.log" | tail -50
+  fi
+  for r in $(seq 1 "${PF_ROUNDS:-1}"); do
+    for v in ${PF_SETTINGS:+0 $PF_SETTINGS}; do
+      OUROBATCH_KV_PREFETCH=$v timeout -k 10 120 python3 benchmarks/throughput.py \
+        --out "$OUT/pf/pf_${v//:/_}_r$r" --configs interval1 --scenarios "${PF_SCENARIOS:-64x512x256}" 2>&1 \
+        | tee "$OUT/pf_${v//:/_}_r$r.log" | grep '^|' | tail -3
+    done
+  done
 fi
 if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU tests, the kernel against the
   # Triton table (benchmarks/decode_attention.py), then the decode harness's floor scenarios with each kernel

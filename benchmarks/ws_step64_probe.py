@@ -6,7 +6,7 @@ Each way runs one pass of Ouro-1.4B's 24 layers at `rows` requests of `context` 
 way twice in turn, on one pool of keys and values (pages scattered over it), against the pass's floor (the
 layers' weights and each layer's keys and values at 4.3 TB/s):
 - kernels: the engine's own model (random weights, fused, Triton backend) running the pass: at these rows
-  engine/model.py `_run_loops_fused`'s kernels (qkv + RoPE + KV store, the decode attention, o_proj's split-K
+  engine/fused_pass.py run_loops' kernels (qkv + RoPE + KV store, the decode attention, o_proj's split-K
   partials + add + norm + norm, gate_up + SiLU, down's partials + add + norm + norm), with PDL as in the engine;
 - exact: the same model on the same pool with OUROBATCH_DECODE_LAYERS64 on: engine/layers64.py's launches
   (Ouro's layer exactly: sandwich norms, RoPE, the key / value store) between the same decode attention calls;
@@ -185,7 +185,7 @@ class Pass:
                 self.run_layer(layer, use_pdl)
 
     def kernels(self) -> None:
-        """The engine's loop pass: its model's run_loops for loop 1 (at these rows, _run_loops_fused's kernels)."""
+        """The engine's loop pass: its model's run_loops for loop 1 (at these rows, fused_pass.run_loops' kernels)."""
         os.environ[LAYERS64] = "0"
         self.out = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
 

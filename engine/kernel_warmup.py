@@ -69,7 +69,7 @@ def launch_decode(s: KernelShapes, seqs: int, device: torch.device) -> None:
 
 def folds_o(s: KernelShapes, seqs: int, config, device: torch.device) -> bool:
     """Whether the engine's decode calls of `seqs` requests run o_proj and its add + norm inside the Gluon decode
-    kernel (model._attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
+    kernel (fused_pass.attention_add_norm: the fused path's GEMMs, triton_attention.decode_attention_o's rule)."""
     from .attention_dispatch import o_fold_applies
     from .triton_attention import fold_config
 
@@ -98,7 +98,7 @@ def launch_decode_o(s: KernelShapes, seqs: int, device: torch.device) -> None:
 
 
 def folds_mlp(s: KernelShapes, rows: int, device: torch.device) -> bool:
-    """Whether the engine's calls of `rows` rows run the MLP as one Gluon launch (model._attention_mlp: the fused
+    """Whether the engine's calls of `rows` rows run the MLP as one Gluon launch (fused_pass.attention_mlp: the fused
     path's GEMMs, mlp_dispatch.mlp_folds's rule)."""
     from .mlp_dispatch import mlp_fold_applies, mlp_fold_on
 

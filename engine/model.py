@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend, attend_o, attend_o_partials
+from .attention import attend
 from .batch import BatchMeta
 from .config import OuroConfig
-from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
 from .layer_stack import layers64_run, layers_run, stack_layers, wanted as stack_wanted
-from .mlp_dispatch import mlp_folds, new_counters
+from .mlp_dispatch import new_counters
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,45 +37,6 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None
     if dtype is None or dtype == weight.dtype:
         return F.linear(h.to(weight.dtype), weight)
     return F.linear(h.to(dtype), weight.to(dtype))
-
-
-def _linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: GemmConfig | None, which: str,
-                     w_branch: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the fused path's o_proj / down_proj half)."""
-    from . import triton_fused as fused
-
-    if gemm is None:
-        return fused.add_rms_norm2(h, F.linear(y_in, w), w_branch, w_next, eps)
-    from . import triton_gemm
-
-    splits = gemm.splits_o if which == "o" else gemm.splits_down
-    partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
-    return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)
-
-
-def _qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_freq: torch.Tensor,
-                    k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
-                    gemm: GemmConfig | None) -> torch.Tensor:
-    """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so."""
-    if qkv_block_d(gemm, d):
-        from . import triton_gemm
-
-        return triton_gemm.qkv_rope_store(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane, v_plane,
-                                          Hq, Hkv, d, gemm)
-    from . import triton_fused as fused
-
-    return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)
-
-
-def _gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so."""
-    if gemm is None:
-        from . import triton_fused as fused
-
-        return fused.silu_mul(F.linear(x, w_gate_up))
-    from . import triton_gemm
-
-    return triton_gemm.gate_up_silu(x, w_gate_up, gemm)
 
 
 class RMSNorm(nn.Module):
@@ -249,7 +209,7 @@ class OuroForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.fused_kernels = False
-        self._inv_freq: torch.Tensor | None = None
+        self.rope_inv_freq: torch.Tensor | None = None  # the fused pass's (fused_pass.inv_freq)
         # the grid barrier's two counters of the decode kernel that folds o_proj (gluon_attention_o.py): made
         # with the fused backend, outside any graph capture, and kept (graphs capture their address)
         self.o_barrier: torch.Tensor | None = None
@@ -294,7 +254,9 @@ class OuroForCausalLM(nn.Module):
             from .layers64 import run_loops  # 9..64 requests: a launch per layer between the attention calls
             return run_loops(self, h, meta, pool, first_loop, last_loop)
         if self.fused_kernels:
-            return self._run_loops_fused(h, meta, pool, first_loop, last_loop)
+            from .fused_pass import run_loops  # the per-layer kernels (fused_pass.py)
+
+            return run_loops(self, h, meta, pool, first_loop, last_loop)
         readouts = []
         for loop in range(first_loop, last_loop + 1):
             for layer in self.model.layers:
@@ -302,77 +264,6 @@ class OuroForCausalLM(nn.Module):
             h = self.model.norm(h)  # loop `loop`'s readout and loop+1's input
             readouts.append(h)
         return readouts
-
-    def _run_loops_fused(self, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop: int,
-                         last_loop: int) -> list[torch.Tensor]:
-        """run_loops with fused kernels: per layer 4 GEMMs, RoPE + KV store, attention, two add+norm+norm
-        (at the rows gemm_dispatch lists: o_proj and down_proj as split-K partials reduced by the add+norm
-        kernel, gate_up with SiLU x up in its epilogue; engine/triton_gemm.py).
-
-        The math of OuroDecoderLayer.run, written out because each residual add is fused with the norm
-        after it, which for the MLP's add is the next layer's input norm (or model.norm): the fusion
-        crosses the layer boundary. CUDA only; tests/gpu checks it against the reference path."""
-        from . import triton_fused as fused
-
-        cfg, layers = self.config, self.model.layers
-        eps, Hq, Hkv, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if self._inv_freq is None or self._inv_freq.device != h.device:
-            self._inv_freq = cfg.rope_theta ** (
-                -torch.arange(0, d, 2, device=h.device, dtype=torch.float32) / d)
-        rows = h.shape[0]
-        # the skinny-batch GEMMs of triton_gemm.py for half-precision calls of the rows gemm_dispatch lists
-        gemm = gemm_config(rows) if h.dtype in (torch.bfloat16, torch.float16) else None
-        readouts = []
-        x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
-        for loop in range(first_loop, last_loop + 1):
-            for i, layer in enumerate(layers):
-                attn = layer.self_attn
-                k_plane, v_plane = pool.plane(loop, layer.layer)
-                q = _qkv_rope_store(x, attn.qkv_weight, meta, self._inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm)
-                w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-                h, x = self._attention_mlp(h, q, layer, meta, pool, loop, gemm, w_next)
-            readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
-            if loop < last_loop:
-                h = x
-                x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
-        return readouts
-
-    def _attention_mlp(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
-                       pool: KVPool, loop: int, gemm: GemmConfig | None,
-                       w_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of the layer after q: attention, o_proj, the add + norm, the MLP, the add + norm into w_next.
-        Where the MLP runs as one Gluon launch (mlp_dispatch.mlp_folds), o_proj's float32 output goes to it
-        unreduced and the add + norm after attention runs inside it (gluon_mlp.py)."""
-        mlp, eps = layer.mlp, self.config.rms_norm_eps
-        w_out = layer.post_attention_layernorm_2.weight
-        if gemm is not None and self.mlp_barrier is not None and mlp_folds(h, mlp.gate_up_weight,
-                                                                            mlp.down_proj.weight):
-            from . import gluon_mlp, triton_gemm
-
-            attn = layer.self_attn
-            o = attend_o_partials(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
-                                  self.o_barrier, h, gemm)
-            h_mid, down = gluon_mlp.launch_mlp(h, o, layer.input_layernorm_2.weight,
-                                               layer.post_attention_layernorm.weight, mlp.gate_up_weight,
-                                               mlp.down_proj.weight, self.mlp_barrier, eps)
-            return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
-        h, x = self._attention_add_norm(h, q, layer, meta, pool, loop, gemm)
-        m = _gate_up_silu(x, mlp.gate_up_weight, gemm)
-        return _linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps)
-
-    def _attention_add_norm(self, h: torch.Tensor, q: torch.Tensor, layer: "OuroDecoderLayer", meta: BatchMeta,
-                            pool: KVPool, loop: int, gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused path's attention, o_proj and add + norm + norm: one launch where the Gluon decode kernel folds
-        o_proj and the add + norm into its tail (attention.attend_o), else attention, then o_proj with them."""
-        attn, eps = layer.self_attn, self.config.rms_norm_eps
-        w_branch, w_next = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
-        if gemm is not None:
-            folded = attend_o(q, pool, loop, layer.layer, meta, attn.scale, attn.backend, attn.o_proj.weight,
-                              self.o_barrier, h, w_branch, w_next, eps)
-            if folded is not None:
-                return folded
-        a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
-        return _linear_add_norm(h, a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm, "o", w_branch, w_next, eps)
 
     def logits(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # h: [..., hidden] readout -> [..., vocab], in `dtype` (None: the model's)

@@ -2,7 +2,7 @@
 
 At a few dozen rows a layer's GEMMs stream their weights and little else, and cuBLAS launches too few
 programs for the small ones (o_proj: 2048 x 2048 in 32 tiles on 132 SMs). Two kernels replace three
-GEMMs and two elementwise kernels of a layer (engine/model.py `_run_loops_fused`), and a third, where the
+GEMMs and two elementwise kernels of a layer (engine/fused_pass.py `run_loops`), and a third, where the
 table turns it on, the qkv GEMM with the RoPE + K / V store kernel after it:
 - `linear_partials` (o_proj, down_proj): x @ w.T split over K into fp32 partial sums [splits, rows, n],
   reduced by the add + norm kernel that reads the GEMM's output anyway (`add_rms_norm2_partials`): no

@@ -1,0 +1,129 @@
+"""Does asking the L2 for part of the next decode attention's keys and values, while the GEMM side streams its
+weights, shorten the N = 64 loop pass? (docs/benchmarks.md, session 28; engine/kv_prefetch.py's kernel.)
+
+At 64 requests of 640 positions a layer spends ~44 us on its GEMM side against 23.9 us of weights, so half of the
+HBM bandwidth is idle there, and ~80 us in the decode attention, bound by HBM. Every way runs one loop pass of the
+engine's own model (ws_step64_probe's setup: Ouro-1.4B's layers, random weights, the engine's kernels, PDL) in
+CUDA graphs, twice in turn, against the pass's bytes floor:
+- kernels: the pass as the engine runs it;
+- P:AT[:normal|:end]: the same pass with OUROBATCH_KV_PREFETCH at that value (engine/kv_prefetch_dispatch.py):
+  engine/kv_prefetch.py's launch asks for P pages (of 16 positions) of every request's keys and values of each
+  attention, before that layer's qkv kernel (AT=qkv), before the add + norm that ends the layer before (norm) or
+  before the layer before's gate_up (gate_up); normal: the lines marked evict_normal instead of evict_last;
+  end: the requests' last P pages instead of their first;
+- attention / attention_pf{P}: the 24 attention launches alone, and each right after its prefetch (the L2's
+  best case: no weights streamed between).
+Every way's readout is compared with the kernels way's: a prefetch changes no value, so they must be equal to
+the bit.
+
+    python benchmarks/kv_prefetch_probe.py --out DIR [--rows 64] [--context 640] [--pages 1,2,3,4]
+        [--at qkv,norm,gate_up]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ws_step64_probe import D, HEADS, decode_batch, engine_model  # noqa: E402
+
+AT = ("qkv", "norm", "gate_up")
+ENV = "OUROBATCH_KV_PREFETCH"  # engine/kv_prefetch_dispatch.ENV
+
+
+class Probe:
+    def __init__(self, rows: int, context: int) -> None:
+        self.model = engine_model()
+        self.pool, self.meta = decode_batch(self.model.config, rows, context, 0.0)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        self.h = torch.randn(rows, HEADS * D, generator=g, device="cuda").to(torch.bfloat16)
+        self.q = torch.randn(rows, HEADS, D, generator=g, device="cuda").to(torch.bfloat16)
+        self.outs: dict[str, torch.Tensor] = {}
+
+    def kernels(self, name: str, setting: str = "0") -> None:
+        """The engine's loop pass (engine/fused_pass.py) with OUROBATCH_KV_PREFETCH at `setting` for the call."""
+        os.environ[ENV] = setting
+        try:
+            self.outs[name] = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
+        finally:
+            os.environ[ENV] = "0"
+
+    def attention(self, name: str, pages: int = 0) -> None:
+        from engine.kv_prefetch import prefetch_pages
+        from engine.triton_attention import triton_paged_attention
+
+        m = self.meta
+        for layer in range(self.pool.shape[1]):
+            k, v = self.pool.block_plane(1, layer)
+            if pages:
+                prefetch_pages(k, v, m.block_tables, m.context_lens, pages)
+            out = triton_paged_attention(self.q, k, v, m.block_tables, m.context_lens, m.query_start, 1, D**-0.5)
+        self.outs[name] = out
+
+    def ways(self, pages: list[int], ats: list[str]) -> dict:
+        ways = {"kernels": lambda: self.kernels("kernels"), "attention": lambda: self.attention("attention")}
+        for p in pages:
+            ways[f"attention_pf{p}"] = lambda p=p: self.attention(f"attention_pf{p}", p)
+            for at in ats:
+                for suffix in ("", ":normal", ":end"):
+                    setting = f"{p}:{at}{suffix}"
+                    ways[setting] = lambda setting=setting: self.kernels(setting, setting)
+        return ways
+
+    def check(self, name: str) -> dict:
+        base = "attention" if name.startswith("attention") else "kernels"
+        out, ref = self.outs[name], self.outs.get(base)
+        return {"finite": bool(torch.isfinite(out.float()).all()),
+                "equal_to_" + base: None if ref is None else bool(torch.equal(out, ref))}
+
+
+def floor_ms(model, rows: int, context: int, copy_tbps: float) -> float:
+    """The pass's bytes floor: its layers' weights and norms, and each layer's keys and values read once."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for layer in model.model.layers for p in layer.parameters())
+    kv = 2 * cfg.num_hidden_layers * rows * context * cfg.num_key_value_heads * cfg.head_dim * 2
+    return (weights + kv) / (copy_tbps * 1e9)
+
+
+def main(argv=None) -> int:
+    from phase_probe import COPY_TBPS, out_and_sms, timed
+    from phase_probe_ws import first_call_or_exit
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--pages", default="1,2,3,4")
+    ap.add_argument("--at", default=",".join(AT))
+    args = ap.parse_args(argv)
+    out, _ = out_and_sms(ap, args.out)
+    ats = [a for a in args.at.split(",") if a]
+    if not ats or set(ats) - set(AT):
+        ap.error(f"--at: one or more of {', '.join(AT)}")
+    p = Probe(args.rows, args.context)
+    ways = p.ways([int(v) for v in args.pages.split(",")], ats)
+    floor = floor_ms(p.model, args.rows, args.context, COPY_TBPS)
+    result = {"device": torch.cuda.get_device_name(0), "rows": args.rows, "context": args.context,
+              "floor_ms": floor, "checks": {}, "ways": {}}
+    for name, fn in ways.items():
+        first_call_or_exit(fn, f"kv_prefetch {name}")
+        result["checks"][name] = p.check(name)
+    print(json.dumps(result["checks"]), flush=True)
+    for _ in range(2):
+        for name, fn in ways.items():
+            ms = timed(fn)
+            result["ways"].setdefault(name, []).append(ms)
+            print(f"{name:18s} {ms:.3f} ms ({ms / floor:.3f}x the {floor:.3f} ms floor)", flush=True)
+            (out / "kv_prefetch.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
