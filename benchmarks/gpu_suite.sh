@@ -119,12 +119,23 @@ if [ "$what" = layers64 ]; then  # the 64-row launches (engine/layers64.py, OURO
   fi
 fi
 if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the attention (engine/kv_prefetch.py):
-  # the loop-pass probe (benchmarks/kv_prefetch_probe.py, its args), then the decode harness at N = 64 with
-  # OUROBATCH_KV_PREFETCH off and at each of PF_SETTINGS (alternated, PF_ROUNDS rounds, default 1; none without
-  # PF_SETTINGS), each run its own process; a hang exits
+  # its GPU tests (PF_TESTS=0: none), the loop-pass probe (benchmarks/kv_prefetch_probe.py, its args; PF_PROBE=0:
+  # none), then the decode harness at N = 64 with OUROBATCH_KV_PREFETCH off and at each of PF_SETTINGS (default
+  # auto: the probe's PF_BEST best settings, default 2), alternated, PF_ROUNDS rounds (default 1), each run its
+  # own process; a hang exits
+  if [ "${PF_TESTS:-1}" != 0 ]; then
+    timeout -k 10 180 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+      tests/gpu/test_gpu_kv_prefetch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    status=${PIPESTATUS[0]}
+  fi
   if [ "${PF_PROBE:-1}" != 0 ]; then
     timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/kv_prefetch_probe.py --out "$OUT/kv_prefetch" "$@" \
-      2>&1 | tee "$OUT/kv_prefetch.log" | tail -50
+      2>&1 | tee "$OUT/kv_prefetch.log" | tail -60
+  fi
+  PF_SETTINGS=${PF_SETTINGS:-auto}
+  if [ "$PF_SETTINGS" = auto ]; then
+    PF_SETTINGS=$(python3 benchmarks/kv_prefetch_probe.py --out "$OUT/kv_prefetch" --best "${PF_BEST:-2}" 2>/dev/null)
+    echo "harness settings (the probe's best): ${PF_SETTINGS:-none}"
   fi
   for r in $(seq 1 "${PF_ROUNDS:-1}"); do
     for v in ${PF_SETTINGS:+0 $PF_SETTINGS}; do
