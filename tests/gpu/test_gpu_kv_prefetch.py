@@ -1,6 +1,6 @@
 """engine/kv_prefetch.py on a Hopper GPU: a fused decode pass (engine/fused_pass.py) with OUROBATCH_KV_PREFETCH set
 equals the same pass without it to the bit (a prefetch is a hint; the launch must keep the PDL chain's order),
-eagerly and in a graph replay, at every point and page choice, with contexts shorter than the pages asked for;
+eagerly, and a graph replay equals the eager call, at every point and page choice, with contexts shorter than the pages asked for;
 and it launches one prefetch per attention of the pass. Its schedule: tests/engine/test_kv_prefetch_dispatch.py."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from engine import kv_prefetch_dispatch as kvp
 from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 
-from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_layers import Decode
+from .test_gpu_gluon_layers import Decode, assert_a_replay_is_an_eager_call
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU"),
               pytest.mark.timeout(300)]
@@ -54,18 +53,10 @@ def test_a_pass_with_prefetches_equals_one_without_to_the_bit(model, monkeypatch
     assert torch.equal(d.pool.k, keys[0]) and torch.equal(d.pool.v, keys[1])  # the same keys and values written
 
 
-def test_a_graph_replay_with_prefetches_is_an_eager_call_without(model, monkeypatch):
-    d = Decode(model.config, contexts_of(64, 3), seed=3)
+def test_a_graph_replay_with_prefetches_is_an_eager_call(model, monkeypatch):
+    # and an eager call with them equals one without (above): the replay equals the pass without prefetches
     monkeypatch.setenv(kvp.ENV, "4")
-    graph, out = capture(lambda: model.run_loops(d.h, d.meta, d.pool, 1, 2))
-    fresh = torch.randn_like(d.h.float()).to(d.h.dtype)
-    d.h.copy_(fresh)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    eager = passes(model, d, "0", monkeypatch)
-    for a, b in zip(out, eager):
-        assert torch.equal(a, b)
+    assert_a_replay_is_an_eager_call(model, Decode(model.config, contexts_of(64, 3), seed=3))
 
 
 @pytest.mark.parametrize("setting,launches", [("0", 0), ("2", 6), ("2:qkv", 6), ("2:gate_up", 6)])
