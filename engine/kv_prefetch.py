@@ -9,7 +9,9 @@ come from the L2. It changes no value: a prefetch is a hint, and where its lines
 reads them from HBM as before.
 
 The kernel lets the next kernel launch at once (PDL) and waits for the kernel before only at its end, so it runs
-beside that kernel and keeps the chain's order. Imported lazily: the CPU path never needs Triton.
+beside that kernel and keeps the chain's order. Measured on the H200 it made the N = 64 pass slower at every setting,
+even the attention right after its own prefetch (docs/benchmarks.md, session 28): off by default. Imported lazily:
+the CPU path never needs Triton.
 """
 
 from __future__ import annotations

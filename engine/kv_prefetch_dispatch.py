@@ -1,7 +1,8 @@
 """When a decode loop pass asks the L2 for the next attention's keys and values (engine/kv_prefetch.py), which
 pages and where in the layer (Triton-free).
 
-OUROBATCH_KV_PREFETCH: "0" (off, the default) or "PAGES[:AT][:end][:normal]":
+OUROBATCH_KV_PREFETCH: "0" (off, the default: every setting measured slower on the H200, docs/benchmarks.md session
+28) or "PAGES[:AT][:end][:normal]":
 - PAGES (1..32): pages (of block_size positions) of every request's keys and values, for each attention;
 - AT: the kernel the prefetch launch goes before: "qkv" (the attention's own layer's qkv GEMM), "norm" (the
   add + norm that ends the layer before: the default) or "gate_up" (the layer before's gate_up GEMM). A pass's
