@@ -111,8 +111,7 @@ def run_loops(model, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop:
             prefetch.at("qkv", loop, i)
             q = qkv_rope_store(x, layer.self_attn.qkv_weight, meta, freqs, k_plane, v_plane, Hq, Hkv, d, gemm)
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
-            h, x = attention_mlp(model, h, q, layer, meta, pool, loop, gemm, w_next,
-                                 lambda point, loop=loop, i=i: prefetch.at(point, loop, i + 1))
+            h, x = attention_mlp(model, h, q, layer, meta, pool, loop, gemm, w_next, prefetch, i)
         readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
         if loop < last_loop:
             h = x
@@ -121,11 +120,12 @@ def run_loops(model, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop:
 
 
 def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMeta, pool: KVPool, loop: int,
-                  gemm: GemmConfig | None, w_next: torch.Tensor, prefetch_next) -> tuple[torch.Tensor, torch.Tensor]:
+                  gemm: GemmConfig | None, w_next: torch.Tensor, prefetch: kvp.PassPrefetch,
+                  index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of the layer after q: attention, o_proj, the add + norm, the MLP, the add + norm into w_next.
     Where the MLP runs as one Gluon launch (mlp_dispatch.mlp_folds), o_proj's float32 output goes to it
-    unreduced and the add + norm after attention runs inside it (gluon_mlp.py). prefetch_next(point): the next
-    attention's prefetch at "gate_up" and "norm"."""
+    unreduced and the add + norm after attention runs inside it (gluon_mlp.py). `prefetch`: the pass's, asked for
+    the next attention (layer `index` + 1) at "gate_up" and "norm"."""
     mlp, eps = layer.mlp, model.config.rms_norm_eps
     w_out = layer.post_attention_layernorm_2.weight
     if gemm is not None and model.mlp_barrier is not None and mlp_folds(h, mlp.gate_up_weight,
@@ -140,10 +140,10 @@ def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMet
                                            mlp.down_proj.weight, model.mlp_barrier, eps)
         return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
     h, x = attention_add_norm(model, h, q, layer, meta, pool, loop, gemm)
-    prefetch_next("gate_up")
+    prefetch.at("gate_up", loop, index + 1)
     m = gate_up_silu(x, mlp.gate_up_weight, gemm)
     return linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps,
-                           lambda: prefetch_next("norm"))
+                           prefetch.hook("norm", loop, index + 1))
 
 
 def attention_add_norm(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMeta, pool: KVPool, loop: int,

@@ -67,9 +67,9 @@ def call_fits(rows: int, max_rows: int, prefill: bool, has_tiles: bool, cuda: bo
 
 class PassPrefetch:
     """One loop pass's prefetch launches. `at(point, loop, layer)`, called where the pass reaches `point` (one of
-    AT), asks for (loop, layer)'s attention's pages when `point` is the setting's; layer == num_layers names the
-    next loop's first layer (nothing past last_loop). The pass's first attention is asked for at its qkv whatever
-    the setting. `planes(loop, layer)`: that attention's (k, v) planes by block; `launch(k, v)`: the kernel
+    AT; `hook` gives the same launch as a call for later), asks for (loop, layer)'s attention's pages when `point`
+    is the setting's; layer == num_layers names the next loop's first layer (nothing past last_loop). The pass's
+    first attention is asked for at its qkv whatever the setting. `planes(loop, layer)`: that attention's (k, v) planes by block; `launch(k, v)`: the kernel
     (engine/kv_prefetch.prefetch_pages with the call's tables and the setting)."""
 
     def __init__(self, config: Prefetch | None, num_layers: int, first_loop: int, last_loop: int, planes,
@@ -78,11 +78,19 @@ class PassPrefetch:
         self.planes, self.launch = planes, launch
 
     def at(self, point: str, loop: int, layer: int) -> None:
+        if self._asks(point, loop, layer):
+            self._launch(loop, layer)
+
+    def hook(self, point: str, loop: int, layer: int):
+        """at()'s launch as a call for later (a kernel's before_norm), or None where at() would launch nothing."""
+        return (lambda: self._launch(loop, layer)) if self._asks(point, loop, layer) else None
+
+    def _asks(self, point: str, loop: int, layer: int) -> bool:
         if self.config is None:
-            return
-        first = point == "qkv" and (loop, layer) == (self.first_loop, 0)
-        if point != self.config.at and not first:
-            return
+            return False
+        return point == self.config.at or (point == "qkv" and (loop, layer) == (self.first_loop, 0))
+
+    def _launch(self, loop: int, layer: int) -> None:
         if layer == self.num_layers:
             loop, layer = loop + 1, 0
             if loop > self.last_loop:

@@ -53,9 +53,13 @@ def _walk(config, layers: int, first_loop: int, last_loop: int) -> list[tuple[st
         for i in range(layers):
             where["at"] = ("qkv", loop, i)
             pf.at("qkv", loop, i)
-            for point in ("gate_up", "norm"):  # the layer's MLP, after its attention: for the next attention
-                where["at"] = (point, loop, i)
-                pf.at(point, loop, i + 1)
+            where["at"] = ("gate_up", loop, i)  # the layer's MLP, after its attention: for the next attention
+            pf.at("gate_up", loop, i + 1)
+            where["at"] = ("norm", loop, i)
+            before_norm = pf.hook("norm", loop, i + 1)  # called by the kernel call between down and its norm
+            assert (before_norm is None) == (config is None or config.at != "norm")
+            if before_norm is not None:
+                before_norm()
     return asked
 
 

@@ -37,11 +37,17 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("layers") / "m", seed=5, eos_token_id=None, **SHAPE)
 
 
-@pytest.fixture(scope="module")
-def models(ckpt):
+def fused_model(ckpt):
+    """`ckpt` loaded as the engine runs it on the GPU: bf16, fused projections, the Triton backend."""
     fast = load_model(ckpt, torch.bfloat16, "cuda")
     fast.fuse_projections()
     fast.set_attention_backend("triton")
+    return fast
+
+
+@pytest.fixture(scope="module")
+def models(ckpt):
+    fast = fused_model(ckpt)
     assert fast.layer_stack is not None, "the launch applies to this shape on this GPU"
     ref = load_model(ckpt, torch.float64, "cuda")  # the torch backend: the reference path
     return fast, ref

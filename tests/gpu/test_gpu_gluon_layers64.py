@@ -16,7 +16,7 @@ from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_layers import PAGE, Decode, assert_a_replay_is_an_eager_call, logprob_gap, rel
+from .test_gpu_gluon_layers import PAGE, Decode, assert_a_replay_is_an_eager_call, fused_model, logprob_gap, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Gluon"),
               pytest.mark.timeout(300)]
@@ -33,9 +33,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(ckpt):
-    fast = load_model(ckpt, torch.bfloat16, "cuda")
-    fast.fuse_projections()
-    fast.set_attention_backend("triton")
+    fast = fused_model(ckpt)
     ref = load_model(ckpt, torch.float64, "cuda")
     return fast, ref
 

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from engine import kv_prefetch_dispatch as kvp
-from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 
 from .test_gpu_gluon_attention import _hopper
-from .test_gpu_gluon_layers import Decode, assert_a_replay_is_an_eager_call
+from .test_gpu_gluon_layers import Decode, assert_a_replay_is_an_eager_call, fused_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU"),
               pytest.mark.timeout(300)]
@@ -24,11 +23,8 @@ SHAPE = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, head
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("kv_prefetch") / "m", seed=5, eos_token_id=None, **SHAPE)
-    fast = load_model(ckpt, torch.bfloat16, "cuda")
-    fast.fuse_projections()
-    fast.set_attention_backend("triton")
-    return fast
+    return fused_model(make_tiny_checkpoint(tmp_path_factory.mktemp("kv_prefetch") / "m", seed=5, eos_token_id=None,
+                                            **SHAPE))
 
 
 def contexts_of(n: int, seed: int) -> list[int]:
