@@ -1,4 +1,6 @@
 """The Gluon decode attention kernel (engine/gluon_attention.py) against the Triton paged kernel's table pick.
+With --triton-grid, the paged kernel's launches too (TRITON_GRID: BLOCK_N x warps x stages, each in both launch
+orders, attention_dispatch.LaunchConfig.head_major); with --ceilings, the device's read and copy bandwidth first.
 
 Decode calls only (one new row per request), Ouro-1.4B heads (16 q = 16 kv heads, d = 128), pages of 16,
 shuffled block tables, every request at context L; KV copies rotate so one replay defeats the L2
@@ -6,12 +8,15 @@ shuffled block tables, every request at context L; KV copies rotate so one repla
 Every output is checked against a float64 reference computed densely from the gathered pages.
 
     python benchmarks/decode_attention.py --out $OUT/decode_attention      # on an H200
+    python benchmarks/decode_attention.py --out $OUT/da --shapes 64x640 --triton-grid --no-gluon --ceilings
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import math
 import sys
 from dataclasses import replace
@@ -22,12 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_sweep import FLUSH_BYTES, HEAD_DIM, PAGE, Problem, kv_bytes, time_call  # noqa: E402
-from engine.attention_dispatch import DecodeConfig, decode_config  # noqa: E402
+from engine.attention_dispatch import DecodeConfig, LaunchConfig, decode_config, launch_label  # noqa: E402
 
 SHAPES = ((1, 640), (4, 640), (8, 640), (16, 640), (32, 640), (64, 640), (8, 2048), (16, 2048))
 GLUON_BASES = (DecodeConfig(32, 6), DecodeConfig(64, 3), DecodeConfig(16, 12), DecodeConfig(32, 3), DecodeConfig(16, 6))
 PERSISTENT = tuple(DecodeConfig(n, s, ctas_per_sm=k) for n, s, k in ((32, 6, 1), (32, 6, 2), (32, 3, 2), (64, 3, 1),
                                                                       (32, 12, 1)))
+TRITON_GRID = tuple(LaunchConfig(n, w, s, 1, major) for n, w, s, major in
+                    itertools.product((16, 32, 64), (1, 2, 4), (2, 3, 4), (False, True)) if not (n == 64 and w == 1))
 
 
 def reference(p: Problem, q: torch.Tensor) -> torch.Tensor:
@@ -44,8 +51,13 @@ def reference(p: Problem, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def candidates(n: int, sms: int) -> list[tuple[str, DecodeConfig | None]]:
-    cands: list[tuple[str, DecodeConfig | None]] = [("triton table", None)]
+def candidates(n: int, sms: int, triton_grid: bool = False,
+               gluon: bool = True) -> list[tuple[str, DecodeConfig | LaunchConfig | None]]:
+    cands: list[tuple[str, DecodeConfig | LaunchConfig | None]] = [("triton table", None)]
+    if triton_grid:
+        cands += [(f"triton {launch_label(c)}", c) for c in TRITON_GRID]
+    if not gluon:
+        return cands
     auto = (decode_config(n, 16, sms) or DecodeConfig()).splits
     for base in GLUON_BASES:
         for splits in sorted({max(1, auto // 2), auto, auto * 2}):
@@ -55,7 +67,29 @@ def candidates(n: int, sms: int) -> list[tuple[str, DecodeConfig | None]]:
     return cands
 
 
-def run_shape(n: int, ctx: int, sms: int) -> dict:
+def ceilings(nbytes: int = 2 << 30) -> dict:
+    """The device's bandwidth in TB/s: a read (torch's sum and amax over nbytes of bf16) and a copy (bytes read
+    + written), each the median of 9 timed calls after a warm one."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+
+    def tbps(fn, moved: int) -> float:
+        fn()
+        times = []
+        for _ in range(9):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return moved / statistics.median(times) / 1e12
+
+    return {"read_sum_tbps": tbps(lambda: x.sum(dtype=torch.float32), nbytes), "read_amax_tbps": tbps(x.amax, nbytes),
+            "copy_tbps": tbps(lambda: y.copy_(x), 2 * nbytes), "bytes": nbytes}
+
+
+def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool = True) -> dict:
     from engine import triton_attention
     from engine.gluon_attention import launch_decode_attention
 
@@ -65,12 +99,12 @@ def run_shape(n: int, ctx: int, sms: int) -> dict:
     q, starts = p.inputs(1, seed=ctx)
     ref = reference(p, q)
     res = {"n": n, "ctx": ctx, "floor_us": nbytes / 4.3e12 * 1e6, "candidates": {}}
-    for label, c in candidates(n, sms):
+    for label, c in candidates(n, sms, triton_grid, gluon):
         def fn(copy, c=c):
             args = (q, p.k, p.v, p.tables[copy], p.ctx, starts)
-            if c is None:
-                return triton_attention.launch_paged_attention(*args, 1, HEAD_DIM**-0.5,
-                                                               triton_attention.default_config(q, p.k, n, 1))
+            if c is None or isinstance(c, LaunchConfig):
+                config = c or triton_attention.default_config(q, p.k, n, 1)
+                return triton_attention.launch_paged_attention(*args, 1, HEAD_DIM**-0.5, config)
             return launch_decode_attention(*args, HEAD_DIM**-0.5, c)
         try:
             out = fn(0).double()
@@ -99,17 +133,70 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def triton_best(results: list[dict], count: int) -> list[str]:
+    """The `count` paged-kernel launches (TRITON_GRID, correct in every shape) with the smallest geometric mean of
+    their time over the shapes, among those whose mean beats the table's pick: gpu_suite.sh paged_decode runs the
+    decode harness with them (OUROBATCH_PAGED_DECODE)."""
+    def mean(label: str) -> float | None:
+        runs = [r["candidates"].get(label, {}) for r in results]
+        if not results or not all(run.get("ok") for run in runs):
+            return None
+        return math.exp(statistics.fmean(math.log(run["us"]) for run in runs))
+
+    labels = {label for r in results for label in r["candidates"] if label.startswith("triton n")}
+    means = {label: m for label in labels if (m := mean(label)) is not None}
+    table = mean("triton table")
+    ranked = sorted((label for label in means if table is None or means[label] < table), key=means.get)
+    return [label.removeprefix("triton ") for label in ranked[:count]]
+
+
+def triton_markdown(results: list[dict], ceiling: dict | None) -> str:
+    """Per shape: the table's pick, the fastest correct launch overall and in each launch order."""
+    lines = []
+    if ceiling:
+        lines += [f"Device bandwidth: read {ceiling['read_sum_tbps']:.2f} TB/s (sum), {ceiling['read_amax_tbps']:.2f} "
+                  f"(amax); copy {ceiling['copy_tbps']:.2f} (read + written, over {ceiling['bytes'] >> 20} MiB).", ""]
+    lines += ["| N | L | floor us | triton table us | best launch | us | TB/s | best by request | us |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c = r["candidates"]
+        grid = {k: v for k, v in c.items() if k.startswith("triton n") and v.get("ok")}
+        best = min(grid, key=lambda k: grid[k]["us"], default=None)
+        major = min((k for k in grid if k.endswith("/head")), key=lambda k: grid[k]["us"], default=None)
+        us = lambda k: grid[k]["us"] if k else math.nan  # noqa: E731
+        table = c.get("triton table", {}).get("us", math.nan)
+        short = lambda k: k.removeprefix("triton ") if k else None  # noqa: E731
+        lines.append(f"| {r['n']} | {r['ctx']} | {r['floor_us']:.1f} | {table:.1f} | {short(best)} | {us(best):.1f} | "
+                     f"{grid[best]['tbps'] if best else 0:.2f} | {short(major)} | {us(major):.1f} |")
+    best = triton_best(results, 5)
+    return "\n".join(lines + ["", f"Fastest launches over all shapes that beat the table: {', '.join(best) or 'none'}"])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", default=",".join(f"{n}x{c}" for n, c in SHAPES), help="NxL,NxL,...")
+    ap.add_argument("--triton-grid", action="store_true", help="time the paged kernel's TRITON_GRID launches too")
+    ap.add_argument("--no-gluon", dest="gluon", action="store_false", help="leave the Gluon kernel's rings out")
+    ap.add_argument("--ceilings", action="store_true", help="measure the device's read and copy bandwidth first")
+    ap.add_argument("--best", type=int, default=0,
+                    help="print the N fastest launches of --out's decode_attention.json that beat the table, and stop")
     args = ap.parse_args(argv)
+    if args.best:
+        results = json.loads((args.out / "decode_attention.json").read_text())
+        print(" ".join(triton_best(results, args.best)))
+        return results
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    results = [run_shape(n, ctx, sms) for n, ctx in shapes]
+    ceiling = ceilings() if args.ceilings else None
+    torch.cuda.empty_cache()
+    results = [run_shape(n, ctx, sms, args.triton_grid, args.gluon) for n, ctx in shapes]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_attention.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
+    table = (markdown(results) if args.gluon else "") + ("\n\n" if args.gluon and args.triton_grid else "")
+    table += triton_markdown(results, ceiling) if args.triton_grid or ceiling else ""
+    if ceiling:
+        (args.out / "ceilings.json").write_text(json.dumps(ceiling, indent=1))
     (args.out / "decode_attention.md").write_text(table + "\n")
     print(table)
     return results

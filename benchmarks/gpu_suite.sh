@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|paged_decode|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -142,6 +142,35 @@ if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the
       OUROBATCH_KV_PREFETCH=$v timeout -k 10 120 python3 benchmarks/throughput.py \
         --out "$OUT/pf/pf_${v//:/_}_r$r" --configs interval1 --scenarios "${PF_SCENARIOS:-64x512x256}" 2>&1 \
         | tee "$OUT/pf_${v//:/_}_r$r.log" | grep '^|' | tail -3
+    done
+  done
+fi
+if [ "$what" = paged_decode ]; then  # the paged kernel's launch for the decode calls it serves (N >= 17): the
+  # attention kernels' GPU tests (PD_TESTS=0: none), the probe (benchmarks/decode_attention.py --triton-grid --ceilings
+  # at PD_SHAPES, default 64x512,64x640,64x768; PD_GLUON=1: the Gluon rings too), then the decode harness at
+  # PD_SCENARIOS (default 64x512x256) with OUROBATCH_PAGED_DECODE unset (0) and each of PD_SETTINGS (default auto: the
+  # probe's PD_BEST best launches, default 2, that beat the table), alternated, PD_ROUNDS rounds (default 1), each run
+  # its own process, only if the tests passed; a hang exits
+  if [ "${PD_TESTS:-1}" != 0 ]; then
+    timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
+      tests/gpu/test_gpu_attention_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    status=${PIPESTATUS[0]}
+  fi
+  gluon=--no-gluon; [ "${PD_GLUON:-0}" = 1 ] && gluon=""
+  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" \
+    --shapes "${PD_SHAPES:-64x512,64x640,64x768}" --triton-grid --ceilings $gluon 2>&1 | tee "$OUT/paged_decode.log" \
+    | grep -v '^[0-9]' | tail -12
+  PD_SETTINGS=${PD_SETTINGS:-auto}
+  if [ "$PD_SETTINGS" = auto ]; then
+    PD_SETTINGS=$(python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" --best "${PD_BEST:-2}" 2>/dev/null)
+    echo "harness launches (the probe's best): ${PD_SETTINGS:-none}"
+  fi
+  [ "$status" = 0 ] || PD_SETTINGS=""  # a wrong kernel: no timings
+  for r in $(seq 1 "${PD_ROUNDS:-1}"); do
+    for v in ${PD_SETTINGS:+0 $PD_SETTINGS}; do
+      OUROBATCH_PAGED_DECODE=$v timeout -k 10 120 python3 benchmarks/throughput.py \
+        --out "$OUT/pd/pd_${v//\//_}_r$r" --configs interval1 --scenarios "${PD_SCENARIOS:-64x512x256}" 2>&1 \
+        | tee "$OUT/pd_${v//\//_}_r$r.log" | grep '^|' | tail -3 | sed "s|^|OUROBATCH_PAGED_DECODE=$v: |"
     done
   done
 fi

@@ -18,7 +18,9 @@ the GPU and prints rows in this table's format.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 INF = math.inf
@@ -33,6 +35,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int  # software-pipelining stages of the key loop
     splits: int = 1  # 1: one pass writes the output; > 1: split-K partials + the combine kernel
+    head_major: bool = False  # programs launch request by request (its kv heads together) instead of head by head
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -191,6 +194,37 @@ def parse_ring(text: str) -> DecodeConfig:
         raise ValueError(f"OUROBATCH_DECODE_RING must be BLOCK_NxSTAGES[pCTAS_PER_SM] (e.g. 32x6, 32x6p2), "
                          f"got {text!r}") from None
     return DecodeConfig(block_n, stages, ctas_per_sm=ctas)
+
+
+def parse_launch(text: str) -> LaunchConfig | None:
+    """A launch of the paged kernel as text (OUROBATCH_PAGED_DECODE; benchmarks/decode_attention.py's labels):
+    "n32/w2/s2" with optional "/kSPLITS" and "/head" (head_major), e.g. "n16/w2/s3/k1/head"; None for "" or "0"."""
+    text = text.strip().lower()
+    if text in ("", "0"):
+        return None
+    parts = text.split("/")
+    head_major = parts[-1] == "head"
+    fields = {p[:1]: p[1:] for p in parts[: len(parts) - head_major]}
+    if (len(fields) != len(parts) - head_major or not {"n", "w", "s"} <= set(fields) <= {"n", "w", "s", "k"}
+            or not all(v.isdigit() for v in fields.values())):
+        raise ValueError(f"a paged attention launch must read nBLOCK_N/wWARPS/sSTAGES[/kSPLITS][/head] (e.g. "
+                         f"n32/w2/s2, n16/w2/s3/k1/head) or 0, got {text!r}")
+    return LaunchConfig(int(fields["n"]), int(fields["w"]), int(fields["s"]), int(fields.get("k", 1)), head_major)
+
+
+PAGED_DECODE_ENV = "OUROBATCH_PAGED_DECODE"  # the paged kernel's launch for one-row calls (a measuring knob)
+
+
+@functools.cache
+def paged_decode() -> LaunchConfig | None:
+    """The launch OUROBATCH_PAGED_DECODE names (parse_launch) for the one-row-per-request calls the paged kernel
+    serves, in place of the table's; None (unset or 0): the table's. Read once a process."""
+    return parse_launch(os.environ.get(PAGED_DECODE_ENV, ""))
+
+
+def launch_label(c: LaunchConfig) -> str:
+    """parse_launch's text for `c`."""
+    return f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/k{c.splits}" + ("/head" if c.head_major else "")
 
 
 def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import MAX_KERNEL_HISTORY_ROWS
-from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, query_tiling
+from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, paged_decode, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
 from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d
@@ -120,7 +120,7 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     strides = (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)) if split else ()
     # a tiled launch passes m_tiles as 1 (its programs walk the tile map instead): one specialization for all
     paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(1 if tiles else m_tiles),
-             tiles > 0)
+             tiles > 0, config.head_major and not tiles)
     combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
     return paged + strides, combine
 
@@ -181,7 +181,9 @@ def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:
 
 
 def case_config(s: KernelShapes, case: AttentionCase) -> LaunchConfig:
-    """The launch config the kernel's dispatch picks for this call (triton_attention.default_config)."""
+    """The launch config the kernel's dispatch picks for this call (triton_attention.triton_paged_attention)."""
+    if case.max_rows == 1 and not case.tiles and paged_decode() is not None:
+        return paged_decode()
     tile = case.max_rows * s.group
     if case.tiles:  # each (tile, kv head) program counts as one sequence of one M tile
         block_m, _ = query_tiling(case.max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)
@@ -209,13 +211,14 @@ def attention_cases(s: KernelShapes) -> list[AttentionCase]:
 
 
 def _untiled_cases(s: KernelShapes) -> list[AttentionCase]:
-    # choose_config reads the tile only through LAUNCH_TABLE's max_tile bounds: one lookup per bound class
+    # choose_config reads the tile only through LAUNCH_TABLE's max_tile bounds: one lookup per bound class (and
+    # one-row calls apart: OUROBATCH_PAGED_DECODE's launch may replace the table's for them)
     bounds = sorted({row[1] for row in LAUNCH_TABLE})
     memo: dict[tuple[int, tuple[bool, ...]], tuple] = {}
 
     def base_key(seqs: int, max_rows: int) -> tuple:
         tile = max_rows * s.group
-        cls = tuple(tile <= b for b in bounds)
+        cls = (max_rows == 1,) + tuple(tile <= b for b in bounds)
         if (seqs, cls) not in memo:
             memo[seqs, cls] = (case_config(s, AttentionCase(seqs, max_rows, 1)),)
         block_m, m_tiles = query_tiling(max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)

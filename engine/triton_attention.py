@@ -32,7 +32,7 @@ import triton.language as tl
 from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
-                                 given_out, o_fold_applies, parse_fold, parse_ring, query_tiling)
+                                 given_out, o_fold_applies, paged_decode, parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -80,7 +80,8 @@ def _paged_attention_kernel(
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
     stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -89,6 +90,10 @@ def _paged_attention_kernel(
         seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
         m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
         kv_head = tl.program_id(1)
+    elif HEAD_MAJOR:  # axis 0 walks one request's (kv head, M tile) programs, so they launch together
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0) // m_tiles
+        m_tile = tl.program_id(0) % m_tiles
     else:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // m_tiles
@@ -155,7 +160,9 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         part = torch.empty((splits, rows, heads, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((splits, rows, heads), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(0), lse.stride(0))
-    grid = (seqs, kv_heads * m_tiles, splits) if tiles is None else (tiles.shape[0], kv_heads, splits)
+    head_major = config.head_major and tiles is None
+    grid = (tiles.shape[0], kv_heads, splits) if tiles is not None else \
+        (kv_heads * m_tiles, seqs, splits) if head_major else (seqs, kv_heads * m_tiles, splits)
     _paged_attention_kernel[grid](
         q, k_plane, v_plane, part, lse, block_tables, context_lens, query_start,
         query_start if tiles is None else tiles, m_tiles if tiles is None else 1,  # (tiled: unused; one class)
@@ -164,7 +171,8 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         k_plane.stride(0), k_plane.stride(1), k_plane.stride(2), block_tables.stride(0),
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
-        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, num_warps=config.num_warps,
+        IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, HEAD_MAJOR=head_major,
+        num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_kwargs(q.device),
     )
     if splits > 1 and rows > 0:
@@ -200,8 +208,9 @@ def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
             if gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
                 return gluon_attention.launch_decode_attention(q, k_plane, v_plane, block_tables, context_lens,
                                                                query_start, scale, decode, out)
-    config = default_config(q, k_plane, context_lens.shape[0], max_rows,
-                            None if tiles is None else tiles.shape[0])
+    config = paged_decode() if max_rows == 1 and tiles is None else None
+    if config is None:
+        config = default_config(q, k_plane, context_lens.shape[0], max_rows, None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
                                   config, tiles, out)
 

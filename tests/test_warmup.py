@@ -22,6 +22,7 @@ from ourobatch import EngineConfig, SamplingParams
 from ourobatch import compile_cache
 from ourobatch.assembly import build_engine_core
 from engine import kernel_cases, kernel_warmup
+from engine.attention_dispatch import LaunchConfig
 from engine.cuda_graphs import BUCKETS
 from engine.prefill_graph import prefill_buckets
 from engine.gemm_dispatch import GemmConfig
@@ -273,6 +274,28 @@ def test_one_launch_per_specialization_covers_every_reachable_call(kw):
     for c in cases:  # a launchable split of the rows: the first request has max_rows, none has more
         counts = kernel_cases._row_counts(c)
         assert len(counts) == c.seqs and sum(counts) == c.rows and max(counts) == c.max_rows and min(counts) >= 1
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(mode="deferred", B=8), dict(kv_heads=4, N=24, graphs=False)])
+def test_the_paged_decode_override_is_what_the_warm_up_compiles(kw, monkeypatch):
+    """OUROBATCH_PAGED_DECODE's launch (a measuring knob) replaces the table's for one-row calls only: the warm-up's
+    cases still cover every reachable call once, and its one-row calls compile the override, order included."""
+    from engine.attention_dispatch import paged_decode
+
+    monkeypatch.setenv("OUROBATCH_PAGED_DECODE", "n16/w2/s3/head")
+    paged_decode.cache_clear()
+    try:
+        s = shapes(**kw)
+        keys = {kernel_cases.attention_key(s, *call) for call in reachable(s)}
+        cases = kernel_cases.attention_cases(s)
+        assert {kernel_cases.attention_key(s, c.seqs, c.max_rows, c.rows) for c in cases} == keys
+        assert len(cases) == len(keys)
+        for c in cases:
+            config = kernel_cases.case_config(s, c)
+            assert (config == LaunchConfig(16, 2, 3, 1, head_major=True)) == (c.max_rows == 1)
+            assert kernel_cases.attention_key(s, c.seqs, c.max_rows, c.rows)[0][7] == (c.max_rows == 1)  # the order
+    finally:
+        paged_decode.cache_clear()
 
 
 def test_no_paged_kernel_without_the_triton_backend():

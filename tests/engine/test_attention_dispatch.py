@@ -202,3 +202,42 @@ def test_fold_env_values():
             parse_fold(bad)
     with pytest.raises(ValueError, match="FoldConfig.stager must be 0 or 1"):
         FoldConfig(stager=2)
+
+
+@pytest.mark.parametrize("text,expect", [("n16/w2/s3", LaunchConfig(16, 2, 3)), ("0", None), (" ", None),
+                                         ("N32/W4/S2/K2", LaunchConfig(32, 4, 2, 2)),
+                                         ("n16/w2/s3/k1/head", LaunchConfig(16, 2, 3, 1, head_major=True)),
+                                         ("w2/s3/n64/head", LaunchConfig(64, 2, 3, head_major=True))])
+def test_parse_launch_and_its_label(text, expect):
+    from engine.attention_dispatch import launch_label, parse_launch
+
+    assert parse_launch(text) == expect
+    if expect is not None:
+        assert parse_launch(launch_label(expect)) == expect
+
+
+@pytest.mark.parametrize("text,match", [("n16/w2", "nBLOCK_N/wWARPS/sSTAGES"), ("head", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/n32/w2/s2", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/w2/s3/head/head", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/w2/sx", "nBLOCK_N/wWARPS/sSTAGES"), ("n16/w2/s3/x1", "nBLOCK_N"),
+                                        ("n24/w2/s2", "block_n must be a power of two"),
+                                        ("n16/w3/s2", "num_warps must be one of")])
+def test_bad_launch_texts_are_refused_naming_the_form_or_field(text, match):
+    from engine.attention_dispatch import parse_launch
+
+    with pytest.raises(ValueError, match=match):
+        parse_launch(text)
+
+
+def test_the_paged_decode_override_is_read_from_its_variable(monkeypatch):
+    from engine.attention_dispatch import PAGED_DECODE_ENV, paged_decode
+
+    for value, expect in (("n16/w1/s4/head", LaunchConfig(16, 1, 4, head_major=True)), ("", None)):
+        monkeypatch.setenv(PAGED_DECODE_ENV, value)
+        paged_decode.cache_clear()
+        assert paged_decode() == expect
+    monkeypatch.setenv(PAGED_DECODE_ENV, "n16")
+    paged_decode.cache_clear()
+    with pytest.raises(ValueError, match="nBLOCK_N"):
+        paged_decode()
+    paged_decode.cache_clear()

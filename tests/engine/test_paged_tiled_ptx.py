@@ -36,7 +36,7 @@ def _body(m_tiles: int, tiled: bool) -> list[str]:
                 context_lens_ptr="*i32", query_start_ptr="*i32", tiles_ptr="*i32")
     types = {**ptrs, "m_tiles": "constexpr" if m_tiles == 1 else "i32", **{n: "i32" for n in ints}, "qk_scale": "fp32"}
     constexprs = dict(GROUP=1, BLOCK_M=64, BLOCK_N=64, PAGE=16, HEAD_DIM=128, IEEE=False, SPLIT=False, TILED=tiled,
-                      USE_PDL=True, **({"m_tiles": 1} if m_tiles == 1 else {}))
+                      HEAD_MAJOR=False, USE_PDL=True, **({"m_tiles": 1} if m_tiles == 1 else {}))
     signature = {**types, **{n: "constexpr" for n in constexprs}}
     names = list(signature)
     aligned = list(ptrs) + ints + (["m_tiles"] if m_tiles % 16 == 0 else [])

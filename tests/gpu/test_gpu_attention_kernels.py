@@ -165,6 +165,17 @@ def test_tile_map_runs_only_the_listed_tiles(dtype, heads, kv_heads, d, splits):
     case.check(out[:n])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_head_major_order_matches_reference(dtype, splits):
+    # programs launched request by request: decode rows and verify-style rows, GQA 4 with 40 rows a request (M
+    # tiles past the first, some holding no row of the short request), each against the float64 reference
+    case = Case([60, 173, 41, 9], [40, 3, 40, 1], 8, 2, 128, dtype, seed=23 + splits)
+    case.check(case.run(LaunchConfig(32, 4, 2, splits, head_major=True)))
+    decode = Case([1, 40, 97, 300, 16], [1] * 5, 4, 4, 128, dtype, seed=29 + splits)
+    decode.check(decode.run(LaunchConfig(16, 2, 3, splits, head_major=True)))
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_strided_queries(splits):
     # q as a view whose row stride is not heads * d (the output is a fresh contiguous tensor)
