@@ -149,8 +149,8 @@ if [ "$what" = paged_decode ]; then  # the paged kernel's launch for the decode 
   # attention kernels' GPU tests (PD_TESTS=0: none), the probe (benchmarks/decode_attention.py --triton-grid --ceilings
   # at PD_SHAPES, default 64x512,64x640,64x768; PD_GLUON=1: the Gluon rings too), then the decode harness at
   # PD_SCENARIOS (default 64x512x256) with OUROBATCH_PAGED_DECODE unset (0) and each of PD_SETTINGS (default auto: the
-  # probe's PD_BEST best launches, default 2, that beat the table, and the first of them, else the table's, with
-  # /early), alternated, PD_ROUNDS rounds (default 1), each run its own process, only if the tests passed; a hang exits
+  # probe's PD_BEST best launches, default 2, that beat the table), alternated, PD_ROUNDS rounds (default 1), each run
+  # its own process, only if the tests passed; a hang exits
   if [ "${PD_TESTS:-1}" != 0 ]; then
     timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
       tests/gpu/test_gpu_attention_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
@@ -161,13 +161,9 @@ if [ "$what" = paged_decode ]; then  # the paged kernel's launch for the decode 
     --shapes "${PD_SHAPES:-64x512,64x640,64x768}" --triton-grid --ceilings $gluon 2>&1 | tee "$OUT/paged_decode.log" \
     | grep -v '^[0-9]' | tail -12
   PD_SETTINGS=${PD_SETTINGS:-auto}
-  if [ "$PD_SETTINGS" = auto ]; then  # and the first of them (else the table's) with its first tile loaded early
+  if [ "$PD_SETTINGS" = auto ]; then
     PD_SETTINGS=$(python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" --best "${PD_BEST:-2}" 2>/dev/null)
-    first=${PD_SETTINGS%% *}
-    [ -n "$first" ] || first=$(python3 -c "from engine.attention_dispatch import choose_config as c, launch_label as l
-print(l(c(64, 16, 1, 128, 132)))")
-    PD_SETTINGS="$PD_SETTINGS $first/early"
-    echo "harness launches (the probe's best, then early): $PD_SETTINGS"
+    echo "harness launches (the probe's best): ${PD_SETTINGS:-none}"
   fi
   [ "$status" = 0 ] || PD_SETTINGS=""  # a wrong kernel: no timings
   for r in $(seq 1 "${PD_ROUNDS:-1}"); do

@@ -36,7 +36,6 @@ class LaunchConfig:
     num_stages: int  # software-pipelining stages of the key loop
     splits: int = 1  # 1: one pass writes the output; > 1: split-K partials + the combine kernel
     head_major: bool = False  # programs launch request by request (its kv heads together) instead of head by head
-    early: bool = False  # with PDL, a program loads its first key tile's history before it waits for the kernel before
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -199,22 +198,18 @@ def parse_ring(text: str) -> DecodeConfig:
 
 def parse_launch(text: str) -> LaunchConfig | None:
     """A launch of the paged kernel as text (OUROBATCH_PAGED_DECODE; benchmarks/decode_attention.py's labels):
-    "n32/w2/s2" with optional "/kSPLITS", then "/head" (head_major) and "/early" (early), e.g.
-    "n16/w2/s3/k1/head/early"; None for "" or "0"."""
+    "n32/w2/s2" with optional "/kSPLITS" and "/head" (head_major), e.g. "n16/w2/s3/k1/head"; None for "" or "0"."""
     text = text.strip().lower()
     if text in ("", "0"):
         return None
     parts = text.split("/")
-    flags = {"head": False, "early": False}
-    while parts and parts[-1] in flags and not flags[parts[-1]]:
-        flags[parts.pop()] = True
-    fields = {p[:1]: p[1:] for p in parts}
-    if (len(fields) != len(parts) or not {"n", "w", "s"} <= set(fields) <= {"n", "w", "s", "k"}
+    head_major = parts[-1] == "head"
+    fields = {p[:1]: p[1:] for p in parts[: len(parts) - head_major]}
+    if (len(fields) != len(parts) - head_major or not {"n", "w", "s"} <= set(fields) <= {"n", "w", "s", "k"}
             or not all(v.isdigit() for v in fields.values())):
-        raise ValueError(f"a paged attention launch must read nBLOCK_N/wWARPS/sSTAGES[/kSPLITS][/head][/early] (e.g. "
+        raise ValueError(f"a paged attention launch must read nBLOCK_N/wWARPS/sSTAGES[/kSPLITS][/head] (e.g. "
                          f"n32/w2/s2, n16/w2/s3/k1/head) or 0, got {text!r}")
-    return LaunchConfig(int(fields["n"]), int(fields["w"]), int(fields["s"]), int(fields.get("k", 1)),
-                        flags["head"], flags["early"])
+    return LaunchConfig(int(fields["n"]), int(fields["w"]), int(fields["s"]), int(fields.get("k", 1)), head_major)
 
 
 PAGED_DECODE_ENV = "OUROBATCH_PAGED_DECODE"  # the paged kernel's launch for one-row calls (a measuring knob)
@@ -229,8 +224,7 @@ def paged_decode() -> LaunchConfig | None:
 
 def launch_label(c: LaunchConfig) -> str:
     """parse_launch's text for `c`."""
-    return (f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/k{c.splits}" + ("/head" if c.head_major else "")
-            + ("/early" if c.early else ""))
+    return f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/k{c.splits}" + ("/head" if c.head_major else "")
 
 
 def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:

@@ -37,105 +37,40 @@ from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_swe
 
 
 @triton.jit
-def _tile(start, hi, block_tables_ptr, seq, stride_bt, kv_head, stride_k_block, stride_k_slot, stride_k_head,
-          BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """Key positions start..start+BLOCK_N-1 of request seq: (positions, which are below hi, their element offsets
-    into a K / V plane through the block table)."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < hi
-    block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
-    kv_off = block.to(tl.int64) * stride_k_block + (offs_n % PAGE) * stride_k_slot + kv_head * stride_k_head
-    return offs_n, n_valid, kv_off
-
-
-@triton.jit
-def _program(tiles_ptr, m_tiles, TILED: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    """This program's (sequence, kv head, M tile)."""
-    if TILED:  # axis 0 walks a tile map of (sequence, M tile) pairs; padding tiles name a sequence of no rows
-        seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
-        kv_head = tl.program_id(1)
-        m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
-    elif HEAD_MAJOR:  # axis 0 walks one request's (kv head, M tile) programs, so they launch together
-        seq = tl.program_id(1)
-        kv_head = tl.program_id(0) // m_tiles
-        m_tile = tl.program_id(0) % m_tiles
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1) // m_tiles
-        m_tile = tl.program_id(1) % m_tiles
-    return seq, kv_head, m_tile
-
-
-@triton.jit
-def _share(ctx, n_q, m_tile, split, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key positions [lo, hi) this program reads: of those its query tile's rows see (0 .. the position of its
-    last row; none if it holds no row of the request), its split's share, in whole key tiles so split boundaries
-    never cut a tile."""
-    last_row = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_q - 1)
-    kv_len = tl.where((m_tile * BLOCK_M) // GROUP < n_q, ctx - n_q + last_row + 1, 0)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), tl.num_programs(2))
-    lo = split * tiles_per_split * BLOCK_N
-    return lo, tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
-
-
-@triton.jit
-def _load_kv(k_ptr, v_ptr, kv_off, mask, HEAD_DIM: tl.constexpr):
-    """A tile's keys and values at the element offsets kv_off (zeros where mask is off)."""
-    offs = kv_off[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    return (tl.load(k_ptr + offs, mask=mask[:, None], other=0.0),
-            tl.load(v_ptr + offs, mask=mask[:, None], other=0.0))
-
-
-@triton.jit
-def _scores(q, k, q_pos, offs_n, n_valid, m_i, l_i, qk_scale, IEEE: tl.constexpr):
-    """One key tile's softmax weights p (base 2, against the new running max), the old sums' rescale alpha, and the
-    running max and mass after the tile."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
-    visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet (padding)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
-    if IEEE:
-        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-
-
-@triton.jit
-def _landed(x):
-    """x through an empty volatile asm: the loads that produce x complete before any later volatile asm, such as the
-    PDL wait (which LLVM would otherwise sink them past, to their first use)."""
-    if x.dtype.primitive_bitwidth == 16:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
-
-
-@triton.jit
-def _attend_keys(q, q_pos, lo, hi, acc, m_i, l_i, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head,
-                 stride_k_block, stride_k_slot, stride_k_head, qk_scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head, stride_k_block,
+                 stride_k_slot, stride_k_head, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of the query tile q [BLOCK_M, HEAD_DIM] (rows at positions q_pos, causal) over key
-    positions lo..hi-1, gathered BLOCK_N at a time through request seq's block table, on from the sums (acc
-    [BLOCK_M, HEAD_DIM] unnormalized, running max m_i and mass l_i [BLOCK_M], base 2, float32); inlined by Triton.
-    -> the sums after them."""
+    positions lo..hi-1, gathered BLOCK_N at a time through request seq's block table; inlined by Triton.
+    -> (acc [BLOCK_M, HEAD_DIM] unnormalized, running max m_i and mass l_i [BLOCK_M], base 2, float32)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n, n_valid, kv_off = _tile(start, hi, block_tables_ptr, seq, stride_bt, kv_head, stride_k_block,
-                                        stride_k_slot, stride_k_head, BLOCK_N, PAGE)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
+        kv_off = block.to(tl.int64) * stride_k_block + (offs_n % PAGE) * stride_k_slot + kv_head * stride_k_head
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-        p, alpha, m_i, l_i = _scores(q, k, q_pos, offs_n, n_valid, m_i, l_i, qk_scale, IEEE)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet (padding)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-        acc = _accumulate(acc, alpha, p, v, IEEE)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -146,47 +81,50 @@ def _paged_attention_kernel(
     stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    EARLY: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL and not EARLY:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seq, kv_head, m_tile = _program(tiles_ptr, m_tiles, TILED, HEAD_MAJOR)
+    if TILED:  # axis 0 walks a tile map of (sequence, M tile) pairs; padding tiles name a sequence of no rows
+        seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        kv_head = tl.program_id(1)
+    elif HEAD_MAJOR:  # axis 0 walks one request's (kv head, M tile) programs, so they launch together
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0) // m_tiles
+        m_tile = tl.program_id(0) % m_tiles
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1) // m_tiles
+        m_tile = tl.program_id(1) % m_tiles
     split = tl.program_id(2)
-    q_begin = tl.load(query_start_ptr + seq)  # the call's metadata: written before any kernel of the step
+    num_splits = tl.num_programs(2)
+    q_begin = tl.load(query_start_ptr + seq)
     n_q = tl.load(query_start_ptr + seq + 1) - q_begin
     ctx = tl.load(context_lens_ptr + seq)
+
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP  # new row of this request
     head = kv_head * GROUP + offs_m % GROUP  # query head
     m_valid = row < n_q
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = (q_begin + row).to(tl.int64)
-    q_pos = ctx - n_q + row
-    lo, hi = _share(ctx, n_q, m_tile, split, GROUP, BLOCK_M, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if EARLY:  # the first tile's history (keys an earlier kernel wrote) loads before the wait for the kernel before
-        offs_n, n_valid, kv_off = _tile(lo, hi, block_tables_ptr, seq, stride_bt, kv_head, stride_k_block,
-                                        stride_k_slot, stride_k_head, BLOCK_N, PAGE)
-        old = n_valid & (offs_n < ctx - n_q)
-        k, v = _load_kv(k_ptr, v_ptr, kv_off, old, HEAD_DIM)
-        if USE_PDL:
-            k, v = _landed(k), _landed(v)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(q_ptr + q_row[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
                 mask=m_valid[:, None], other=0.0)
-    if EARLY:  # then the tile's new rows, which the kernel before wrote
-        k_new, v_new = _load_kv(k_ptr, v_ptr, kv_off, n_valid & ~old, HEAD_DIM)
-        k, v = tl.where(old[:, None], k, k_new), tl.where(old[:, None], v, v_new)
-        p, alpha, m_i, l_i = _scores(q, k, q_pos, offs_n, n_valid, m_i, l_i, qk_scale, IEEE)
-        acc = _accumulate(acc, alpha, p, v, IEEE)
-        lo += BLOCK_N
-    acc, m_i, l_i = _attend_keys(q, q_pos, lo, hi, acc, m_i, l_i, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt,
-                                 kv_head, stride_k_block, stride_k_slot, stride_k_head, qk_scale, BLOCK_N, PAGE,
-                                 HEAD_DIM, IEEE)
+    q_pos = ctx - n_q + row
+
+    # Keys this tile's rows see: 0 .. the position of its last row (none if it holds no row of the request).
+    last_row = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_q - 1)
+    kv_len = tl.where((m_tile * BLOCK_M) // GROUP < n_q, ctx - n_q + last_row + 1, 0)
+    # This split's share: whole key tiles, so split boundaries never cut a tile.
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
+
+    acc, m_i, l_i = _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head,
+                                 stride_k_block, stride_k_slot, stride_k_head, qk_scale,
+                                 BLOCK_M, BLOCK_N, PAGE, HEAD_DIM, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = split * stride_o_split + q_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -223,7 +161,6 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         lse = torch.empty((splits, rows, heads), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(0), lse.stride(0))
     head_major = config.head_major and tiles is None
-    pdl_kwargs = pdl.launch_kwargs(q.device)
     grid = (tiles.shape[0], kv_heads, splits) if tiles is not None else \
         (kv_heads * m_tiles, seqs, splits) if head_major else (seqs, kv_heads * m_tiles, splits)
     _paged_attention_kernel[grid](
@@ -235,8 +172,8 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
         IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, HEAD_MAJOR=head_major,
-        EARLY=config.early, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_kwargs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl.launch_kwargs(q.device),
     )
     if splits > 1 and rows > 0:
         combine_splits(part, lse, out)

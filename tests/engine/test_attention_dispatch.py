@@ -207,9 +207,7 @@ def test_fold_env_values():
 @pytest.mark.parametrize("text,expect", [("n16/w2/s3", LaunchConfig(16, 2, 3)), ("0", None), (" ", None),
                                          ("N32/W4/S2/K2", LaunchConfig(32, 4, 2, 2)),
                                          ("n16/w2/s3/k1/head", LaunchConfig(16, 2, 3, 1, head_major=True)),
-                                         ("w2/s3/n64/head", LaunchConfig(64, 2, 3, head_major=True)),
-                                         ("n16/w2/s3/early/head", LaunchConfig(16, 2, 3, 1, True, early=True)),
-                                         ("n32/w4/s2/k2/early", LaunchConfig(32, 4, 2, 2, early=True))])
+                                         ("w2/s3/n64/head", LaunchConfig(64, 2, 3, head_major=True))])
 def test_parse_launch_and_its_label(text, expect):
     from engine.attention_dispatch import launch_label, parse_launch
 
@@ -221,8 +219,7 @@ def test_parse_launch_and_its_label(text, expect):
 @pytest.mark.parametrize("text,match", [("n16/w2", "nBLOCK_N/wWARPS/sSTAGES"), ("head", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/n32/w2/s2", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/w2/s3/head/head", "nBLOCK_N/wWARPS/sSTAGES"),
-                                        ("n16/w2/s3/early/early", "nBLOCK_N/wWARPS/sSTAGES"),
-                                        ("early/n16/w2/s3", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/w2/s3/early", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/w2/sx", "nBLOCK_N/wWARPS/sSTAGES"), ("n16/w2/s3/x1", "nBLOCK_N"),
                                         ("n24/w2/s2", "block_n must be a power of two"),
                                         ("n16/w3/s2", "num_warps must be one of")])

@@ -25,7 +25,7 @@ def test_the_tiled_launchs_key_has_one_m_tiles_class():
     assert tiled == {"1"} and len(untiled) > 1
 
 
-def _body(m_tiles: int, tiled: bool, early: bool = False, block_n: int = 64) -> list[str]:
+def _body(m_tiles: int, tiled: bool) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,8 +37,8 @@ def _body(m_tiles: int, tiled: bool, early: bool = False, block_n: int = 64) -> 
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", lse_ptr="*bf16", block_tables_ptr="*i32",
                 context_lens_ptr="*i32", query_start_ptr="*i32", tiles_ptr="*i32")
     types = {**ptrs, "m_tiles": "constexpr" if m_tiles == 1 else "i32", **{n: "i32" for n in ints}, "qk_scale": "fp32"}
-    constexprs = dict(GROUP=1, BLOCK_M=64, BLOCK_N=block_n, PAGE=16, HEAD_DIM=128, IEEE=False, SPLIT=False,
-                      TILED=tiled, HEAD_MAJOR=False, EARLY=early, USE_PDL=True, **({"m_tiles": 1} if m_tiles == 1 else {}))
+    constexprs = dict(GROUP=1, BLOCK_M=64, BLOCK_N=64, PAGE=16, HEAD_DIM=128, IEEE=False, SPLIT=False, TILED=tiled,
+                      HEAD_MAJOR=False, USE_PDL=True, **({"m_tiles": 1} if m_tiles == 1 else {}))
     signature = {**types, **{n: "constexpr" for n in constexprs}}
     names = list(signature)
     aligned = list(ptrs) + ints + (["m_tiles"] if m_tiles % 16 == 0 else [])
@@ -66,21 +66,3 @@ def test_the_tiled_kernel_is_the_same_for_every_m_tiles_class():
     assert untiled[1] != untiled[3]  # the comparison can tell kernels apart
     assert len(tiled[1]) > 1000
 
-
-def test_an_early_launch_loads_its_first_tile_before_the_wait_and_the_query_after():
-    """LaunchConfig.early: with PDL, the first key tile's history (K and V: 16-byte vector loads) is asked for before
-    griddepcontrol.wait, which the default launch puts before any load; the query (written by the kernel before)
-    only after it. One wait either way, and the next kernel's launch right after it."""
-    pytest.importorskip("triton")
-    for early in (False, True):
-        body = _body(1, tiled=False, early=early, block_n=32)
-        waits = [i for i, x in enumerate(body) if x.startswith("griddepcontrol.wait")]
-        assert len(waits) == 1 and body[waits[0] + 1].startswith("griddepcontrol.launch_dependents")
-        before = [x for x in body[: waits[0]] if "ld.global" in x]  # (most predicated: "@%p<3> ld.global...")
-        tiles = [x for x in before if "ld.global.v4" in x]
-        if not early:
-            assert before == []
-        else:  # the block table's and lengths' scalars, then K and V: 32 x 128 bf16 each over 128 threads
-            assert len(tiles) >= 2 * 32 * 128 * 2 // 16 // 128
-        after = [x for x in body[waits[0]:] if "ld.global" in x]
-        assert after, "the query loads after the wait"
