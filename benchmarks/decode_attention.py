@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import math
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
