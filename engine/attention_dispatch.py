@@ -217,9 +217,15 @@ PAGED_DECODE_ENV = "OUROBATCH_PAGED_DECODE"  # the paged kernel's launch for one
 
 @functools.cache
 def paged_decode() -> LaunchConfig | None:
-    """The launch OUROBATCH_PAGED_DECODE names (parse_launch) for the one-row-per-request calls the paged kernel
-    serves, in place of the table's; None (unset or 0): the table's. Read once a process."""
+    """The launch OUROBATCH_PAGED_DECODE names (parse_launch), or None (unset or 0). Read once a process."""
     return parse_launch(os.environ.get(PAGED_DECODE_ENV, ""))
+
+
+def launch_override(max_rows: int, tiled: bool) -> LaunchConfig | None:
+    """The launch that replaces the table's for a call of `max_rows` rows per request: OUROBATCH_PAGED_DECODE's
+    for one-row calls without a tile map, else None (the table's). triton_paged_attention and the warm-up's
+    kernel_cases.case_config both ask here."""
+    return paged_decode() if max_rows == 1 and not tiled else None
 
 
 def launch_label(c: LaunchConfig) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import MAX_KERNEL_HISTORY_ROWS
-from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, paged_decode, query_tiling
+from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
 from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d
@@ -182,8 +182,9 @@ def decode_keys(s: KernelShapes, config_of, fold_of=None) -> dict[tuple, int]:
 
 def case_config(s: KernelShapes, case: AttentionCase) -> LaunchConfig:
     """The launch config the kernel's dispatch picks for this call (triton_attention.triton_paged_attention)."""
-    if case.max_rows == 1 and not case.tiles and paged_decode() is not None:
-        return paged_decode()
+    override = launch_override(case.max_rows, case.tiles > 0)
+    if override is not None:
+        return override
     tile = case.max_rows * s.group
     if case.tiles:  # each (tile, kv head) program counts as one sequence of one M tile
         block_m, _ = query_tiling(case.max_rows, s.group, s.head_dim, fp32=s.dtype == torch.float32)

@@ -69,8 +69,9 @@ class PassPrefetch:
     """One loop pass's prefetch launches. `at(point, loop, layer)`, called where the pass reaches `point` (one of
     AT; `hook` gives the same launch as a call for later), asks for (loop, layer)'s attention's pages when `point`
     is the setting's; layer == num_layers names the next loop's first layer (nothing past last_loop). The pass's
-    first attention is asked for at its qkv whatever the setting. `planes(loop, layer)`: that attention's (k, v) planes by block; `launch(k, v)`: the kernel
-    (engine/kv_prefetch.prefetch_pages with the call's tables and the setting)."""
+    first attention is asked for at its qkv whatever the setting. `planes(loop, layer)`: that attention's (k, v)
+    planes by block; `launch(k, v)`: the kernel (engine/kv_prefetch.prefetch_pages with the call's tables and the
+    setting)."""
 
     def __init__(self, config: Prefetch | None, num_layers: int, first_loop: int, last_loop: int, planes,
                  launch) -> None:

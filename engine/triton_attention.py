@@ -32,7 +32,7 @@ import triton.language as tl
 from . import pdl
 from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
-                                 given_out, o_fold_applies, paged_decode, parse_fold, parse_ring, query_tiling)
+                                 given_out, launch_override, o_fold_applies, parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
 
 
@@ -208,7 +208,7 @@ def triton_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
             if gluon_attention.supports(q, k_plane, v_plane, max_rows, tiles, decode):
                 return gluon_attention.launch_decode_attention(q, k_plane, v_plane, block_tables, context_lens,
                                                                query_start, scale, decode, out)
-    config = paged_decode() if max_rows == 1 and tiles is None else None
+    config = launch_override(max_rows, tiles is not None)
     if config is None:
         config = default_config(q, k_plane, context_lens.shape[0], max_rows, None if tiles is None else tiles.shape[0])
     return launch_paged_attention(q, k_plane, v_plane, block_tables, context_lens, query_start, max_rows, scale,
