@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|paged_decode|decode_attn|fold_o|gemm_early|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|paged_decode|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -220,12 +220,6 @@ if [ "$what" = fold_o ]; then  # o_proj (and its add + norm) folded into the Glu
   # (engine/gluon_attention_o.py): env_variants over OUROBATCH_DECODE_FOLD_O's FO_VARIANTS (default "0 1 1:cta 2:cta")
   FV_TESTS="${FO_TESTS:-tests/gpu/test_gpu_gluon_attention_o.py tests/gpu/test_gpu_warmup.py}" \
     env_variants OUROBATCH_DECODE_FOLD_O "${FO_VARIANTS:-0 1 1:cta 2:cta}" fo "$@"
-fi
-if [ "$what" = gemm_early ]; then  # o_proj's / down_proj's first weight boxes loaded before the PDL wait
-  # (GemmConfig.early_o / early_down): env_variants over OUROBATCH_GEMM_EARLY's GE_VARIANTS (default "0:0 4:0 4:4 2:2")
-  # at FV_SCENARIOS (default here 64x512x256), after test_gpu_gemm.py's early tests
-  FV_TESTS="${GE_TESTS:-tests/gpu/test_gpu_gemm.py -k early}" FV_SCENARIOS=${FV_SCENARIOS:-64x512x256} \
-    env_variants OUROBATCH_GEMM_EARLY "${GE_VARIANTS:-0:0 4:0 4:4 2:2}" ge "$@"
 fi
 if [ "$what" = mlp_probe ]; then  # the MLP alone: the engine's kernels against the Gluon launch and its
   # diagnostics (benchmarks/mlp_probe.py; its --ways)

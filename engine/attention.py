@@ -206,7 +206,7 @@ def attend_o_partials(q: torch.Tensor, pool: "KVPool", loop: int, layer: int, me
     from .triton_gemm import linear_partials
 
     a = attend(q, None, None, pool, loop, layer, meta, scale, backend)
-    return linear_partials(a.reshape(q.shape[0], -1), wo, gemm.splits_o, gemm, gemm.early_o)
+    return linear_partials(a.reshape(q.shape[0], -1), wo, gemm.splits_o, gemm)
 
 
 def spans_on_device(meta: "BatchMeta", block_size: int) -> list[SeqSpan]:

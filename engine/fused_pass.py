@@ -35,7 +35,7 @@ def linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: 
     from . import triton_gemm
 
     splits = gemm.splits_o if which == "o" else gemm.splits_down
-    partials = triton_gemm.linear_partials(y_in, w, splits, gemm, gemm.early_o if which == "o" else gemm.early_down)
+    partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
     if before_norm is not None:
         before_norm()
     return triton_gemm.add_rms_norm2_partials(h, partials, w_branch, w_next, eps)

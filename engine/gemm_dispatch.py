@@ -7,12 +7,7 @@ its last entry (or a shape the kernels were not tuned for) keep the cuBLAS path.
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass, replace
-
-
-MAX_EARLY = 4  # triton_gemm._linear_partials_kernel's early weight boxes
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -34,16 +29,6 @@ class GemmConfig:
     # loads through Hopper's TMA (tensor descriptors; Triton pipelines the box loads with mbarriers) instead of
     # pointer loads (cp.async): 0 none, 1 the weights, 2 the weights and the activations; sm90+ only, else 0
     tma: int = 0
-    # weight boxes (K steps) each program of o_proj's / down_proj's split-K GEMM loads before its PDL wait, at most 4
-    # and the split's steps: no kernel writes the weights, so they can stream while the kernel before still runs
-    early_o: int = 0
-    early_down: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("early_o", "early_down"):
-            if not 0 <= getattr(self, name) <= MAX_EARLY:
-                raise ValueError(f"GemmConfig.{name} must be 0..{MAX_EARLY} (weight boxes loaded before the PDL "
-                                 f"wait), got {getattr(self, name)}")
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -79,30 +64,11 @@ def gemm_block_m(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
-EARLY_ENV = "OUROBATCH_GEMM_EARLY"
-
-
-@functools.cache
-def early_override() -> tuple[int, int] | None:
-    """OUROBATCH_GEMM_EARLY="O:DOWN" (each 0..MAX_EARLY), a measuring knob: every table row's (early_o, early_down);
-    None (unset or empty): the table's."""
-    text = os.environ.get(EARLY_ENV, "").strip()
-    if not text:
-        return None
-    parts = text.split(":")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) <= MAX_EARLY for p in parts):
-        raise ValueError(f"{EARLY_ENV} must read O:DOWN, each 0..{MAX_EARLY} (weight boxes o_proj's and down_proj's "
-                         f"split-K GEMMs load before the PDL wait), e.g. 4:0; got {text!r}")
-    return int(parts[0]), int(parts[1])
-
-
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
-    """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call. With
-    OUROBATCH_GEMM_EARLY set, the table's row with that `early_w`."""
+    """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            early = early_override() if table is None else None
-            return cfg if early is None else replace(cfg, early_o=early[0], early_down=early[1])
+            return cfg
     return None
 
 

@@ -183,10 +183,9 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         triton_gemm.qkv_rope_store(torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq,
                                    plane, plane, Hq, Hkv, d, cfg)
     elif key[0] == "partials":
-        for x, weight, splits, early in (
-                (torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o, cfg.early_o),
-                (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down, cfg.early_down)):
-            triton_gemm.linear_partials(x, weight, splits, cfg, early)
+        for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
+                                  (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
+            triton_gemm.linear_partials(x, weight, splits, cfg)
     elif key[0] == "norm_partials":
         h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
         partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)

@@ -29,8 +29,6 @@ seconds on the H200's host, session 20).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -80,46 +78,18 @@ def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_ro
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                            EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+                            USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split  # k_per_split is a multiple of BLOCK_K: no block crosses two splits
-    n0, m0 = pid_n * BLOCK_N, pid_m * BLOCK_M
-    # early_w (GemmConfig): the split's first EARLY weight boxes, which no kernel of a step writes, before the wait;
-    # their activation blocks right after it, all issued before the first product (the host keeps EARLY at most
-    # k_per_split / BLOCK_K, and TMA < 2: an activation box through TMA would wait for each load in turn)
-    if EARLY >= 1:
-        b0 = _box(w_ptr, n0, rn, N, stride_wn, k_start, K, BLOCK_K, TMA > 0)
-    if EARLY >= 2:
-        b1 = _box(w_ptr, n0, rn, N, stride_wn, k_start + BLOCK_K, K, BLOCK_K, TMA > 0)
-    if EARLY >= 3:
-        b2 = _box(w_ptr, n0, rn, N, stride_wn, k_start + 2 * BLOCK_K, K, BLOCK_K, TMA > 0)
-    if EARLY >= 4:
-        b3 = _box(w_ptr, n0, rn, N, stride_wn, k_start + 3 * BLOCK_K, K, BLOCK_K, TMA > 0)
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EARLY >= 1:
-        a0 = _tile(x_ptr, rm, M, stride_xm, k_start, K, BLOCK_K)
-    if EARLY >= 2:
-        a1 = _tile(x_ptr, rm, M, stride_xm, k_start + BLOCK_K, K, BLOCK_K)
-    if EARLY >= 3:
-        a2 = _tile(x_ptr, rm, M, stride_xm, k_start + 2 * BLOCK_K, K, BLOCK_K)
-    if EARLY >= 4:
-        a3 = _tile(x_ptr, rm, M, stride_xm, k_start + 3 * BLOCK_K, K, BLOCK_K)
-    if EARLY >= 1:
-        acc += tl.dot(a0, tl.trans(b0))
-    if EARLY >= 2:
-        acc += tl.dot(a1, tl.trans(b1))
-    if EARLY >= 3:
-        acc += tl.dot(a2, tl.trans(b2))
-    if EARLY >= 4:
-        acc += tl.dot(a3, tl.trans(b3))
-    for k in range(EARLY * BLOCK_K, k_per_split, BLOCK_K):
-        a = _box(x_ptr, m0, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
-        b = _box(w_ptr, n0, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
+    for k in range(0, k_per_split, BLOCK_K):
+        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
+        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
         acc += tl.dot(a, tl.trans(b))
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -223,22 +193,19 @@ def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, b
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
 
 
-def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig, early: int = 0) -> torch.Tensor:
-    """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0). early: weight
-    boxes each program loads before its PDL wait (GemmConfig.early_o / early_down; clipped to the split's boxes)."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig) -> torch.Tensor:
+    """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, K = x.shape
     N = w.shape[0]
     out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
     if rows:
         k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
-        early = min(early, k_per_split // cfg.block_k)
         bm = gemm_block_m(rows)
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
-        tma_cfg = replace(cfg, tma=min(cfg.tma, 1)) if early else cfg  # the early path loads activations by pointer
-        x_arg, w_arg, tma = _tma_args(x, w, bm, cfg.block_n, cfg.block_k, tma_cfg)
+        x_arg, w_arg, tma = _tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
         _linear_partials_kernel[grid](x_arg, w_arg, out, rows, N, K, k_per_split, x.stride(0), w.stride(0),
-                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TMA=tma, EARLY=early,
+                                      BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TMA=tma,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out
 

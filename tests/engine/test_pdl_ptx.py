@@ -21,7 +21,7 @@ PTR_BF16, PTR_F32, PTR_I32, I32 = "*bf16", "*fp32", "*i32", "i32"
 KERNELS = {
     "linear_partials": (triton_gemm._linear_partials_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_F32, M=I32, N=I32, K=I32, k_per_split=I32, stride_xm=I32,
-        stride_wn=I32), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EARLY=0)),
+        stride_wn=I32), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
     "gate_up_silu": (triton_gemm._gate_up_silu_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
@@ -32,11 +32,10 @@ KERNELS = {
 }
 
 
-def _source(name: str, use_pdl: bool, tma: int = 0, **extra) -> ASTSource:
+def _source(name: str, use_pdl: bool, tma: int = 0) -> ASTSource:
     """The kernel's source as the engine's launch specializes it; with tma (GemmConfig.tma) 1 its weights, with 2
     also its activations, come in as TMA descriptors of the kernel's boxes (benchmarks/triton_key.py uses it)."""
     fn, types, constexprs = KERNELS[name]
-    constexprs = {**constexprs, **extra}
     rows = constexprs.get("BLOCK_N", constexprs.get("BLOCK_D"))
     boxes = {"w_ptr": (rows, constexprs["BLOCK_K"]), "x_ptr": (constexprs["BLOCK_M"], constexprs["BLOCK_K"])}
     types = {**types, **{arg: "tensordesc<bf16[%d, %d]>" % boxes[arg] for arg in ("w_ptr", "x_ptr")[:tma]}}
@@ -48,9 +47,9 @@ def _source(name: str, use_pdl: bool, tma: int = 0, **extra) -> ASTSource:
     return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def _ptx(name: str, use_pdl: bool, tma: int = 0, **extra) -> list[str]:
+def _ptx(name: str, use_pdl: bool, tma: int = 0) -> list[str]:
     """The kernel's PTX (`_source`'s)."""
-    compiled = triton.compile(_source(name, use_pdl, tma, **extra), target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(_source(name, use_pdl, tma), target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]  # ptxas accepted it
     return [line.strip() for line in compiled.asm["ptx"].splitlines()]
 
@@ -68,18 +67,6 @@ def test_the_wait_comes_before_every_load(name, tma):
     assert loads and 0 <= wait < launch, (wait, launch)
     assert any("cp.async.bulk.tensor" in lines[i] for i in loads) == (tma > 0)  # TMA loads only with TMA
     assert wait < loads[0]  # nothing the kernel before writes is read before the wait
-
-
-@pytest.mark.parametrize("early", [1, 4])
-def test_early_weight_boxes_load_before_the_wait_and_activations_after(early):
-    # GemmConfig.early_o / early_down (the host passes TMA 1 then): the split's first `early` weight boxes through
-    # TMA before the wait, which only the weights (no kernel's output) may cross; every activation load after it
-    lines = _ptx("linear_partials", use_pdl=True, tma=1, EARLY=early, BLOCK_M=64)
-    wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
-    assert 0 <= wait < launch
-    tma_loads = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line]
-    assert sum(i < wait for i in tma_loads) == early
-    assert not any(("ld.global" in line or "cp.async.cg" in line or "cp.async.ca" in line) for line in lines[:wait])
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -2,8 +2,7 @@
 written from the math (x @ w.T summed over the K splits; silu(x @ gate.T) * (x @ up.T)), in Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed) on fresh random inputs. The shapes
 cover a split of one block, a K that is not a multiple of the block (the last block is masked) and several
-blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads), and
-the partials with 1-4 weight boxes loaded before the PDL wait. qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
+blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads). qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
 
 from __future__ import annotations
 
@@ -27,13 +26,6 @@ for rows, K, N, splits, block_k in [(3, 64, 48, 4, 16), (9, 100, 40, 2, 32), (20
         got = triton_gemm.linear_partials(x, w, splits, GemmConfig(block_n=16, block_k=block_k, tma=tma))
         assert got.shape == (splits, rows, N)
         assert err(got.sum(0), x.double() @ w.double().T) < 1e-5, (rows, K, splits, tma)
-        # GemmConfig.early_o / early_down: the split's first boxes of weights loaded before the PDL wait (clipped to
-        # the split's boxes), their activations by pointer: the same sums in the same order as without
-        plain = triton_gemm.linear_partials(x, w, splits, GemmConfig(block_n=16, block_k=block_k, tma=min(tma, 1)))
-        for early in (1, 2, 4):
-            early_got = triton_gemm.linear_partials(x, w, splits, GemmConfig(block_n=16, block_k=block_k, tma=tma),
-                                                    early)
-            assert torch.equal(early_got, plain), (rows, K, splits, tma, early)
         w2 = torch.randn(2 * N, K, generator=g) / math.sqrt(K)
         gate, up = x.double() @ w2[:N].double().T, x.double() @ w2[N:].double().T
         got = triton_gemm.gate_up_silu(x, w2, GemmConfig(block_n_gate=16, block_k=block_k, tma=tma))

@@ -59,24 +59,6 @@ def test_fused_gemms_match_the_cublas_path(rows, hidden, inter, kdim, cfg):
         assert rel_err(got_h, ref_h) < 1e-2 and rel_err(got_x, ref_x) < 1e-2
 
 
-@pytest.mark.parametrize("early", [1, 2, 4])
-@pytest.mark.parametrize("rows", [1, 33, 64])
-@pytest.mark.parametrize("kdim,splits", [(2048, 4), (5632, 4), (200, 2)])
-def test_early_weight_boxes_give_the_same_partials(rows, kdim, splits, early):
-    # GemmConfig.early_o / early_down at the 64-row table's tiles: weights loaded before the PDL wait, activations by
-    # pointer after it; the same products in the same order as the loop's, so the partials equal the early-free ones
-    from engine import triton_gemm as tg
-
-    cfg = gemm_dispatch.gemm_config(64)
-    g = torch.Generator(device="cuda").manual_seed(rows + kdim)
-    a = torch.randn(rows, kdim, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, kdim, generator=g, device="cuda", dtype=torch.bfloat16) / kdim**0.5
-    got = tg.linear_partials(a, w, splits, cfg, early)
-    assert rel_err(got.sum(0), a.double() @ w.double().T) < 1e-5
-    plain = tg.linear_partials(a, w, splits, dataclasses.replace(cfg, tma=min(cfg.tma, 1)))
-    assert rel_err(got, plain) < 1e-6
-
-
 # block_k 256 only at <= 16 rows (a 16-row tile), as the table has it: a 64-row tile's 4 stages of 256-wide
 # blocks need 256 KiB of shared memory, more than the H200's 227
 QKV_CASES = [(rows, *cfg) for rows in (1, 5, 16, 33, 64, 100)
