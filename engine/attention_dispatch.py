@@ -60,12 +60,17 @@ MAX_BLOCK_M_FP32 = 16  # float32 inputs (IEEE dot): 32 rows and up spill registe
 # the KV of 8 requests at 2.7 TB/s (L = 768) to 3.9 TB/s (L = 4096) where one pass managed 1.9-2.1, and
 # 64 or more requests run one pass at 97-102% of the 4.3 TB/s copy bandwidth. Tiles past 16 rows keep
 # the unmeasured defaults. 3 stages for split-K: with 2, Triton's pipeliner loads the next tile's
-# block-table entries synchronously (two dependent memory round trips per tile).
+# block-table entries synchronously (two dependent memory round trips per tile). Sessions 29-30
+# (benchmarks/decode_attention.py --triton-grid, kv_layout_probe.py; docs/benchmarks.md): one-row calls of 33-66
+# requests read their keys 1.2-1.6% faster alone in one-warp programs of 16 keys, 4 stages (H200, N = 64, L = 640 /
+# 768), and the N = 64 full-depth step ran 0.8-1.6% faster with them in six of six harness runs (H100); at 256
+# requests they were 2.5% slower alone (H200), so that row keeps 32 keys and 2 warps.
 LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
     (0.25, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=16)),  # 1-2 requests
     (0.5, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=8)),  # 3-4
     (1.371, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=4)),  # 5-11
     (3.879, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=2)),  # 12-32
+    (8.0, 1, LaunchConfig(block_n=16, num_warps=1, num_stages=4, splits=1)),  # 33-66 one-row calls (session 30)
     (INF, 16, LaunchConfig(block_n=32, num_warps=2, num_stages=2, splits=1)),
     (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # big tiles: deep calls, GQA,
     (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # prompt chunks after a history

@@ -1,0 +1,177 @@
+"""How the 64-row fused GEMMs' time grows with their program count: is a kernel bound by the device's bandwidth
+(time grows with the bytes) or by each program's own stream (time stays flat while programs fill idle SMs)?
+
+Each op of engine/triton_gemm.py at the table's 64-row tiles (gemm_dispatch.gemm_config(64)), with every program's
+work as at Ouro-1.4B (K = 2048, or o_proj's 2048 in 4 splits), but the output width set so the grid has P programs:
+- `gate`: gate_up_silu, 64 gate + 64 up rows a program (Ouro-1.4B: 88 programs);
+- `qkv`: qkv_rope_store, a head's 2 x 16 dims a program, 4 a head (Ouro-1.4B: 48 heads, 192 programs);
+- `o`: linear_partials in 4 splits of 512, 64 columns a program (Ouro-1.4B: 128 programs).
+Timed as gemm_sweep.py times (24 weight copies so the L2 holds none, a CUDA graph, CUDA events), PDL as the engine
+launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
+
+    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.gemm_dispatch import gemm_config  # noqa: E402
+
+ROWS, HIDDEN, HEAD_DIM = 64, 2048, 128
+PROGRAMS = {"gate": (22, 44, 66, 88, 110, 132, 176, 264), "qkv": (48, 96, 132, 192, 264),
+            "o": (32, 64, 128, 132, 192, 264)}
+
+
+def _gpu():
+    """(triton_gemm, gemm_sweep's timed and weights): Triton's kernels, imported where a GPU runs them."""
+    from benchmarks.gemm_sweep import timed, weights
+    from engine import triton_gemm
+
+    return triton_gemm, timed, weights
+
+
+def case(op: str, programs: int) -> dict:
+    tg, timed, weights = _gpu()
+    cfg = gemm_config(ROWS)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(ROWS, HIDDEN, **bf)
+    if op == "gate":
+        inter = 64 * programs
+        ws = weights(2 * inter, HIDDEN)
+        fn = lambda: [tg.gate_up_silu(x, w, cfg) for w in ws]  # noqa: E731
+    elif op == "qkv":
+        heads = max(1, programs // 4)  # one kv head, the rest q heads: 4 programs a head at block_d 16
+        ws = weights(heads * HEAD_DIM, HIDDEN)
+        planes = torch.zeros(16, 1, HEAD_DIM, **bf)
+        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
+        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
+        fn = lambda: [  # noqa: E731
+            tg.qkv_rope_store(x, w, index, index, inv, planes, planes, heads - 2, 1, HEAD_DIM, cfg) for w in ws]
+    else:
+        n = 64 * max(1, programs // cfg.splits_o)
+        ws = weights(n, HIDDEN)
+        fn = lambda: [tg.linear_partials(x, w, cfg.splits_o, cfg) for w in ws]  # noqa: E731
+    us = timed(fn)
+    wbytes = ws[0].numel() * 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row = {"op": op, "programs": programs, "per_sm": programs / sms, "us": us, "weight_mb": wbytes / 1e6,
+           "tbps": wbytes / us / 1e6}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def tiles(op: str) -> list[dict]:
+    """The op at Ouro-1.4B's shape (64 rows) over tiles x stages x warps the table's sweep left out: deeper
+    pipelines (more bytes in flight per program) and wider tiles (fewer activation re-reads per weight byte)."""
+    tg, _, weights = _gpu()
+    base = gemm_config(ROWS)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(ROWS, HIDDEN, **bf)
+    out = []
+    if op == "qkv":
+        ws = weights(48 * HEAD_DIM, HIDDEN)
+        planes = torch.zeros(16, 16, HEAD_DIM, **bf)
+        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
+        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
+        grid = [(bd, bk, st, w) for bd in (16, 32) for bk in (64, 128) for st in (3, 4, 6, 8) for w in (4, 8)
+                if (ROWS + 2 * bd) * bk * 2 * st <= 200_000]
+        for bd, bk, st, w in grid:
+            cfg = replace(base, block_d_qkv=bd, block_k_qkv=bk, num_stages=st, num_warps=w)
+            fn = lambda cfg=cfg: [  # noqa: E731
+                tg.qkv_rope_store(x, w_, index, index, inv, planes, planes, 16, 16, HEAD_DIM, cfg) for w_ in ws]
+            out.append(_timed_row(op, f"d{bd}/k{bk}/s{st}/w{w}", fn, ws[0]))
+    else:
+        ws = weights(2 * 5632, HIDDEN)
+        grid = [(bn, bk, st, w) for bn in (32, 64) for bk in (64, 128) for st in (3, 4, 6, 8) for w in (4, 8)
+                if (ROWS + 2 * bn) * bk * 2 * st <= 200_000]
+        for bn, bk, st, w in grid:
+            cfg = replace(base, block_n_gate=bn, block_k=bk, num_stages=st, num_warps=w)
+            fn = lambda cfg=cfg: [tg.gate_up_silu(x, w_, cfg) for w_ in ws]  # noqa: E731
+            out.append(_timed_row(op, f"n{bn}/k{bk}/s{st}/w{w}", fn, ws[0]))
+    return out
+
+
+def split_shapes() -> list[dict]:
+    """What a K-split version of qkv and gate would stream, before any fix-up of the partial sums: the same weight
+    bytes as Ouro-1.4B's op (25.2 / 46.1 MB), each program over K / S of the hidden size, so S times the programs."""
+    tg, _, weights = _gpu()
+    base = gemm_config(ROWS)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    out = []
+    for k, bd in ((2048, 16), (1024, 32), (1024, 16), (512, 32)):
+        heads = 48 * HIDDEN // k
+        x = torch.randn(ROWS, k, **bf)
+        ws = weights(heads * HEAD_DIM, k)
+        planes = torch.zeros(16, 16, HEAD_DIM, **bf)
+        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
+        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
+        cfg = replace(base, block_d_qkv=bd)
+        fn = lambda x=x, ws=ws, cfg=cfg, heads=heads: [  # noqa: E731
+            tg.qkv_rope_store(x, w_, index, index, inv, planes, planes, heads - 32, 16, HEAD_DIM, cfg) for w_ in ws]
+        out.append(_timed_row("qkv", f"K{k}/d{bd} ({heads * HEAD_DIM // (2 * bd)} programs)", fn, ws[0]))
+    for k, bn in ((2048, 64), (1024, 64), (1024, 32), (512, 64)):
+        inter = 5632 * HIDDEN // k
+        x = torch.randn(ROWS, k, **bf)
+        ws = weights(2 * inter, k)
+        cfg = replace(base, block_n_gate=bn)
+        fn = lambda x=x, ws=ws, cfg=cfg: [tg.gate_up_silu(x, w_, cfg) for w_ in ws]  # noqa: E731
+        out.append(_timed_row("gate", f"K{k}/n{bn} ({inter // bn} programs)", fn, ws[0]))
+    return out
+
+
+def _timed_row(op: str, label: str, fn, w: torch.Tensor) -> dict:
+    try:
+        us = _gpu()[1](fn)
+    except Exception as e:  # noqa: BLE001 - recorded: a tile that does not compile or fit
+        row = {"op": op, "tile": label, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    else:
+        row = {"op": op, "tile": label, "us": us, "tbps": w.numel() * 2 / us / 1e6}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| op | programs | per SM | us | weights MB | TB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['programs']} | {r['per_sm']:.2f} | {r['us']:.2f} | {r['weight_mb']:.1f} | "
+              f"{r['tbps']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ops", default="gate,qkv,o")
+    ap.add_argument("--tiles", action="store_true", help="qkv and gate at Ouro-1.4B's shape over tiles x stages")
+    ap.add_argument("--split", action="store_true", help="qkv and gate over K / S with S times the programs")
+    args = ap.parse_args(argv)
+    if args.tiles or args.split:
+        rows = split_shapes() if args.split else [r for op in ("qkv", "gate") for r in tiles(op)]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / ("gemm_split.json" if args.split else "gemm_tiles.json")).write_text(json.dumps(rows, indent=1))
+        ok = [r for r in rows if "us" in r] if args.split else sorted((r for r in rows if "us" in r),
+                                                                     key=lambda r: (r["op"], r["us"]))
+        table = "\n".join(["| op | tile | us | TB/s |", "|---|---|---|---|"]
+                          + [f"| {r['op']} | {r['tile']} | {r['us']:.2f} | {r['tbps']:.2f} |" for r in ok])
+        print(table)
+        return rows
+    rows = [case(op, p) for op in args.ops.split(",") for p in PROGRAMS[op]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm_scaling.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    (args.out / "gemm_scaling.md").write_text(table + "\n")
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

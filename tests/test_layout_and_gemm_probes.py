@@ -1,0 +1,34 @@
+"""The host side of benchmarks/kv_layout_probe.py (the layouts' table: each layout and pool's time, HND over NHD per
+pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table), on hand-made rows (no GPU)."""
+
+from __future__ import annotations
+
+from tests.benchmark_scripts import load_benchmark
+
+layout = load_benchmark("kv_layout_probe")
+scaling = load_benchmark("gemm_scaling_probe")
+
+
+def row(layout_name: str, pool: str, us: float, launch: str = "table", ok: bool = True) -> dict:
+    return {"n": 64, "ctx": 640, "layout": layout_name, "pool": pool, "launch": launch, "us": us, "tbps": 335 / us,
+            "ok": ok}
+
+
+def test_the_layout_table_gives_hnd_over_nhd_in_each_pool():
+    rows = [row("nhd", "compact", 80.0), row("nhd", "spread", 82.0), row("hnd", "compact", 88.0),
+            row("hnd", "spread", 82.0 * 0.95, ok=False), row("nhd", "compact", 50.0, launch="n16/w1/s4/k1")]
+    lines = layout.markdown(rows).splitlines()
+    assert lines[0].startswith("| N | L | launch | nhd compact us (TB/s) | nhd spread us (TB/s) | hnd compact")
+    table_row = next(line for line in lines if "| table |" in line)
+    assert table_row.endswith("| 1.100 / 0.950 |")
+    assert "77.9 (4.30) WRONG" in table_row  # hnd spread's output was off: its time is marked
+    n16 = next(line for line in lines if "| n16/w1/s4/k1 |" in line)
+    assert "| 50.0 (6.70) | - | - | - | - |" in n16  # one cell measured: no ratio
+
+
+def test_the_scaling_table_lists_each_op_and_program_count():
+    rows = [{"op": "gate", "programs": 88, "per_sm": 88 / 132, "us": 20.0, "weight_mb": 46.1, "tbps": 2.305},
+            {"op": "qkv", "programs": 192, "per_sm": 192 / 132, "us": 12.5, "weight_mb": 25.2, "tbps": 2.016}]
+    lines = scaling.markdown(rows).splitlines()
+    assert lines[2] == "| gate | 88 | 0.67 | 20.00 | 46.1 | 2.31 |"
+    assert lines[3] == "| qkv | 192 | 1.45 | 12.50 | 25.2 | 2.02 |"
