@@ -62,9 +62,9 @@ MAX_BLOCK_M_FP32 = 16  # float32 inputs (IEEE dot): 32 rows and up spill registe
 # the unmeasured defaults. 3 stages for split-K: with 2, Triton's pipeliner loads the next tile's
 # block-table entries synchronously (two dependent memory round trips per tile). Sessions 29-30
 # (benchmarks/decode_attention.py --triton-grid, kv_layout_probe.py; docs/benchmarks.md): one-row calls of 33-66
-# requests read their keys 1.2-1.6% faster alone in one-warp programs of 16 keys, 4 stages (H200, N = 64, L = 640 /
-# 768), and the N = 64 full-depth step ran 0.8-1.6% faster with them in six of six harness runs (H100); at 256
-# requests they were 2.5% slower alone (H200), so that row keeps 32 keys and 2 warps.
+# requests read their keys 1.0-1.6% faster alone in one-warp programs of 16 keys, 4 stages (H200, N = 64, L = 640 /
+# 768), and the N = 64 full-depth step ran 0.8-1.6% faster with them in eight of eight harness runs (H100); at 256
+# requests they were 2-3% slower alone (H200), so that row keeps 32 keys and 2 warps.
 LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
     (0.25, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=16)),  # 1-2 requests
     (0.5, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=8)),  # 3-4
