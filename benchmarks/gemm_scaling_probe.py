@@ -40,6 +40,17 @@ def _gpu():
     return triton_gemm, timed, weights
 
 
+def _qkv_calls(tg, x: torch.Tensor, ws: list[torch.Tensor], kv_heads: int, cfg):
+    """qkv_rope_store over every weight copy: `kv_heads` kv heads, the rest of a copy's heads q heads, keys and
+    values into slot 0 of throwaway planes."""
+    planes = torch.zeros(16, kv_heads, HEAD_DIM, device=x.device, dtype=x.dtype)
+    index = torch.zeros(ROWS, dtype=torch.int64, device=x.device)
+    inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device=x.device)
+    q_heads = ws[0].shape[0] // HEAD_DIM - 2 * kv_heads
+    return lambda: [tg.qkv_rope_store(x, w, index, index, inv, planes, planes, q_heads, kv_heads, HEAD_DIM, cfg)
+                    for w in ws]
+
+
 def case(op: str, programs: int) -> dict:
     tg, timed, weights = _gpu()
     cfg = gemm_config(ROWS)
@@ -52,11 +63,7 @@ def case(op: str, programs: int) -> dict:
     elif op == "qkv":
         heads = max(1, programs // 4)  # one kv head, the rest q heads: 4 programs a head at block_d 16
         ws = weights(heads * HEAD_DIM, HIDDEN)
-        planes = torch.zeros(16, 1, HEAD_DIM, **bf)
-        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
-        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
-        fn = lambda: [  # noqa: E731
-            tg.qkv_rope_store(x, w, index, index, inv, planes, planes, heads - 2, 1, HEAD_DIM, cfg) for w in ws]
+        fn = _qkv_calls(tg, x, ws, 1, cfg)
     else:
         n = 64 * max(1, programs // cfg.splits_o)
         ws = weights(n, HIDDEN)
@@ -80,16 +87,11 @@ def tiles(op: str) -> list[dict]:
     out = []
     if op == "qkv":
         ws = weights(48 * HEAD_DIM, HIDDEN)
-        planes = torch.zeros(16, 16, HEAD_DIM, **bf)
-        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
-        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
         grid = [(bd, bk, st, w) for bd in (16, 32) for bk in (64, 128) for st in (3, 4, 6, 8) for w in (4, 8)
                 if (ROWS + 2 * bd) * bk * 2 * st <= 200_000]
         for bd, bk, st, w in grid:
             cfg = replace(base, block_d_qkv=bd, block_k_qkv=bk, num_stages=st, num_warps=w)
-            fn = lambda cfg=cfg: [  # noqa: E731
-                tg.qkv_rope_store(x, w_, index, index, inv, planes, planes, 16, 16, HEAD_DIM, cfg) for w_ in ws]
-            out.append(_timed_row(op, f"d{bd}/k{bk}/s{st}/w{w}", fn, ws[0]))
+            out.append(_timed_row(op, f"d{bd}/k{bk}/s{st}/w{w}", _qkv_calls(tg, x, ws, 16, cfg), ws[0]))
     else:
         ws = weights(2 * 5632, HIDDEN)
         grid = [(bn, bk, st, w) for bn in (32, 64) for bk in (64, 128) for st in (3, 4, 6, 8) for w in (4, 8)
@@ -112,12 +114,7 @@ def split_shapes() -> list[dict]:
         heads = 48 * HIDDEN // k
         x = torch.randn(ROWS, k, **bf)
         ws = weights(heads * HEAD_DIM, k)
-        planes = torch.zeros(16, 16, HEAD_DIM, **bf)
-        index = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
-        inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device="cuda")
-        cfg = replace(base, block_d_qkv=bd)
-        fn = lambda x=x, ws=ws, cfg=cfg, heads=heads: [  # noqa: E731
-            tg.qkv_rope_store(x, w_, index, index, inv, planes, planes, heads - 32, 16, HEAD_DIM, cfg) for w_ in ws]
+        fn = _qkv_calls(tg, x, ws, 16, replace(base, block_d_qkv=bd))
         out.append(_timed_row("qkv", f"K{k}/d{bd} ({heads * HEAD_DIM // (2 * bd)} programs)", fn, ws[0]))
     for k, bn in ((2048, 64), (1024, 64), (1024, 32), (512, 64)):
         inter = 5632 * HIDDEN // k
