@@ -1,6 +1,7 @@
 """The sampler's fast path (engine/triton_sampler.py) alone: microseconds per call at several row counts,
 captured in a CUDA graph of back-to-back calls (as a decode step runs it; gemm_sweep.timed), Ouro's
-vocabulary, temperature 1.
+vocabulary, temperature 1. A call is what the readout runs: the kernels and the logits' finite flags (readout_pass:
+a torch.isfinite pass beside a revision whose kernels do not return them).
 With ``--against REV`` the same file at git revision REV runs beside it, in turn (A, B, A, B), with the
 share of rows where the two drew the same token.
 
@@ -64,6 +65,13 @@ def eager_us(fn, calls: int = 20) -> float:
     return a.elapsed_time(b) * 1e3 / calls
 
 
+def readout_pass(mod, x: tuple) -> tuple:
+    """What engine/readout.launch_sample runs for fast-path rows: sample_plain, and the logits' finite flags
+    (from the kernels since they return them; before, a torch.isfinite(...).all(-1) pass of its own)."""
+    out = mod.sample_plain(*x)
+    return out if len(out) == 3 else (*out, torch.isfinite(x[0]).all(-1))
+
+
 def processed_path(x: tuple, smoke: bool) -> dict:
     """sampler.race both ways on processed log-probs of these logits (top-k 50, top-p 0.95), and the
     processed_logprobs pass before it."""
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
             row["same_tokens"] = float((tokens["this"] == tokens[args.against]).float().mean())
         for turn in ("", "#2") if not args.smoke else ():
             for name, mod in samplers.items():
-                row["us"][name + turn] = timed(lambda mod=mod: [mod.sample_plain(*x) for _ in range(COPIES)])
+                row["us"][name + turn] = timed(lambda mod=mod: [readout_pass(mod, x) for _ in range(COPIES)])
         row["processed"] = processed_path(x, args.smoke)
         results.append(row)
         print(json.dumps(row), flush=True)

@@ -55,13 +55,14 @@ def launch_sample(model: OuroForCausalLM, readouts: list[Readout], head_dtype: t
     h = torch.cat([r.hidden for r in readouts]) if len(readouts) > 1 else readouts[0].hidden
     items = [it for r in readouts for it in r.items]
     logits = model.logits(h, head_dtype)
-    finite = torch.isfinite(logits).all(-1)  # [rows]
     try:
         drawn = sample_on_device(logits, [spec.params for _, spec in items], [spec.token_index for _, spec in items],
                                  logprobs_mode)
     except Exception:  # what NaNs broke in the sampler: the non-finite logits are the error to report
-        require_finite(finite, [rid for rid, _ in items])
+        require_finite(torch.isfinite(logits).all(-1), [rid for rid, _ in items])
         raise
+    # [rows]: the fast path's kernels check the logits as they read them; otherwise a pass of its own
+    finite = drawn.finite if drawn.finite is not None else torch.isfinite(logits).all(-1)
     if finite.is_cuda:
         finite = to_host(finite)  # queued before the draws' copies, read after them
     drawn.start_copy()

@@ -144,6 +144,7 @@ class DeviceSample:
     logprobs: torch.Tensor  # [rows]: each token's reported log-prob
     num_top: list[int]  # per row: params.logprobs (top log-probs to report)
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # values, ids [rows with num_top > 0, k_max]
+    finite: torch.Tensor | None = None  # [rows] bool, every logit finite: the fast path's, from its one read
     _host: tuple | None = None  # (token_ids, logprobs, top) copies on the host, once queued
     _copied: object = None  # the CUDA event after those copies
 
@@ -187,11 +188,11 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], token_i
         ints = torch.tensor([[p.seed or 0 for p in params], token_indices, [p.is_greedy for p in params]],
                             dtype=torch.int64)
         ints, temps = ints.to(dev, non_blocking=True), temps.to(dev, non_blocking=True)
-        tokens, lps = sample_plain(logits, temps, ints[0], ints[1], ints[2])
+        tokens, lps, finite = sample_plain(logits, temps, ints[0], ints[1], ints[2])
         if raw and any(p.temperature != 1.0 and not p.is_greedy for p in params):  # else raw == processed
             z = logits.float()  # [rows, vocab]
             lps = z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(dim=-1)
-        return DeviceSample(tokens, lps, num_top)
+        return DeviceSample(tokens, lps, num_top, finite=finite)
     logprobs = processed_logprobs(logits, params, token_indices)  # [rows, vocab]
     dev = logprobs.device
     greedy = to_device([p.is_greedy for p in params], torch.bool, dev)

@@ -22,7 +22,8 @@ for vocab, rows in ((97, 40), (5000, 13), (4096, 6)):
     temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
     seeds = torch.tensor([p.seed for p in params])
     greedy = torch.tensor([p.is_greedy for p in params])
-    tokens, lps = sample_plain(logits, temps, seeds, cnt, greedy)
+    tokens, lps, finite = sample_plain(logits, temps, seeds, cnt, greedy)
+    assert torch.equal(finite, torch.isfinite(logits).all(-1)), finite  # row 0's -inf: not finite
     ref_lp = processed_logprobs(logits, params)
     ref_tok = race(ref_lp, greedy, seeds, cnt)  # the torch race: counter uniforms, float64 keys
     assert torch.equal(tokens, ref_tok), (tokens, ref_tok)
@@ -66,7 +67,8 @@ def test_the_kernels_race_processed_rows_as_the_torch_sampler_does():
 
 # NaN logits (weights that overflowed): the kernels never draw a NaN, so every id stays inside the vocabulary
 # (the last chunk's lanes past it hold -inf keys, which a NaN compared against could otherwise lose to); a row of
-# NaN draws id 0; a row with any NaN reports a NaN log-prob (the engine's non-finite check fails it)
+# NaN draws id 0; a row with any NaN reports a NaN log-prob (the engine's non-finite check fails it); the kernels'
+# finite flags (the engine's check on the fast path) are False for rows with a NaN or an inf, True otherwise
 NAN = """
 import torch
 from engine.triton_sampler import sample_plain
@@ -82,7 +84,13 @@ for vocab in (97, 5000):
     logits[nan] = float("nan")
     temps = torch.tensor([1.0, 0.7] * 4)
     greedy = torch.tensor([i % 3 == 0 for i in range(rows)])
-    tokens, lps = sample_plain(logits, temps, torch.arange(rows) + 5, torch.ones(rows, dtype=torch.int64), greedy)
+    logits[7, vocab // 3] = float("inf")  # the finite row but for one +inf
+    _, _, finite = sample_plain(logits, temps, torch.arange(rows) + 5, torch.ones(rows, dtype=torch.int64), greedy)
+    assert not finite.any(), finite
+    logits[7, vocab // 3] = 0.0
+    tokens, lps, finite = sample_plain(logits, temps, torch.arange(rows) + 5, torch.ones(rows, dtype=torch.int64),
+                                       greedy)
+    assert finite.tolist() == [False] * 7 + [True], finite  # the lanes past the vocabulary (-inf) do not count
     assert tokens[0] == 0 and tokens[1] == vocab - 1, tokens
     assert not nan[torch.arange(1, rows), tokens[1:]].any(), tokens
     assert torch.isnan(lps[:7]).all() and torch.isfinite(lps[7]), lps

@@ -179,7 +179,12 @@ def test_triton_sampler_equals_the_torch_sampler(vocab):
     seeds = torch.tensor([p.seed for p in params], device="cuda")
     cnt = torch.tensor(counters, device="cuda")
     greedy = torch.tensor([p.is_greedy for p in params], device="cuda")
-    tokens, lps = sample_plain(logits, temps, seeds, cnt, greedy)
+    logits[5, 3] = float("nan")
+    logits[9, -1] = float("-inf")
+    tokens, lps, finite = sample_plain(logits, temps, seeds, cnt, greedy)
+    assert torch.equal(finite, torch.isfinite(logits).all(-1)) and finite.sum() == rows - 2
+    logits[5, 3] = logits[9, -1] = 0.0
+    tokens, lps, _ = sample_plain(logits, temps, seeds, cnt, greedy)
     ref_lp = processed_logprobs(logits, params)
     ref_tok = race(ref_lp, greedy, seeds, cnt)  # the torch race (triton_kernel off): counter uniforms, float64 keys
     assert (tokens == ref_tok).float().mean() > 0.99  # float32 vs float64 rounding may flip a near-tie
