@@ -2,7 +2,7 @@
 captured in a CUDA graph of back-to-back calls (as a decode step runs it; gemm_sweep.timed), Ouro's
 vocabulary, temperature 1. A call is what the readout runs: the kernels and the logits' finite flags (readout_pass:
 a torch.isfinite pass beside a revision whose kernels do not return them).
-With ``--against REV`` the same file at git revision REV runs beside it, in turn (A, B, A, B), with the
+With ``--against REV`` the same file at git revision REV (or a .py file) runs beside it, in turn (A, B, A, B), with the
 share of rows where the two drew the same token.
 
     python benchmarks/sampler_bench.py --out DIR [--rows 8,64,256] [--against 9e1f2a0~1]
@@ -35,9 +35,13 @@ from gemm_sweep import COPIES, timed  # noqa: E402  (graph-replayed timing of CO
 
 
 def sampler_at(rev: str):
-    """engine/triton_sampler.py as of git revision `rev`, imported as a module of its own."""
-    src = subprocess.run(["git", "show", f"{rev}:engine/triton_sampler.py"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    """engine/triton_sampler.py as of git revision `rev` (or the .py file at that path: a device copy may carry
+    no git history), imported as a module of its own."""
+    if rev.endswith(".py") and Path(rev).is_file():
+        src = Path(rev).read_text()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:engine/triton_sampler.py"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "sampler_at_rev.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"sampler_at_{abs(hash(rev))}", path)
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="8,64,256")
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--against", default=None, help="a git revision whose triton_sampler.py runs beside this one")
+    ap.add_argument("--against", default=None,
+                    help="a git revision (or a .py file) whose triton_sampler.py runs beside this one")
     ap.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tokens only, no timing")
     args = ap.parse_args(argv)
     out = Path(args.out)
