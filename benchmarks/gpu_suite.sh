@@ -157,9 +157,11 @@ if [ "$what" = paged_decode ]; then  # the paged kernel's launch for the decode 
     status=${PIPESTATUS[0]}
   fi
   gluon=--no-gluon; [ "${PD_GLUON:-0}" = 1 ] && gluon=""
-  timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" \
-    --shapes "${PD_SHAPES:-64x512,64x640,64x768}" --triton-grid --ceilings $gluon 2>&1 | tee "$OUT/paged_decode.log" \
-    | grep -v '^[0-9]' | tail -12
+  if [ "${PD_PROBE:-1}" != 0 ]; then  # PD_PROBE=0: no probe (give PD_SETTINGS)
+    timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" \
+      --shapes "${PD_SHAPES:-64x512,64x640,64x768}" --triton-grid --ceilings $gluon 2>&1 \
+      | tee "$OUT/paged_decode.log" | grep -v '^[0-9]' | tail -12
+  fi
   PD_SETTINGS=${PD_SETTINGS:-auto}
   if [ "$PD_SETTINGS" = auto ]; then
     PD_SETTINGS=$(python3 benchmarks/decode_attention.py --out "$OUT/paged_decode" --best "${PD_BEST:-2}" 2>/dev/null)

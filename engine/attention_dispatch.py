@@ -36,6 +36,7 @@ class LaunchConfig:
     num_stages: int  # software-pipelining stages of the key loop
     splits: int = 1  # 1: one pass writes the output; > 1: split-K partials + the combine kernel
     head_major: bool = False  # programs launch request by request (its kv heads together) instead of head by head
+    meta_early: bool = False  # with PDL: the request's lengths and first key tile's block ids loaded before the wait
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -203,18 +204,22 @@ def parse_ring(text: str) -> DecodeConfig:
 
 def parse_launch(text: str) -> LaunchConfig | None:
     """A launch of the paged kernel as text (OUROBATCH_PAGED_DECODE; benchmarks/decode_attention.py's labels):
-    "n32/w2/s2" with optional "/kSPLITS" and "/head" (head_major), e.g. "n16/w2/s3/k1/head"; None for "" or "0"."""
+    "n32/w2/s2" with optional "/kSPLITS", then "/head" (head_major) and "/meta" (meta_early), e.g.
+    "n16/w2/s3/k1/head", "n16/w1/s4/k1/meta"; None for "" or "0"."""
     text = text.strip().lower()
     if text in ("", "0"):
         return None
     parts = text.split("/")
+    meta_early = parts[-1] == "meta"
+    parts = parts[: len(parts) - meta_early]
     head_major = parts[-1] == "head"
     fields = {p[:1]: p[1:] for p in parts[: len(parts) - head_major]}
     if (len(fields) != len(parts) - head_major or not {"n", "w", "s"} <= set(fields) <= {"n", "w", "s", "k"}
             or not all(v.isdigit() for v in fields.values())):
-        raise ValueError(f"a paged attention launch must read nBLOCK_N/wWARPS/sSTAGES[/kSPLITS][/head] (e.g. "
-                         f"n32/w2/s2, n16/w2/s3/k1/head) or 0, got {text!r}")
-    return LaunchConfig(int(fields["n"]), int(fields["w"]), int(fields["s"]), int(fields.get("k", 1)), head_major)
+        raise ValueError(f"a paged attention launch must read nBLOCK_N/wWARPS/sSTAGES[/kSPLITS][/head][/meta] (e.g. "
+                         f"n32/w2/s2, n16/w2/s3/k1/head, n16/w1/s4/meta) or 0, got {text!r}")
+    return LaunchConfig(int(fields["n"]), int(fields["w"]), int(fields["s"]), int(fields.get("k", 1)), head_major,
+                        meta_early)
 
 
 PAGED_DECODE_ENV = "OUROBATCH_PAGED_DECODE"  # the paged kernel's launch for one-row calls (a measuring knob)
@@ -235,7 +240,8 @@ def launch_override(max_rows: int, tiled: bool) -> LaunchConfig | None:
 
 def launch_label(c: LaunchConfig) -> str:
     """parse_launch's text for `c`."""
-    return f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/k{c.splits}" + ("/head" if c.head_major else "")
+    return (f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/k{c.splits}" + ("/head" if c.head_major else "")
+            + ("/meta" if c.meta_early else ""))
 
 
 def query_tiling(max_rows: int, group: int, head_dim: int, fp32: bool = False) -> tuple[int, int]:

@@ -120,7 +120,7 @@ def attention_key(s: KernelShapes, seqs: int, max_rows: int, rows: int, tiles: i
     strides = (int_class(rows * s.num_heads * s.head_dim), int_class(rows * s.num_heads)) if split else ()
     # a tiled launch passes m_tiles as 1 (its programs walk the tile map instead): one specialization for all
     paged = (config.block_n, config.num_warps, config.num_stages, split, block_m, int_class(1 if tiles else m_tiles),
-             tiles > 0, config.head_major and not tiles)
+             tiles > 0, config.head_major and not tiles, config.meta_early)
     combine = (int_class(config.splits), 1 << (config.splits - 1).bit_length()) + strides if split else None
     return paged + strides, combine
 

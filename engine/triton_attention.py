@@ -75,15 +75,25 @@ def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_b
 
 
 @triton.jit
+def _wait_after(blocks, lengths):
+    """The PDL wait (griddepcontrol.wait) as an asm that consumes the first key tile's block ids and the request's
+    lengths, so their loads land before it: they run while the kernel before (qkv) ends, not after it (LLVM would
+    otherwise sink them past the wait, to their first use). The loop's loads of the same ids then hit in L1."""
+    token = tl.sum(blocks, 0) + lengths
+    tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, tiles_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
     stride_k_block, stride_k_slot, stride_k_head, stride_bt, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    META_EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+    if USE_PDL and not META_EARLY:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if TILED:  # axis 0 walks a tile map of (sequence, M tile) pairs; padding tiles name a sequence of no rows
@@ -104,6 +114,18 @@ def _paged_attention_kernel(
     n_q = tl.load(query_start_ptr + seq + 1) - q_begin
     ctx = tl.load(context_lens_ptr + seq)
 
+    # Keys this tile's rows see: 0 .. the position of its last row (none if it holds no row of the request).
+    last_row = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_q - 1)
+    kv_len = tl.where((m_tile * BLOCK_M) // GROUP < n_q, ctx - n_q + last_row + 1, 0)
+    # This split's share: whole key tiles, so split boundaries never cut a tile.
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
+    if USE_PDL and META_EARLY:  # the lengths and block ids are the host's (no kernel of the step writes them)
+        _wait_after(tl.load(block_tables_ptr + seq * stride_bt + (lo + tl.arange(0, BLOCK_N)) // PAGE,
+                            mask=lo + tl.arange(0, BLOCK_N) < hi, other=0), q_begin + n_q + ctx)
+        tl.extra.cuda.gdc_launch_dependents()
+
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP  # new row of this request
     head = kv_head * GROUP + offs_m % GROUP  # query head
@@ -113,14 +135,6 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_row[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
                 mask=m_valid[:, None], other=0.0)
     q_pos = ctx - n_q + row
-
-    # Keys this tile's rows see: 0 .. the position of its last row (none if it holds no row of the request).
-    last_row = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_q - 1)
-    kv_len = tl.where((m_tile * BLOCK_M) // GROUP < n_q, ctx - n_q + last_row + 1, 0)
-    # This split's share: whole key tiles, so split boundaries never cut a tile.
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
 
     acc, m_i, l_i = _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head,
                                  stride_k_block, stride_k_slot, stride_k_head, qk_scale,
@@ -172,7 +186,7 @@ def launch_paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torc
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d,
         IEEE=q.dtype == torch.float32, SPLIT=splits > 1, TILED=tiles is not None, HEAD_MAJOR=head_major,
-        num_warps=config.num_warps,
+        META_EARLY=config.meta_early, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_kwargs(q.device),
     )
     if splits > 1 and rows > 0:

@@ -207,7 +207,9 @@ def test_fold_env_values():
 @pytest.mark.parametrize("text,expect", [("n16/w2/s3", LaunchConfig(16, 2, 3)), ("0", None), (" ", None),
                                          ("N32/W4/S2/K2", LaunchConfig(32, 4, 2, 2)),
                                          ("n16/w2/s3/k1/head", LaunchConfig(16, 2, 3, 1, head_major=True)),
-                                         ("w2/s3/n64/head", LaunchConfig(64, 2, 3, head_major=True))])
+                                         ("w2/s3/n64/head", LaunchConfig(64, 2, 3, head_major=True)),
+                                         ("n16/w1/s4/meta", LaunchConfig(16, 1, 4, meta_early=True)),
+                                         ("n16/w2/s3/k1/head/meta", LaunchConfig(16, 2, 3, 1, True, True))])
 def test_parse_launch_and_its_label(text, expect):
     from engine.attention_dispatch import launch_label, parse_launch
 
@@ -220,6 +222,8 @@ def test_parse_launch_and_its_label(text, expect):
                                         ("n16/n32/w2/s2", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/w2/s3/head/head", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/w2/s3/early", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/w2/s3/meta/head", "nBLOCK_N/wWARPS/sSTAGES"),
+                                        ("n16/w2/s3/meta/meta", "nBLOCK_N/wWARPS/sSTAGES"),
                                         ("n16/w2/sx", "nBLOCK_N/wWARPS/sSTAGES"), ("n16/w2/s3/x1", "nBLOCK_N"),
                                         ("n24/w2/s2", "block_n must be a power of two"),
                                         ("n16/w3/s2", "num_warps must be one of")])

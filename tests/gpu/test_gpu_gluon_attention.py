@@ -11,7 +11,7 @@ import torch
 
 from engine.attention_dispatch import DecodeConfig
 
-from .test_gpu_attention_kernels import Case, capture
+from .test_gpu_attention_kernels import Case
 
 
 def _hopper() -> bool:
@@ -89,65 +89,6 @@ def test_dispatch_routes_decode_calls_only(monkeypatch):
     monkeypatch.setattr(triton_attention, "_GLUON", {})
     with pytest.raises(ValueError, match="OUROBATCH_DECODE_ATTENTION must be gluon or triton"):
         triton_attention.gluon_decode(one.q.device)
-
-
-@pytest.mark.parametrize("config", CONFIGS[:2] + [DecodeConfig(32, 6, 1, early=False)],
-                         ids=lambda c: f"n{c.block_n}s{c.stages}k{c.splits}{'' if c.early else 'late'}")
-def test_new_key_written_by_the_kernel_before_is_seen(config):
-    # The loader streams the history before the PDL wait and waits only before the tile holding the new row.
-    # A slow kernel before it (launched with PDL, as the qkv kernel is) writes that row's key and value: in a
-    # CUDA graph, replayed with fresh values each time, attention must always see them.
-    from engine import pdl
-
-    if not pdl.enabled(torch.device("cuda")):
-        pytest.skip("PDL is off on this device")
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def slow_store(src_k, src_v, k_ptr, v_ptr, slot_ptr, row_elems, spin, USE_PDL: tl.constexpr,
-                   BLOCK: tl.constexpr):
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        seq = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < row_elems
-        k = tl.load(src_k + seq * row_elems + offs, mask=mask).to(tl.float32)
-        v = tl.load(src_v + seq * row_elems + offs, mask=mask).to(tl.float32)
-        for _ in range(spin):  # a few microseconds of work before the store, exact (x * 1 + 0)
-            k = k * 1.0 + 0.0 * tl.sin(k)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        tl.store(k_ptr + slot * row_elems + offs, k.to(k_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + slot * row_elems + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-
-    ctx = [40, 200, 17, 640, 1]
-    case = Case(ctx, [1] * len(ctx), 16, 16, 128, torch.bfloat16, seed=21)
-    tables, lens, starts, _, scale = case.args
-    blocks, page, heads, d = case.k.shape
-    last = [c - 1 for c in ctx]
-    slots = torch.tensor([case.block_ids[i][p // page] * page + p % page for i, p in enumerate(last)],
-                         dtype=torch.int32, device="cuda")
-    src_k = torch.empty(len(ctx), heads * d, dtype=torch.bfloat16, device="cuda")
-    src_v = torch.empty_like(src_k)
-
-    def step() -> torch.Tensor:
-        slow_store[(len(ctx),)](src_k, src_v, case.k, case.v, slots, heads * d, 300,
-                                BLOCK=triton.next_power_of_2(heads * d), **pdl.launch_kwargs(case.q.device))
-        return _run(case, config)
-
-    graph, out = capture(step)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    for _ in range(5):
-        src_k.copy_(torch.randn(src_k.shape, generator=g, device="cuda") * 4)
-        src_v.copy_(torch.randn(src_v.shape, generator=g, device="cuda") * 4)
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, p in enumerate(last):  # the reference's pool, with the new rows
-            block, off = case.block_ids[i][p // page], p % page
-            case.pool.k[0, 0, block, off] = src_k[i].view(heads, d).double().cpu()
-            case.pool.v[0, 0, block, off] = src_v[i].view(heads, d).double().cpu()
-        case.check(out, case.reference(ctx))
 
 
 @pytest.mark.parametrize("config", CONFIGS + [DecodeConfig(32, 3, ctas_per_sm=2)],
