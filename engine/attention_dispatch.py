@@ -65,15 +65,15 @@ MAX_BLOCK_M_FP32 = 16  # float32 inputs (IEEE dot): 32 rows and up spill registe
 # (benchmarks/decode_attention.py --triton-grid, kv_layout_probe.py; docs/benchmarks.md): one-row calls of 33-66
 # requests read their keys 1.0-1.6% faster alone in one-warp programs of 16 keys, 4 stages (H200, N = 64, L = 640 /
 # 768), and the N = 64 full-depth step ran 0.8-1.6% faster with them in eight of eight harness runs (H100); at 256
-# requests they were 2-3% slower alone (H200), so that row keeps 32 keys and 2 warps. Session 31: one-row calls
-# load their lengths and first block ids before the PDL wait (meta_early; the N = 64 step 0.1-0.5% faster, H100).
+# requests they were 2-3% slower alone (H200), so that row keeps 32 keys and 2 warps. Session 31: that row's calls
+# load their lengths and first block ids before the PDL wait (meta_early): the N = 64 step 0.06-0.5% faster in five
+# of five harness runs, the N = 256 step (at n32/w2/s2) 0-0.3% slower in two (H100), so only this row has it.
 LAUNCH_TABLE: tuple[tuple[float, float, LaunchConfig], ...] = (
     (0.25, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=16)),  # 1-2 requests
     (0.5, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=8)),  # 3-4
     (1.371, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=4)),  # 5-11
     (3.879, 16, LaunchConfig(block_n=64, num_warps=2, num_stages=3, splits=2)),  # 12-32
     (8.0, 1, LaunchConfig(block_n=16, num_warps=1, num_stages=4, splits=1, meta_early=True)),  # 33-66 one-row calls
-    (INF, 1, LaunchConfig(block_n=32, num_warps=2, num_stages=2, splits=1, meta_early=True)),  # 67 and more
     (INF, 16, LaunchConfig(block_n=32, num_warps=2, num_stages=2, splits=1)),
     (0.5, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=4)),  # big tiles: deep calls, GQA,
     (2.0, INF, LaunchConfig(block_n=64, num_warps=4, num_stages=3, splits=2)),  # prompt chunks after a history
