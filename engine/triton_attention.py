@@ -34,6 +34,7 @@ from .attention_combine import combine_splits
 from .attention_dispatch import (O_ROWS, DecodeConfig, FoldConfig, LaunchConfig, choose_config, decode_config,
                                  given_out, launch_override, o_fold_applies, parse_fold, parse_ring, query_tiling)
 from .pdl import num_sms  # the dispatch's SM count (tests/gpu and attention_sweep.py import it from here)
+from .pdl_wait import wait_after
 
 
 @triton.jit
@@ -75,16 +76,6 @@ def _attend_keys(q, q_pos, lo, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_b
 
 
 @triton.jit
-def _wait_after(blocks, lengths):
-    """The PDL wait (griddepcontrol.wait) as an asm that consumes the first key tile's block ids and the request's
-    lengths, so their loads land before it: they run while the kernel before (qkv) ends, not after it (LLVM would
-    otherwise sink them past the wait, to their first use). The loop's loads of the same ids then hit in L1."""
-    token = tl.sum(blocks, 0) + lengths
-    tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, tiles_ptr, m_tiles,
     stride_q_row, stride_q_head, stride_o_split, stride_o_row, stride_o_head, stride_lse_split, stride_lse_row,
@@ -122,9 +113,9 @@ def _paged_attention_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_len, lo + tiles_per_split * BLOCK_N)
     if USE_PDL and META_EARLY:  # the lengths and block ids are the host's (no kernel of the step writes them)
-        _wait_after(tl.load(block_tables_ptr + seq * stride_bt + (lo + tl.arange(0, BLOCK_N)) // PAGE,
-                            mask=lo + tl.arange(0, BLOCK_N) < hi, other=0), q_begin + n_q + ctx)
-        tl.extra.cuda.gdc_launch_dependents()
+        first = tl.load(block_tables_ptr + seq * stride_bt + (lo + tl.arange(0, BLOCK_N)) // PAGE,
+                        mask=lo + tl.arange(0, BLOCK_N) < hi, other=0)  # the first key tile's block ids (L1 after)
+        wait_after(tl.sum(first, 0) + q_begin + n_q + ctx)  # then wait for the kernel before (q, the new row)
 
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP  # new row of this request

@@ -1,0 +1,29 @@
+"""The PDL wait after a kernel's early work (Triton; engine/pdl.py says what PDL is and when it is on).
+
+With programmatic dependent launch a kernel's programs start while the kernel before still runs, and
+``griddepcontrol.wait`` holds them until its results are visible. Inputs that kernel cannot have written (the
+host's metadata: lengths, block ids, positions, KV slots; the model's constants) can be read, and worked on,
+before the wait. LLVM sinks such loads past Triton's ``gdc_wait`` to their first use, so ``wait_after`` is the
+wait as an asm that consumes a value computed from them: everything that value depends on happens first.
+Used by the paged attention kernel (LaunchConfig.meta_early) and the qkv + RoPE + store kernel (its positions,
+cos / sin and slots). Imported lazily, as every Triton module here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_after(token):
+    """griddepcontrol.wait once `token` (a 32-bit scalar: int32 or float32) is computed, then let the next kernel
+    launch (griddepcontrol.launch_dependents), as engine/pdl.py's prologue does."""
+    if token.dtype == tl.float32:
+        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.float32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    tl.extra.cuda.gdc_launch_dependents()
+
