@@ -36,7 +36,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
-from .pdl_wait import wait_after
 from .triton_fused import add_norm2_store
 
 
@@ -144,24 +143,18 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
     d = d0 + tl.arange(0, BLOCK_D)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < M
-    # The rows' positions and slots are the host's and inv_freq the model's (no kernel of the step writes them):
-    # with PDL their loads and RoPE's cos / sin run before the wait, while the kernel before ends, not in the tail.
-    rope = head < n_q_heads + n_kv_heads  # q and k heads: RoPE, as triton_fused.rope_store_kv computes it
-    pos = tl.load(pos_ptr + rm, mask=rmask & rope, other=0).to(tl.float32)
-    angle = pos[:, None] * tl.load(inv_freq_ptr + d)[None, :]
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    slot = tl.load(slot_ptr + rm, mask=rmask & (head >= n_q_heads), other=0).to(tl.int64)
-    if USE_PDL:
-        wait_after(tl.sum(tl.sum(cos + sin, 1), 0) + tl.sum(slot, 0).to(tl.float32))
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
     row0 = head * 2 * HALF + d0
     acc1, acc2 = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, row0, row0 + HALF, w_rows, w_rows + HALF,
-                           n_rows, stride_wn, K, BLOCK_M, BLOCK_D, BLOCK_K, TMA, False)
+                           n_rows, stride_wn, K, BLOCK_M, BLOCK_D, BLOCK_K, TMA, USE_PDL)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
     x2 = acc2.to(dtype).to(tl.float32)
-    if rope:
+    if head < n_q_heads + n_kv_heads:  # q and k heads: RoPE, as triton_fused.rope_store_kv computes it
+        pos = tl.load(pos_ptr + rm, mask=rmask, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(inv_freq_ptr + d)[None, :]
+        cos, sin = tl.cos(angle), tl.sin(angle)
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     mask = rmask[:, None]
     if head < n_q_heads:
@@ -170,6 +163,7 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
         tl.store(out + HALF, x2.to(dtype), mask=mask)
     else:
         kv_head = (head - n_q_heads) % n_kv_heads
+        slot = tl.load(slot_ptr + rm, mask=rmask, other=0).to(tl.int64)
         dst = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
         if head < n_q_heads + n_kv_heads:
             tl.store(k_cache_ptr + dst, x1.to(dtype), mask=mask)

@@ -66,16 +66,7 @@ def test_the_wait_comes_before_every_load(name, tma):
     loads = [i for i, line in enumerate(lines) if "ld.global" in line or "cp.async" in line]  # maybe predicated
     assert loads and 0 <= wait < launch, (wait, launch)
     assert any("cp.async.bulk.tensor" in lines[i] for i in loads) == (tma > 0)  # TMA loads only with TMA
-    early = [lines[i] for i in loads if i < wait]
-    if name != "qkv_rope_store":
-        assert early == []  # nothing the kernel before writes is read before the wait
-        return
-    # qkv + RoPE + store: the positions, slots and inv_freq (the host's, the model's; 32-bit here) load before the
-    # wait, and RoPE's cos / sin are computed there (libdevice's reduction table: ld.global.nc); no activation or
-    # weight load (16-byte vectors through pointers, cp.async, TMA) comes before it
-    assert early and all(x.lstrip("@%p0123456789 ").startswith("ld.global.") and ".v4." not in x for x in early)
-    assert any(x.lstrip("@%p0123456789 ").startswith("ld.global.b32 ") for x in early)
-    assert any(x.startswith("fma.rn") for x in lines[:wait])  # libdevice's sin / cos
+    assert wait < loads[0]  # nothing the kernel before writes is read before the wait
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
