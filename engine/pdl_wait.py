@@ -28,4 +28,3 @@ def wait_after(token):
         tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
                                   is_pure=False, pack=1)
     tl.extra.cuda.gdc_launch_dependents()
-
