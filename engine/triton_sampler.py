@@ -98,7 +98,8 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
                  greedy: torch.Tensor, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [rows, vocab]; per-row temperature (1 for greedy rows), seed, counter, greedy flag.
     Returns token ids [rows] int64, their processed log-probs [rows] float32, and whether each row's logits are
-    all finite [rows] bool (torch.isfinite(logits).all(-1), from the same read of the logits)."""
+    all finite [rows] bool (torch.isfinite(logits).all(-1), from the same read of the logits, as the float32 values
+    the race reads: a float64 logit past float32's range counts as not finite)."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
