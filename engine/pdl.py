@@ -6,8 +6,9 @@ while the one before it still runs: its blocks start, wait at ``griddepcontrol.w
 before has finished and its writes are visible, then run; and each kernel lets the next one launch as
 soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``). So only the launch
 latency is hidden, never a dependency: every kernel launched with PDL waits before it stores anything or
-loads anything a kernel before it writes (the ``if USE_PDL:`` prologue of each kernel, a constexpr branch
-the compiler drops when off). Loading weights (which no kernel of a step writes) before the wait was
+loads anything the kernel right before it may write (the ``if USE_PDL:`` prologue of each kernel, a constexpr
+branch the compiler drops when off; the paged attention kernel's meta_early reads the step's metadata, written
+many kernels earlier, before its wait: engine/pdl_wait.py says why that is safe). Loading weights (which no kernel of a step writes) before the wait was
 measured twice on the H200 and lost both times: an L2 prefetch (session 8) and the first blocks into
 registers (session 9, docs/benchmarks.md).
 
