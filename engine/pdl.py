@@ -8,9 +8,9 @@ soon as all of its own blocks are resident (``griddepcontrol.launch_dependents``
 latency is hidden, never a dependency: every kernel launched with PDL waits before it stores anything or
 loads anything the kernel right before it may write (the ``if USE_PDL:`` prologue of each kernel, a constexpr
 branch the compiler drops when off; the paged attention kernel's meta_early reads the step's metadata, written
-many kernels earlier, before its wait: engine/pdl_wait.py says why that is safe). Loading weights (which no kernel of a step writes) before the wait was
-measured twice on the H200 and lost both times: an L2 prefetch (session 8) and the first blocks into
-registers (session 9, docs/benchmarks.md).
+many kernels earlier, before its wait: engine/pdl_wait.py says why that is safe). Loading weights (which no
+kernel of a step writes) before the wait was measured twice on the H200 and lost both times: an L2 prefetch
+(session 8) and the first blocks into registers (session 9, docs/benchmarks.md).
 
 Kernels launched without PDL (cuBLAS, torch's own) are ordinary stream dependencies before and after.
 ``enabled(device)``: on for CUDA devices of compute capability 9.0 and later (off below); OUROBATCH_PDL=0
