@@ -27,10 +27,6 @@ import triton.language as tl
 def wait_after(token):
     """griddepcontrol.wait once `token` (a 32-bit scalar: int32 or float32) is computed, then let the next kernel
     launch (griddepcontrol.launch_dependents), as engine/pdl.py's prologue does."""
-    if token.dtype == tl.float32:
-        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.float32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [token], dtype=token.dtype,
+                              is_pure=False, pack=1)
     tl.extra.cuda.gdc_launch_dependents()

@@ -90,11 +90,14 @@ def test_what_the_kernel_before_writes_is_what_attention_reads(config):
 
     graph, out = capture(step)
     g = torch.Generator(device="cuda").manual_seed(5)
+    before = out.clone()
     for _ in range(5):
         for src in (src_q, src_k, src_v):
             src.copy_(torch.randn(src.shape, generator=g, device="cuda") * 4)
         graph.replay()
         torch.cuda.synchronize()
+        assert not torch.equal(out, before)  # each replay's output is of its own fresh values
+        before = out.clone()
         case.q_ref = src_q.view(len(ctx), heads, d).double().cpu()
         for i, p in enumerate(last):  # the reference's pool, with the new rows
             block, off = case.block_ids[i][p // page], p % page
