@@ -9,7 +9,7 @@ work as at Ouro-1.4B (K = 2048, or o_proj's 2048 in 4 splits), but the output wi
 Timed as gemm_sweep.py times (24 weight copies so the L2 holds none, a CUDA graph, CUDA events), PDL as the engine
 launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
 
-    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling
+    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling [--tiles | --split | --stream]
 """
 
 from __future__ import annotations
@@ -126,6 +126,27 @@ def split_shapes() -> list[dict]:
     return out
 
 
+def stream_k() -> list[dict]:
+    """gate_up + SiLU at Ouro-1.4B's shape: the one-tile launch against the stream-K one (engine/triton_streamk.py)
+    at program counts up to one per SM, K steps and stages; each stream-K output checked against the one-tile's."""
+    tg, _, weights = _gpu()
+    from engine import triton_streamk as sk
+
+    base, sms = gemm_config(ROWS), torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ws, flags = weights(2 * 5632, HIDDEN), sk.new_flags(x.device)
+    out = [_timed_row("gate", "one tile a program (table)", lambda: [tg.gate_up_silu(x, w, base) for w in ws], ws[0])]
+    for programs in (sms, sms - 4, 110, 88):
+        for bk, st in ((128, 4), (128, 3), (64, 6), (64, 8)):
+            cfg = replace(base, block_k=bk, block_k_gate=0, num_stages=st)
+            got, want = sk.gate_up_silu_stream(x, ws[0], cfg, flags, programs), tg.gate_up_silu(x, ws[0], base)
+            err = float((got.double() - want.double()).norm() / want.double().norm())
+            fn = lambda cfg=cfg, p=programs: [sk.gate_up_silu_stream(x, w, cfg, flags, p) for w in ws]  # noqa: E731
+            row = _timed_row("gate", f"stream-K {programs} programs, k{bk}/s{st}", fn, ws[0])
+            out.append({**row, "rel_err_vs_one_tile": err, "flags_zero": int(flags.abs().sum()) == 0})
+    return out
+
+
 def _timed_row(op: str, label: str, fn, w: torch.Tensor) -> dict:
     try:
         us = _gpu()[1](fn)
@@ -150,13 +171,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ops", default="gate,qkv,o")
     ap.add_argument("--tiles", action="store_true", help="qkv and gate at Ouro-1.4B's shape over tiles x stages")
     ap.add_argument("--split", action="store_true", help="qkv and gate over K / S with S times the programs")
+    ap.add_argument("--stream", action="store_true", help="gate: the one-tile launch against stream-K launches")
     args = ap.parse_args(argv)
-    if args.tiles or args.split:
-        rows = split_shapes() if args.split else [r for op in ("qkv", "gate") for r in tiles(op)]
+    if args.tiles or args.split or args.stream:
+        name = "split" if args.split else "stream" if args.stream else "tiles"
+        rows = {"split": split_shapes, "stream": stream_k}.get(name, lambda: [r for op in ("qkv", "gate")
+                                                                              for r in tiles(op)])()
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / ("gemm_split.json" if args.split else "gemm_tiles.json")).write_text(json.dumps(rows, indent=1))
-        ok = [r for r in rows if "us" in r] if args.split else sorted((r for r in rows if "us" in r),
-                                                                     key=lambda r: (r["op"], r["us"]))
+        (args.out / f"gemm_{name}.json").write_text(json.dumps(rows, indent=1))
+        ok = [r for r in rows if "us" in r] if name != "tiles" else sorted((r for r in rows if "us" in r),
+                                                                         key=lambda r: (r["op"], r["us"]))
         table = "\n".join(["| op | tile | us | TB/s |", "|---|---|---|---|"]
                           + [f"| {r['op']} | {r['tile']} | {r['us']:.2f} | {r['tbps']:.2f} |" for r in ok])
         print(table)

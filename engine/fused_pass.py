@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import kv_prefetch_dispatch as kvp
 from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
-from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
+from .gemm_dispatch import GemmConfig, gemm_block_m, gemm_config, qkv_block_d
 from .kv_cache import KVPool
 from .mlp_dispatch import mlp_folds
 
@@ -55,12 +55,18 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
     return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)
 
 
-def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so."""
+def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None,
+                 flags: torch.Tensor | None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so; a stream-K launch on the
+    model's flags (OuroForCausalLM.gate_flags) where the config asks for one and the call is one row tile."""
     if gemm is None:
         from . import triton_fused as fused
 
         return fused.silu_mul(F.linear(x, w_gate_up))
+    if gemm.stream_gate and flags is not None and x.shape[0] <= gemm_block_m(x.shape[0]):
+        from . import triton_streamk
+
+        return triton_streamk.gate_up_silu_stream(x, w_gate_up, gemm, flags)
     from . import triton_gemm
 
     return triton_gemm.gate_up_silu(x, w_gate_up, gemm)
@@ -141,7 +147,7 @@ def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMet
         return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
     h, x = attention_add_norm(model, h, q, layer, meta, pool, loop, gemm)
     prefetch.at("gate_up", loop, index + 1)
-    m = gate_up_silu(x, mlp.gate_up_weight, gemm)
+    m = gate_up_silu(x, mlp.gate_up_weight, gemm, model.gate_flags)
     return linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps,
                            prefetch.hook("norm", loop, index + 1))
 

@@ -7,7 +7,9 @@ its last entry (or a shape the kernels were not tuned for) keep the cuBLAS path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import os
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class GemmConfig:
     # loads through Hopper's TMA (tensor descriptors; Triton pipelines the box loads with mbarriers) instead of
     # pointer loads (cp.async): 0 none, 1 the weights, 2 the weights and the activations; sm90+ only, else 0
     tma: int = 0
+    # gate_up_silu as a stream-K launch (engine/triton_streamk.py): one program per SM over equal shares of the
+    # (tile, K block) units, instead of one program per tile; one row tile (<= 64 rows), CUDA only
+    stream_gate: bool = False
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -65,11 +70,22 @@ def gemm_block_m(rows: int) -> int:
 
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
-    """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call."""
+    """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
+    OUROBATCH_GATE_STREAM (0 / 1) sets stream_gate in every row of the table (a measuring switch)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            return cfg
+            stream = gate_stream_setting()
+            return cfg if stream is None else replace(cfg, stream_gate=stream)
     return None
+
+
+@functools.cache
+def gate_stream_setting() -> bool | None:
+    """OUROBATCH_GATE_STREAM: "1" the stream-K gate_up, "0" the one-tile launch, unset: the table's choice."""
+    value = os.environ.get("OUROBATCH_GATE_STREAM", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"OUROBATCH_GATE_STREAM must be 0 or 1 (or unset), got {value!r}")
+    return None if value == "" else value == "1"
 
 
 def qkv_block_d(cfg: GemmConfig | None, head_dim: int) -> int:

@@ -292,7 +292,7 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
 
 def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
-    gate_up + SiLU per tile height and tiles, the add + norm over partials per split count (its SPLITS
+    gate_up + SiLU (one-tile or stream-K launch) per tile height and tiles, the add + norm over partials per split count (its SPLITS
     constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per tile height and tiles.
     Their row counts are not specialized (engine/triton_gemm.py). Each key's first item names the kernel; no key
     for a call cuBLAS runs."""
@@ -300,8 +300,9 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     if cfg is None:
         return set()
     bm, rest = gemm_block_m(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
+    gate = "gate_up_stream" if cfg.stream_gate else "gate_up"  # triton_streamk's kernel, or triton_gemm's
     keys = ({("partials", bm, cfg.block_n, cfg.block_k) + rest,
-             ("gate_up", bm, cfg.block_n_gate, gate_block_k(cfg)) + rest}
+             (gate, bm, cfg.block_n_gate, gate_block_k(cfg)) + rest}
             | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:

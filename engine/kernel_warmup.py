@@ -169,8 +169,8 @@ def launch_sampler(s: KernelShapes, rows: int, device: torch.device, filtered: b
 def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch.Tensor],
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
-    (o_proj's and down_proj's launches), the add + norm over key[1] partials, gate_up + SiLU, or qkv + RoPE
-    + store."""
+    (o_proj's and down_proj's launches), the add + norm over key[1] partials, gate_up + SiLU (one-tile or
+    stream-K), or qkv + RoPE + store."""
     from . import triton_gemm
 
     cfg = gemm_config(rows)
@@ -190,6 +190,11 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
         partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)
         triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
+    elif key[0] == "gate_up_stream":
+        from . import triton_streamk
+
+        triton_streamk.gate_up_silu_stream(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg,
+                                           triton_streamk.new_flags(device))
     else:
         triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
 
@@ -248,7 +253,8 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
-    uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "norm_partials": ()}
+    uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "gate_up_stream": ("gate_up",),
+            "norm_partials": ()}
 
     def scratch(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         with made:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import gemm_dispatch
 from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config
 
 
@@ -41,3 +42,22 @@ def test_a_tile_holds_the_rows_in_a_power_of_two_between_16_and_64(rows):
     assert bm in (16, 32, 64)
     assert bm >= rows or bm == 64, "all rows in one tile up to 64; past it, tiles of 64"
     assert bm == 16 or bm // 2 < rows, "the smallest such tile"
+
+
+def test_the_gate_stream_switch_sets_every_rows_choice_and_refuses_other_values(monkeypatch):
+    table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64, stream_gate=True)))
+    try:
+        for value, want in (("1", True), ("0", False)):
+            monkeypatch.setenv("OUROBATCH_GATE_STREAM", value)
+            gemm_dispatch.gate_stream_setting.cache_clear()
+            assert [gemm_config(r, table).stream_gate for r in (8, 64)] == [want, want]
+            assert gemm_config(64, table).block_n == 64  # only the switch's field changes
+        monkeypatch.setenv("OUROBATCH_GATE_STREAM", "yes")
+        gemm_dispatch.gate_stream_setting.cache_clear()
+        with pytest.raises(ValueError, match="OUROBATCH_GATE_STREAM must be 0 or 1"):
+            gemm_config(64, table)
+        monkeypatch.delenv("OUROBATCH_GATE_STREAM")
+        gemm_dispatch.gate_stream_setting.cache_clear()
+        assert gemm_config(8, table) is table[0][1] and gemm_config(64, table) is table[1][1]  # unset: the table's
+    finally:
+        gemm_dispatch.gate_stream_setting.cache_clear()

@@ -1,0 +1,41 @@
+"""engine/triton_streamk's kernel compiled for sm90 on the CPU (where Triton is installed; CI has none), at the
+engine's 64-row launch (TMA boxes, 4 warps, 4 stages): its flat K loop is software-pipelined (several stages of
+weight and activation boxes in shared memory, as the one-tile kernel has; a tl.debug_barrier in the loop would
+have stopped that: hence the asm barrier), every producer's partial stores come before a bar.sync and that before
+the one release of its flag, and an owner takes flags with an acquire compare-and-swap. The math: the interpreter
+test (test_streamk_interpreted.py) and tests/gpu/test_gpu_streamk.py."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from .test_pdl_ptx import _source  # noqa: E402
+
+
+def _compiled(name: str):
+    return triton.compile(_source(name, use_pdl=True, tma=2), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": 4})
+
+
+def test_the_stream_k_loop_is_pipelined_like_the_one_tile_kernels():
+    stream, one_tile = _compiled("gate_up_silu_stream"), _compiled("gate_up_silu")
+    stage = (2 * 64 * 128 + 64 * 128) * 2  # a stage: gate and up boxes (64 x 128) and the activations' (64 x 128)
+    assert 3 * stage < stream.metadata.shared <= 227 * 1024
+    assert stream.metadata.shared >= 0.9 * one_tile.metadata.shared
+    boxes = [x for x in stream.asm["ptx"].splitlines() if "cp.async.bulk.tensor" in x]
+    assert len(boxes) >= 9  # the loop's three boxes, in the prologue too (an unpipelined loop has only them)
+
+
+def test_a_producers_stores_come_before_a_barrier_and_then_its_release():
+    lines = [x.strip() for x in _compiled("gate_up_silu_stream").asm["ptx"].splitlines()]
+    releases = [i for i, x in enumerate(lines) if "atom.global" in x and "release" in x and "exch" in x]
+    assert len(releases) == 2  # the publish inside the loop and the one after it
+    for i in releases:
+        stores = [j for j in range(i) if lines[j].startswith("st.global.cg")]
+        barrier = max(j for j in range(i) if lines[j].startswith("bar.sync"))
+        assert stores and stores[-1] < barrier < i
+    assert any("atom.global" in x and "acquire" in x and "cas" in x for x in lines)
