@@ -2,7 +2,7 @@
 # The whole GPU session's work in one `device` call: install the carried wheels and the package, run the
 # GPU tests, run the throughput benchmark (or, with `rollout`, benchmarks/rollout.py), leave everything
 # under $OUT, print a short table last.
-#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|paged_decode|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
+#   run(command="bash benchmarks/gpu_suite.sh [tests|bench|all|rollout|rl|rl_pipeline|public|serving|itl|mixed|sweep|profile|gemm|pdl|probe|probe_ws|probe_layer|probe_layer64|probe_step64|layers64|kv_prefetch|paged_decode|streamk|decode_attn|fold_o|fold_mlp|layers|layers_probe|mlp_probe|timeline|cold|startup|load|targets_a|targets_b|targets] [args...]", carry=[".whl"])
 # GPU_TESTS: the test files of the tests mode (default tests/gpu); GPU_TESTS_PART=i/n: the i-th of n parts of them.
 # Every mode ends in finish(): $OUT then holds only summary.md (the tables, stage results, the target table
 # in the targets modes) and results.tgz (everything else, logs included), since the device returns at most
@@ -142,6 +142,27 @@ if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the
       OUROBATCH_KV_PREFETCH=$v timeout -k 10 120 python3 benchmarks/throughput.py \
         --out "$OUT/pf/pf_${v//:/_}_r$r" --configs interval1 --scenarios "${PF_SCENARIOS:-64x512x256}" 2>&1 \
         | tee "$OUT/pf_${v//:/_}_r$r.log" | grep '^|' | tail -3
+    done
+  done
+fi
+if [ "$what" = streamk ]; then  # the stream-K gate_up (engine/triton_streamk.py): its GPU tests (SK_TESTS=0: none),
+  # the probe (gemm_scaling_probe.py --stream; SK_PROBE=0: none), then the decode harness at SK_SCENARIOS (default
+  # 64x512x256) with OUROBATCH_GATE_STREAM=0 and 1 alternated, SK_ROUNDS rounds (default 3), each its own process,
+  # only if the tests passed
+  if [ "${SK_TESTS:-1}" != 0 ]; then
+    timeout -k 10 300 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x tests/gpu/test_gpu_streamk.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    status=${PIPESTATUS[0]}
+  fi
+  if [ "${SK_PROBE:-1}" != 0 ] && [ "$status" = 0 ]; then
+    timeout -k 10 240 python3 benchmarks/gemm_scaling_probe.py --out "$OUT/streamk" --stream 2>&1 \
+      | tee "$OUT/streamk_probe.log" | grep '^|' | tail -20
+  fi
+  for r in $( [ "$status" = 0 ] && seq 1 "${SK_ROUNDS:-3}"); do
+    for v in 0 1; do
+      OUROBATCH_GATE_STREAM=$v timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/sk/sk_${v}_r$r" \
+        --configs interval1 --scenarios "${SK_SCENARIOS:-64x512x256}" 2>&1 | tee "$OUT/sk_${v}_r$r.log" \
+        | grep '^|' | tail -1 | sed "s|^|OUROBATCH_GATE_STREAM=$v r$r: |"
     done
   done
 fi

@@ -96,8 +96,10 @@ def _gate_up_silu_sk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, 
     start = pid * total // programs  # ranges of floor(total / programs) or one more units, none empty
     end = (pid + 1) * total // programs
     rm = tl.arange(0, BLOCK_M)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the range's running sums, never reset: a segment's
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # are them less the sums when the segment before ended
+    base_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (writes to the MMA accumulators between MMAs would
+    base_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # make ptxas serialize them)
     top = (end - 1) % iters  # K block the current segment started at (walking down): iters - 1 unless a producer's
     for i in range(0, end - start):
         u = end - 1 - i
@@ -110,16 +112,16 @@ def _gate_up_silu_sk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, 
                   TMA > 0)
         wu = _box(w_ptr, N + tile * BLOCK_N, tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, kb * BLOCK_K, K,
                   BLOCK_K, TMA > 0)
-        acc_g += tl.dot(x, tl.trans(wg))
-        acc_u += tl.dot(x, tl.trans(wu))
+        acc_g = tl.dot(x, tl.trans(wg), acc_g)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u)
         if kb == 0 and u != start:  # a segment ends inside the range: the first met (maybe a producer) or a whole tile
             if top != iters - 1:
-                _publish(acc_g, acc_u, part_ptr, flag_ptr, pid, BLOCK_M, BLOCK_N, ASM)
+                _publish(acc_g - base_g, acc_u - base_u, part_ptr, flag_ptr, pid, BLOCK_M, BLOCK_N, ASM)
             else:
-                _silu_store(acc_g, acc_u, out_ptr, rm, rn, M, N)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                _silu_store(acc_g - base_g, acc_u - base_u, out_ptr, rm, rn, M, N)
+            base_g, base_u = acc_g, acc_u
             top = iters - 1
+    acc_g, acc_u = acc_g - base_g, acc_u - base_u
     tile = start // iters  # the last segment met: a producer's (range inside one tile), an owner's, or a whole tile
     if top != iters - 1:
         _publish(acc_g, acc_u, part_ptr, flag_ptr, pid, BLOCK_M, BLOCK_N, ASM)
@@ -128,7 +130,6 @@ def _gate_up_silu_sk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, 
             first = ((tile * iters + 1) * programs - 1) // total
             acc_g, acc_u = _collect(acc_g, acc_u, part_ptr, flag_ptr, first, pid, BLOCK_M, BLOCK_N)
         _silu_store(acc_g, acc_u, out_ptr, rm, tile * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
-
 
 def stream_programs(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
     """The launch's program count: one per SM, never more than (tile, K block) units (no range is empty)."""

@@ -39,3 +39,21 @@ def test_a_producers_stores_come_before_a_barrier_and_then_its_release():
         barrier = max(j for j in range(i) if lines[j].startswith("bar.sync"))
         assert stores and stores[-1] < barrier < i
     assert any("atom.global" in x and "acquire" in x and "cas" in x for x in lines)
+
+
+def test_ptxas_keeps_the_mmas_asynchronous_without_spills(tmp_path):
+    """The running sums are never reset inside the loop (a segment's sums are them less a copy): a write to the
+    MMA accumulators between MMAs makes ptxas serialize them (its warning C7515)."""
+    import os
+    import subprocess
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton's ptxas is not installed")
+    ptx = tmp_path / "stream.ptx"
+    ptx.write_text(_compiled("gate_up_silu_stream").asm["ptx"])
+    run = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", str(ptx), "-o", str(tmp_path / "stream.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "C7515" not in run.stderr and "serialized" not in run.stderr, run.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in run.stderr, run.stderr

@@ -9,13 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import gemm_dispatch, triton_gemm, triton_streamk
+from engine import gemm_dispatch
 from engine.gemm_dispatch import GemmConfig
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF = dict(device="cuda", dtype=torch.bfloat16)
+
+
+def kernels():
+    """(triton_gemm, triton_streamk): Triton's modules, imported where a GPU runs them (collection needs no Triton)."""
+    from engine import triton_gemm, triton_streamk
+
+    return triton_gemm, triton_streamk
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,6 +43,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tma", [0, 2])
 @pytest.mark.parametrize("num_sms", [None, 7, 64])
 def test_stream_k_gate_up_matches_float64_and_the_one_tile_kernel(rows, hidden, inter, tma, num_sms):
+    triton_gemm, triton_streamk = kernels()
     g = torch.Generator(device="cuda").manual_seed(rows * 31 + inter)
     x = torch.randn(rows, hidden, generator=g, **BF)
     w = torch.randn(2 * inter, hidden, generator=g, **BF) / hidden**0.5
@@ -51,6 +59,7 @@ def test_stream_k_gate_up_matches_float64_and_the_one_tile_kernel(rows, hidden, 
 
 
 def test_stream_k_gate_up_replays_in_a_graph_with_fresh_inputs():
+    triton_gemm, triton_streamk = kernels()
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(64, 2048, generator=g, **BF)
     w = torch.randn(2 * 5632, 2048, generator=g, **BF) / 2048**0.5
@@ -71,6 +80,7 @@ def test_stream_k_gate_up_replays_in_a_graph_with_fresh_inputs():
 
 
 def test_chained_stream_k_launches_under_pdl_read_the_launch_befores_output():
+    triton_gemm, triton_streamk = kernels()
     g = torch.Generator(device="cuda").manual_seed(4)
     n, steps = 512, 12
     ws = [torch.randn(2 * n, n, generator=g, **BF) / n**0.5 * 2 for _ in range(steps)]
