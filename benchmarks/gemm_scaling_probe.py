@@ -127,24 +127,44 @@ def split_shapes() -> list[dict]:
 
 
 def stream_k() -> list[dict]:
-    """gate_up + SiLU at Ouro-1.4B's shape: the one-tile launch against the stream-K one (engine/triton_streamk.py)
-    at program counts up to one per SM, K steps and stages; each stream-K output checked against the one-tile's."""
+    """gate_up + SiLU and qkv + RoPE + store at Ouro-1.4B's shape: the one-tile launches against the stream-K ones
+    (engine/triton_streamk.py) at program counts up to one per SM, tiles, K steps and stages; each stream-K output
+    checked against the one-tile launch's."""
     tg, _, weights = _gpu()
     from engine import triton_streamk as sk
 
     base, sms = gemm_config(ROWS), torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    ws, flags = weights(2 * 5632, HIDDEN), sk.new_flags(x.device)
+    flags = sk.new_flags(x.device)
+    ws = weights(2 * 5632, HIDDEN)
     out = [_timed_row("gate", "one tile a program (table)", lambda: [tg.gate_up_silu(x, w, base) for w in ws], ws[0])]
     for programs in (sms, sms - 4, 110, 88):
         for bk, st in ((128, 4), (128, 3), (64, 6), (64, 8)):
             cfg = replace(base, block_k=bk, block_k_gate=0, num_stages=st)
             got, want = sk.gate_up_silu_stream(x, ws[0], cfg, flags, programs), tg.gate_up_silu(x, ws[0], base)
-            err = float((got.double() - want.double()).norm() / want.double().norm())
             fn = lambda cfg=cfg, p=programs: [sk.gate_up_silu_stream(x, w, cfg, flags, p) for w in ws]  # noqa: E731
-            row = _timed_row("gate", f"stream-K {programs} programs, k{bk}/s{st}", fn, ws[0])
-            out.append({**row, "rel_err_vs_one_tile": err, "flags_zero": int(flags.abs().sum()) == 0})
+            out.append(_checked_row("gate", f"stream-K {programs} programs, k{bk}/s{st}", fn, ws[0], got, want, flags))
+    ws = weights(48 * HEAD_DIM, HIDDEN)
+    planes = torch.zeros(64, 16, HEAD_DIM, device=x.device, dtype=x.dtype)
+    index = torch.arange(ROWS, device=x.device)
+    inv = torch.ones(HEAD_DIM // 2, dtype=torch.float32, device=x.device)
+    qkv = lambda w, cfg: tg.qkv_rope_store(x, w, index, index, inv, planes, planes, 16, 16, HEAD_DIM, cfg)  # noqa: E731
+    sk_qkv = lambda w, cfg, p: sk.qkv_rope_store_stream(  # noqa: E731
+        x, w, index, index, inv, planes, planes, 16, 16, HEAD_DIM, cfg, flags, p)
+    out.append(_timed_row("qkv", "one tile a program (table)", lambda: [qkv(w, base) for w in ws], ws[0]))
+    for programs in (sms, 96):
+        for bd, st in ((16, 4), (16, 6), (16, 8), (32, 4), (32, 6)):
+            cfg = replace(base, block_d_qkv=bd, num_stages=st)
+            got, want = sk_qkv(ws[0], cfg, programs), qkv(ws[0], base)
+            fn = lambda cfg=cfg, p=programs: [sk_qkv(w, cfg, p) for w in ws]  # noqa: E731
+            out.append(_checked_row("qkv", f"stream-K {programs} programs, d{bd}/s{st}", fn, ws[0], got, want, flags))
     return out
+
+
+def _checked_row(op: str, label: str, fn, w: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+                 flags: torch.Tensor) -> dict:
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    return {**_timed_row(op, label, fn, w), "rel_err_vs_one_tile": err, "flags_zero": int(flags.abs().sum()) == 0}
 
 
 def _timed_row(op: str, label: str, fn, w: torch.Tensor) -> dict:
@@ -171,7 +191,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ops", default="gate,qkv,o")
     ap.add_argument("--tiles", action="store_true", help="qkv and gate at Ouro-1.4B's shape over tiles x stages")
     ap.add_argument("--split", action="store_true", help="qkv and gate over K / S with S times the programs")
-    ap.add_argument("--stream", action="store_true", help="gate: the one-tile launch against stream-K launches")
+    ap.add_argument("--stream", action="store_true", help="gate, qkv: the one-tile launches against stream-K ones")
     args = ap.parse_args(argv)
     if args.tiles or args.split or args.stream:
         name = "split" if args.split else "stream" if args.stream else "tiles"

@@ -145,10 +145,10 @@ if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the
     done
   done
 fi
-if [ "$what" = streamk ]; then  # the stream-K gate_up (engine/triton_streamk.py): its GPU tests (SK_TESTS=0: none),
+if [ "$what" = streamk ]; then  # the stream-K GEMMs (engine/triton_streamk.py): their GPU tests (SK_TESTS=0: none),
   # the probe (gemm_scaling_probe.py --stream; SK_PROBE=0: none), then the decode harness at SK_SCENARIOS (default
-  # 64x512x256) with OUROBATCH_GATE_STREAM=0 and 1 alternated, SK_ROUNDS rounds (default 3), each its own process,
-  # only if the tests passed
+  # 64x512x256) with OUROBATCH_STREAM_K at each of SK_VALUES (default none gate qkv gate,qkv) in turn, SK_ROUNDS rounds
+  # (default 2), each its own process, only if the tests passed
   if [ "${SK_TESTS:-1}" != 0 ]; then
     timeout -k 10 300 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x tests/gpu/test_gpu_streamk.py \
       2>&1 | tee "$OUT/gpu_tests.log" | tail -15
@@ -156,13 +156,13 @@ if [ "$what" = streamk ]; then  # the stream-K gate_up (engine/triton_streamk.py
   fi
   if [ "${SK_PROBE:-1}" != 0 ] && [ "$status" = 0 ]; then
     timeout -k 10 240 python3 benchmarks/gemm_scaling_probe.py --out "$OUT/streamk" --stream 2>&1 \
-      | tee "$OUT/streamk_probe.log" | grep '^|' | tail -20
+      | tee "$OUT/streamk_probe.log" | grep '^|' | tail -40
   fi
-  for r in $( [ "$status" = 0 ] && seq 1 "${SK_ROUNDS:-3}"); do
-    for v in 0 1; do
-      OUROBATCH_GATE_STREAM=$v timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/sk/sk_${v}_r$r" \
-        --configs interval1 --scenarios "${SK_SCENARIOS:-64x512x256}" 2>&1 | tee "$OUT/sk_${v}_r$r.log" \
-        | grep '^|' | tail -1 | sed "s|^|OUROBATCH_GATE_STREAM=$v r$r: |"
+  for r in $( [ "$status" = 0 ] && seq 1 "${SK_ROUNDS:-2}"); do
+    for v in ${SK_VALUES:-none gate qkv gate,qkv}; do
+      OUROBATCH_STREAM_K=$v timeout -k 10 150 python3 benchmarks/throughput.py --out "$OUT/sk/sk_${v/,/_}_r$r" \
+        --configs interval1 --scenarios "${SK_SCENARIOS:-64x512x256}" 2>&1 | tee "$OUT/sk_${v/,/_}_r$r.log" \
+        | grep '^|' | tail -1 | sed "s|^|OUROBATCH_STREAM_K=$v r$r: |"
     done
   done
 fi

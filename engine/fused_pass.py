@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import kv_prefetch_dispatch as kvp
 from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
-from .gemm_dispatch import GemmConfig, gemm_block_m, gemm_config, qkv_block_d
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
 from .kv_cache import KVPool
 from .mlp_dispatch import mlp_folds
 
@@ -43,9 +43,15 @@ def linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: 
 
 def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_freq: torch.Tensor,
                    k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
-                   gemm: GemmConfig | None) -> torch.Tensor:
-    """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so."""
+                   gemm: GemmConfig | None, flags: torch.Tensor | None) -> torch.Tensor:
+    """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so (stream-K
+    on the model's flags where the config asks for it and the call is one row tile)."""
     if qkv_block_d(gemm, d):
+        if gemm.stream_qkv and flags is not None and x.shape[0] <= 64:
+            from . import triton_streamk
+
+            return triton_streamk.qkv_rope_store_stream(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane,
+                                                        v_plane, Hq, Hkv, d, gemm, flags)
         from . import triton_gemm
 
         return triton_gemm.qkv_rope_store(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane, v_plane,
@@ -58,12 +64,12 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
 def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None,
                  flags: torch.Tensor | None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T), fused into the GEMM where gemm_dispatch says so; a stream-K launch on the
-    model's flags (OuroForCausalLM.gate_flags) where the config asks for one and the call is one row tile."""
+    model's flags (OuroForCausalLM.stream_flags) where the config asks for one and the call is one row tile."""
     if gemm is None:
         from . import triton_fused as fused
 
         return fused.silu_mul(F.linear(x, w_gate_up))
-    if gemm.stream_gate and flags is not None and x.shape[0] <= gemm_block_m(x.shape[0]):
+    if gemm.stream_gate and flags is not None and x.shape[0] <= 64:
         from . import triton_streamk
 
         return triton_streamk.gate_up_silu_stream(x, w_gate_up, gemm, flags)
@@ -115,7 +121,8 @@ def run_loops(model, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop:
         for i, layer in enumerate(layers):
             k_plane, v_plane = pool.plane(loop, layer.layer)
             prefetch.at("qkv", loop, i)
-            q = qkv_rope_store(x, layer.self_attn.qkv_weight, meta, freqs, k_plane, v_plane, Hq, Hkv, d, gemm)
+            q = qkv_rope_store(x, layer.self_attn.qkv_weight, meta, freqs, k_plane, v_plane, Hq, Hkv, d, gemm,
+                               model.stream_flags)
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
             h, x = attention_mlp(model, h, q, layer, meta, pool, loop, gemm, w_next, prefetch, i)
         readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
@@ -147,7 +154,7 @@ def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMet
         return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
     h, x = attention_add_norm(model, h, q, layer, meta, pool, loop, gemm)
     prefetch.at("gate_up", loop, index + 1)
-    m = gate_up_silu(x, mlp.gate_up_weight, gemm, model.gate_flags)
+    m = gate_up_silu(x, mlp.gate_up_weight, gemm, model.stream_flags)
     return linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps,
                            prefetch.hook("norm", loop, index + 1))
 

@@ -31,9 +31,10 @@ class GemmConfig:
     # loads through Hopper's TMA (tensor descriptors; Triton pipelines the box loads with mbarriers) instead of
     # pointer loads (cp.async): 0 none, 1 the weights, 2 the weights and the activations; sm90+ only, else 0
     tma: int = 0
-    # gate_up_silu as a stream-K launch (engine/triton_streamk.py): one program per SM over equal shares of the
-    # (tile, K block) units, instead of one program per tile; one row tile (<= 64 rows), CUDA only
+    # gate_up_silu / qkv_rope_store as stream-K launches (engine/triton_streamk.py): one program per SM over equal
+    # shares of the (tile, K block) units instead of one program per tile; one row tile (<= 64 rows), CUDA only
     stream_gate: bool = False
+    stream_qkv: bool = False
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -71,21 +72,29 @@ def gemm_block_m(rows: int) -> int:
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
-    OUROBATCH_GATE_STREAM (0 / 1) sets stream_gate in every row of the table (a measuring switch)."""
+    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table (a measuring switch)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            stream = gate_stream_setting()
-            return cfg if stream is None else replace(cfg, stream_gate=stream)
+            stream = stream_k_setting()
+            return cfg if stream is None else replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
     return None
 
 
+STREAM_K_OPS = ("gate", "qkv")
+
+
 @functools.cache
-def gate_stream_setting() -> bool | None:
-    """OUROBATCH_GATE_STREAM: "1" the stream-K gate_up, "0" the one-tile launch, unset: the table's choice."""
-    value = os.environ.get("OUROBATCH_GATE_STREAM", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"OUROBATCH_GATE_STREAM must be 0 or 1 (or unset), got {value!r}")
-    return None if value == "" else value == "1"
+def stream_k_setting() -> frozenset[str] | None:
+    """OUROBATCH_STREAM_K: the ops launched stream-K ("gate", "qkv", "gate,qkv"; "none": neither), unset: the
+    table's choice."""
+    value = os.environ.get("OUROBATCH_STREAM_K", "").strip()
+    if not value:
+        return None
+    ops = frozenset() if value == "none" else frozenset(v.strip() for v in value.split(","))
+    if not ops <= set(STREAM_K_OPS):
+        raise ValueError(f"OUROBATCH_STREAM_K must be 'none' or a comma list of {', '.join(STREAM_K_OPS)}, got "
+                         f"{value!r}")
+    return ops
 
 
 def qkv_block_d(cfg: GemmConfig | None, head_dim: int) -> int:

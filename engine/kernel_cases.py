@@ -292,10 +292,10 @@ def gemm_rows(s: KernelShapes, table=None) -> list[int]:
 
 def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
-    gate_up + SiLU (one-tile or stream-K launch) per tile height and tiles, the add + norm over partials per split count (its SPLITS
-    constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store per tile height and tiles.
-    Their row counts are not specialized (engine/triton_gemm.py). Each key's first item names the kernel; no key
-    for a call cuBLAS runs."""
+    gate_up + SiLU (one-tile or stream-K launch) per tile height and tiles, the add + norm over partials per split
+    count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store (one-tile or
+    stream-K) per tile height and tiles. Their row counts are not specialized (engine/triton_gemm.py). Each key's
+    first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
         return set()
@@ -306,7 +306,8 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
             | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, cfg.num_stages, cfg.tma))
+        keys.add(("qkv_stream" if cfg.stream_qkv else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps,
+                  cfg.num_stages, cfg.tma))
     return keys
 
 

@@ -170,18 +170,24 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
                 device: torch.device) -> None:
     """The skinny-GEMM kernel of `key` (kernel_cases.gemm_keys) at `rows` rows: the split-K partials
     (o_proj's and down_proj's launches), the add + norm over key[1] partials, gate_up + SiLU (one-tile or
-    stream-K), or qkv + RoPE + store."""
+    stream-K), or qkv + RoPE + store (one-tile or stream-K)."""
     from . import triton_gemm
 
     cfg = gemm_config(rows)
     zeros = dict(dtype=s.dtype, device=device)
-    if key[0] == "qkv":
+    if key[0] in ("qkv", "qkv_stream"):
         Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
         index = torch.zeros(rows, dtype=torch.int64, device=device)  # positions and slots (slot 0)
         inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
-        triton_gemm.qkv_rope_store(torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq,
-                                   plane, plane, Hq, Hkv, d, cfg)
+        args = (torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq, plane, plane, Hq, Hkv,
+                d, cfg)
+        if key[0] == "qkv":
+            triton_gemm.qkv_rope_store(*args)
+        else:
+            from . import triton_streamk
+
+            triton_streamk.qkv_rope_store_stream(*args, triton_streamk.new_flags(device))
     elif key[0] == "partials":
         for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
                                   (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
@@ -253,8 +259,8 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
     shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
-    uses = {"qkv": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",), "gate_up_stream": ("gate_up",),
-            "norm_partials": ()}
+    uses = {"qkv": ("qkv",), "qkv_stream": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",),
+            "gate_up_stream": ("gate_up",), "norm_partials": ()}
 
     def scratch(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         with made:

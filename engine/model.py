@@ -214,7 +214,7 @@ class OuroForCausalLM(nn.Module):
         # with the fused backend, outside any graph capture, and kept (graphs capture their address)
         self.o_barrier: torch.Tensor | None = None
         self.mlp_barrier: torch.Tensor | None = None  # the same for the MLP launch (gluon_mlp.py)
-        self.gate_flags: torch.Tensor | None = None  # the stream-K gate_up's flags (triton_streamk.py), the same way
+        self.stream_flags: torch.Tensor | None = None  # the stream-K GEMMs' flags (triton_streamk.py), the same way
         self.layer_stack = None  # the stacked weights of the loop-pass launch (layer_stack.py), where it runs
 
     def fuse_projections(self) -> None:
@@ -236,7 +236,7 @@ class OuroForCausalLM(nn.Module):
         if self.fused_kernels and device.type == "cuda" and self.o_barrier is None:
             self.o_barrier = torch.zeros(2, dtype=torch.int32, device=device)
             self.mlp_barrier = new_counters(device)
-            self.gate_flags = torch.zeros(1024, dtype=torch.int32, device=device)  # triton_streamk.new_flags
+            self.stream_flags = torch.zeros(1024, dtype=torch.int32, device=device)  # triton_streamk.new_flags
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

@@ -75,6 +75,47 @@ def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_ro
     return acc_a, acc_b
 
 
+@triton.jit
+def silu_store(acc_g, acc_u, out_ptr, rm, rn, M, N):
+    """gate_up's epilogue: silu(gate) * up of rows rm x columns rn into out [M, N] (past M or N: dropped)."""
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
+    up = acc_u.to(dtype).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def rope_store(acc1, acc2, head, d, rm, M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, n_q_heads,
+               n_kv_heads, stride_slot, stride_head, HALF: tl.constexpr):
+    """qkv's epilogue: dims d of `head`'s first half (acc1) and their partners (acc2) for rows rm < M, RoPE'd where
+    a q or k head, into q or the head's key or value slots."""
+    rmask = rm < M
+    dtype = q_ptr.dtype.element_ty
+    x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
+    x2 = acc2.to(dtype).to(tl.float32)
+    if head < n_q_heads + n_kv_heads:  # q and k heads: RoPE, as triton_fused.rope_store_kv computes it
+        pos = tl.load(pos_ptr + rm, mask=rmask, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(inv_freq_ptr + d)[None, :]
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    mask = rmask[:, None]
+    if head < n_q_heads:
+        out = q_ptr + (rm[:, None].to(tl.int64) * n_q_heads + head) * 2 * HALF + d[None, :]
+        tl.store(out, x1.to(dtype), mask=mask)
+        tl.store(out + HALF, x2.to(dtype), mask=mask)
+    else:
+        kv_head = (head - n_q_heads) % n_kv_heads
+        slot = tl.load(slot_ptr + rm, mask=rmask, other=0).to(tl.int64)
+        dst = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
+        if head < n_q_heads + n_kv_heads:
+            tl.store(k_cache_ptr + dst, x1.to(dtype), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
+        else:
+            tl.store(v_cache_ptr + dst, x1.to(dtype), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
@@ -107,11 +148,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     acc_g, acc_u = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, pid_n * BLOCK_N, N + pid_n * BLOCK_N,
                              tl.where(rn < N, rn, 2 * N), tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, K,
                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, USE_PDL)
-    dtype = out_ptr.dtype.element_ty
-    gate = acc_g.to(dtype).to(tl.float32)  # rounded as F.linear's output is, then silu_mul's math
-    up = acc_u.to(dtype).to(tl.float32)
-    y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    silu_store(acc_g, acc_u, out_ptr, rm, rn, M, N)
 
 
 @triton.jit(do_not_specialize=["rows"])  # one compile for every row count
@@ -142,35 +179,13 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
     d0 = (pid_c % (HALF // BLOCK_D)) * BLOCK_D
     d = d0 + tl.arange(0, BLOCK_D)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rm < M
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
     row0 = head * 2 * HALF + d0
     acc1, acc2 = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, row0, row0 + HALF, w_rows, w_rows + HALF,
                            n_rows, stride_wn, K, BLOCK_M, BLOCK_D, BLOCK_K, TMA, USE_PDL)
-    dtype = q_ptr.dtype.element_ty
-    x1 = acc1.to(dtype).to(tl.float32)  # the GEMM output in the model dtype, as F.linear's is
-    x2 = acc2.to(dtype).to(tl.float32)
-    if head < n_q_heads + n_kv_heads:  # q and k heads: RoPE, as triton_fused.rope_store_kv computes it
-        pos = tl.load(pos_ptr + rm, mask=rmask, other=0).to(tl.float32)
-        angle = pos[:, None] * tl.load(inv_freq_ptr + d)[None, :]
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    mask = rmask[:, None]
-    if head < n_q_heads:
-        out = q_ptr + (rm[:, None].to(tl.int64) * n_q_heads + head) * 2 * HALF + d[None, :]
-        tl.store(out, x1.to(dtype), mask=mask)
-        tl.store(out + HALF, x2.to(dtype), mask=mask)
-    else:
-        kv_head = (head - n_q_heads) % n_kv_heads
-        slot = tl.load(slot_ptr + rm, mask=rmask, other=0).to(tl.int64)
-        dst = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
-        if head < n_q_heads + n_kv_heads:
-            tl.store(k_cache_ptr + dst, x1.to(dtype), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
-        else:
-            tl.store(v_cache_ptr + dst, x1.to(dtype), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
+    rope_store(acc1, acc2, head, d, rm, M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, n_q_heads,
+               n_kv_heads, stride_slot, stride_head, HALF)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:

@@ -44,20 +44,23 @@ def test_a_tile_holds_the_rows_in_a_power_of_two_between_16_and_64(rows):
     assert bm == 16 or bm // 2 < rows, "the smallest such tile"
 
 
-def test_the_gate_stream_switch_sets_every_rows_choice_and_refuses_other_values(monkeypatch):
+def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(monkeypatch):
     table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64, stream_gate=True)))
     try:
-        for value, want in (("1", True), ("0", False)):
-            monkeypatch.setenv("OUROBATCH_GATE_STREAM", value)
-            gemm_dispatch.gate_stream_setting.cache_clear()
-            assert [gemm_config(r, table).stream_gate for r in (8, 64)] == [want, want]
-            assert gemm_config(64, table).block_n == 64  # only the switch's field changes
-        monkeypatch.setenv("OUROBATCH_GATE_STREAM", "yes")
-        gemm_dispatch.gate_stream_setting.cache_clear()
-        with pytest.raises(ValueError, match="OUROBATCH_GATE_STREAM must be 0 or 1"):
-            gemm_config(64, table)
-        monkeypatch.delenv("OUROBATCH_GATE_STREAM")
-        gemm_dispatch.gate_stream_setting.cache_clear()
+        for value, gate, qkv in (("gate,qkv", True, True), ("qkv", False, True), (" gate ", True, False),
+                                 ("none", False, False)):
+            monkeypatch.setenv("OUROBATCH_STREAM_K", value)
+            gemm_dispatch.stream_k_setting.cache_clear()
+            got = [gemm_config(r, table) for r in (8, 64)]
+            assert [(c.stream_gate, c.stream_qkv) for c in got] == [(gate, qkv)] * 2, value
+            assert got[1].block_n == 64  # only the switch's fields change
+        for bad in ("yes", "gate,up", "1"):
+            monkeypatch.setenv("OUROBATCH_STREAM_K", bad)
+            gemm_dispatch.stream_k_setting.cache_clear()
+            with pytest.raises(ValueError, match="OUROBATCH_STREAM_K must be 'none' or a comma list of gate, qkv"):
+                gemm_config(64, table)
+        monkeypatch.delenv("OUROBATCH_STREAM_K")
+        gemm_dispatch.stream_k_setting.cache_clear()
         assert gemm_config(8, table) is table[0][1] and gemm_config(64, table) is table[1][1]  # unset: the table's
     finally:
-        gemm_dispatch.gate_stream_setting.cache_clear()
+        gemm_dispatch.stream_k_setting.cache_clear()

@@ -17,6 +17,11 @@ from engine import triton_gemm, triton_streamk  # noqa: E402
 
 PTR_BF16, PTR_F32, PTR_I32, I32 = "*bf16", "*fp32", "*i32", "i32"
 
+STREAM_K = dict(x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, part_ptr=PTR_F32, flag_ptr=PTR_I32, M=I32, N=I32,
+                K=I32, n_tiles=I32, stride_xm=I32, stride_wn=I32, pos_ptr=PTR_I32, slot_ptr=PTR_I32,
+                inv_freq_ptr=PTR_F32, k_cache_ptr=PTR_BF16, v_cache_ptr=PTR_BF16, n_q_heads=I32, n_kv_heads=I32,
+                stride_slot=I32, stride_head=I32)
+
 # (kernel, runtime arguments' types, constexprs) at the Ouro-1.4B decode shapes
 KERNELS = {
     "linear_partials": (triton_gemm._linear_partials_kernel, dict(
@@ -25,9 +30,10 @@ KERNELS = {
     "gate_up_silu": (triton_gemm._gate_up_silu_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
-    "gate_up_silu_stream": (triton_streamk._gate_up_silu_sk_kernel, dict(
-        x_ptr=PTR_BF16, w_ptr=PTR_BF16, out_ptr=PTR_BF16, part_ptr=PTR_F32, flag_ptr=PTR_I32, M=I32, N=I32, K=I32,
-        stride_xm=I32, stride_wn=I32), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, ASM=True)),
+    "gate_up_silu_stream": (triton_streamk._stream_k_kernel, STREAM_K, dict(HALF=64, BLOCK_M=64, BLOCK_N=64,
+                                                                             BLOCK_K=128, ASM=True, OP="gate")),
+    "qkv_rope_store_stream": (triton_streamk._stream_k_kernel, STREAM_K, dict(HALF=64, BLOCK_M=64, BLOCK_N=16,
+                                                                               BLOCK_K=128, ASM=True, OP="qkv")),
     "qkv_rope_store": (triton_gemm._qkv_rope_store_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, pos_ptr=PTR_I32, slot_ptr=PTR_I32, inv_freq_ptr=PTR_F32, q_ptr=PTR_BF16,
         k_cache_ptr=PTR_BF16, v_cache_ptr=PTR_BF16, M=I32, K=I32, stride_xm=I32, stride_wn=I32, n_q_heads=I32,

@@ -1,5 +1,5 @@
-"""engine/triton_streamk's stream-K gate_up + SiLU against a float64 reference written from the math
-(silu(x @ gate.T) * (x @ up.T)), in Triton's interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed)
+"""engine/triton_streamk's stream-K gate_up + SiLU and qkv + RoPE + store against float64 references written from
+the math (silu(x @ gate.T) * (x @ up.T); q, k, v = x W^T by heads, RoPE on q and k, k and v at their slots), in Triton's interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed)
 on fresh random inputs. The interpreter runs the programs one after another by id, so an owner's wait finds its
 producers' flags up; what it checks is the split of the (tile, K block) units: program counts that give tiles
 shared by two and three programs, ranges inside one tile (middle producers), ranges holding whole tiles, one
@@ -37,11 +37,59 @@ for rows, K, N, block_n, block_k, programs in cases:
         assert err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (rows, K, N, programs, tma)
         assert int(flags.abs().sum()) == 0, (rows, K, N, programs, tma, flags)
 # more programs than units: one per unit (none empty)
-assert triton_streamk.stream_programs(32, 64, 16, 16, 132) == 8
-assert triton_streamk.stream_programs(5632, 2048, 64, 128, 132) == 132
+assert triton_streamk.stream_programs(2, 4, 132) == 8
+assert triton_streamk.stream_programs(88, 16, 132) == 132
+print("ok")
+"""
+
+QKV = """
+import torch
+from engine import triton_streamk
+from engine.gemm_dispatch import GemmConfig
+
+def rope(t, pos, inv_freq):  # t: [rows, heads, d]; the halves rotate by pos * inv_freq
+    half = t.shape[-1] // 2
+    angle = pos.double()[:, None, None] * inv_freq.double()[None, None, :]
+    x1, x2 = t[..., :half].double(), t[..., half:].double()
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+
+g = torch.Generator().manual_seed(1)
+err = lambda a, b: float((a.double() - b).abs().max())
+# (Hq, Hkv, d, hidden, rows, block_d, block_k, programs): tiles = (Hq + 2 Hkv) x d / 2 / block_d
+for Hq, Hkv, d, hidden, rows, block_d, block_k, programs in [
+        (4, 2, 32, 96, 5, 16, 32, 5),     # 8 tiles x 3 blocks = 24 units in 5: owners over q, k and v heads
+        (2, 1, 64, 128, 9, 32, 32, 11),   # 8 x 4 = 32 units in 11: tiles over three and four programs
+        (2, 2, 32, 64, 3, 16, 16, 1),     # one program, every tile whole
+        (4, 1, 32, 80, 64, 16, 32, 24)]:  # K past the last block; 64 rows (one row tile)
+    for tma in (0, 2):
+        n_slots = 3 * rows + 8
+        x = torch.randn(rows, hidden, generator=g)
+        w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g) / hidden ** 0.5
+        pos = torch.randint(0, 4000, (rows,), generator=g)
+        slots = torch.randperm(n_slots, generator=g)[:rows]
+        inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        k_plane, v_plane = torch.zeros(n_slots, Hkv, d), torch.zeros(n_slots, Hkv, d)
+        flags = triton_streamk.new_flags(torch.device("cpu"), 32)
+        cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma)
+        q = triton_streamk.qkv_rope_store_stream(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg, flags,
+                                                 num_sms=programs)
+        qkv = x.double() @ w.double().T
+        q_ref = rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)
+        k_ref = rope(qkv[:, Hq * d:(Hq + Hkv) * d].view(rows, Hkv, d), pos, inv_freq)
+        v_ref = qkv[:, (Hq + Hkv) * d:].view(rows, Hkv, d)
+        assert q.shape == (rows, Hq, d) and err(q, q_ref) < 1e-3, (Hq, d, programs, tma, err(q, q_ref))
+        assert err(k_plane[slots], k_ref) < 1e-3 and err(v_plane[slots], v_ref) < 1e-3, (Hq, d, programs, tma)
+        rest = torch.ones(n_slots, dtype=torch.bool)
+        rest[slots] = False
+        assert not k_plane[rest].any() and not v_plane[rest].any()  # no other slot written
+        assert int(flags.abs().sum()) == 0
 print("ok")
 """
 
 
 def test_stream_k_gate_up_matches_float64_in_tritons_interpreter():
     run_interpreted(INTERPRETED)
+
+
+def test_stream_k_qkv_rope_store_matches_float64_in_tritons_interpreter():
+    run_interpreted(QKV)
