@@ -154,7 +154,7 @@ def stream_k() -> list[dict]:
     out.append(_timed_row("qkv", "one tile a program (table)", lambda: [qkv(w, base) for w in ws], ws[0]))
     for programs in (sms, 96):
         for bd, st in ((16, 4), (16, 6), (16, 8), (32, 4), (32, 6)):
-            cfg = replace(base, block_d_qkv=bd, num_stages=st)
+            cfg = replace(base, block_d_qkv=bd, stages_qkv_stream=st)
             got, want = sk_qkv(ws[0], cfg, programs), qkv(ws[0], base)
             fn = lambda cfg=cfg, p=programs: [sk_qkv(w, cfg, p) for w in ws]  # noqa: E731
             out.append(_checked_row("qkv", f"stream-K {programs} programs, d{bd}/s{st}", fn, ws[0], got, want, flags))

@@ -35,6 +35,9 @@ class GemmConfig:
     # shares of the (tile, K block) units instead of one program per tile; one row tile (<= 64 rows), CUDA only
     stream_gate: bool = False
     stream_qkv: bool = False
+    # the stream-K qkv's pipeline depth (0: num_stages): its program holds a whole SM where the one-tile qkv's
+    # two 96 KB programs share one, so it needs the deeper pipeline to keep as many bytes in flight (8: 200 KB)
+    stages_qkv_stream: int = 8
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -95,6 +98,17 @@ def stream_k_setting() -> frozenset[str] | None:
         raise ValueError(f"OUROBATCH_STREAM_K must be 'none' or a comma list of {', '.join(STREAM_K_OPS)}, got "
                          f"{value!r}")
     return ops
+
+
+STREAM_SMEM_BYTES = 212 * 1024  # the pipeline's share of an sm90 SM's 227 KB (the rest: the epilogue's scratch)
+
+
+def qkv_stream_stages(cfg: GemmConfig, block_d: int, block_m: int) -> int:
+    """The stream-K qkv's pipeline depth: stages_qkv_stream (0: num_stages), at most what fits the SM's shared
+    memory at this tile (a stage: the pair's 2 x block_d weight rows and the block_m activation rows, K step wide,
+    bf16), at least 2."""
+    stage = (2 * block_d + block_m) * cfg.block_k_qkv * 2
+    return max(2, min(cfg.stages_qkv_stream or cfg.num_stages, STREAM_SMEM_BYTES // stage))
 
 
 def qkv_block_d(cfg: GemmConfig | None, head_dim: int) -> int:

@@ -30,7 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d
+from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages
 from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
@@ -306,8 +306,9 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
             | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        keys.add(("qkv_stream" if cfg.stream_qkv else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps,
-                  cfg.num_stages, cfg.tma))
+        stages = qkv_stream_stages(cfg, block_d, bm) if cfg.stream_qkv else cfg.num_stages
+        keys.add(("qkv_stream" if cfg.stream_qkv else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages,
+                  cfg.tma))
     return keys
 
 

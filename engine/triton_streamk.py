@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
+from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d, qkv_stream_stages
 from .triton_gemm import _box, _tma_args, rope_store, silu_store
 
 
@@ -179,7 +179,7 @@ def gate_up_silu_stream(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfi
     n = w_gate_up.shape[0] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     _launch("gate", x, w_gate_up, out, n, triton.cdiv(n, cfg.block_n_gate), cfg.block_n_gate, gate_block_k(cfg),
-            cfg, flags, num_sms, (out, out, out, out, out, 0, 0, 0, 0), 1)
+            cfg.num_stages, cfg, flags, num_sms, (out, out, out, out, out, 0, 0, 0, 0), 1)
     return out
 
 
@@ -196,12 +196,14 @@ def qkv_rope_store_stream(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch
     half = head_dim // 2
     tiles = (n_q_heads + 2 * n_kv_heads) * (half // block_d)
     qkv = (positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1))
-    _launch("qkv", x, w_qkv, q, 0, tiles, block_d, cfg.block_k_qkv, cfg, flags, num_sms, qkv, half)
+    stages = qkv_stream_stages(cfg, block_d, gemm_block_m(x.shape[0]))
+    _launch("qkv", x, w_qkv, q, 0, tiles, block_d, cfg.block_k_qkv, stages, cfg, flags, num_sms, qkv, half)
     return q
 
 
 def _launch(op: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, tiles: int, block_n: int,
-            block_k: int, cfg: GemmConfig, flags: torch.Tensor, num_sms: int | None, qkv: tuple, half: int) -> None:
+            block_k: int, stages: int, cfg: GemmConfig, flags: torch.Tensor, num_sms: int | None, qkv: tuple,
+            half: int) -> None:
     """The stream-K kernel over `tiles` tiles of 2 x block_n weight rows: its program count, checks, workspace."""
     rows, K = x.shape
     bm = gemm_block_m(rows)
@@ -218,5 +220,5 @@ def _launch(op: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int
     x_arg, w_arg, tma = _tma_args(x, w, bm, block_n, block_k, cfg)
     _stream_k_kernel[(programs,)](x_arg, w_arg, out, part, flags, rows, n, K, tiles, x.stride(0), w.stride(0), *qkv,
                                   HALF=half, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, TMA=tma,
-                                  ASM=x.device.type == "cuda", OP=op, num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+                                  ASM=x.device.type == "cuda", OP=op, num_warps=cfg.num_warps, num_stages=stages,
+                                  **pdl.launch_kwargs(x.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import gemm_dispatch
-from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config
+from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config, qkv_stream_stages
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
@@ -64,3 +64,12 @@ def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(mon
         assert gemm_config(8, table) is table[0][1] and gemm_config(64, table) is table[1][1]  # unset: the table's
     finally:
         gemm_dispatch.stream_k_setting.cache_clear()
+
+
+def test_the_stream_k_qkv_pipeline_fits_the_shared_memory():
+    # a stage at 64 rows, K step 128, bf16: (2 x 16 + 64) x 128 x 2 = 24 KB (block_d 16), 32 KB (block_d 32)
+    cfg = GemmConfig(block_k_qkv=128, stages_qkv_stream=8)
+    assert qkv_stream_stages(cfg, 16, 64) == 8  # 192 KB
+    assert qkv_stream_stages(cfg, 32, 64) == 6  # 8 would be 256 KB
+    assert qkv_stream_stages(GemmConfig(stages_qkv_stream=0, num_stages=3), 16, 64) == 3  # 0: num_stages
+    assert qkv_stream_stages(GemmConfig(block_k_qkv=1024, stages_qkv_stream=8), 64, 64) == 2  # never below 2

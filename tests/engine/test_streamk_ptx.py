@@ -1,9 +1,10 @@
 """engine/triton_streamk's kernel (gate_up + SiLU and qkv + RoPE + store) compiled for sm90 on the CPU (where Triton
-is installed; CI has none), at the engine's 64-row launch (TMA boxes, 4 warps, 4 stages): its flat K loop is
-software-pipelined (several stages of weight and activation boxes in shared memory, as the one-tile kernels have; a tl.debug_barrier in the loop would
-have stopped that: hence the asm barrier), every producer's partial stores come before a bar.sync and that before
-the one release of its flag, and an owner takes flags with an acquire compare-and-swap. The math: the interpreter
-test (test_streamk_interpreted.py) and tests/gpu/test_gpu_streamk.py."""
+is installed; CI has none), at the engine's 64-row launches (TMA boxes, 4 warps; 4 stages for gate_up, 8 for qkv):
+its flat K loop is software-pipelined (several stages of weight and activation boxes in shared memory, as the
+one-tile kernels have; a tl.debug_barrier in the loop would have stopped that: hence the asm barrier), every
+producer's partial stores come before a bar.sync and that before the one release of its flag, and an owner takes
+flags with an acquire compare-and-swap. The math: the interpreter test (test_streamk_interpreted.py) and
+tests/gpu/test_gpu_streamk.py."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from engine.gemm_dispatch import GemmConfig, qkv_stream_stages  # noqa: E402
+
 from .test_pdl_ptx import _source  # noqa: E402
 
 
 def _compiled(name: str):
+    """At the engine's launch: 4 stages for gate_up (GemmConfig.num_stages), 8 for qkv (qkv_stream_stages)."""
+    stages = {"gate_up_silu_stream": 4, "qkv_rope_store_stream": qkv_stream_stages(GemmConfig(), 16, 64)}[name]
     return triton.compile(_source(name, use_pdl=True, tma=2), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 4})
+                          options={"num_warps": 4, "num_stages": stages})
 
 
 @pytest.mark.parametrize("name, rows", [("gate_up_silu_stream", 64), ("qkv_rope_store_stream", 16)])
