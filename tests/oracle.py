@@ -93,6 +93,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [rows, heads, d] with each row's halves rotated by its position x inv_freq (float64), as apply_rope with
+    the tables of those positions: the fused kernels' (qkv + RoPE + store) reference on any positions."""
+    angles = positions.to(DTYPE)[:, None] * inv_freq.to(DTYPE)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return apply_rope(x.to(DTYPE), torch.cos(angles), torch.sin(angles))
+
+
+def qkv_rope_reference(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_q: int,
+                       n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [rows, heads, d] of x W^T (float64) split by heads, q and k RoPE'd at the rows' positions."""
+    rows, qkv = x.shape[0], x.to(DTYPE) @ w.to(DTYPE).T
+    q = rope_at(qkv[:, :n_q * d].view(rows, n_q, d), positions, inv_freq)
+    k = rope_at(qkv[:, n_q * d:(n_q + n_kv) * d].view(rows, n_kv, d), positions, inv_freq)
+    return q, k, qkv[:, (n_q + n_kv) * d:].view(rows, n_kv, d)
+
+
+def qkv_inputs_cpu(g: torch.Generator, rows: int, n_q: int, n_kv: int, d: int, hidden: int) -> tuple:
+    """Fresh float32 inputs of the fused qkv kernels in Triton's interpreter: x, w (scaled by hidden^-1/2), positions,
+    distinct slots among 3 rows + 8, inv_freq (theta 10,000), and two zero planes [slots, n_kv, d]."""
+    n_slots = 3 * rows + 8
+    x = torch.randn(rows, hidden, generator=g)
+    w = torch.randn((n_q + 2 * n_kv) * d, hidden, generator=g) / hidden ** 0.5
+    pos = torch.randint(0, 4000, (rows,), generator=g)
+    slots = torch.randperm(n_slots, generator=g)[:rows]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    return x, w, pos, slots, inv_freq, torch.zeros(n_slots, n_kv, d), torch.zeros(n_slots, n_kv, d)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + torch.exp(-x))
 

@@ -26,12 +26,7 @@ INTERPRETED = """
 import torch
 from engine import triton_gemm
 from engine.gemm_dispatch import GemmConfig
-
-def rope(t, pos, inv_freq):  # t: [rows, heads, d]; the halves rotate by pos * inv_freq
-    half = t.shape[-1] // 2
-    angle = pos.double()[:, None, None] * inv_freq.double()[None, None, :]
-    x1, x2 = t[..., :half].double(), t[..., half:].double()
-    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+from tests.oracle import qkv_inputs_cpu, qkv_rope_reference
 
 g = torch.Generator().manual_seed(0)
 # tma (GemmConfig.tma): 0 pointer loads, 1 the weights through a TMA descriptor, 2 the activations too
@@ -39,24 +34,14 @@ for Hq, Hkv, d, hidden, rows, block_d, block_k, tma in [
         (4, 2, 32, 96, 5, 16, 64, 0), (2, 2, 64, 64, 17, 32, 128, 0), (4, 1, 32, 80, 70, 16, 32, 0),
         (2, 1, 64, 320, 9, 32, 256, 0), (4, 2, 32, 96, 5, 16, 64, 2), (4, 1, 32, 80, 70, 16, 32, 2),
         (2, 1, 64, 320, 9, 32, 256, 1)]:
-    n_slots = 3 * rows + 8
-    x = torch.randn(rows, hidden, generator=g)
-    w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g) / hidden ** 0.5
-    pos = torch.randint(0, 4000, (rows,), generator=g)
-    slots = torch.randperm(n_slots, generator=g)[:rows]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    k_plane = torch.zeros(n_slots, Hkv, d)
-    v_plane = torch.zeros(n_slots, Hkv, d)
+    x, w, pos, slots, inv_freq, k_plane, v_plane = qkv_inputs_cpu(g, rows, Hq, Hkv, d, hidden)
     cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma)
     q = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg)
-    qkv = (x.double() @ w.double().T)
-    q_ref = rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)
-    k_ref = rope(qkv[:, Hq * d:(Hq + Hkv) * d].view(rows, Hkv, d), pos, inv_freq)
-    v_ref = qkv[:, (Hq + Hkv) * d:].view(rows, Hkv, d)
+    q_ref, k_ref, v_ref = qkv_rope_reference(x, w, pos, inv_freq, Hq, Hkv, d)
     err = lambda a, b: float((a.double() - b).abs().max())
     assert q.shape == (rows, Hq, d) and err(q, q_ref) < 1e-3, err(q, q_ref)
     assert err(k_plane[slots], k_ref) < 1e-3 and err(v_plane[slots], v_ref) < 1e-3
-    rest = torch.ones(n_slots, dtype=torch.bool)
+    rest = torch.ones(k_plane.shape[0], dtype=torch.bool)
     rest[slots] = False
     assert not k_plane[rest].any() and not v_plane[rest].any()  # no other slot written
 print("ok")

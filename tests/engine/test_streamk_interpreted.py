@@ -46,12 +46,7 @@ QKV = """
 import torch
 from engine import triton_streamk
 from engine.gemm_dispatch import GemmConfig
-
-def rope(t, pos, inv_freq):  # t: [rows, heads, d]; the halves rotate by pos * inv_freq
-    half = t.shape[-1] // 2
-    angle = pos.double()[:, None, None] * inv_freq.double()[None, None, :]
-    x1, x2 = t[..., :half].double(), t[..., half:].double()
-    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+from tests.oracle import qkv_inputs_cpu, qkv_rope_reference
 
 g = torch.Generator().manual_seed(1)
 err = lambda a, b: float((a.double() - b).abs().max())
@@ -62,24 +57,15 @@ for Hq, Hkv, d, hidden, rows, block_d, block_k, programs in [
         (2, 2, 32, 64, 3, 16, 16, 1),     # one program, every tile whole
         (4, 1, 32, 80, 64, 16, 32, 24)]:  # K past the last block; 64 rows (one row tile)
     for tma in (0, 2):
-        n_slots = 3 * rows + 8
-        x = torch.randn(rows, hidden, generator=g)
-        w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g) / hidden ** 0.5
-        pos = torch.randint(0, 4000, (rows,), generator=g)
-        slots = torch.randperm(n_slots, generator=g)[:rows]
-        inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-        k_plane, v_plane = torch.zeros(n_slots, Hkv, d), torch.zeros(n_slots, Hkv, d)
+        x, w, pos, slots, inv_freq, k_plane, v_plane = qkv_inputs_cpu(g, rows, Hq, Hkv, d, hidden)
         flags = triton_streamk.new_flags(torch.device("cpu"), 32)
         cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma)
         q = triton_streamk.qkv_rope_store_stream(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg, flags,
                                                  num_sms=programs)
-        qkv = x.double() @ w.double().T
-        q_ref = rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)
-        k_ref = rope(qkv[:, Hq * d:(Hq + Hkv) * d].view(rows, Hkv, d), pos, inv_freq)
-        v_ref = qkv[:, (Hq + Hkv) * d:].view(rows, Hkv, d)
+        q_ref, k_ref, v_ref = qkv_rope_reference(x, w, pos, inv_freq, Hq, Hkv, d)
         assert q.shape == (rows, Hq, d) and err(q, q_ref) < 1e-3, (Hq, d, programs, tma, err(q, q_ref))
         assert err(k_plane[slots], k_ref) < 1e-3 and err(v_plane[slots], v_ref) < 1e-3, (Hq, d, programs, tma)
-        rest = torch.ones(n_slots, dtype=torch.bool)
+        rest = torch.ones(k_plane.shape[0], dtype=torch.bool)
         rest[slots] = False
         assert not k_plane[rest].any() and not v_plane[rest].any()  # no other slot written
         assert int(flags.abs().sum()) == 0

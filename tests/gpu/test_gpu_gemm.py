@@ -61,6 +61,19 @@ def test_fused_gemms_match_the_cublas_path(rows, hidden, inter, kdim, cfg):
 
 # block_k 256 only at <= 16 rows (a 16-row tile), as the table has it: a 64-row tile's 4 stages of 256-wide
 # blocks need 256 KiB of shared memory, more than the H200's 227
+def qkv_inputs(rows: int, Hq: int, Hkv: int, d: int, hidden: int, seed: int) -> tuple:
+    """Random bf16 x [rows, hidden] and w [(Hq + 2 Hkv) d, hidden], positions, distinct slots, inv_freq, slot count."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=g, **bf)
+    w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g, **bf) / hidden**0.5
+    n_slots = 3 * rows + 16
+    pos = torch.randint(0, 8000, (rows,), generator=g, device="cuda")
+    slots = torch.randperm(n_slots, generator=g, device="cuda")[:rows]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    return x, w, pos, slots, inv_freq, n_slots
+
+
 QKV_CASES = [(rows, *cfg) for rows in (1, 5, 16, 33, 64, 100)
              for cfg in [(16, 128), (32, 128), (64, 128)] + [(32, 256)] * (rows <= 16)]
 
@@ -73,14 +86,8 @@ def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_
     from engine import triton_gemm as tg
 
     assert gemm_dispatch.qkv_block_d(GemmConfig(block_d_qkv=block_d), d)  # capped at the half head: always a tile
-    g = torch.Generator(device="cuda").manual_seed(rows * 11 + d + block_d)
+    x, w, pos, slots, inv_freq, n_slots = qkv_inputs(rows, Hq, Hkv, d, hidden, rows * 11 + d + block_d)
     bf = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, hidden, generator=g, **bf)
-    w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g, **bf) / hidden**0.5
-    n_slots = 3 * rows + 16
-    pos = torch.randint(0, 8000, (rows,), generator=g, device="cuda")
-    slots = torch.randperm(n_slots, generator=g, device="cuda")[:rows]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
     planes = {name: torch.zeros(n_slots, Hkv, d, **bf) for name in ("k_ref", "v_ref", "k", "v")}
     ref = fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, planes["k_ref"], planes["v_ref"], Hq, Hkv, d)
     got = tg.qkv_rope_store(x, w, pos, slots, inv_freq, planes["k"], planes["v"], Hq, Hkv, d,
@@ -99,16 +106,18 @@ def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     prompts = [[(7 * i + j) % 301 for j in range(3 + 5 * i)] for i in range(6)]
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True) for _ in prompts]
     outs = {}
+    stream = GemmConfig(block_d_qkv=32, tma=2, stream_gate=True, stream_qkv=True)  # engine/triton_streamk.py
     tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)),
-              ("triton_tma", ((64, GemmConfig(block_d_qkv=32, tma=2)),)), ("cublas", ()))
+              ("triton_tma", ((64, GemmConfig(block_d_qkv=32, tma=2)),)), ("triton_stream", ((64, stream),)),
+              ("cublas", ()))
     for name, table in tables:
         monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
         cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
                            max_num_seqs=8, logprobs_mode="raw")
         with SyncEngine(cfg) as llm:
             outs[name] = llm.generate_batch(prompts, params)
-    for a, b in [*zip(outs["triton"], outs["cublas"]), *zip(outs["triton_qkv"], outs["cublas"]),
-                 *zip(outs["triton_tma"], outs["cublas"])]:
+    for a, b in [pair for name in ("triton", "triton_qkv", "triton_tma", "triton_stream")
+                 for pair in zip(outs[name], outs["cublas"])]:
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))
         assert n >= 3, (ta, tb)  # bf16 rounding may flip a near-tie late, never from the start

@@ -1,18 +1,19 @@
 """engine/triton_streamk's stream-K gate_up + SiLU and qkv + RoPE + store on the GPU (`pytest -m gpu`): against
 float64 references of the math and against the one-tile kernels they replace, at Ouro-1.4B's shape and small ones,
-with the program count bounded so tiles are shared by two, three and more programs; gate_up replayed in a CUDA graph on one set of flags with
-fresh inputs; chained launch after launch under PDL (each launch reads the one before's output); and in the
-engine against the cuBLAS path. Every launch must leave the flags at zero."""
+with the program count bounded so tiles are shared by two, three and more programs; gate_up replayed in a CUDA
+graph on one set of flags with fresh inputs, and chained launch after launch under PDL (each launch reads the one
+before's output). Every launch must leave the flags at zero. In the engine against the cuBLAS path:
+test_gpu_gemm.py's engine test."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import gemm_dispatch
 from engine.gemm_dispatch import GemmConfig
-from ourobatch import EngineConfig, SamplingParams, SyncEngine
-from ourobatch.testing import make_tiny_checkpoint
+from tests.oracle import qkv_rope_reference
+
+from .test_gpu_gemm import qkv_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF = dict(device="cuda", dtype=torch.bfloat16)
@@ -59,27 +60,13 @@ def test_stream_k_gate_up_matches_float64_and_the_one_tile_kernel(rows, hidden, 
 
 
 
-def rope(t: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """t [rows, heads, d] (float64) with its halves rotated by pos x inv_freq."""
-    half = t.shape[-1] // 2
-    angle = pos.double()[:, None, None] * inv_freq.double()[None, None, :]
-    x1, x2 = t[..., :half], t[..., half:]
-    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
-
-
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("Hq,Hkv,d,hidden", [(16, 16, 128, 2048), (4, 2, 64, 256)])
 @pytest.mark.parametrize("block_d", [16, 32])
 @pytest.mark.parametrize("num_sms", [None, 7])
 def test_stream_k_qkv_rope_store_matches_float64_and_the_one_tile_kernel(rows, Hq, Hkv, d, hidden, block_d, num_sms):
     triton_gemm, triton_streamk = kernels()
-    g = torch.Generator(device="cuda").manual_seed(rows * 13 + Hq + block_d)
-    x = torch.randn(rows, hidden, generator=g, **BF)
-    w = torch.randn((Hq + 2 * Hkv) * d, hidden, generator=g, **BF) / hidden**0.5
-    n_slots = 4 * rows + 16
-    pos = torch.randint(0, 4000, (rows,), generator=g, device="cuda")
-    slots = torch.randperm(n_slots, generator=g, device="cuda")[:rows]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    x, w, pos, slots, inv_freq, n_slots = qkv_inputs(rows, Hq, Hkv, d, hidden, rows * 13 + Hq + block_d)
     cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=128, tma=2)
     planes = {name: [torch.zeros(n_slots, Hkv, d, **BF) for _ in range(2)] for name in ("stream", "one")}
     flags = triton_streamk.new_flags(x.device)
@@ -88,11 +75,9 @@ def test_stream_k_qkv_rope_store_matches_float64_and_the_one_tile_kernel(rows, H
     q_one = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, *planes["one"], Hq, Hkv, d, cfg)
     torch.cuda.synchronize()
     assert int(flags.abs().sum()) == 0
-    qkv = (x.double() @ w.double().T).to(x.dtype).double()  # F.linear's output, rounded
+    q_ref, k_ref, v_ref = qkv_rope_reference(x, w, pos, inv_freq, Hq, Hkv, d)
     k_plane, v_plane = planes["stream"]
-    assert rel_err(q, rope(qkv[:, :Hq * d].view(rows, Hq, d), pos, inv_freq)) < 1e-2
-    assert rel_err(k_plane[slots], rope(qkv[:, Hq * d:(Hq + Hkv) * d].view(rows, Hkv, d), pos, inv_freq)) < 1e-2
-    assert rel_err(v_plane[slots], qkv[:, (Hq + Hkv) * d:].view(rows, Hkv, d)) < 1e-2
+    assert rel_err(q, q_ref) < 1e-2 and rel_err(k_plane[slots], k_ref) < 1e-2 and rel_err(v_plane[slots], v_ref) < 1e-2
     assert rel_err(q, q_one) < 1e-2 and rel_err(k_plane, planes["one"][0]) < 1e-2
     rest = torch.ones(n_slots, dtype=torch.bool, device="cuda")
     rest[slots] = False
@@ -144,25 +129,4 @@ def test_chained_stream_k_launches_under_pdl_read_the_launch_befores_output():
         torch.cuda.synchronize()
         assert rel_err(got, want) < 3e-2
     assert int(flags.abs().sum()) == 0
-
-
-def test_engine_with_the_stream_k_launches_agrees_with_cublas(tmp_path, monkeypatch):
-    ckpt = make_tiny_checkpoint(tmp_path / "m", seed=5, eos_token_id=None, hidden_size=256, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=64, intermediate_size=704, vocab_size=301)
-    prompts = [[(7 * i + j) % 301 for j in range(3 + 5 * i)] for i in range(6)]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True) for _ in prompts]
-    outs = {}
-    stream = GemmConfig(block_d_qkv=32, tma=2, stream_gate=True, stream_qkv=True)
-    for name, table in (("stream", ((64, stream),)), ("cublas", ())):
-        monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
-        cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
-                           max_num_seqs=8, logprobs_mode="raw")
-        with SyncEngine(cfg) as llm:
-            outs[name] = llm.generate_batch(prompts, params)
-    for a, b in zip(outs["stream"], outs["cublas"]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))
-        assert n >= 3, (ta, tb)  # bf16 rounding may flip a near-tie late, never from the start
-        diffs = [abs(p - q) for p, q in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n])]
-        assert max(diffs) < 0.05, diffs
 
