@@ -62,9 +62,10 @@ def _driver(device: torch.device) -> bool:
 def _modules(device: torch.device) -> list:
     """The engine's kernel modules this device launches."""
     from . import (attention_combine, layers_dispatch, mlp_dispatch, pdl, triton_attention, triton_fused, triton_gemm,
-                   triton_sampler)
+                   triton_sampler, triton_streamk)
 
-    modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler]
+    # triton_streamk: one kernel behind two keys (gate_up_stream, qkv_stream) that may launch at once
+    modules = [triton_attention, attention_combine, triton_fused, triton_gemm, triton_sampler, triton_streamk]
     if triton_attention.gluon_decode(device):
         modules += [importlib.import_module(f".{m}", __package__) for m in ("gluon_attention", "gluon_attention_o")]
     if mlp_dispatch.mlp_fold_on(device):
