@@ -39,7 +39,8 @@ from .triton_gemm import _box, _tma_args, rope_store, silu_store
 
 @triton.jit
 def _partial_ptrs(part_ptr, program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The gate half of a program's workspace row [2, BLOCK_M, BLOCK_N] (fp32); the up half is BLOCK_M x BLOCK_N on."""
+    """The first half of a program's workspace row [2, BLOCK_M, BLOCK_N] (fp32: the pair's first block); the second
+    half is BLOCK_M x BLOCK_N on."""
     r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     return part_ptr + program * (2 * BLOCK_M * BLOCK_N) + r  # < 2^31: at most a few hundred programs
 
