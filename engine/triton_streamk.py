@@ -161,6 +161,7 @@ def _stream_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, n_tiles
         _finish(acc_a, acc_b, tile, rm, M, out_ptr, N, pos_ptr, slot_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
                 n_q_heads, n_kv_heads, stride_slot, stride_head, HALF, BLOCK_N, OP)
 
+
 def stream_programs(tiles: int, k_blocks: int, num_sms: int) -> int:
     """The launch's program count: one per SM, never more than (tile, K block) units (no range is empty)."""
     return max(1, min(num_sms, tiles * k_blocks))
