@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.gemm_dispatch import gemm_config  # noqa: E402
+from engine.gemm_dispatch import gemm_config, new_stream_flags  # noqa: E402
 
 ROWS, HIDDEN, HEAD_DIM = 64, 2048, 128
 PROGRAMS = {"gate": (22, 44, 66, 88, 110, 132, 176, 264), "qkv": (48, 96, 132, 192, 264),
@@ -135,7 +135,7 @@ def stream_k() -> list[dict]:
 
     base, sms = gemm_config(ROWS), torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    flags = sk.new_flags(x.device)
+    flags = new_stream_flags(x.device)
     ws = weights(2 * 5632, HIDDEN)
     out = [_timed_row("gate", "one tile a program (table)", lambda: [tg.gate_up_silu(x, w, base) for w in ws], ws[0])]
     for programs in (sms, sms - 4, 110, 88):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import kv_prefetch_dispatch as kvp
 from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
-from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d, stream_k
 from .kv_cache import KVPool
 from .mlp_dispatch import mlp_folds
 
@@ -47,7 +47,7 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
     """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so (stream-K
     on the model's flags where the config asks for it and the call is one row tile)."""
     if qkv_block_d(gemm, d):
-        if gemm.stream_qkv and flags is not None and x.shape[0] <= 64:
+        if flags is not None and stream_k(gemm, "qkv", x.shape[0]):
             from . import triton_streamk
 
             return triton_streamk.qkv_rope_store_stream(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane,
@@ -69,7 +69,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | No
         from . import triton_fused as fused
 
         return fused.silu_mul(F.linear(x, w_gate_up))
-    if gemm.stream_gate and flags is not None and x.shape[0] <= 64:
+    if flags is not None and stream_k(gemm, "gate", x.shape[0]):
         from . import triton_streamk
 
         return triton_streamk.gate_up_silu_stream(x, w_gate_up, gemm, flags)

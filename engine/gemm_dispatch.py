@@ -11,6 +11,8 @@ import functools
 import os
 from dataclasses import dataclass, replace
 
+import torch
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -98,6 +100,20 @@ def stream_k_setting() -> frozenset[str] | None:
         raise ValueError(f"OUROBATCH_STREAM_K must be 'none' or a comma list of {', '.join(STREAM_K_OPS)}, got "
                          f"{value!r}")
     return ops
+
+
+def stream_k(cfg: GemmConfig | None, op: str, rows: int) -> bool:
+    """Whether a call of `rows` rows runs `op` ("gate" or "qkv") as a stream-K launch (engine/triton_streamk.py): the
+    config asks for it, and the rows are one row tile (gemm_block_m's most, 64)."""
+    wanted = cfg is not None and (cfg.stream_gate if op == "gate" else cfg.stream_qkv)
+    return wanted and rows <= gemm_block_m(rows)
+
+
+def new_stream_flags(device: torch.device | str, count: int = 1024) -> torch.Tensor:
+    """Zeroed flags for up to `count` stream-K programs (OuroForCausalLM.stream_flags: one set a model, since its
+    launches follow one another on one stream; the warm-up's launches each get their own); each launch leaves them
+    zero."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 STREAM_SMEM_BYTES = 212 * 1024  # the pipeline's share of an sm90 SM's 227 KB (the rest: the epilogue's scratch)

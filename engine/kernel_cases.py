@@ -30,7 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages
+from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages, stream_k
 from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
@@ -300,15 +300,15 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     if cfg is None:
         return set()
     bm, rest = gemm_block_m(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
-    gate = "gate_up_stream" if cfg.stream_gate else "gate_up"  # triton_streamk's kernel, or triton_gemm's
+    gate = "gate_up_stream" if stream_k(cfg, "gate", rows) else "gate_up"  # triton_streamk's kernel, or triton_gemm's
     keys = ({("partials", bm, cfg.block_n, cfg.block_k) + rest,
              (gate, bm, cfg.block_n_gate, gate_block_k(cfg)) + rest}
             | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:
-        stages = qkv_stream_stages(cfg, block_d, bm) if cfg.stream_qkv else cfg.num_stages
-        keys.add(("qkv_stream" if cfg.stream_qkv else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages,
-                  cfg.tma))
+        stream = stream_k(cfg, "qkv", rows)
+        stages = qkv_stream_stages(cfg, block_d, bm) if stream else cfg.num_stages
+        keys.add(("qkv_stream" if stream else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages, cfg.tma))
     return keys
 
 

@@ -26,7 +26,7 @@ import torch
 from . import layer_stack, warmup_pass
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
                            decode_keys, gemm_keys, gemm_rows, layers_keys, mlp_keys)
-from .gemm_dispatch import gemm_config
+from .gemm_dispatch import gemm_config, new_stream_flags
 from .warmup_order import SLOWEST, KernelReport, Task, longest_first, staged  # noqa: F401 - read here by tests
 
 _layers = lambda: importlib.import_module(".gluon_layers", __package__)  # noqa: E731 - Gluon, imported lazily
@@ -187,7 +187,7 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         else:
             from . import triton_streamk
 
-            triton_streamk.qkv_rope_store_stream(*args, triton_streamk.new_flags(device))
+            triton_streamk.qkv_rope_store_stream(*args, new_stream_flags(device))
     elif key[0] == "partials":
         for x, weight, splits in ((torch.zeros(rows, s.num_heads * s.head_dim, **zeros), weights["o"], cfg.splits_o),
                                   (torch.zeros(rows, s.intermediate_size, **zeros), weights["down"], cfg.splits_down)):
@@ -200,7 +200,7 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         from . import triton_streamk
 
         triton_streamk.gate_up_silu_stream(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg,
-                                           triton_streamk.new_flags(device))
+                                           new_stream_flags(device))
     else:
         triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
 

@@ -19,6 +19,7 @@ from .batch import BatchMeta
 from .config import OuroConfig
 from .kv_cache import KVPool
 from .layer_stack import layers64_run, layers_run, stack_layers, wanted as stack_wanted
+from .gemm_dispatch import new_stream_flags
 from .mlp_dispatch import new_counters
 
 
@@ -236,7 +237,7 @@ class OuroForCausalLM(nn.Module):
         if self.fused_kernels and device.type == "cuda" and self.o_barrier is None:
             self.o_barrier = torch.zeros(2, dtype=torch.int32, device=device)
             self.mlp_barrier = new_counters(device)
-            self.stream_flags = torch.zeros(1024, dtype=torch.int32, device=device)  # triton_streamk.new_flags
+            self.stream_flags = new_stream_flags(device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

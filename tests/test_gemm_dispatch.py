@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import gemm_dispatch
 from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config, qkv_stream_stages
@@ -73,3 +74,14 @@ def test_the_stream_k_qkv_pipeline_fits_the_shared_memory():
     assert qkv_stream_stages(cfg, 32, 64) == 6  # 8 would be 256 KB
     assert qkv_stream_stages(GemmConfig(stages_qkv_stream=0, num_stages=3), 16, 64) == 3  # 0: num_stages
     assert qkv_stream_stages(GemmConfig(block_k_qkv=1024, stages_qkv_stream=8), 64, 64) == 2  # never below 2
+
+
+def test_a_stream_k_launch_needs_the_configs_ask_and_one_row_tile():
+    cfg = GemmConfig(stream_gate=True)
+    assert gemm_dispatch.stream_k(cfg, "gate", 1) and gemm_dispatch.stream_k(cfg, "gate", 64)
+    assert not gemm_dispatch.stream_k(cfg, "gate", 65)  # two row tiles: the one-tile kernel
+    assert not gemm_dispatch.stream_k(cfg, "qkv", 8)  # only the op the config names
+    assert gemm_dispatch.stream_k(GemmConfig(stream_qkv=True), "qkv", 8)
+    assert not gemm_dispatch.stream_k(None, "gate", 8)  # cuBLAS
+    flags = gemm_dispatch.new_stream_flags("cpu")
+    assert flags.dtype == torch.int32 and flags.numel() >= 132 and not flags.any()

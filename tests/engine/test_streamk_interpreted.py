@@ -14,7 +14,7 @@ INTERPRETED = """
 import math
 import torch
 from engine import triton_streamk
-from engine.gemm_dispatch import GemmConfig
+from engine.gemm_dispatch import GemmConfig, new_stream_flags
 
 g = torch.Generator().manual_seed(0)
 err = lambda a, b: float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-9))
@@ -30,7 +30,7 @@ for rows, K, N, block_n, block_k, programs in cases:
         x = torch.randn(rows, K, generator=g)
         w = torch.randn(2 * N, K, generator=g) / math.sqrt(K)
         gate, up = x.double() @ w[:N].double().T, x.double() @ w[N:].double().T
-        flags = triton_streamk.new_flags(torch.device("cpu"), 16)
+        flags = new_stream_flags(torch.device("cpu"), 16)
         cfg = GemmConfig(block_n_gate=block_n, block_k=block_k, tma=tma)
         got = triton_streamk.gate_up_silu_stream(x, w, cfg, flags, num_sms=programs)
         assert got.shape == (rows, N)
@@ -45,7 +45,7 @@ print("ok")
 QKV = """
 import torch
 from engine import triton_streamk
-from engine.gemm_dispatch import GemmConfig
+from engine.gemm_dispatch import GemmConfig, new_stream_flags
 from tests.oracle import qkv_inputs_cpu, qkv_rope_reference
 
 g = torch.Generator().manual_seed(1)
@@ -58,7 +58,7 @@ for Hq, Hkv, d, hidden, rows, block_d, block_k, programs in [
         (4, 1, 32, 80, 64, 16, 32, 24)]:  # K past the last block; 64 rows (one row tile)
     for tma in (0, 2):
         x, w, pos, slots, inv_freq, k_plane, v_plane = qkv_inputs_cpu(g, rows, Hq, Hkv, d, hidden)
-        flags = triton_streamk.new_flags(torch.device("cpu"), 32)
+        flags = new_stream_flags(torch.device("cpu"), 32)
         cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma)
         q = triton_streamk.qkv_rope_store_stream(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg, flags,
                                                  num_sms=programs)

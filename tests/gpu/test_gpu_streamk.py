@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.gemm_dispatch import GemmConfig
+from engine.gemm_dispatch import GemmConfig, new_stream_flags
 from tests.oracle import qkv_rope_reference
 
 from .test_gpu_gemm import qkv_inputs
@@ -49,7 +49,7 @@ def test_stream_k_gate_up_matches_float64_and_the_one_tile_kernel(rows, hidden, 
     x = torch.randn(rows, hidden, generator=g, **BF)
     w = torch.randn(2 * inter, hidden, generator=g, **BF) / hidden**0.5
     cfg = GemmConfig(block_n_gate=64, block_k=128, tma=tma)
-    flags = triton_streamk.new_flags(x.device)
+    flags = new_stream_flags(x.device)
     got = triton_streamk.gate_up_silu_stream(x, w, cfg, flags, num_sms=num_sms)
     torch.cuda.synchronize()
     assert int(flags.abs().sum()) == 0
@@ -69,7 +69,7 @@ def test_stream_k_qkv_rope_store_matches_float64_and_the_one_tile_kernel(rows, H
     x, w, pos, slots, inv_freq, n_slots = qkv_inputs(rows, Hq, Hkv, d, hidden, rows * 13 + Hq + block_d)
     cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=128, tma=2)
     planes = {name: [torch.zeros(n_slots, Hkv, d, **BF) for _ in range(2)] for name in ("stream", "one")}
-    flags = triton_streamk.new_flags(x.device)
+    flags = new_stream_flags(x.device)
     q = triton_streamk.qkv_rope_store_stream(x, w, pos, slots, inv_freq, *planes["stream"], Hq, Hkv, d, cfg, flags,
                                              num_sms=num_sms)
     q_one = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, *planes["one"], Hq, Hkv, d, cfg)
@@ -88,7 +88,7 @@ def test_stream_k_gate_up_replays_in_a_graph_with_fresh_inputs():
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(64, 2048, generator=g, **BF)
     w = torch.randn(2 * 5632, 2048, generator=g, **BF) / 2048**0.5
-    cfg, flags = GemmConfig(block_n_gate=64, block_k=128, tma=2), triton_streamk.new_flags(x.device)
+    cfg, flags = GemmConfig(block_n_gate=64, block_k=128, tma=2), new_stream_flags(x.device)
     triton_streamk.gate_up_silu_stream(x, w, cfg, flags)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -112,7 +112,7 @@ def test_chained_stream_k_launches_under_pdl_read_the_launch_befores_output():
     g = torch.Generator(device="cuda").manual_seed(4)
     n = 512
     ws = [torch.randn(2 * n, n, generator=g, **BF) * (1.5 / n**0.5) for _ in range(8)]
-    cfg, flags = GemmConfig(block_n_gate=64, block_k=128, tma=2), triton_streamk.new_flags(torch.device("cuda"))
+    cfg, flags = GemmConfig(block_n_gate=64, block_k=128, tma=2), new_stream_flags(torch.device("cuda"))
     x0 = torch.randn(64, n, generator=g, **BF)
 
     def chain(fn):
