@@ -59,7 +59,6 @@ def test_stream_k_gate_up_matches_float64_and_the_one_tile_kernel(rows, hidden, 
     assert rel_err(got, one_tile) < 1e-2 and rel_err(one_tile, exact) < 1e-2
 
 
-
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("Hq,Hkv,d,hidden", [(16, 16, 128, 2048), (4, 2, 64, 256)])
 @pytest.mark.parametrize("block_d", [16, 32])
@@ -82,6 +81,7 @@ def test_stream_k_qkv_rope_store_matches_float64_and_the_one_tile_kernel(rows, H
     rest = torch.ones(n_slots, dtype=torch.bool, device="cuda")
     rest[slots] = False
     assert not k_plane[rest].any() and not v_plane[rest].any()  # no other slot written
+
 
 def test_stream_k_gate_up_replays_in_a_graph_with_fresh_inputs():
     triton_gemm, triton_streamk = kernels()
