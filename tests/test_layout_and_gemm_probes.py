@@ -3,6 +3,8 @@ pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table),
 
 from __future__ import annotations
 
+import torch
+
 from tests.benchmark_scripts import load_benchmark
 
 layout = load_benchmark("kv_layout_probe")
@@ -32,3 +34,32 @@ def test_the_scaling_table_lists_each_op_and_program_count():
     lines = scaling.markdown(rows).splitlines()
     assert lines[2] == "| gate | 88 | 0.67 | 20.00 | 46.1 | 2.31 |"
     assert lines[3] == "| qkv | 192 | 1.45 | 12.50 | 25.2 | 2.02 |"
+
+
+weight_layout = load_benchmark("weight_layout_probe")
+
+
+def test_packed_weight_layouts_hold_each_box_where_the_probe_kernel_reads_it():
+    n, bn, bk, k = 96, 16, 32, 128
+    w = torch.randn(2 * n, k)
+    kb = k // bk
+    blocked, paired = weight_layout.pack(w, bn, bk, "blocked"), weight_layout.pack(w, bn, bk, "paired")
+    assert weight_layout.pack(w, bn, bk, "rowmajor") is w
+    for t in range(2 * n // bn):
+        for b in range(kb):
+            box = w[t * bn:(t + 1) * bn, b * bk:(b + 1) * bk]
+            assert torch.equal(blocked[(t * kb + b) * bn:(t * kb + b + 1) * bn], box)
+            if t < n // bn:  # gate tile t, then up tile t, for K block b
+                up = w[n + t * bn:n + (t + 1) * bn, b * bk:(b + 1) * bk]
+                assert torch.equal(paired[(t * kb + b) * 2 * bn:(t * kb + b) * 2 * bn + bn], box)
+                assert torch.equal(paired[(t * kb + b) * 2 * bn + bn:(t * kb + b + 1) * 2 * bn], up)
+
+
+def test_the_weight_layout_table_marks_wrong_outputs():
+    rows = [{"shape": "gate_up bn64", "programs": 88, "stages": 4, "layout": "rowmajor", "us": 20.0, "tbps": 2.31,
+             "ok": True},
+            {"shape": "gate_up bn64", "programs": 88, "stages": 4, "layout": "paired", "us": 17.5, "tbps": 2.64,
+             "ok": False}]
+    lines = weight_layout.markdown(rows).splitlines()
+    assert lines[2] == "| gate_up bn64 | 88 | 4 | rowmajor | 20.00 | 2.31 |"
+    assert lines[3] == "| gate_up bn64 | 88 | 4 | paired | 17.50 WRONG | 2.64 |"
