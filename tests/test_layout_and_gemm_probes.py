@@ -1,14 +1,18 @@
 """The host side of benchmarks/kv_layout_probe.py (the layouts' table: each layout and pool's time, HND over NHD per
-pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table), on hand-made rows (no GPU)."""
+pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table), on hand-made rows (no GPU); of
+benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's interpreter
+(where Triton is installed) against the math in float64."""
 
 from __future__ import annotations
 
 import torch
 
 from tests.benchmark_scripts import load_benchmark
+from tests.interpreter import run_interpreted
 
 layout = load_benchmark("kv_layout_probe")
 scaling = load_benchmark("gemm_scaling_probe")
+weight_layout = load_benchmark("weight_layout_probe")
 
 
 def row(layout_name: str, pool: str, us: float, launch: str = "table", ok: bool = True) -> dict:
@@ -36,9 +40,6 @@ def test_the_scaling_table_lists_each_op_and_program_count():
     assert lines[3] == "| qkv | 192 | 1.45 | 12.50 | 25.2 | 2.02 |"
 
 
-weight_layout = load_benchmark("weight_layout_probe")
-
-
 def test_packed_weight_layouts_hold_each_box_where_the_probe_kernel_reads_it():
     n, bn, bk, k = 96, 16, 32, 128
     w = torch.randn(2 * n, k)
@@ -63,3 +64,24 @@ def test_the_weight_layout_table_marks_wrong_outputs():
     lines = weight_layout.markdown(rows).splitlines()
     assert lines[2] == "| gate_up bn64 | 88 | 4 | rowmajor | 20.00 | 2.31 |"
     assert lines[3] == "| gate_up bn64 | 88 | 4 | paired | 17.50 WRONG | 2.64 |"
+
+
+INTERPRETED = """
+import torch
+from tests.benchmark_scripts import load_benchmark
+probe = load_benchmark("weight_layout_probe")
+g = torch.Generator().manual_seed(11)
+for n, bn, k, rows in [(256, 64, 512, 16), (96, 16, 256, 64), (128, 32, 384, 32)]:
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(2 * n, k, generator=g) / k ** 0.5
+    gate, up = x.double() @ w[:n].double().T, x.double() @ w[n:].double().T
+    want = gate / (1 + torch.exp(-gate)) * up
+    for layout in probe.LAYOUTS:
+        got = probe.launch(x, probe.pack(w, bn, probe.BK, layout), n, bn, layout, 3)
+        assert probe.rel_err(got, want) < 1e-5, (n, bn, layout, probe.rel_err(got, want))
+print("ok")
+"""
+
+
+def test_the_probe_kernel_reads_every_layout_right_in_tritons_interpreter():
+    run_interpreted(INTERPRETED)

@@ -119,8 +119,7 @@ def test_chained_stream_k_launches_under_pdl_read_the_launch_befores_output():
     for _ in range(8):
         w = torch.randn(2 * n, n, generator=g, **BF) / n**0.5
         ws.append(w / float(reference(x, w).pow(2).mean()) ** 0.25)
-        w = ws[-1]
-        x = reference(x, w).to(torch.bfloat16)
+        x = reference(x, ws[-1]).to(torch.bfloat16)
     cfg, flags = GemmConfig(block_n_gate=64, block_k=128, tma=2), new_stream_flags(torch.device("cuda"))
 
     def chain(fn):
