@@ -195,8 +195,8 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.tiles or args.split or args.stream:
         name = "split" if args.split else "stream" if args.stream else "tiles"
-        rows = {"split": split_shapes, "stream": stream_k}.get(name, lambda: [r for op in ("qkv", "gate")
-                                                                              for r in tiles(op)])()
+        run = {"split": split_shapes, "stream": stream_k, "tiles": lambda: tiles("qkv") + tiles("gate")}
+        rows = run[name]()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"gemm_{name}.json").write_text(json.dumps(rows, indent=1))
         ok = [r for r in rows if "us" in r] if name != "tiles" else sorted((r for r in rows if "us" in r),
