@@ -64,6 +64,9 @@ def test_the_weight_layout_table_marks_wrong_outputs():
     lines = weight_layout.markdown(rows).splitlines()
     assert lines[2] == "| gate_up bn64 | 88 | 4 | rowmajor | 20.00 | 2.31 |"
     assert lines[3] == "| gate_up bn64 | 88 | 4 | paired | 17.50 WRONG | 2.64 |"
+    rows[1].update(layout="paired, x once", ok=None)
+    once = "| gate_up bn64 | 88 | 4 | paired, x once | 17.50 (timing only) | 2.64 |"
+    assert weight_layout.markdown(rows).splitlines()[3] == once
 
 
 INTERPRETED = """
@@ -79,6 +82,10 @@ for n, bn, k, rows in [(256, 64, 512, 16), (96, 16, 256, 64), (128, 32, 384, 32)
     for layout in probe.LAYOUTS:
         got = probe.launch(x, probe.pack(w, bn, probe.BK, layout), n, bn, layout, 3)
         assert probe.rel_err(got, want) < 1e-5, (n, bn, layout, probe.rel_err(got, want))
+        x0 = x[:, :probe.BK].repeat(1, k // probe.BK)  # --x-once: x's first K block against every K block
+        gate, up = x0.double() @ w[:n].double().T, x0.double() @ w[n:].double().T
+        got = probe.launch(x, probe.pack(w, bn, probe.BK, layout), n, bn, layout, 3, x_once=True)
+        assert probe.rel_err(got, gate / (1 + torch.exp(-gate)) * up) < 1e-5, (n, bn, layout, "x once")
 print("ok")
 """
 
