@@ -1,10 +1,12 @@
 """The host side of benchmarks/kv_layout_probe.py (the layouts' table: each layout and pool's time, HND over NHD per
 pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table), on hand-made rows (no GPU); of
 benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's interpreter
-(where Triton is installed) against the math in float64."""
+(where Triton is installed) against the math in float64; benchmarks/splitk_pair_probe.py's split-K kernel likewise,
+twice on one set of counters."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.benchmark_scripts import load_benchmark
@@ -92,3 +94,33 @@ print("ok")
 
 def test_the_probe_kernel_reads_every_layout_right_in_tritons_interpreter():
     run_interpreted(INTERPRETED)
+
+
+SPLIT_INTERPRETED = """
+import torch
+from tests.benchmark_scripts import load_benchmark
+probe = load_benchmark("splitk_pair_probe")
+g = torch.Generator().manual_seed(5)
+for n, bn, splits, k, rows in [(64, 16, 1, 512, 64), (64, 32, 2, 512, 64), (128, 32, 4, 512, 16), (96, 16, 2, 256, 32)]:
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(2 * n, k, generator=g) / k ** 0.5
+    gate, up = x.double() @ w[:n].double().T, x.double() @ w[n:].double().T
+    want = gate / (1 + torch.exp(-gate)) * up
+    ws = probe.workspace(n, bn, splits, "cpu")
+    for _ in range(2):  # the counters are back at zero, so a second launch sums right too
+        got = probe.launch(x, w, n, bn, splits, ws)
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5, (n, bn, splits)
+        assert not ws[1].any(), ws[1]
+print("ok")
+"""
+
+
+def test_the_split_k_pair_probe_sums_every_split_once_in_tritons_interpreter():
+    run_interpreted(SPLIT_INTERPRETED)
+
+
+def test_the_split_k_pair_probe_refuses_splits_that_do_not_divide_k():
+    split = load_benchmark("splitk_pair_probe")
+    x, w = torch.zeros(64, 384), torch.zeros(64, 384)
+    with pytest.raises(ValueError, match=r"splits=2 must divide the K blocks \(3\)"):
+        split.launch(x, w, 32, 16, 2, split.workspace(32, 16, 2, "cpu"))
