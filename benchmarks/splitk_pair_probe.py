@@ -27,10 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, K, BK = 64, 2048, 128
-# (label, N pairs, BN, splits); the first of each shape is today's one-tile launch
-CASES = (("qkv-sized", 3072, 16, 1), ("qkv-sized", 3072, 32, 1), ("qkv-sized", 3072, 32, 2),
-         ("qkv-sized", 3072, 64, 2), ("qkv-sized", 3072, 64, 4),
-         ("gate_up", 5632, 64, 1), ("gate_up", 5632, 64, 2), ("gate_up", 5632, 32, 1))
+# (label, N pairs, BN, splits, K step); the first of each shape is today's one-tile launch. BN 128 takes K steps of
+# 64 (a stage of 128 would be 80 KB)
+CASES = (("qkv-sized", 3072, 16, 1, BK), ("qkv-sized", 3072, 32, 1, BK), ("qkv-sized", 3072, 32, 2, BK),
+         ("qkv-sized", 3072, 64, 2, BK), ("qkv-sized", 3072, 64, 4, BK),
+         ("gate_up", 5632, 64, 1, BK), ("gate_up", 5632, 64, 2, BK), ("gate_up", 5632, 64, 1, 64),
+         ("gate_up", 5632, 128, 2, 64), ("gate_up", 5632, 128, 4, 64))
 
 
 def _kernel():
@@ -83,22 +85,22 @@ def workspace(n: int, bn: int, splits: int, device) -> tuple[torch.Tensor, torch
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, n: int, bn: int, splits: int, ws: tuple[torch.Tensor, torch.Tensor],
-           stages: int = 3) -> torch.Tensor:
-    """silu(x @ w[:n].T) * (x @ w[n:].T) (w [2n, K]) in n / bn tiles of `splits` programs each."""
-    k_blocks = x.shape[1] // BK
+           stages: int = 3, bk: int = BK) -> torch.Tensor:
+    """silu(x @ w[:n].T) * (x @ w[n:].T) (w [2n, K]) in n / bn tiles of `splits` programs each, K steps of bk."""
+    k_blocks = x.shape[1] // bk
     if k_blocks % splits:
         raise ValueError(f"splits={splits} must divide the K blocks ({k_blocks})")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [x.shape[0], BK])
-    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, BK])
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [x.shape[0], bk])
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
     _kernel()[(n // bn * splits,)](x_desc, w_desc, ws[0], ws[1], out, n, KB=k_blocks, SPLITS=splits,
-                                    BLOCK_M=x.shape[0], BLOCK_N=bn, BLOCK_K=BK, num_warps=4, num_stages=stages)
+                                    BLOCK_M=x.shape[0], BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
     return out
 
 
-def case(label: str, n: int, bn: int, splits: int, stages: int) -> dict:
+def case(label: str, n: int, bn: int, splits: int, bk: int, stages: int) -> dict:
     from benchmarks.gemm_sweep import timed, weights
     from benchmarks.weight_layout_probe import rel_err
 
@@ -106,20 +108,20 @@ def case(label: str, n: int, bn: int, splits: int, stages: int) -> dict:
     w = weights(2 * n, K)
     ws = workspace(n, bn, splits, x.device)
     want = launch(x, w[0], n, 16, 1, workspace(n, 16, 1, x.device), stages)
-    ok = rel_err(launch(x, w[0], n, bn, splits, ws, stages), want) < 1e-3 and not ws[1].any().item()
-    us = timed(lambda: [launch(x, p, n, bn, splits, ws, stages) for p in w])
-    row = {"shape": label, "bn": bn, "splits": splits, "programs": n // bn * splits, "stages": stages, "us": us,
-           "tbps": w[0].numel() * 2 / us / 1e6, "x_mb": n // bn * ROWS * K * 2 / 1e6, "ok": ok}
+    ok = rel_err(launch(x, w[0], n, bn, splits, ws, stages, bk), want) < 1e-3 and not ws[1].any().item()
+    us = timed(lambda: [launch(x, p, n, bn, splits, ws, stages, bk) for p in w])
+    row = {"shape": label, "bn": bn, "bk": bk, "splits": splits, "programs": n // bn * splits, "stages": stages,
+           "us": us, "tbps": w[0].numel() * 2 / us / 1e6, "x_mb": n // bn * ROWS * K * 2 / 1e6, "ok": ok}
     print(json.dumps(row), flush=True)
     return row
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | BN | splits | programs | stages | activations read (MB) | us | TB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | BN | BK | splits | programs | stages | activations read (MB) | us | TB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         wrong = "" if r["ok"] else " WRONG"
-        lines.append(f"| {r['shape']} | {r['bn']} | {r['splits']} | {r['programs']} | {r['stages']} | "
+        lines.append(f"| {r['shape']} | {r['bn']} | {r['bk']} | {r['splits']} | {r['programs']} | {r['stages']} | "
                      f"{r['x_mb']:.1f} | {r['us']:.2f}{wrong} | {r['tbps']:.2f} |")
     return "\n".join(lines) + "\n"
 

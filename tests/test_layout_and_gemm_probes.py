@@ -101,15 +101,16 @@ import torch
 from tests.benchmark_scripts import load_benchmark
 probe = load_benchmark("splitk_pair_probe")
 g = torch.Generator().manual_seed(5)
-for n, bn, splits, k, rows in [(64, 16, 1, 512, 64), (64, 32, 2, 512, 64), (128, 32, 4, 512, 16), (96, 16, 2, 256, 32)]:
+for n, bn, splits, k, rows, bk in [(64, 16, 1, 512, 64, 128), (64, 32, 2, 512, 64, 128), (128, 32, 4, 512, 16, 64),
+                                  (96, 16, 2, 256, 32, 128)]:
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(2 * n, k, generator=g) / k ** 0.5
     gate, up = x.double() @ w[:n].double().T, x.double() @ w[n:].double().T
     want = gate / (1 + torch.exp(-gate)) * up
     ws = probe.workspace(n, bn, splits, "cpu")
     for _ in range(2):  # the counters are back at zero, so a second launch sums right too
-        got = probe.launch(x, w, n, bn, splits, ws)
-        assert float((got.double() - want).norm() / want.norm()) < 1e-5, (n, bn, splits)
+        got = probe.launch(x, w, n, bn, splits, ws, bk=bk)
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5, (n, bn, splits, bk)
         assert not ws[1].any(), ws[1]
 print("ok")
 """
