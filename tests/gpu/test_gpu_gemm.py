@@ -100,41 +100,6 @@ def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_
     assert not planes["k"][rest].any() and not planes["v"][rest].any()
 
 
-@pytest.mark.parametrize("tma", [0, 2])
-@pytest.mark.parametrize("rows,block_d,splits,hidden", [(64, 32, 2, 2048), (64, 64, 4, 2048), (33, 32, 3, 2048),
-                                                        (7, 16, 2, 2048), (64, 32, 4, 320)])
-def test_qkv_rope_store_in_k_splits_matches_the_cublas_path(rows, block_d, splits, hidden, tma):
-    """gemm_dispatch's splits_qkv: each tile's K over `splits` programs (320: 3 K blocks in 4 splits, one empty), met
-    on one set of counters, which every launch leaves at zero; 20 graph replays on fresh inputs as well."""
-    from engine import triton_fused as fused
-    from engine import triton_gemm as tg
-
-    Hq, Hkv, d = 16, 16, 128
-    cfg = GemmConfig(block_d_qkv=block_d, tma=tma, splits_qkv=splits)
-    counts = gemm_dispatch.new_stream_flags("cuda")
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x, w, pos, slots, inv_freq, n_slots = qkv_inputs(rows, Hq, Hkv, d, hidden, rows + 7 * splits + block_d)
-    planes = {name: torch.zeros(n_slots, Hkv, d, **bf) for name in ("k_ref", "v_ref", "k", "v")}
-    def launch():
-        return tg.qkv_rope_store(x, w, pos, slots, inv_freq, planes["k"], planes["v"], Hq, Hkv, d, cfg, counts)
-
-    def reference():
-        return fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, planes["k_ref"], planes["v_ref"], Hq, Hkv, d)
-
-    assert rel_err(launch(), reference()) < 1e-2 and not counts.any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_graph = launch()
-    for replay in range(20):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(replay), **bf))
-        graph.replay()
-    ref = reference()
-    torch.cuda.synchronize()
-    assert not counts.any()
-    assert rel_err(q_graph, ref) < 1e-2 and rel_err(planes["k"][slots], planes["k_ref"][slots]) < 1e-2
-    assert rel_err(planes["v"][slots], planes["v_ref"][slots]) < 1e-2
-
-
 def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     ckpt = make_tiny_checkpoint(tmp_path / "m", seed=5, eos_token_id=None, hidden_size=256, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=64, intermediate_size=704, vocab_size=301)
@@ -144,14 +109,14 @@ def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     stream = GemmConfig(block_d_qkv=32, tma=2, stream_gate=True, stream_qkv=True)  # engine/triton_streamk.py
     tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)),
               ("triton_tma", ((64, GemmConfig(block_d_qkv=32, tma=2)),)), ("triton_stream", ((64, stream),)),
-              ("triton_qkv_split", ((64, GemmConfig(block_d_qkv=32, tma=2, splits_qkv=2)),)), ("cublas", ()))
+              ("cublas", ()))
     for name, table in tables:
         monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
         cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
                            max_num_seqs=8, logprobs_mode="raw")
         with SyncEngine(cfg) as llm:
             outs[name] = llm.generate_batch(prompts, params)
-    for a, b in [pair for name in ("triton", "triton_qkv", "triton_tma", "triton_stream", "triton_qkv_split")
+    for a, b in [pair for name in ("triton", "triton_qkv", "triton_tma", "triton_stream")
                  for pair in zip(outs[name], outs["cublas"])]:
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))
