@@ -45,8 +45,7 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
                    k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
                    gemm: GemmConfig | None, flags: torch.Tensor | None) -> torch.Tensor:
     """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so (stream-K
-    on the model's flags where the config asks for it and the call is one row tile; a K split's counters are the
-    same flags)."""
+    on the model's flags where the config asks for it and the call is one row tile)."""
     if qkv_block_d(gemm, d):
         if flags is not None and stream_k(gemm, "qkv", x.shape[0]):
             from . import triton_streamk
@@ -56,7 +55,7 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
         from . import triton_gemm
 
         return triton_gemm.qkv_rope_store(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane, v_plane,
-                                          Hq, Hkv, d, gemm, flags)
+                                          Hq, Hkv, d, gemm)
     from . import triton_fused as fused
 
     return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)

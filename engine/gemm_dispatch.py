@@ -40,10 +40,6 @@ class GemmConfig:
     # the stream-K qkv's pipeline depth (0: num_stages): its program holds a whole SM where the one-tile qkv's
     # two 96 KB programs share one, so it needs the deeper pipeline to keep as many bytes in flight (8: 200 KB)
     stages_qkv_stream: int = 8
-    # qkv_rope_store's K split over that many programs a tile (one row tile, <= 64 rows; the tile's last split to
-    # arrive sums the splits in order and runs the epilogue): wider tiles read the activations fewer times while
-    # as many programs stream the weights
-    splits_qkv: int = 1
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -81,36 +77,12 @@ def gemm_block_m(rows: int) -> int:
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
-    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table, OUROBATCH_QKV_SPLIT the fused
-    qkv's tile and K splits in every row that fuses it (measuring switches)."""
+    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table (a measuring switch)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            stream, split = stream_k_setting(), qkv_split_setting()
-            if stream is not None:
-                cfg = replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
-            if split is not None and cfg.block_d_qkv:
-                cfg = replace(cfg, block_d_qkv=split[0], splits_qkv=split[1])
-            return cfg
+            stream = stream_k_setting()
+            return cfg if stream is None else replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
     return None
-
-
-@functools.cache
-def qkv_split_setting() -> tuple[int, int] | None:
-    """OUROBATCH_QKV_SPLIT="dDxS": the fused qkv at D dims of a head's half a tile (16, 32 or 64) in S K splits
-    (1-8); unset: the table's."""
-    value = os.environ.get("OUROBATCH_QKV_SPLIT", "").strip()
-    if not value:
-        return None
-    d, _, s = value.removeprefix("d").partition("x")
-    if not (d.isdigit() and s.isdigit() and int(d) in (16, 32, 64) and 1 <= int(s) <= 8):
-        raise ValueError(f"OUROBATCH_QKV_SPLIT must be dDxS with D in 16, 32, 64 and S in 1-8 (e.g. d32x2), got "
-                         f"{value!r}")
-    return int(d), int(s)
-
-
-def qkv_splits(cfg: GemmConfig, rows: int) -> int:
-    """The fused qkv's K splits at `rows` rows: the config's, where the rows are one row tile (else 1)."""
-    return cfg.splits_qkv if rows <= gemm_block_m(rows) else 1
 
 
 STREAM_K_OPS = ("gate", "qkv")

@@ -30,8 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import (gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_splits, qkv_stream_stages,
-                            stream_k)
+from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages, stream_k
 from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
@@ -295,7 +294,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     """What the skinny GEMMs compile for a call of `rows` rows, as Triton keys it: the split-K partials and
     gate_up + SiLU (one-tile or stream-K launch) per tile height and tiles, the add + norm over partials per split
     count (its SPLITS constexpr), and (where the config turns it on for `head_dim`) qkv + RoPE + store (one-tile or
-    stream-K) per tile height and tiles (and the one-tile kernel's K splits). Their row counts are not specialized (engine/triton_gemm.py). Each key's
+    stream-K) per tile height and tiles. Their row counts are not specialized (engine/triton_gemm.py). Each key's
     first item names the kernel; no key for a call cuBLAS runs."""
     cfg = gemm_config(rows, table)
     if cfg is None:
@@ -309,8 +308,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
     if block_d:
         stream = stream_k(cfg, "qkv", rows)
         stages = qkv_stream_stages(cfg, block_d, bm) if stream else cfg.num_stages
-        keys.add(("qkv_stream" if stream else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages, cfg.tma)
-                 + (() if stream else (qkv_splits(cfg, rows),)))  # the one-tile kernel's K splits (SPLITS)
+        keys.add(("qkv_stream" if stream else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages, cfg.tma))
     return keys
 
 

@@ -183,7 +183,7 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         args = (torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq, plane, plane, Hq, Hkv,
                 d, cfg)
         if key[0] == "qkv":
-            triton_gemm.qkv_rope_store(*args, new_stream_flags(device))  # the counters of a K split (if any)
+            triton_gemm.qkv_rope_store(*args)
         else:
             from . import triton_streamk
 

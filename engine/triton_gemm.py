@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d, qkv_splits
+from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
 from .triton_fused import add_norm2_store
 
 
@@ -58,18 +58,17 @@ def _box(w, row0, rows, n_rows, stride_wn, k, K, BLOCK_K: tl.constexpr, TMA: tl.
 
 
 @triton.jit
-def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_rows, stride_wn, k0, K,
+def _dot_pair(x_ptr, m0, rm, M, stride_xm, w, row_a, row_b, rows_a, rows_b, n_rows, stride_wn, K,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
               USE_PDL: tl.constexpr):
-    """x[rm] @ w[row_a + i].T and x[rm] @ w[row_b + i].T, i < BLOCK_N, over K from k0 (a split's start, else 0) to
-    K (the split's end), fp32 (gate and up; a head's two halves). w: the weight matrix's TMA descriptor when TMA,
-    else its pointer."""
+    """x[rm] @ w[row_a + i].T and x[rm] @ w[row_b + i].T, i < BLOCK_N, over all of K, fp32 (gate and up; a
+    head's two halves). w: the weight matrix's TMA descriptor when TMA, else its pointer."""
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, K, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         x = _box(x_ptr, m0, rm, M, stride_xm, k, K, BLOCK_K, TMA == 2)
         acc_a += tl.dot(x, tl.trans(_box(w, row_a, rows_a, n_rows, stride_wn, k, K, BLOCK_K, TMA > 0)))
         acc_b += tl.dot(x, tl.trans(_box(w, row_b, rows_b, n_rows, stride_wn, k, K, BLOCK_K, TMA > 0)))
@@ -147,7 +146,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     # gate rows rn, up rows N + rn. A partial last tile's columns past N: masked pointer loads, or (TMA) a gate
     # box that reads on into the up rows; either way the store below drops those columns.
     acc_g, acc_u = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, pid_n * BLOCK_N, N + pid_n * BLOCK_N,
-                             tl.where(rn < N, rn, 2 * N), tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, 0, K,
+                             tl.where(rn < N, rn, 2 * N), tl.where(rn < N, N + rn, 2 * N), 2 * N, stride_wn, K,
                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, USE_PDL)
     silu_store(acc_g, acc_u, out_ptr, rm, rn, M, N)
 
@@ -169,55 +168,24 @@ def _add_rms_norm2_partials_kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_ou
     add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols, eps)
 
 
-@triton.jit
-def _meet_splits(acc1, acc2, part_ptr, count_ptr, tile, split, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """A K split's pair of sums into its workspace row, then the tile's counter up: (the tile's sums in split order,
-    True) for the split that arrives last, which also puts the counter back to 0 for the next launch; (its own
-    sums, False) for the others. The order of the sum does not depend on who arrives last."""
-    r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-    row = part_ptr + (tile * SPLITS + split) * (2 * BLOCK_M * BLOCK_D) + r
-    tl.store(row, acc1, cache_modifier=".cg")
-    tl.store(row + BLOCK_M * BLOCK_D, acc2, cache_modifier=".cg")
-    tl.debug_barrier()  # every thread's stores before the release below
-    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-    if last:
-        acc1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            row = part_ptr + (tile * SPLITS + s) * (2 * BLOCK_M * BLOCK_D) + r
-            acc1 += tl.load(row, cache_modifier=".cg")
-            acc2 += tl.load(row + BLOCK_M * BLOCK_D, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return acc1, acc2, last
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count
-def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, part_ptr,
-                           count_ptr, M, K, k_per_split, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot,
-                           stride_head, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr):
-    # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half, over the K
-    # range of split pid % SPLITS (SPLITS > 1: one row tile; the tile's last split runs the epilogue)
+def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                           M, K, stride_xm, stride_wn, n_q_heads, n_kv_heads, stride_slot, stride_head,
+                           HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                           TMA: tl.constexpr, USE_PDL: tl.constexpr):
+    # one program: BLOCK_D dims of one head's first half and their RoPE partners in the second half
     pid_c, pid_m = tl.program_id(0), tl.program_id(1)
-    tile, split = pid_c // SPLITS, pid_c % SPLITS
-    head = tile // (HALF // BLOCK_D)
-    d0 = (tile % (HALF // BLOCK_D)) * BLOCK_D
+    head = pid_c // (HALF // BLOCK_D)
+    d0 = (pid_c % (HALF // BLOCK_D)) * BLOCK_D
     d = d0 + tl.arange(0, BLOCK_D)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = head * 2 * HALF + d  # the first half's rows; their partners are HALF rows further
     n_rows = (n_q_heads + 2 * n_kv_heads) * 2 * HALF
     row0 = head * 2 * HALF + d0
-    k0 = split * k_per_split
     acc1, acc2 = _dot_pair(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, w_ptr, row0, row0 + HALF, w_rows, w_rows + HALF,
-                           n_rows, stride_wn, k0, tl.minimum(k0 + k_per_split, K), BLOCK_M, BLOCK_D, BLOCK_K, TMA,
-                           USE_PDL)
-    last = True
-    if SPLITS > 1:
-        acc1, acc2, last = _meet_splits(acc1, acc2, part_ptr, count_ptr, tile, split, SPLITS, BLOCK_M, BLOCK_D)
-    if last:
-        rope_store(acc1, acc2, head, d, rm, M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                   n_q_heads, n_kv_heads, stride_slot, stride_head, HALF)
+                           n_rows, stride_wn, K, BLOCK_M, BLOCK_D, BLOCK_K, TMA, USE_PDL)
+    rope_store(acc1, acc2, head, d, rm, M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, n_q_heads,
+               n_kv_heads, stride_slot, stride_head, HALF)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -288,12 +256,10 @@ def add_rms_norm2_partials(h: torch.Tensor, partials: torch.Tensor, w_branch: to
 
 def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    inv_freq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, n_q_heads: int,
-                   n_kv_heads: int, head_dim: int, cfg: GemmConfig, counts: torch.Tensor | None = None) -> torch.Tensor:
+                   n_kv_heads: int, head_dim: int, cfg: GemmConfig) -> torch.Tensor:
     """triton_fused.rope_store_kv(F.linear(x, w_qkv), ...) in one kernel: the qkv GEMM with RoPE and the K / V
     store in its epilogue. x: [rows, hidden], w_qkv: [(q + 2 kv heads) x d, hidden]; k_plane, v_plane:
-    [slots, kv_heads, d] -> q after RoPE [rows, heads, d]. For the head sizes gemm_dispatch.qkv_block_d allows.
-    With cfg.splits_qkv > 1 (one row tile) each tile's K is split over that many programs, which meet on `counts`
-    (int32, zero, one per tile; left zero: OuroForCausalLM.stream_flags)."""
+    [slots, kv_heads, d] -> q after RoPE [rows, heads, d]. For the head sizes gemm_dispatch.qkv_block_d allows."""
     block_d = qkv_block_d(cfg, head_dim)
     if not block_d:
         raise ValueError(f"qkv_rope_store: no tile for head_dim={head_dim} with block_d_qkv={cfg.block_d_qkv}")
@@ -302,27 +268,10 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
     q = torch.empty(rows, n_q_heads, head_dim, dtype=x.dtype, device=x.device)
     if rows:
         half, bm = head_dim // 2, gemm_block_m(rows)
-        tiles, splits = (n_q_heads + 2 * n_kv_heads) * (half // block_d), qkv_splits(cfg, rows)
-        part, counts = _split_workspace(splits, tiles, bm, block_d, counts, x.device)
-        k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k_qkv) * cfg.block_k_qkv
+        grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d), triton.cdiv(rows, bm))
         x_arg, w_arg, tma = _tma_args(x, w_qkv, bm, block_d, cfg.block_k_qkv, cfg)
-        _qkv_rope_store_kernel[(tiles * splits, triton.cdiv(rows, bm))](
-            x_arg, w_arg, positions, slots, inv_freq, q, k_plane, v_plane, part, counts, rows, K, k_per_split,
-            x.stride(0), w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0), k_plane.stride(1), HALF=half,
-            BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv, SPLITS=splits, TMA=tma, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+        _qkv_rope_store_kernel[grid](x_arg, w_arg, positions, slots, inv_freq, q, k_plane, v_plane, rows, K,
+                                     x.stride(0), w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0),
+                                     k_plane.stride(1), HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv, TMA=tma,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q
-
-
-def _split_workspace(splits: int, tiles: int, bm: int, block_d: int, counts: torch.Tensor | None,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 partial sums, one [2, bm, block_d] row a (tile, split); the tiles' counters) of a qkv launch in
-    `splits` K splits; at one split nothing is read, and q's own storage stands in for both."""
-    if splits == 1:
-        empty = torch.empty(0, dtype=torch.int32, device=device)
-        return empty, empty
-    if counts is None or counts.dtype != torch.int32 or counts.numel() < tiles:
-        got = "none" if counts is None else f"{counts.numel()} of {counts.dtype}"
-        raise ValueError(f"qkv_rope_store in {splits} K splits: counts must be int32 with at least {tiles} entries "
-                         f"(one a tile), got {got}")
-    return torch.empty(tiles * splits * 2 * bm * block_d, dtype=torch.float32, device=device), counts

@@ -36,12 +36,9 @@ KERNELS = {
                                                                                BLOCK_K=128, ASM=True, OP="qkv")),
     "qkv_rope_store": (triton_gemm._qkv_rope_store_kernel, dict(
         x_ptr=PTR_BF16, w_ptr=PTR_BF16, pos_ptr=PTR_I32, slot_ptr=PTR_I32, inv_freq_ptr=PTR_F32, q_ptr=PTR_BF16,
-        k_cache_ptr=PTR_BF16, v_cache_ptr=PTR_BF16, part_ptr=PTR_F32, count_ptr=PTR_I32, M=I32, K=I32,
-        k_per_split=I32, stride_xm=I32, stride_wn=I32, n_q_heads=I32, n_kv_heads=I32, stride_slot=I32,
-        stride_head=I32), dict(HALF=64, BLOCK_M=16, BLOCK_D=32, BLOCK_K=128, SPLITS=1)),
+        k_cache_ptr=PTR_BF16, v_cache_ptr=PTR_BF16, M=I32, K=I32, stride_xm=I32, stride_wn=I32, n_q_heads=I32,
+        n_kv_heads=I32, stride_slot=I32, stride_head=I32), dict(HALF=64, BLOCK_M=16, BLOCK_D=32, BLOCK_K=128)),
 }
-KERNELS["qkv_rope_store_split2"] = (KERNELS["qkv_rope_store"][0], KERNELS["qkv_rope_store"][1],
-                                    dict(HALF=64, BLOCK_M=64, BLOCK_D=32, BLOCK_K=128, SPLITS=2))
 
 
 def _source(name: str, use_pdl: bool, tma: int = 0) -> ASTSource:

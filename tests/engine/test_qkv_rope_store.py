@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gemm_dispatch import GemmConfig, gemm_config, qkv_block_d, qkv_split_setting, qkv_splits
+from engine.gemm_dispatch import GemmConfig, qkv_block_d
 from tests.interpreter import run_interpreted
 
 
@@ -50,61 +50,3 @@ print("ok")
 
 def test_the_kernel_matches_a_float64_reference_in_tritons_interpreter():
     run_interpreted(INTERPRETED)
-
-
-SPLIT_INTERPRETED = """
-import torch
-from engine import triton_gemm
-from engine.gemm_dispatch import GemmConfig
-from tests.oracle import qkv_inputs_cpu, qkv_rope_reference
-
-g = torch.Generator().manual_seed(1)
-counts = torch.zeros(64, dtype=torch.int32)
-# splits over K blocks: even, uneven (320 = 5 blocks of 64 in 2 or 3), and 4 over 3 blocks (the last split empty)
-for Hq, Hkv, d, hidden, rows, block_d, block_k, splits, tma in [
-        (4, 2, 32, 256, 16, 16, 64, 2, 0), (2, 1, 64, 320, 9, 32, 64, 2, 2), (2, 1, 64, 320, 64, 32, 64, 3, 0),
-        (4, 1, 32, 80, 5, 16, 32, 4, 2)]:
-    for launch in range(2):  # the counters are back at zero after a launch, so the second sums right too
-        x, w, pos, slots, inv_freq, k_plane, v_plane = qkv_inputs_cpu(g, rows, Hq, Hkv, d, hidden)
-        cfg = GemmConfig(block_d_qkv=block_d, block_k_qkv=block_k, tma=tma, splits_qkv=splits)
-        q = triton_gemm.qkv_rope_store(x, w, pos, slots, inv_freq, k_plane, v_plane, Hq, Hkv, d, cfg, counts)
-        q_ref, k_ref, v_ref = qkv_rope_reference(x, w, pos, inv_freq, Hq, Hkv, d)
-        err = lambda a, b: float((a.double() - b).abs().max())
-        assert err(q, q_ref) < 1e-3, (hidden, splits, err(q, q_ref))
-        assert err(k_plane[slots], k_ref) < 1e-3 and err(v_plane[slots], v_ref) < 1e-3
-        assert not counts.any(), counts
-print("ok")
-"""
-
-
-def test_k_splits_sum_every_split_once_against_float64_in_tritons_interpreter():
-    run_interpreted(SPLIT_INTERPRETED)
-
-
-def test_k_splits_apply_to_one_row_tile_only():
-    cfg = GemmConfig(block_d_qkv=32, splits_qkv=2)
-    assert [qkv_splits(cfg, rows) for rows in (1, 17, 64, 65, 128)] == [2, 2, 2, 1, 1]
-    assert qkv_splits(GemmConfig(block_d_qkv=32), 8) == 1
-
-
-@pytest.mark.parametrize("value,expected", [("d32x2", (32, 2)), ("d64x4", (64, 4)), ("16x1", (16, 1)), ("", None)])
-def test_the_qkv_split_switch(monkeypatch, value, expected):
-    monkeypatch.setenv("OUROBATCH_QKV_SPLIT", value)
-    qkv_split_setting.cache_clear()
-    try:
-        assert qkv_split_setting() == expected
-        if expected:  # every table row that fuses qkv takes the switch's tile and splits
-            assert (gemm_config(64).block_d_qkv, gemm_config(64).splits_qkv) == expected
-    finally:
-        qkv_split_setting.cache_clear()
-
-
-@pytest.mark.parametrize("value", ["d24x2", "d32x0", "d32x9", "32", "d32-2", "x2"])
-def test_the_qkv_split_switch_refuses_what_it_cannot_run(monkeypatch, value):
-    monkeypatch.setenv("OUROBATCH_QKV_SPLIT", value)
-    qkv_split_setting.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="OUROBATCH_QKV_SPLIT must be dDxS"):
-            qkv_split_setting()
-    finally:
-        qkv_split_setting.cache_clear()
