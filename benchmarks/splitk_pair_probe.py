@@ -132,11 +132,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--stages", default="3,4")
     args = ap.parse_args(argv)
     rows = [case(*c, int(s)) for c in CASES for s in args.stages.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "splitk_pair.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (args.out / "splitk_pair.md").write_text(table)
-    print(table)
+    from benchmarks.weight_layout_probe import save
+
+    save(args.out, "splitk_pair", rows, markdown(rows))
     return rows
 
 

@@ -141,12 +141,16 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     stages = [int(s) for s in args.stages.split(",")]
     rows = [r for label, n, bn in SHAPES for s in stages for r in case(label, n, bn, s, args.x_once)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "weight_layout.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (args.out / "weight_layout.md").write_text(table)
-    print(table)
+    save(args.out, "weight_layout", rows, markdown(rows))
     return rows
+
+
+def save(out: Path, stem: str, rows: list[dict], table: str) -> None:
+    """rows as out/stem.json, the table as out/stem.md, and the table printed (the probes' results)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":
