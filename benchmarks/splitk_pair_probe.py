@@ -10,6 +10,8 @@ after them; the last one adds them in split order, so the sum does not depend on
 counter for the next launch), which runs the epilogue (SiLU x up here).
 
 Timed as gemm_sweep.py times (24 weight copies, a CUDA graph), each output checked against the one-tile launch.
+Measured on an H100 (session 34, docs/benchmarks.md): every split slower than one BN 16 (qkv) or BN 64 (gate_up)
+tile a program, by 8-53% (qkv) and 35-106% (gate_up).
 
     python benchmarks/splitk_pair_probe.py --out $OUT/splitk_pair
 """

@@ -14,7 +14,8 @@ weights.
 `--x-once` adds, per layout, a timing-only run whose programs load the activations' first K block once and reuse
 it for every K block (outputs not comparable, marked so): what re-reading the 64 activation rows from L2 in every
 program costs. A BN-row program reads 64 x BK activation bytes from L2 for each 2 BN x BK of weights, so at BN 16
-the activations are two thirds of what the SMs pull.
+the activations are two thirds of what the SMs pull. Measured on an H100 (session 34, docs/benchmarks.md): paired
+1-6% faster than row-major, blocked 1-2%; reading x once, no faster anywhere.
 
     python benchmarks/weight_layout_probe.py --out $OUT/weight_layout
 """
