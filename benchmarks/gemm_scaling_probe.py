@@ -9,7 +9,11 @@ work as at Ouro-1.4B (K = 2048, or o_proj's 2048 in 4 splits), but the output wi
 Timed as gemm_sweep.py times (24 weight copies so the L2 holds none, a CUDA graph, CUDA events), PDL as the engine
 launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
 
-    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling [--tiles | --split | --stream]
+    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling [--tiles | --split | --stream | --k-sweep]
+
+--k-sweep: gate_up and qkv at their table tiles and program counts (88, 192) over K = 256-8192, and per op the
+least-squares line through us against weight MB: its intercept is what a launch costs beyond its bytes in a PDL chain
+(pipeline fill and drain), its slope the rate at which the launch streams.
 """
 
 from __future__ import annotations
@@ -161,6 +165,38 @@ def stream_k() -> list[dict]:
     return out
 
 
+K_SWEEP = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def k_sweep() -> list[dict]:
+    """gate_up + SiLU (88 programs) and qkv + RoPE + store (192) at the table's 64-row tiles over K_SWEEP, then
+    line_fit's rows."""
+    tg, timed, weights = _gpu()
+    cfg, rows = gemm_config(ROWS), []
+    for k in K_SWEEP:
+        x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        ws = weights(2 * 5632, k)
+        rows.append(_timed_row("gate", f"K {k}", lambda x=x, ws=ws: [tg.gate_up_silu(x, w, cfg) for w in ws], ws[0]))
+        ws = weights(48 * HEAD_DIM, k)
+        rows.append(_timed_row("qkv", f"K {k}", _qkv_calls(tg, x, ws, 16, cfg), ws[0]))
+        del x, ws
+    return rows + line_fit(rows)
+
+
+def line_fit(rows: list[dict]) -> list[dict]:
+    """Per op, the least-squares line us = a + b x MB through its timed rows (MB = us x TB/s): a row with tile "fit",
+    intercept_us a and us_per_mb b, and tbps 1 / b (the rate past the intercept)."""
+    fits = []
+    for op in dict.fromkeys(r["op"] for r in rows if "us" in r):
+        pts = [(r["us"] * r["tbps"], r["us"]) for r in rows if r["op"] == op and "us" in r]
+        n, sx, sy = len(pts), sum(p[0] for p in pts), sum(p[1] for p in pts)
+        sxx, sxy = sum(p[0] ** 2 for p in pts), sum(p[0] * p[1] for p in pts)
+        b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        a = (sy - b * sx) / n
+        fits.append({"op": op, "tile": "fit", "intercept_us": a, "us_per_mb": b, "us": a, "tbps": 1 / b})
+    return fits
+
+
 def _checked_row(op: str, label: str, fn, w: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
                  flags: torch.Tensor) -> dict:
     err = float((got.double() - want.double()).norm() / want.double().norm())
@@ -192,10 +228,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tiles", action="store_true", help="qkv and gate at Ouro-1.4B's shape over tiles x stages")
     ap.add_argument("--split", action="store_true", help="qkv and gate over K / S with S times the programs")
     ap.add_argument("--stream", action="store_true", help="gate, qkv: the one-tile launches against stream-K ones")
+    ap.add_argument("--k-sweep", action="store_true", help="gate, qkv over K: a launch's fixed cost and its rate")
     args = ap.parse_args(argv)
-    if args.tiles or args.split or args.stream:
-        name = "split" if args.split else "stream" if args.stream else "tiles"
-        run = {"split": split_shapes, "stream": stream_k, "tiles": lambda: tiles("qkv") + tiles("gate")}
+    if args.tiles or args.split or args.stream or args.k_sweep:
+        name = "split" if args.split else "stream" if args.stream else "ksweep" if args.k_sweep else "tiles"
+        run = {"split": split_shapes, "stream": stream_k, "ksweep": k_sweep,
+               "tiles": lambda: tiles("qkv") + tiles("gate")}
         rows = run[name]()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"gemm_{name}.json").write_text(json.dumps(rows, indent=1))

@@ -1,6 +1,6 @@
 """The host side of benchmarks/kv_layout_probe.py (the layouts' table: each layout and pool's time, HND over NHD per
-pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table), on hand-made rows (no GPU); of
-benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's interpreter
+pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table, the K sweep's line), on hand-made
+rows (no GPU); of benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's interpreter
 (where Triton is installed) against the math in float64; benchmarks/splitk_pair_probe.py's split-K kernel likewise,
 twice on one set of counters."""
 
@@ -40,6 +40,22 @@ def test_the_scaling_table_lists_each_op_and_program_count():
     lines = scaling.markdown(rows).splitlines()
     assert lines[2] == "| gate | 88 | 0.67 | 20.00 | 46.1 | 2.31 |"
     assert lines[3] == "| qkv | 192 | 1.45 | 12.50 | 25.2 | 2.02 |"
+
+
+def test_the_k_sweep_fit_recovers_a_launchs_fixed_cost_and_rate():
+    """us = a + b x MB per op, from rows as k_sweep times them (tbps = MB / us), an error row skipped."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for op, a, b in (("gate", 3.5, 0.24), ("qkv", 5.0, 0.31)):
+        for mb in (5.8, 11.5, 23.1, 46.1, 92.3):
+            us = a + b * mb + float(torch.randn(1, generator=g)) * 1e-9
+            rows.append({"op": op, "tile": f"{mb} MB", "us": us, "tbps": mb / us})
+    rows.append({"op": "qkv", "tile": "K 8192", "error": "OutOfResources"})
+    fits = scaling.line_fit(rows)
+    assert [f["op"] for f in fits] == ["gate", "qkv"]
+    for fit, (a, b) in zip(fits, ((3.5, 0.24), (5.0, 0.31))):
+        assert abs(fit["intercept_us"] - a) < 1e-6 and abs(fit["us_per_mb"] - b) < 1e-8
+        assert fit["tile"] == "fit" and abs(fit["tbps"] - 1 / b) < 1e-6
 
 
 def test_packed_weight_layouts_hold_each_box_where_the_probe_kernel_reads_it():
