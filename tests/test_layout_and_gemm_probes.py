@@ -1,8 +1,8 @@
 """The host side of benchmarks/kv_layout_probe.py (the layouts' table: each layout and pool's time, HND over NHD per
 pool, wrong outputs marked) and of benchmarks/gemm_scaling_probe.py (its table, the K sweep's line), on hand-made
-rows (no GPU); of benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's interpreter
-(where Triton is installed) against the math in float64; benchmarks/splitk_pair_probe.py's split-K kernel likewise,
-twice on one set of counters."""
+rows (no GPU); of benchmarks/weight_layout_probe.py its packing and table, and its kernel on every layout in Triton's
+interpreter (where Triton is installed) against the math in float64; benchmarks/splitk_pair_probe.py's split-K
+kernel likewise, twice on one set of counters."""
 
 from __future__ import annotations
 
