@@ -184,11 +184,13 @@ def k_sweep() -> list[dict]:
 
 
 def line_fit(rows: list[dict]) -> list[dict]:
-    """Per op, the least-squares line us = a + b x MB through its timed rows (MB = us x TB/s): a row with tile "fit",
-    intercept_us a and us_per_mb b, and tbps 1 / b (the rate past the intercept)."""
+    """Per op with timed rows at two sizes or more, the least-squares line us = a + b x MB through them (MB = us x
+    TB/s): a row with tile "fit", intercept_us a and us_per_mb b, and tbps 1 / b (the rate past the intercept)."""
     fits = []
     for op in dict.fromkeys(r["op"] for r in rows if "us" in r):
         pts = [(r["us"] * r["tbps"], r["us"]) for r in rows if r["op"] == op and "us" in r]
+        if len({mb for mb, _ in pts}) < 2:  # no line through fewer than two sizes
+            continue
         n, sx, sy = len(pts), sum(p[0] for p in pts), sum(p[1] for p in pts)
         sxx, sxy = sum(p[0] ** 2 for p in pts), sum(p[0] * p[1] for p in pts)
         b = (n * sxy - sx * sy) / (n * sxx - sx * sx)

@@ -51,6 +51,7 @@ def test_the_k_sweep_fit_recovers_a_launchs_fixed_cost_and_rate():
             us = a + b * mb + float(torch.randn(1, generator=g)) * 1e-9
             rows.append({"op": op, "tile": f"{mb} MB", "us": us, "tbps": mb / us})
     rows.append({"op": "qkv", "tile": "K 8192", "error": "OutOfResources"})
+    rows.append({"op": "o", "tile": "K 2048", "us": 6.0, "tbps": 1.4})  # one size: no line
     fits = scaling.line_fit(rows)
     assert [f["op"] for f in fits] == ["gate", "qkv"]
     for fit, (a, b) in zip(fits, ((3.5, 0.24), (5.0, 0.31))):
