@@ -227,13 +227,15 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ops", default="gate,qkv,o")
-    ap.add_argument("--tiles", action="store_true", help="qkv and gate at Ouro-1.4B's shape over tiles x stages")
-    ap.add_argument("--split", action="store_true", help="qkv and gate over K / S with S times the programs")
-    ap.add_argument("--stream", action="store_true", help="gate, qkv: the one-tile launches against stream-K ones")
-    ap.add_argument("--k-sweep", action="store_true", help="gate, qkv over K: a launch's fixed cost and its rate")
+    mode = ap.add_mutually_exclusive_group()  # none: the program-count scaling of --ops
+    for flag, name, text in (("--tiles", "tiles", "qkv and gate at Ouro-1.4B's shape over tiles x stages"),
+                             ("--split", "split", "qkv and gate over K / S with S times the programs"),
+                             ("--stream", "stream", "gate, qkv: the one-tile launches against stream-K ones"),
+                             ("--k-sweep", "ksweep", "gate, qkv over K: a launch's fixed cost and its rate")):
+        mode.add_argument(flag, dest="mode", action="store_const", const=name, help=text)
     args = ap.parse_args(argv)
-    if args.tiles or args.split or args.stream or args.k_sweep:
-        name = "split" if args.split else "stream" if args.stream else "ksweep" if args.k_sweep else "tiles"
+    if args.mode:
+        name = args.mode
         run = {"split": split_shapes, "stream": stream_k, "ksweep": k_sweep,
                "tiles": lambda: tiles("qkv") + tiles("gate")}
         rows = run[name]()

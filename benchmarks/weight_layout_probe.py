@@ -23,6 +23,7 @@ the activations are two thirds of what the SMs pull. Measured on an H100 (sessio
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -65,7 +66,8 @@ def _kernel():
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        x = x_desc.load([0, 0])
+        if X_ONCE:
+            x = x_desc.load([0, 0])
         for kb in range(0, KB):
             if not X_ONCE:
                 x = x_desc.load([0, kb * BLOCK_K])
@@ -114,7 +116,7 @@ def case(label: str, n: int, bn: int, stages: int, x_once: bool = False) -> list
     ws = weights(2 * n, K)
     want = launch(x, ws[0], n, bn, "rowmajor", stages)
     rows = []
-    for layout, once in [(layout, once) for layout in LAYOUTS for once in (False, True)[:1 + x_once]]:
+    for layout, once in itertools.product(LAYOUTS, (False, True)[:1 + x_once]):
         packed = [pack(w, bn, BK, layout) for w in ws]
         ok = None if once else rel_err(launch(x, packed[0], n, bn, layout, stages), want) < 1e-3
         us = timed(lambda: [launch(x, p, n, bn, layout, stages, once) for p in packed])  # noqa: B023
