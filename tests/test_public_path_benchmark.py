@@ -22,7 +22,10 @@ def test_tiny_run_reports_both_paths_and_a_consistent_profile(tmp_path):
     assert all(r["tokens"] == N * M for r in data["rows"])  # every request ran to max_tokens (ignore_eos)
     for r in data["rows"]:  # the timed runs' GPU-idle measure (host clocks on the CPU): every step seen
         idle = r["gpu_idle"]
-        assert idle["clock"] == "host" and idle["steps"] == M
+        # the sync path adds every request before its first step: M steps; the async engine may start stepping
+        # after the first arrival (seen in a full parallel run: 10 steps for M = 9), as the profiles below say
+        steps = (M, M) if r["path"] == "sync" else (M, M + N - 1)
+        assert idle["clock"] == "host" and steps[0] <= idle["steps"] <= steps[1]
         assert 0 <= idle["idle_s"] <= idle["span_s"] <= r["wall_s"]
         assert idle["gpu_idle_share"] == idle["idle_s"] / idle["span_s"]
     for p in data["profiles"]:
