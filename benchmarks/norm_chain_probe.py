@@ -1,0 +1,221 @@
+"""Does the add + norm between two 64-row GEMMs pay as a kernel of its own, or carried into the GEMMs around it?
+
+Today a layer and loop runs o's K-split partials -> add + norm -> gate_up + SiLU, and down's partials -> add + norm
+-> the next layer's qkv + RoPE + store (engine/triton_gemm.py): two of its seven kernels read a few rows and write two
+(2.55 us each on the H200's timeline, session 18), and each adds a kernel boundary to the chain. Session 10 carried
+the add + norm into the GEMMs (39eb78f, reverted) and lost twice over: the producers' split-K partials met through a
+counter (three dependent round trips in each tile's tail, +2 us a producer), and the consumers read h and y with plain
+loads that Triton's pipeliner left unpipelined (gate_up 15 -> 62 us). This probe rebuilds it without either cost:
+- the producer (`stats_kernel`) takes all of K in a program, 16 columns a program (o: 128 programs, as today's four
+  splits of 64 columns), so no partials meet: it writes y (bf16) and four row sums over its columns (S0 = sum h^2,
+  S1 = sum y^2, S2 = sum h w y, S3 = sum (w y)^2) into stats [4, tiles, rows];
+- the consumers (`normed_gate_kernel`, `normed_qkv_kernel`) read h, y and both norm weights through TMA descriptors,
+  which Triton pipelines beside the weights, and form x = rms(h + rms(y) w_a) w_b block by block with the reference's
+  roundings (sum h'^2 from the S's: S0 + 2 r S2 + r^2 S3); program p writes the new residual's K blocks p, p + P, ...
+Timed as gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): each chain (o -> gate_up,
+down -> qkv) both ways, and each kernel alone. Outputs checked against today's chain.
+
+    python benchmarks/norm_chain_probe.py --out $OUT/norm_chain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
+STAT_CHUNK = 32  # norm_chain_kernels.STAT_CHUNK
+
+
+def kernels():
+    """(stats_kernel, normed_gate_kernel, normed_qkv_kernel): Triton imported where the probe runs them."""
+    from benchmarks import norm_chain_kernels as nk
+
+    return nk.stats_kernel, nk.normed_gate_kernel, nk.normed_qkv_kernel
+
+
+def _desc(t: torch.Tensor, box: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box)
+
+
+def _pdl(device) -> dict:
+    from engine import pdl
+
+    return pdl.launch_kwargs(device)
+
+
+def stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor, block_n: int = 16,
+          block_k: int = 128, stages: int = 4) -> dict:
+    """The producer: {h, y, stats} for a consumer (a [rows, K] @ w [N, K].T = y; h [rows, N] the residual)."""
+    rows, k = a.shape
+    n = w.shape[0]
+    if n % block_n or k % block_k or rows > 64:
+        raise ValueError(f"stats: N={n} must divide by block_n={block_n}, K={k} by block_k={block_k}, rows <= 64")
+    tiles = n // block_n
+    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    st = torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device)
+    kernels()[0][(tiles,)](_desc(a, [64, block_k]), _desc(w, [block_n, block_k]), h, w_branch, y, st, rows, n, k,
+                           BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+                           **_pdl(a.device))
+    return {"h": h, "y": y, "stats": st}
+
+
+def _normed_args(p: dict, w_branch: torch.Tensor, w_next: torch.Tensor, w: torch.Tensor, block_rows: int,
+                 block_k: int) -> tuple:
+    h, y = p["h"], p["y"]
+    return (_desc(h, [64, block_k]), _desc(y, [64, block_k]), _desc(w_branch.view(1, -1), [1, block_k]),
+            _desc(w_next.view(1, -1), [1, block_k]), _desc(w, [block_rows, block_k]), p["stats"])
+
+
+def _tiles_constexpr(n_tiles: int) -> int:
+    return max(STAT_CHUNK, -(-n_tiles // STAT_CHUNK) * STAT_CHUNK)
+
+
+def normed_gate(p: dict, w_branch, w_next, w_gate_up: torch.Tensor, block_n: int = 64, block_k: int = 128,
+                stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(x @ gate.T) * (x @ up.T), h') with x = rms(h') w_next, h' = h + rms(y) w_branch (p: `stats`)."""
+    rows, k = p["h"].shape
+    n = w_gate_up.shape[0] // 2
+    out, h_out = torch.empty(rows, n, dtype=p["h"].dtype, device=p["h"].device), torch.empty_like(p["h"])
+    n_tiles = p["stats"].shape[1]
+    kernels()[1][(n // block_n,)](*_normed_args(p, w_branch, w_next, w_gate_up, block_n, block_k), h_out, out, rows,
+                                  n, k, n_tiles, EPS, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  TILES=_tiles_constexpr(n_tiles), num_warps=4, num_stages=stages,
+                                  **_pdl(out.device))
+    return out, h_out
+
+
+def normed_qkv(p: dict, w_branch, w_next, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads: int,
+               n_kv_heads: int, head_dim: int, block_d: int = 16, block_k: int = 128,
+               stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q after RoPE, h'); k and v go to their planes' slots (triton_gemm.qkv_rope_store's epilogue)."""
+    rows, k = p["h"].shape
+    half = head_dim // 2
+    q = torch.empty(rows, n_q_heads, head_dim, dtype=p["h"].dtype, device=p["h"].device)
+    h_out = torch.empty_like(p["h"])
+    n_tiles = p["stats"].shape[1]
+    grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d),)
+    kernels()[2][grid](*_normed_args(p, w_branch, w_next, w_qkv, block_d, block_k), h_out, positions, slots,
+                       inv_freq, q, k_plane, v_plane, rows, k, n_tiles, EPS, n_q_heads, n_kv_heads,
+                       k_plane.stride(0), k_plane.stride(1), HALF=half, BLOCK_M=64, BLOCK_D=block_d,
+                       BLOCK_K=block_k, TILES=_tiles_constexpr(n_tiles), num_warps=4, num_stages=stages,
+                       **_pdl(q.device))
+    return q, h_out
+
+
+def _inputs(k_in: int, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    return {"a": torch.randn(ROWS, k_in, generator=g, **bf), "h": torch.randn(ROWS, HIDDEN, generator=g, **bf),
+            "wa": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf),
+            "wb": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf)}
+
+
+def _rope_args() -> dict:
+    dev = "cuda"
+    return {"positions": torch.arange(ROWS, dtype=torch.int32, device=dev) + 600,
+            "slots": torch.arange(ROWS, dtype=torch.int32, device=dev),
+            "inv_freq": 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32, device=dev) / HEAD_DIM),
+            "k_plane": torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+            "v_plane": torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)}
+
+
+def chains(op: str, stages: int) -> dict:
+    """{way: (chain(i) -> (output, h'), its producer alone, its consumer alone)} for `op` ("gate": o -> gate_up,
+    "qkv": down -> qkv), over weight copies i; today's way through engine/triton_gemm.py at gemm_config(64)."""
+    from benchmarks.gemm_sweep import weights
+    from engine import triton_gemm as tg
+    from engine.gemm_dispatch import gemm_config
+
+    cfg = gemm_config(ROWS)
+    k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
+    t, prod = _inputs(k_in), weights(HIDDEN, k_in)
+    cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
+    rope = _rope_args()
+
+    def consume_today(x, i):
+        if op == "gate":
+            return tg.gate_up_silu(x, cons[i], cfg)
+        return tg.qkv_rope_store(x, cons[i], rope["positions"], rope["slots"], rope["inv_freq"], rope["k_plane"],
+                                 rope["v_plane"], HEADS, HEADS, HEAD_DIM, cfg)
+
+    def consume_carried(p, i):
+        if op == "gate":
+            return normed_gate(p, t["wa"], t["wb"], cons[i], stages=stages)
+        return normed_qkv(p, t["wa"], t["wb"], cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
+
+    def today(i):
+        h2, x = tg.add_rms_norm2_partials(t["h"], tg.linear_partials(t["a"], prod[i], splits, cfg), t["wa"], t["wb"],
+                                          EPS)
+        return consume_today(x, i), h2
+
+    def carried(i):
+        return consume_carried(stats(t["a"], prod[i], t["h"], t["wa"], stages=stages), i)
+
+    p0, x0 = stats(t["a"], prod[0], t["h"], t["wa"], stages=stages), torch.randn_like(t["h"])
+    zeros = torch.zeros(splits, ROWS, HIDDEN, device="cuda")
+    return {"today": (today, lambda i: tg.linear_partials(t["a"], prod[i], splits, cfg), lambda i: consume_today(x0, i),
+                      lambda i: tg.add_rms_norm2_partials(t["h"], zeros, t["wa"], t["wb"], EPS)),
+            "carried": (carried, lambda i: stats(t["a"], prod[i], t["h"], t["wa"], stages=stages),
+                        lambda i: consume_carried(p0, i), None)}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def case(op: str, stages: int) -> list[dict]:
+    from benchmarks.gemm_sweep import COPIES, timed
+
+    ways = chains(op, stages)
+    (want, want_h), (got, got_h) = ways["today"][0](0), ways["carried"][0](0)
+    ok = rel_err(got, want) < 2e-2 and rel_err(got_h, want_h) < 2e-2
+    rows = []
+    for way, (chain, producer, consumer, norm) in ways.items():
+        row = {"op": op, "way": way, "stages": stages, "ok": ok, "err": rel_err(got, want),
+               "chain_us": timed(lambda: [chain(i) for i in range(COPIES)]),
+               "producer_us": timed(lambda: [producer(i) for i in range(COPIES)]),
+               "consumer_us": timed(lambda: [consumer(i) for i in range(COPIES)]),
+               "norm_us": timed(lambda: [norm(i) for i in range(COPIES)]) if norm else 0.0}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| chain | way | stages | chain (us) | producer alone | add + norm alone | consumer alone | rel. err |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"gate": "o -> gate_up", "qkv": "down -> qkv"}
+    for r in rows:
+        wrong = "" if r["ok"] else " WRONG"
+        norm = f"{r['norm_us']:.2f}" if r["norm_us"] else "-"
+        lines.append(f"| {names[r['op']]} | {r['way']} | {r['stages']} | {r['chain_us']:.2f}{wrong} | "
+                     f"{r['producer_us']:.2f} | {norm} | {r['consumer_us']:.2f} | {r['err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stages", default="3,4", help="the carried kernels' pipeline depths, comma-separated")
+    ap.add_argument("--ops", default="gate,qkv")
+    args = ap.parse_args(argv)
+    rows = [r for op in args.ops.split(",") for s in args.stages.split(",") for r in case(op, int(s))]
+    from benchmarks.weight_layout_probe import save
+
+    save(args.out, "norm_chain", rows, markdown(rows))
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
