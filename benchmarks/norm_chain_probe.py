@@ -129,7 +129,10 @@ def _rope_args() -> dict:
             "v_plane": torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)}
 
 
-def chains(op: str, stages: int) -> dict:
+PRODUCERS = ((16, 128), (16, 256), (32, 128))  # the carried producer's (columns a program, K step)
+
+
+def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> dict:
     """{way: (chain(i) -> (output, h'), its producer alone, its consumer alone)} for `op` ("gate": o -> gate_up,
     "qkv": down -> qkv), over weight copies i; today's way through engine/triton_gemm.py at gemm_config(64)."""
     from benchmarks.gemm_sweep import weights
@@ -158,32 +161,37 @@ def chains(op: str, stages: int) -> dict:
                                           EPS)
         return consume_today(x, i), h2
 
-    def carried(i):
-        return consume_carried(stats(t["a"], prod[i], t["h"], t["wa"], stages=stages), i)
+    def produce(i):
+        return stats(t["a"], prod[i], t["h"], t["wa"], *producer, stages=stages)
 
-    p0, x0 = stats(t["a"], prod[0], t["h"], t["wa"], stages=stages), torch.randn_like(t["h"])
+    def carried(i):
+        return consume_carried(produce(i), i)
+
+    p0, x0 = produce(0), torch.randn_like(t["h"])
     zeros = torch.zeros(splits, ROWS, HIDDEN, device="cuda")
     return {"today": (today, lambda i: tg.linear_partials(t["a"], prod[i], splits, cfg), lambda i: consume_today(x0, i),
                       lambda i: tg.add_rms_norm2_partials(t["h"], zeros, t["wa"], t["wb"], EPS)),
-            "carried": (carried, lambda i: stats(t["a"], prod[i], t["h"], t["wa"], stages=stages),
-                        lambda i: consume_carried(p0, i), None)}
+            "carried": (carried, produce, lambda i: consume_carried(p0, i), None)}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def case(op: str, stages: int) -> list[dict]:
+def case(op: str, stages: int, producer: tuple[int, int], with_today: bool) -> list[dict]:
     from benchmarks.gemm_sweep import COPIES, timed
 
-    ways = chains(op, stages)
+    ways = chains(op, stages, producer)
     (want, want_h), (got, got_h) = ways["today"][0](0), ways["carried"][0](0)
     ok = rel_err(got, want) < 2e-2 and rel_err(got_h, want_h) < 2e-2
     rows = []
-    for way, (chain, producer, consumer, norm) in ways.items():
-        row = {"op": op, "way": way, "stages": stages, "ok": ok, "err": rel_err(got, want),
+    for way, (chain, producer_fn, consumer, norm) in ways.items():
+        if way == "today" and not with_today:
+            continue
+        row = {"op": op, "way": way if way == "today" else "carried, producer %dx%d" % producer, "stages": stages,
+               "ok": ok, "err": rel_err(got, want),
                "chain_us": timed(lambda: [chain(i) for i in range(COPIES)]),
-               "producer_us": timed(lambda: [producer(i) for i in range(COPIES)]),
+               "producer_us": timed(lambda: [producer_fn(i) for i in range(COPIES)]),
                "consumer_us": timed(lambda: [consumer(i) for i in range(COPIES)]),
                "norm_us": timed(lambda: [norm(i) for i in range(COPIES)]) if norm else 0.0}
         print(json.dumps(row), flush=True)
@@ -192,8 +200,8 @@ def case(op: str, stages: int) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| chain | way | stages | chain (us) | producer alone | add + norm alone | consumer alone | rel. err |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| chain | way (producer: columns x K step) | stages | chain (us) | producer alone | add + norm alone | "
+             "consumer alone | rel. err |", "|---|---|---|---|---|---|---|---|"]
     names = {"gate": "o -> gate_up", "qkv": "down -> qkv"}
     for r in rows:
         wrong = "" if r["ok"] else " WRONG"
@@ -209,7 +217,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--stages", default="3,4", help="the carried kernels' pipeline depths, comma-separated")
     ap.add_argument("--ops", default="gate,qkv")
     args = ap.parse_args(argv)
-    rows = [r for op in args.ops.split(",") for s in args.stages.split(",") for r in case(op, int(s))]
+    rows = [r for op in args.ops.split(",") for s in args.stages.split(",") for n, p in enumerate(PRODUCERS)
+            for r in case(op, int(s), p, with_today=n == 0)]
     from benchmarks.weight_layout_probe import save
 
     save(args.out, "norm_chain", rows, markdown(rows))

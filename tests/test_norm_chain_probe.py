@@ -18,14 +18,15 @@ def rms(v):
     return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + probe.EPS)
 def err(got, want):
     return float((got.double() - want).norm() / want.norm())
-for rows, k_in, hidden, inter in [(64, 256, 256, 128), (9, 384, 256, 64)]:
+for rows, k_in, hidden, inter, producer in [(64, 256, 256, 128, (16, 128)), (9, 384, 256, 64, (32, 128)),
+                                           (33, 512, 256, 64, (16, 256))]:
     a, h = torch.randn(rows, k_in, generator=g), torch.randn(rows, hidden, generator=g)
     w_o = torch.randn(hidden, k_in, generator=g) / k_in ** 0.5
     wa, wb = 1 + 0.1 * torch.randn(hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
     y = a.double() @ w_o.double().T
     h_new = h.double() + rms(y) * wa.double()
     x = rms(h_new) * wb.double()
-    p = probe.stats(a, w_o, h, wa)
+    p = probe.stats(a, w_o, h, wa, *producer)
     assert err(p["y"], y) < 1e-5
     w_gu = torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5
     gate, up = x @ w_gu[:inter].double().T, x @ w_gu[inter:].double().T
