@@ -14,6 +14,10 @@ loads that Triton's pipeliner left unpipelined (gate_up 15 -> 62 us). This probe
   roundings (sum h'^2 from the S's: S0 + 2 r S2 + r^2 S3); program p writes the new residual's K blocks p, p + P, ...
 Timed as gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): each chain (o -> gate_up,
 down -> qkv) both ways, and each kernel alone. Outputs checked against today's chain.
+Measured on an H100 (session 35, docs/benchmarks.md): every carried chain slower, o -> gate_up 40.9-43.2 us against
+27.7, down -> qkv 50.4-69.7 against 26.6. The consumers carry it worst (gate_up 33-38 us against 20.1; qkv 34-50
+against 12.7: the norm's elementwise work on every K block, and at 4 stages one qkv program an SM); the producers lose
+too (o 6.3-9.7 against 5.7, down 12.7-21.6 against 10.9). The engine keeps its add + norm kernels.
 
     python benchmarks/norm_chain_probe.py --out $OUT/norm_chain
 """
@@ -24,7 +28,6 @@ import argparse
 import json
 import sys
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,37 +35,85 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
+STAT_CHUNK = 32  # norm_chain_kernels.STAT_CHUNK
 
 
-def _cfg(**tiles):
-    from engine.gemm_dispatch import gemm_config
+def kernels():
+    """(stats_kernel, normed_gate_kernel, normed_qkv_kernel): Triton imported where the probe runs them."""
+    from benchmarks import norm_chain_kernels as nk
 
-    return replace(gemm_config(ROWS), **tiles)
+    return nk.stats_kernel, nk.normed_gate_kernel, nk.normed_qkv_kernel
+
+
+def _desc(t: torch.Tensor, box: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box)
+
+
+def _pdl(device) -> dict:
+    from engine import pdl
+
+    return pdl.launch_kwargs(device)
 
 
 def stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor, block_n: int = 16,
-          block_k: int = 128, stages: int = 4, w_next: torch.Tensor | None = None):
-    """The producer (triton_norm_gemm.linear_stats) at these tiles: a PendingNorm for a consumer."""
-    from engine import triton_norm_gemm as tn
+          block_k: int = 128, stages: int = 4) -> dict:
+    """The producer: {h, y, stats} for a consumer (a [rows, K] @ w [N, K].T = y; h [rows, N] the residual)."""
+    rows, k = a.shape
+    n = w.shape[0]
+    if n % block_n or k % block_k or rows > 64:
+        raise ValueError(f"stats: N={n} must divide by block_n={block_n}, K={k} by block_k={block_k}, rows <= 64")
+    tiles = n // block_n
+    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    st = torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device)
+    kernels()[0][(tiles,)](_desc(a, [64, block_k]), _desc(w, [block_n, block_k]), h, w_branch, y, st, rows, n, k,
+                           BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+                           **_pdl(a.device))
+    return {"h": h, "y": y, "stats": st}
 
-    cfg = _cfg(carry_block_n=block_n, carry_block_k=block_k, carry_stages=stages)
-    return tn.linear_stats(a, w, h, w_branch, w_branch if w_next is None else w_next, EPS, cfg)
+
+def _normed_args(p: dict, w_branch: torch.Tensor, w_next: torch.Tensor, w: torch.Tensor, block_rows: int,
+                 block_k: int) -> tuple:
+    h, y = p["h"], p["y"]
+    return (_desc(h, [64, block_k]), _desc(y, [64, block_k]), _desc(w_branch.view(1, -1), [1, block_k]),
+            _desc(w_next.view(1, -1), [1, block_k]), _desc(w, [block_rows, block_k]), p["stats"])
 
 
-def normed_gate(p, w_gate_up: torch.Tensor, stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(x @ gate.T) * (x @ up.T), h') of the PendingNorm p at the table's gate_up tiles."""
-    from engine import triton_norm_gemm as tn
-
-    return tn.gate_up_silu_normed(p, w_gate_up, _cfg(carry_stages=stages))
+def _tiles_constexpr(n_tiles: int) -> int:
+    return max(STAT_CHUNK, -(-n_tiles // STAT_CHUNK) * STAT_CHUNK)
 
 
-def normed_qkv(p, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads: int, n_kv_heads: int,
-               head_dim: int, stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q after RoPE, h') of the PendingNorm p; k and v into their planes' slots, at the table's qkv tiles."""
-    from engine import triton_norm_gemm as tn
+def normed_gate(p: dict, w_branch, w_next, w_gate_up: torch.Tensor, block_n: int = 64, block_k: int = 128,
+                stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(x @ gate.T) * (x @ up.T), h') with x = rms(h') w_next, h' = h + rms(y) w_branch (p: `stats`)."""
+    rows, k = p["h"].shape
+    n = w_gate_up.shape[0] // 2
+    out, h_out = torch.empty(rows, n, dtype=p["h"].dtype, device=p["h"].device), torch.empty_like(p["h"])
+    n_tiles = p["stats"].shape[1]
+    kernels()[1][(n // block_n,)](*_normed_args(p, w_branch, w_next, w_gate_up, block_n, block_k), h_out, out, rows,
+                                  n, k, n_tiles, EPS, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  TILES=_tiles_constexpr(n_tiles), num_warps=4, num_stages=stages,
+                                  **_pdl(out.device))
+    return out, h_out
 
-    return tn.qkv_rope_store_normed(p, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads, n_kv_heads,
-                                    head_dim, _cfg(carry_stages=stages))
+
+def normed_qkv(p: dict, w_branch, w_next, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads: int,
+               n_kv_heads: int, head_dim: int, block_d: int = 16, block_k: int = 128,
+               stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q after RoPE, h'); k and v go to their planes' slots (triton_gemm.qkv_rope_store's epilogue)."""
+    rows, k = p["h"].shape
+    half = head_dim // 2
+    q = torch.empty(rows, n_q_heads, head_dim, dtype=p["h"].dtype, device=p["h"].device)
+    h_out = torch.empty_like(p["h"])
+    n_tiles = p["stats"].shape[1]
+    grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d),)
+    kernels()[2][grid](*_normed_args(p, w_branch, w_next, w_qkv, block_d, block_k), h_out, positions, slots,
+                       inv_freq, q, k_plane, v_plane, rows, k, n_tiles, EPS, n_q_heads, n_kv_heads,
+                       k_plane.stride(0), k_plane.stride(1), HALF=half, BLOCK_M=64, BLOCK_D=block_d,
+                       BLOCK_K=block_k, TILES=_tiles_constexpr(n_tiles), num_warps=4, num_stages=stages,
+                       **_pdl(q.device))
+    return q, h_out
 
 
 def _inputs(k_in: int, seed: int = 0) -> dict:
@@ -106,8 +157,8 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
 
     def consume_carried(p, i):
         if op == "gate":
-            return normed_gate(p, cons[i], stages=stages)
-        return normed_qkv(p, cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
+            return normed_gate(p, t["wa"], t["wb"], cons[i], stages=stages)
+        return normed_qkv(p, t["wa"], t["wb"], cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
 
     def today(i):
         h2, x = tg.add_rms_norm2_partials(t["h"], tg.linear_partials(t["a"], prod[i], splits, cfg), t["wa"], t["wb"],
@@ -115,7 +166,7 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
         return consume_today(x, i), h2
 
     def produce(i):
-        return stats(t["a"], prod[i], t["h"], t["wa"], *producer, stages=stages, w_next=t["wb"])
+        return stats(t["a"], prod[i], t["h"], t["wa"], *producer, stages=stages)
 
     def carried(i):
         return consume_carried(produce(i), i)

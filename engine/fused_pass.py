@@ -18,31 +18,21 @@ import torch.nn.functional as F
 from . import kv_prefetch_dispatch as kvp
 from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
-from .gemm_dispatch import GemmConfig, gate_block_k, gemm_config, qkv_block_d, stream_k
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d, stream_k
 from .kv_cache import KVPool
 from .mlp_dispatch import mlp_folds
-from .pending_norm import PendingNorm, carries
 
 
 def linear_add_norm(h: torch.Tensor, y_in: torch.Tensor, w: torch.Tensor, gemm: GemmConfig | None, which: str,
-                    w_branch: torch.Tensor, w_next: torch.Tensor, eps: float, before_norm=None,
-                    carry: bool = False) -> tuple[torch.Tensor, torch.Tensor | PendingNorm]:
+                    w_branch: torch.Tensor, w_next: torch.Tensor, eps: float,
+                    before_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """h + rms(y_in @ w.T) * w_branch and its rms * w_next (the o_proj / down_proj half). `before_norm`: called
-    between the split-K GEMM and the add + norm that reduces it (the prefetch's "norm" point). With `carry`, where
-    triton_norm_gemm.carries, (h, a PendingNorm) instead: the next GEMM (`gate_up_any`, `qkv_any`) forms both."""
+    between the split-K GEMM and the add + norm that reduces it (the prefetch's "norm" point)."""
     from . import triton_fused as fused
 
     if gemm is None:
         return fused.add_rms_norm2(h, F.linear(y_in, w), w_branch, w_next, eps)
     from . import triton_gemm
-
-    if carry and carries(gemm, h, w):
-        from . import triton_norm_gemm
-
-        pending = triton_norm_gemm.linear_stats(y_in, w, h, w_branch, w_next, eps, gemm)
-        if before_norm is not None:
-            before_norm()
-        return h, pending
 
     splits = gemm.splits_o if which == "o" else gemm.splits_down
     partials = triton_gemm.linear_partials(y_in, w, splits, gemm)
@@ -69,39 +59,6 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
     from . import triton_fused as fused
 
     return fused.rope_store_kv(F.linear(x, w_qkv), meta.positions, meta.slots, inv_freq, k_plane, v_plane, Hq, Hkv, d)
-
-
-def qkv_any(x: torch.Tensor | PendingNorm, h: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta,
-            inv_freq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, Hq: int, Hkv: int, d: int,
-            gemm: GemmConfig | None, flags: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, the residual h): `qkv_rope_store` of x, where x may be a PendingNorm (`linear_add_norm`'s carry): then the
-    carried kernel forms x and the new residual as it reads them, where the one-tile qkv kernel would run (else the
-    add + norm kernel resolves them first)."""
-    if isinstance(x, PendingNorm):
-        rows, hidden = x.h.shape
-        if (qkv_block_d(gemm, d) and hidden % gemm.block_k_qkv == 0
-                and not (flags is not None and stream_k(gemm, "qkv", rows))):
-            from . import triton_norm_gemm
-
-            return triton_norm_gemm.qkv_rope_store_normed(x, w_qkv, meta.positions, meta.slots, inv_freq, k_plane,
-                                                          v_plane, Hq, Hkv, d, gemm)
-        h, x = x.resolve()
-    return qkv_rope_store(x, w_qkv, meta, inv_freq, k_plane, v_plane, Hq, Hkv, d, gemm, flags), h
-
-
-def gate_up_any(x: torch.Tensor | PendingNorm, h: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None,
-                flags: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(x gate.T) * (x up.T), the residual h): `gate_up_silu` of x, where x may be a PendingNorm: then carried
-    into the one-tile gate_up kernel where its tiles divide the shape (else resolved first)."""
-    if isinstance(x, PendingNorm):
-        rows, hidden = x.h.shape
-        if (hidden % gate_block_k(gemm) == 0 and (w_gate_up.shape[0] // 2) % gemm.block_n_gate == 0
-                and not (flags is not None and stream_k(gemm, "gate", rows))):
-            from . import triton_norm_gemm
-
-            return triton_norm_gemm.gate_up_silu_normed(x, w_gate_up, gemm)
-        h, x = x.resolve()
-    return gate_up_silu(x, w_gate_up, gemm, flags), h
 
 
 def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | None,
@@ -164,12 +121,10 @@ def run_loops(model, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop:
         for i, layer in enumerate(layers):
             k_plane, v_plane = pool.plane(loop, layer.layer)
             prefetch.at("qkv", loop, i)
-            q, h = qkv_any(x, h, layer.self_attn.qkv_weight, meta, freqs, k_plane, v_plane, Hq, Hkv, d, gemm,
-                           model.stream_flags)
+            q = qkv_rope_store(x, layer.self_attn.qkv_weight, meta, freqs, k_plane, v_plane, Hq, Hkv, d, gemm,
+                               model.stream_flags)
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
-            # the add + norm into the next layer carried into its qkv, not into the loop's readout
-            h, x = attention_mlp(model, h, q, layer, meta, pool, loop, gemm, w_next, prefetch, i,
-                                 carry_next=i + 1 < len(layers))
+            h, x = attention_mlp(model, h, q, layer, meta, pool, loop, gemm, w_next, prefetch, i)
         readouts.append(x)  # rms(h, model.norm): loop `loop`'s readout and loop+1's input
         if loop < last_loop:
             h = x
@@ -178,14 +133,12 @@ def run_loops(model, h: torch.Tensor, meta: BatchMeta, pool: KVPool, first_loop:
 
 
 def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMeta, pool: KVPool, loop: int,
-                  gemm: GemmConfig | None, w_next: torch.Tensor, prefetch: kvp.PassPrefetch, index: int,
-                  carry_next: bool = False) -> tuple[torch.Tensor, torch.Tensor | PendingNorm]:
+                  gemm: GemmConfig | None, w_next: torch.Tensor, prefetch: kvp.PassPrefetch,
+                  index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of the layer after q: attention, o_proj, the add + norm, the MLP, the add + norm into w_next.
     Where the MLP runs as one Gluon launch (mlp_dispatch.mlp_folds), o_proj's float32 output goes to it
     unreduced and the add + norm after attention runs inside it (gluon_mlp.py). `prefetch`: the pass's, asked for
-    the next attention (layer `index` + 1) at "gate_up" and "norm". Where the config carries the add + norm
-    (pending_norm.carries), the one after o_proj goes into gate_up, and with `carry_next` the last one is left
-    pending for the next layer's qkv."""
+    the next attention (layer `index` + 1) at "gate_up" and "norm"."""
     mlp, eps = layer.mlp, model.config.rms_norm_eps
     w_out = layer.post_attention_layernorm_2.weight
     if gemm is not None and model.mlp_barrier is not None and mlp_folds(h, mlp.gate_up_weight,
@@ -201,16 +154,15 @@ def attention_mlp(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMet
         return triton_gemm.add_rms_norm2_partials(h_mid, down, w_out, w_next, eps)
     h, x = attention_add_norm(model, h, q, layer, meta, pool, loop, gemm)
     prefetch.at("gate_up", loop, index + 1)
-    m, h = gate_up_any(x, h, mlp.gate_up_weight, gemm, model.stream_flags)
+    m = gate_up_silu(x, mlp.gate_up_weight, gemm, model.stream_flags)
     return linear_add_norm(h, m, mlp.down_proj.weight, gemm, "down", w_out, w_next, eps,
-                           prefetch.hook("norm", loop, index + 1), carry=carry_next)
+                           prefetch.hook("norm", loop, index + 1))
 
 
 def attention_add_norm(model, h: torch.Tensor, q: torch.Tensor, layer, meta: BatchMeta, pool: KVPool, loop: int,
-                       gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor | PendingNorm]:
+                       gemm: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention, o_proj and add + norm + norm: one launch where the Gluon decode kernel folds o_proj and the add +
-    norm into its tail (attention.attend_o), else attention, then o_proj with them (the add + norm left pending for
-    gate_up where the config carries it)."""
+    norm into its tail (attention.attend_o), else attention, then o_proj with them."""
     attn, eps = layer.self_attn, model.config.rms_norm_eps
     w_branch, w_next = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
     if gemm is not None:
@@ -219,5 +171,4 @@ def attention_add_norm(model, h: torch.Tensor, q: torch.Tensor, layer, meta: Bat
         if folded is not None:
             return folded
     a = attend(q, None, None, pool, loop, layer.layer, meta, attn.scale, attn.backend)
-    return linear_add_norm(h, a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm, "o", w_branch, w_next, eps,
-                           carry=True)
+    return linear_add_norm(h, a.reshape(q.shape[0], -1), attn.o_proj.weight, gemm, "o", w_branch, w_next, eps)

@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import pdl
-
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -42,12 +40,6 @@ class GemmConfig:
     # the stream-K qkv's pipeline depth (0: num_stages): its program holds a whole SM where the one-tile qkv's
     # two 96 KB programs share one, so it needs the deeper pipeline to keep as many bytes in flight (8: 200 KB)
     stages_qkv_stream: int = 8
-    # the add + norm after o_proj and down_proj carried into the GEMMs around it (engine/triton_norm_gemm.py): the
-    # producer's columns a program and K step, and the carried kernels' pipeline depth (0: num_stages)
-    carry_norm: bool = False
-    carry_block_n: int = 16
-    carry_block_k: int = 128
-    carry_stages: int = 0
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -85,25 +77,12 @@ def gemm_block_m(rows: int) -> int:
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
-    OUROBATCH_STREAM_K sets stream_gate and stream_qkv, OUROBATCH_CARRY_NORM carry_norm, in every row of the table
-    (measuring switches)."""
+    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table (a measuring switch)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            stream, carry = stream_k_setting(), carry_norm_setting()
-            if stream is not None:
-                cfg = replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
-            return cfg if carry is None else replace(cfg, carry_norm=carry)
+            stream = stream_k_setting()
+            return cfg if stream is None else replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
     return None
-
-
-@functools.cache
-def carry_norm_setting() -> bool | None:
-    """OUROBATCH_CARRY_NORM: "1" carries the add + norm into the GEMMs around it (triton_norm_gemm.py), "0" does
-    not; unset: the table's choice."""
-    value = os.environ.get("OUROBATCH_CARRY_NORM", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"OUROBATCH_CARRY_NORM must be '0' or '1', got {value!r}")
-    return None if not value else value == "1"
 
 
 STREAM_K_OPS = ("gate", "qkv")
@@ -157,20 +136,3 @@ def qkv_block_d(cfg: GemmConfig | None, head_dim: int) -> int:
     half = head_dim // 2
     block = min(cfg.block_d_qkv, half)
     return block if block >= 16 and block & (block - 1) == 0 and half % block == 0 else 0
-
-
-def tma_ok(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can cover t [n, K]: a Hopper or later GPU (or CPU tensors: Triton's interpreter,
-    which emulates TMA loads), a contiguous last dim, a 16-byte aligned base and row stride."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-            and (t.device.type == "cpu" or pdl.hopper(t.device)))
-
-
-def carry_fits(cfg: GemmConfig | None, rows: int, producer_shape: tuple[int, int]) -> bool:
-    """Whether the config carries the add + norm after a producer of this shape ([n, K]: o_proj, down_proj) into the
-    GEMMs around it (engine/triton_norm_gemm.py) at `rows` rows: it asks for it, the rows are one row tile (64), and
-    the producer's tiles divide the shape."""
-    if cfg is None or not cfg.carry_norm or not 0 < rows <= 64:
-        return False
-    n, k = producer_shape
-    return n % cfg.carry_block_n == 0 and k % cfg.carry_block_k == 0

@@ -30,8 +30,7 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import (carry_fits, gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages,
-                            stream_k)
+from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages, stream_k
 from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
@@ -310,19 +309,7 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
         stream = stream_k(cfg, "qkv", rows)
         stages = qkv_stream_stages(cfg, block_d, bm) if stream else cfg.num_stages
         keys.add(("qkv_stream" if stream else "qkv", bm, block_d, cfg.block_k_qkv, cfg.num_warps, stages, cfg.tma))
-    return keys | _carry_keys(cfg, rows, block_d)
-
-
-def _carry_keys(cfg, rows: int, block_d: int) -> set[tuple]:
-    """The carried add + norm's kernels (engine/triton_norm_gemm.py) where the config carries it at these rows: the
-    producer and the two consumers, per tiles (their row tile is always 64 rows). A model whose shapes the tiles do
-    not divide never launches them (kernel_warmup.launch_carry skips it)."""
-    if not carry_fits(cfg, rows, (cfg.carry_block_n, cfg.carry_block_k)):  # the config and the rows alone
-        return set()
-    rest = (cfg.num_warps, cfg.carry_stages or cfg.num_stages)
-    keys = {("carry_stats", cfg.carry_block_n, cfg.carry_block_k) + rest,
-            ("carry_gate", cfg.block_n_gate, gate_block_k(cfg)) + rest}
-    return keys | ({("carry_qkv", block_d, cfg.block_k_qkv) + rest} if block_d else set())
+    return keys
 
 
 def shapes_of(executor, max_num_batched_tokens: int, max_model_len: int, mode: str, deep_interval: int,

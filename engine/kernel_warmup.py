@@ -26,7 +26,7 @@ import torch
 from . import layer_stack, warmup_pass
 from .kernel_cases import (AttentionCase, KernelShapes, _row_counts, attention_cases, attention_key, case_config,
                            decode_keys, gemm_keys, gemm_rows, layers_keys, mlp_keys)
-from .gemm_dispatch import gate_block_k, gemm_config, new_stream_flags
+from .gemm_dispatch import gemm_config, new_stream_flags
 from .warmup_order import SLOWEST, KernelReport, Task, longest_first, staged  # noqa: F401 - read here by tests
 
 _layers = lambda: importlib.import_module(".gluon_layers", __package__)  # noqa: E731 - Gluon, imported lazily
@@ -196,8 +196,6 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
         partials = torch.zeros(key[1], rows, s.hidden_size, dtype=torch.float32, device=device)
         triton_gemm.add_rms_norm2_partials(h, partials, w, w, s.eps)
-    elif key[0].startswith("carry_"):
-        launch_carry(s, rows, key[0], weights, device)
     elif key[0] == "gate_up_stream":
         from . import triton_streamk
 
@@ -205,33 +203,6 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
                                            new_stream_flags(device))
     else:
         triton_gemm.gate_up_silu(torch.zeros(rows, s.hidden_size, **zeros), weights["gate_up"], cfg)
-
-
-def launch_carry(s: KernelShapes, rows: int, kind: str, weights: dict[str, torch.Tensor],
-                 device: torch.device) -> None:
-    """A carried add + norm kernel (kernel_cases._carry_keys) at `rows` rows, from zeros: the producer over o_proj
-    and down_proj, or a consumer of o_proj's; nothing where the model's shapes do not carry."""
-    from .pending_norm import carries
-    from . import triton_norm_gemm as tn
-
-    cfg = gemm_config(rows)
-    zeros = dict(dtype=s.dtype, device=device)
-    h, w = torch.zeros(rows, s.hidden_size, **zeros), torch.ones(s.hidden_size, **zeros)
-    ins = {"o": torch.zeros(rows, s.num_heads * s.head_dim, **zeros),
-           "down": torch.zeros(rows, s.intermediate_size, **zeros)}
-    for name in ("o", "down") if kind == "carry_stats" else ("o",):
-        if not carries(cfg, h, weights[name]):
-            continue
-        pending = tn.linear_stats(ins[name], weights[name], h, w, w, s.eps, cfg)
-        if kind == "carry_gate" and (s.intermediate_size % cfg.block_n_gate == 0
-                                     and s.hidden_size % gate_block_k(cfg) == 0):
-            tn.gate_up_silu_normed(pending, weights["gate_up"], cfg)
-        elif kind == "carry_qkv" and s.hidden_size % cfg.block_k_qkv == 0:
-            plane = torch.zeros(s.block_size, s.num_kv_heads, s.head_dim, **zeros)
-            index = torch.zeros(rows, dtype=torch.int64, device=device)
-            inv_freq = torch.ones(s.head_dim // 2, dtype=torch.float32, device=device)
-            tn.qkv_rope_store_normed(pending, weights["qkv"], index, index, inv_freq, plane, plane, s.num_heads,
-                                     s.num_kv_heads, s.head_dim, cfg)
 
 
 # ---------------------------------------------------------------------------------------- running them
@@ -289,8 +260,7 @@ def _gemm_tasks(s: KernelShapes, device: torch.device, covered: set) -> list[Tas
               "o": (s.hidden_size, s.num_heads * s.head_dim), "down": (s.hidden_size, s.intermediate_size),
               "gate_up": (2 * s.intermediate_size, s.hidden_size)}
     uses = {"qkv": ("qkv",), "qkv_stream": ("qkv",), "partials": ("o", "down"), "gate_up": ("gate_up",),
-            "gate_up_stream": ("gate_up",), "norm_partials": (), "carry_stats": ("o", "down"),
-            "carry_gate": ("o", "gate_up"), "carry_qkv": ("o", "qkv")}
+            "gate_up_stream": ("gate_up",), "norm_partials": ()}
 
     def scratch(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         with made:

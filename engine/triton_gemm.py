@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d, tma_ok
+from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
 from .triton_fused import add_norm2_store
 
 
@@ -188,15 +188,22 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
                n_kv_heads, stride_slot, stride_head, HALF)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover t [n, K]: a Hopper or later GPU (or CPU tensors: Triton's interpreter,
+    which emulates TMA loads), a contiguous last dim, a 16-byte aligned base and row stride."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            and (t.device.type == "cpu" or pdl.hopper(t.device)))
+
+
 def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, block_k: int,
               cfg: GemmConfig) -> tuple[object, object, int]:
     """(x argument, w argument, TMA) of a GEMM kernel: TMA 0 loads both through pointers; 1 loads the weights
     [n, K] in [block_rows, block_k] boxes through a TMA descriptor; 2 also the activations x [rows, K] in
     [block_m, block_k] boxes. What cfg.tma asks for, where the hardware and the layouts allow it."""
-    if not cfg.tma or not tma_ok(w):
+    if not cfg.tma or not _tma_ok(w):
         return x, w, 0
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [block_rows, block_k])
-    if cfg.tma < 2 or not tma_ok(x):
+    if cfg.tma < 2 or not _tma_ok(x):
         return x, w_desc, 1
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
 

@@ -67,25 +67,6 @@ def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(mon
         gemm_dispatch.stream_k_setting.cache_clear()
 
 
-def test_the_carry_norm_switch_sets_carry_norm_in_every_row_of_the_table(monkeypatch):
-    table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64)))
-    try:
-        for value, want in (("1", True), ("0", False)):
-            monkeypatch.setenv("OUROBATCH_CARRY_NORM", value)
-            gemm_dispatch.carry_norm_setting.cache_clear()
-            got = [gemm_config(r, table) for r in (8, 64)]
-            assert [c.carry_norm for c in got] == [want, want] and got[1].block_n == 64, value
-        monkeypatch.setenv("OUROBATCH_CARRY_NORM", "yes")
-        gemm_dispatch.carry_norm_setting.cache_clear()
-        with pytest.raises(ValueError, match="OUROBATCH_CARRY_NORM must be '0' or '1', got 'yes'"):
-            gemm_config(64, table)
-        monkeypatch.delenv("OUROBATCH_CARRY_NORM")
-        gemm_dispatch.carry_norm_setting.cache_clear()
-        assert gemm_config(64, table) is table[1][1]  # unset: the table's own
-    finally:
-        gemm_dispatch.carry_norm_setting.cache_clear()
-
-
 def test_the_stream_k_qkv_pipeline_fits_the_shared_memory():
     # a stage at 64 rows, K step 128, bf16: (2 x 16 + 64) x 128 x 2 = 24 KB (block_d 16), 32 KB (block_d 32)
     cfg = GemmConfig(block_k_qkv=128, stages_qkv_stream=8)

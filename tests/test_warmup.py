@@ -403,20 +403,6 @@ def test_one_gemm_launch_per_config_and_tile():
     assert kernel_cases.gemm_rows(shapes(dtype=torch.float32), table) == []  # fp32 keeps cuBLAS
 
 
-def test_the_carried_add_norm_compiles_its_three_kernels_once_per_tiles_where_the_config_carries():
-    carry = GemmConfig(block_d_qkv=16, carry_norm=True)
-    table = ((16, GemmConfig(block_d_qkv=16)), (64, carry))
-    keys = {k for r in range(1, 65) for k in kernel_cases.gemm_keys(r, table, head_dim=128)}
-    carried = {k for k in keys if k[0].startswith("carry_")}
-    assert carried == {("carry_stats", 16, 128, 4, 4), ("carry_gate", 32, 128, 4, 4), ("carry_qkv", 16, 128, 4, 4)}
-    assert not any(k[0].startswith("carry_") for r in range(1, 17) for k in kernel_cases.gemm_keys(r, table, 128))
-    deeper = dataclasses.replace(carry, carry_stages=3, carry_block_k=256)
-    assert {k for k in kernel_cases.gemm_keys(64, ((64, deeper),), head_dim=128) if k[0] == "carry_stats"} == {
-        ("carry_stats", 16, 256, 4, 3)}
-    no_qkv = kernel_cases.gemm_keys(64, ((64, dataclasses.replace(carry, block_d_qkv=0)),), head_dim=128)
-    assert {k[0] for k in no_qkv if k[0].startswith("carry_")} == {"carry_stats", "carry_gate"}
-
-
 def test_gate_ups_own_k_step_and_tma_are_their_own_specializations():
     base = GemmConfig(block_n=32)
     for other in (dataclasses.replace(base, block_k_gate=64), dataclasses.replace(base, tma=2)):

@@ -1,0 +1,109 @@
+"""The kernels of benchmarks/norm_chain_probe.py (its docstring says what they compute and why): Triton imported at
+the top, so the probe imports this module only where it runs them."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.triton_gemm import rope_store, silu_store
+
+STAT_CHUNK = tl.constexpr(32)  # tiles of stats summed per load in the consumers' row scales
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, y_ptr, stats_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y = a @ w.T over columns pid * BLOCK_N.. (all of K), y in bf16 and the tile's four row sums."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid, tiles = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        acc += tl.dot(a_desc.load([0, k]), tl.trans(w_desc.load([pid * BLOCK_N, k])))
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None]
+    offs = rm[:, None] * N + rn[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=mask)
+    yf = y.to(tl.float32)
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * yf
+    out = stats_ptr + pid * M + rm
+    rmask = rm < M
+    tl.store(out, tl.sum(h * h, 1), mask=rmask)
+    tl.store(out + tiles * M, tl.sum(yf * yf, 1), mask=rmask)
+    tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
+    tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
+
+@triton.jit
+def norm_scales(stats_ptr, M, n_tiles, n_cols, eps, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """(r_y, r_h) of the rows from the producer's stats, summed in a fixed tile order."""
+    rm = tl.arange(0, BLOCK_M)
+    s0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    for c in tl.static_range(0, TILES, STAT_CHUNK):
+        t = c + tl.arange(0, STAT_CHUNK)
+        mask = (t < n_tiles)[:, None] & (rm < M)[None, :]
+        base = stats_ptr + t[:, None] * M + rm[None, :]
+        s0 += tl.sum(tl.load(base, mask=mask, other=0.0), 0)
+        s1 += tl.sum(tl.load(base + n_tiles * M, mask=mask, other=0.0), 0)
+        s2 += tl.sum(tl.load(base + 2 * n_tiles * M, mask=mask, other=0.0), 0)
+        s3 += tl.sum(tl.load(base + 3 * n_tiles * M, mask=mask, other=0.0), 0)
+    r_y = tl.rsqrt(s1 / n_cols + eps)
+    return r_y, tl.rsqrt(tl.maximum(s0 + 2.0 * r_y * s2 + r_y * r_y * s3, 0.0) / n_cols + eps)
+
+@triton.jit
+def normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h, row_a, row_b, M, K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x @ w[row_a + i].T and x @ w[row_b + i].T (i < BLOCK_N), x = rms(h + rms(y) wa) wb formed block by
+    block; this program writes the new residual's K blocks pid, pid + programs, ..."""
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    rm = tl.arange(0, BLOCK_M)
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        wa = wa_desc.load([0, k])
+        wb = wb_desc.load([0, k])
+        branch = ((y_desc.load([0, k]).to(tl.float32) * r_y[:, None]).to(wa.dtype) * wa).to(tl.float32)
+        h_new = (h_desc.load([0, k]).to(tl.float32) + branch).to(h_out_ptr.dtype.element_ty)
+        if (k // BLOCK_K) % n_prog == pid:
+            cols = k + tl.arange(0, BLOCK_K)
+            tl.store(h_out_ptr + rm[:, None] * K + cols[None, :], h_new, mask=(rm < M)[:, None])
+        x = (h_new.to(tl.float32) * r_h[:, None]).to(wb.dtype) * wb
+        acc_a += tl.dot(x, tl.trans(w_desc.load([row_a, k])))
+        acc_b += tl.dot(x, tl.trans(w_desc.load([row_b, k])))
+    return acc_a, acc_b
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def normed_gate_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out_ptr, out_ptr, M, N, K,
+                       n_tiles, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TILES: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
+    acc_g, acc_u = normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h,
+                                   pid * BLOCK_N, N + pid * BLOCK_N, M, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    silu_store(acc_g, acc_u, out_ptr, tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out_ptr, pos_ptr, slot_ptr,
+                      inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, M, K, n_tiles, eps, n_q_heads, n_kv_heads,
+                      stride_slot, stride_head, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_D)
+    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row0 = head * 2 * HALF + (pid % (HALF // BLOCK_D)) * BLOCK_D
+    r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
+    acc1, acc2 = normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h, row0,
+                                 row0 + HALF, M, K, BLOCK_M, BLOCK_D, BLOCK_K)
+    rope_store(acc1, acc2, head, d, tl.arange(0, BLOCK_M), M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
+               k_cache_ptr, v_cache_ptr, n_q_heads, n_kv_heads, stride_slot, stride_head, HALF)

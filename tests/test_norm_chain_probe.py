@@ -1,0 +1,61 @@
+"""benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI has none) against
+the layer's math in float64: the producer's y and row sums, then the add + norm carried into gate_up + SiLU and into
+qkv + RoPE + the key / value store, the new residual included; rows below the 64-row tile too."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+from tests.interpreter import run_interpreted
+
+INTERPRETED = """
+import torch
+from tests.benchmark_scripts import load_benchmark
+probe = load_benchmark("norm_chain_probe")
+g = torch.Generator().manual_seed(3)
+def rms(v):
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + probe.EPS)
+def err(got, want):
+    return float((got.double() - want).norm() / want.norm())
+for rows, k_in, hidden, inter, producer in [(64, 256, 256, 128, (16, 128)), (9, 384, 256, 64, (32, 128)),
+                                           (33, 512, 256, 64, (16, 256))]:
+    a, h = torch.randn(rows, k_in, generator=g), torch.randn(rows, hidden, generator=g)
+    w_o = torch.randn(hidden, k_in, generator=g) / k_in ** 0.5
+    wa, wb = 1 + 0.1 * torch.randn(hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
+    y = a.double() @ w_o.double().T
+    h_new = h.double() + rms(y) * wa.double()
+    x = rms(h_new) * wb.double()
+    p = probe.stats(a, w_o, h, wa, *producer)
+    assert err(p["y"], y) < 1e-5
+    w_gu = torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5
+    gate, up = x @ w_gu[:inter].double().T, x @ w_gu[inter:].double().T
+    out, h_out = probe.normed_gate(p, wa, wb, w_gu)
+    assert err(out, gate / (1 + torch.exp(-gate)) * up) < 1e-5 and err(h_out, h_new) < 1e-5, "gate"
+    nq, nkv, hd = 2, 1, 128
+    w_qkv = torch.randn((nq + 2 * nkv) * hd, hidden, generator=g) / hidden ** 0.5
+    pos = torch.randint(0, 500, (rows,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(80, generator=g)[:rows].to(torch.int32)
+    inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    kp, vp = torch.zeros(80, nkv, hd), torch.zeros(80, nkv, hd)
+    q, h_out = probe.normed_qkv(p, wa, wb, w_qkv, pos, slots, inv, kp, vp, nq, nkv, hd)
+    qkv = (x @ w_qkv.double().T).view(rows, nq + 2 * nkv, hd)
+    ang = pos.double()[:, None, None] * inv.double()[None, None, :]
+    x1, x2 = qkv[..., :hd // 2], qkv[..., hd // 2:]
+    rot = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+    assert err(q, rot[:, :nq]) < 1e-5 and err(h_out, h_new) < 1e-5, "q"
+    assert err(kp[slots.long()], rot[:, nq:nq + nkv]) < 1e-5 and err(vp[slots.long()], qkv[:, nq + nkv:]) < 1e-5
+print("ok")
+"""
+
+
+def test_the_norm_chain_probe_matches_the_layer_in_float64_in_tritons_interpreter():
+    run_interpreted(INTERPRETED)
+
+
+def test_the_producer_refuses_shapes_its_tiles_do_not_divide():
+    probe = load_benchmark("norm_chain_probe")
+    torch = pytest.importorskip("torch")
+    a, w, h = torch.zeros(8, 200), torch.zeros(64, 200), torch.zeros(8, 64)
+    with pytest.raises(ValueError, match="K=200 by block_k=128"):
+        probe.stats(a, w, h, torch.ones(64))
