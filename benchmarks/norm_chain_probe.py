@@ -219,9 +219,15 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stages", default="3,4", help="the carried kernels' pipeline depths, comma-separated")
-    ap.add_argument("--ops", default="gate,qkv")
+    ap.add_argument("--ops", default="gate,qkv", help="chains to time, comma-separated: gate (o -> gate_up), qkv "
+                    "(down -> qkv)")
     args = ap.parse_args(argv)
-    rows = [r for op in args.ops.split(",") for s in args.stages.split(",") for n, p in enumerate(PRODUCERS)
+    ops = args.ops.split(",")
+    if not ops or not set(ops) <= {"gate", "qkv"}:
+        ap.error(f"--ops must be a comma list of gate, qkv; got {args.ops!r}")
+    if not all(s.strip().isdigit() and int(s) >= 2 for s in args.stages.split(",")):
+        ap.error(f"--stages must be a comma list of pipeline depths >= 2; got {args.stages!r}")
+    rows = [r for op in ops for s in args.stages.split(",") for n, p in enumerate(PRODUCERS)
             for r in case(op, int(s), p, with_today=n == 0)]
     from benchmarks.weight_layout_probe import save
 

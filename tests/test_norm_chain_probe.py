@@ -59,3 +59,12 @@ def test_the_producer_refuses_shapes_its_tiles_do_not_divide():
     a, w, h = torch.zeros(8, 200), torch.zeros(64, 200), torch.zeros(8, 64)
     with pytest.raises(ValueError, match="K=200 by block_k=128"):
         probe.stats(a, w, h, torch.ones(64))
+
+
+def test_the_probe_refuses_unknown_chains_and_shallow_pipelines(capsys):
+    probe = load_benchmark("norm_chain_probe")
+    for argv, field in ((["--ops", "gate,down"], "--ops"), (["--stages", "1"], "--stages"),
+                        (["--stages", "3,x"], "--stages")):
+        with pytest.raises(SystemExit):
+            probe.main(["--out", "/nonexistent", *argv])
+        assert f"{field} must be a comma list" in capsys.readouterr().err
