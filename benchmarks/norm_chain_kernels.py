@@ -38,6 +38,7 @@ def stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, y_ptr, stats_ptr, M, N, K, BLOCK
     tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
     tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
 
+
 @triton.jit
 def norm_scales(stats_ptr, M, n_tiles, n_cols, eps, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     """(r_y, r_h) of the rows from the producer's stats, summed in a fixed tile order."""
@@ -54,6 +55,7 @@ def norm_scales(stats_ptr, M, n_tiles, n_cols, eps, BLOCK_M: tl.constexpr, TILES
         s3 += tl.sum(tl.load(base + 3 * n_tiles * M, mask=mask, other=0.0), 0)
     r_y = tl.rsqrt(s1 / n_cols + eps)
     return r_y, tl.rsqrt(tl.maximum(s0 + 2.0 * r_y * s2 + r_y * r_y * s3, 0.0) / n_cols + eps)
+
 
 @triton.jit
 def normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h, row_a, row_b, M, K,
@@ -77,6 +79,7 @@ def normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_
         acc_b += tl.dot(x, tl.trans(w_desc.load([row_b, k])))
     return acc_a, acc_b
 
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
 def normed_gate_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out_ptr, out_ptr, M, N, K,
                        n_tiles, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -89,6 +92,7 @@ def normed_gate_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_ou
     acc_g, acc_u = normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h,
                                    pid * BLOCK_N, N + pid * BLOCK_N, M, K, BLOCK_M, BLOCK_N, BLOCK_K)
     silu_store(acc_g, acc_u, out_ptr, tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
+
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
 def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out_ptr, pos_ptr, slot_ptr,

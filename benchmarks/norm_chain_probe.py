@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from pathlib import Path
 
 import torch
@@ -118,7 +117,7 @@ def normed_qkv(p: dict, w_branch, w_next, w_qkv, positions, slots, inv_freq, k_p
 
 def _inputs(k_in: int, seed: int = 0) -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
     return {"a": torch.randn(ROWS, k_in, generator=g, **bf), "h": torch.randn(ROWS, HIDDEN, generator=g, **bf),
             "wa": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf),
             "wb": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf)}
@@ -137,8 +136,9 @@ PRODUCERS = ((16, 128), (16, 256), (32, 128))  # the carried producer's (columns
 
 
 def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> dict:
-    """{way: (chain(i) -> (output, h'), its producer alone, its consumer alone)} for `op` ("gate": o -> gate_up,
-    "qkv": down -> qkv), over weight copies i; today's way through engine/triton_gemm.py at gemm_config(64)."""
+    """{way: (chain(i) -> (output, h'), its producer alone, its consumer alone, its add + norm alone or None)} for
+    `op` ("gate": o -> gate_up, "qkv": down -> qkv), each a function of the weight copy i; today's way through
+    engine/triton_gemm.py at gemm_config(64)."""
     from benchmarks.gemm_sweep import weights
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
@@ -192,20 +192,21 @@ def case(op: str, stages: int, producer: tuple[int, int], with_today: bool) -> l
     for way, (chain, producer_fn, consumer, norm) in ways.items():
         if way == "today" and not with_today:
             continue
-        row = {"op": op, "way": way if way == "today" else "carried, producer %dx%d" % producer, "stages": stages,
-               "ok": ok, "err": rel_err(got, want),
-               "chain_us": timed(lambda: [chain(i) for i in range(COPIES)]),
-               "producer_us": timed(lambda: [producer_fn(i) for i in range(COPIES)]),
-               "consumer_us": timed(lambda: [consumer(i) for i in range(COPIES)]),
-               "norm_us": timed(lambda: [norm(i) for i in range(COPIES)]) if norm else 0.0}
+        def each(fn):  # every weight copy's call, as one timed function
+            return lambda: [fn(i) for i in range(COPIES)]
+
+        row = {"op": op, "way": way if way == "today" else "carried, producer {}x{}".format(*producer),
+               "stages": stages, "ok": ok, "err": rel_err(got, want), "chain_us": timed(each(chain)),
+               "producer_us": timed(each(producer_fn)), "consumer_us": timed(each(consumer)),
+               "norm_us": timed(each(norm)) if norm else 0.0}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| chain | way (producer: columns x K step) | stages | chain (us) | producer alone | add + norm alone | "
-             "consumer alone | rel. err |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| chain | way (producer: columns x K step) | stages | chain (us) | producer alone | add + norm alone | "
+              "consumer alone | rel. err |"), "|---|---|---|---|---|---|---|---|"]
     names = {"gate": "o -> gate_up", "qkv": "down -> qkv"}
     for r in rows:
         wrong = "" if r["ok"] else " WRONG"

@@ -68,3 +68,14 @@ def test_the_probe_refuses_unknown_chains_and_shallow_pipelines(capsys):
         with pytest.raises(SystemExit):
             probe.main(["--out", "/nonexistent", *argv])
         assert f"{field} must be a comma list" in capsys.readouterr().err
+
+
+def test_the_table_marks_wrong_outputs_and_leaves_the_carried_ways_norm_empty():
+    probe = load_benchmark("norm_chain_probe")
+    base = {"stages": 3, "err": 2e-3, "chain_us": 27.7, "producer_us": 5.7, "consumer_us": 20.1}
+    rows = [{**base, "op": "gate", "way": "today", "ok": True, "norm_us": 2.22},
+            {**base, "op": "qkv", "way": "carried, producer 16x128", "ok": False, "norm_us": 0.0}]
+    lines = probe.markdown(rows).splitlines()
+    assert len(lines) == 4 and lines[0].count("|") == lines[2].count("|") == lines[3].count("|")
+    assert lines[2].startswith("| o -> gate_up | today | 3 | 27.70 |") and "| 2.22 |" in lines[2]
+    assert lines[3].startswith("| down -> qkv | carried, producer 16x128 | 3 | 27.70 WRONG |") and "| - |" in lines[3]
