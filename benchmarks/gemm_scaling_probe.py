@@ -172,7 +172,7 @@ K_SWEEP = (256, 512, 1024, 2048, 4096, 8192)
 def k_sweep() -> list[dict]:
     """gate_up + SiLU (88 programs) and qkv + RoPE + store (192) at the table's 64-row tiles over K_SWEEP, then
     line_fit's rows."""
-    tg, timed, weights = _gpu()
+    tg, _, weights = _gpu()
     cfg, rows = gemm_config(ROWS), []
     for k in K_SWEEP:
         x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
@@ -235,25 +235,20 @@ def main(argv=None) -> list[dict]:
                              ("--k-sweep", "ksweep", "gate, qkv over K: a launch's fixed cost and its rate")):
         mode.add_argument(flag, dest="mode", action="store_const", const=name, help=text)
     args = ap.parse_args(argv)
+    from benchmarks.weight_layout_probe import save
+
     if args.mode:
-        name = args.mode
         run = {"split": split_shapes, "stream": stream_k, "ksweep": k_sweep,
                "tiles": lambda: tiles("qkv") + tiles("gate")}
-        rows = run[name]()
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"gemm_{name}.json").write_text(json.dumps(rows, indent=1))
-        ok = [r for r in rows if "us" in r] if name != "tiles" else sorted((r for r in rows if "us" in r),
-                                                                         key=lambda r: (r["op"], r["us"]))
+        rows = run[args.mode]()
+        ok = [r for r in rows if "us" in r] if args.mode != "tiles" else sorted((r for r in rows if "us" in r),
+                                                                              key=lambda r: (r["op"], r["us"]))
         table = "\n".join(["| op | tile | us | TB/s |", "|---|---|---|---|"]
                           + [f"| {r['op']} | {r['tile']} | {r['us']:.2f} | {r['tbps']:.2f} |" for r in ok])
-        print(table)
+        save(args.out, f"gemm_{args.mode}", rows, table + "\n")
         return rows
     rows = [case(op, p) for op in args.ops.split(",") for p in PROGRAMS[op]]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemm_scaling.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (args.out / "gemm_scaling.md").write_text(table + "\n")
-    print(table)
+    save(args.out, "gemm_scaling", rows, markdown(rows) + "\n")
     return rows
 
 

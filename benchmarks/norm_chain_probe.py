@@ -34,9 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
-STAT_CHUNK = 32  # norm_chain_kernels.STAT_CHUNK
-
-
 def kernels():
     """(stats_kernel, normed_gate_kernel, normed_qkv_kernel): Triton imported where the probe runs them."""
     from benchmarks import norm_chain_kernels as nk
@@ -80,7 +77,11 @@ def _normed_args(p: dict, w_branch: torch.Tensor, w_next: torch.Tensor, w: torch
 
 
 def _tiles_constexpr(n_tiles: int) -> int:
-    return max(STAT_CHUNK, -(-n_tiles // STAT_CHUNK) * STAT_CHUNK)
+    """The stats' tile count rounded up to whole chunks of the consumers' sum (at least one)."""
+    from benchmarks.norm_chain_kernels import STAT_CHUNK
+
+    chunk = STAT_CHUNK.value
+    return max(chunk, -(-n_tiles // chunk) * chunk)
 
 
 def normed_gate(p: dict, w_branch, w_next, w_gate_up: torch.Tensor, block_n: int = 64, block_k: int = 128,
@@ -178,16 +179,14 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
             "carried": (carried, produce, lambda i: consume_carried(p0, i), None)}
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 def case(op: str, stages: int, producer: tuple[int, int], with_today: bool) -> list[dict]:
     from benchmarks.gemm_sweep import COPIES, timed
+    from benchmarks.weight_layout_probe import rel_err
 
     ways = chains(op, stages, producer)
     (want, want_h), (got, got_h) = ways["today"][0](0), ways["carried"][0](0)
-    ok = rel_err(got, want) < 2e-2 and rel_err(got_h, want_h) < 2e-2
+    err = rel_err(got, want)
+    ok = err < 2e-2 and rel_err(got_h, want_h) < 2e-2
     rows = []
     for way, (chain, producer_fn, consumer, norm) in ways.items():
         if way == "today" and not with_today:
@@ -196,7 +195,7 @@ def case(op: str, stages: int, producer: tuple[int, int], with_today: bool) -> l
             return lambda: [fn(i) for i in range(COPIES)]
 
         row = {"op": op, "way": way if way == "today" else "carried, producer {}x{}".format(*producer),
-               "stages": stages, "ok": ok, "err": rel_err(got, want), "chain_us": timed(each(chain)),
+               "stages": stages, "ok": ok, "err": err, "chain_us": timed(each(chain)),
                "producer_us": timed(each(producer_fn)), "consumer_us": timed(each(consumer)),
                "norm_us": timed(each(norm)) if norm else 0.0}
         print(json.dumps(row), flush=True)

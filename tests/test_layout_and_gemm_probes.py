@@ -6,6 +6,8 @@ kernel likewise, twice on one set of counters."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -142,3 +144,12 @@ def test_the_split_k_pair_probe_refuses_splits_that_do_not_divide_k():
     x, w = torch.zeros(64, 384), torch.zeros(64, 384)
     with pytest.raises(ValueError, match=r"splits=2 must divide the K blocks \(3\)"):
         split.launch(x, w, 32, 16, 2, split.workspace(32, 16, 2, "cpu"))
+
+
+def test_a_scaling_mode_saves_its_rows_and_table(tmp_path, monkeypatch):
+    rows = [{"op": "gate", "tile": "K 256", "us": 5.44, "tbps": 1.06}, {"op": "qkv", "tile": "K 256", "error": "x"}]
+    monkeypatch.setattr(scaling, "k_sweep", lambda: rows)
+    assert scaling.main(["--out", str(tmp_path), "--k-sweep"]) == rows
+    assert json.loads((tmp_path / "gemm_ksweep.json").read_text()) == rows
+    table = (tmp_path / "gemm_ksweep.md").read_text().splitlines()
+    assert table == ["| op | tile | us | TB/s |", "|---|---|---|---|", "| gate | K 256 | 5.44 | 1.06 |"]  # no error row
