@@ -1,0 +1,266 @@
+"""The 64-row gate_up + SiLU and qkv + RoPE + store GEMMs as warp-specialized Gluon kernels whose weight loads may
+start before the PDL wait (benchmarks/prefetch_probe.py measures them; Hopper).
+
+Today's Triton kernels (engine/triton_gemm.py) wait for the kernel before (griddepcontrol.wait) before their first
+load: Triton pipelines the weight and activation boxes together, so no weight box can be asked for earlier. Both
+GEMMs follow the small add + norm kernel (2.2-2.6 us, reading a few rows), during which HBM is nearly idle while
+their programs already sit resident at the wait. Here the two streams are split: a loader warp TMA-loads the tile's
+weight boxes into a ring from launch (weights are no kernel's output; PREFETCH=0 makes it wait too, the control),
+a second loader warp waits for the kernel before, lets the next one launch, and TMA-loads the activation boxes; the
+default warpgroup multiplies (wgmma) and runs the epilogue, which matches triton_gemm's roundings.
+
+A program's tile: rows row_a + [0, BN) and their partners row_b + [0, BN) of the weight matrix, K step by K step
+(gate_up: gate rows t BN.. and up rows I + t BN..; qkv: BN dims of a head's first half and their RoPE partners HALF
+rows further, as triton_gemm._qkv_rope_store_kernel splits it). One row tile: M <= 64 (the activation
+descriptor's rows past M come back as zeros; the stores drop them).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
+
+from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait
+from engine.gluon_ring import give, load_box, take, weight_ring
+
+BM, BK = gl.constexpr(64), gl.constexpr(128)  # rows (wgmma's M), a box's K
+GATE, QKV = gl.constexpr(0), gl.constexpr(1)  # the epilogue
+
+
+@gluon.jit
+def _tile_rows(N, HALF: gl.constexpr, BN: gl.constexpr, KIND: gl.constexpr):
+    """(row_a, row_b, head): the program's first weight row, its partners' first, and (qkv) its head."""
+    pid = gl.program_id(0)
+    if KIND == GATE:
+        return pid * BN, N + pid * BN, 0
+    else:
+        per_head: gl.constexpr = HALF // BN
+        head = pid // per_head
+        row = head * 2 * HALF + (pid % per_head) * BN
+        return row, row + HALF, head
+
+
+@gluon.jit
+def _load_weights(w_desc, ring, ready, empty, N, K: gl.constexpr, HALF: gl.constexpr, BN: gl.constexpr,
+                  KIND: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+    # the tile's boxes, a and b per K step; from launch where PREFETCH (nobody writes weights during a step)
+    if USE_PDL and not PREFETCH:
+        _gdc_wait()
+    row_a, row_b, _ = _tile_rows(N, HALF, BN, KIND)
+    for kb in range(K // BK):
+        load_box(w_desc, row_a, kb * BK, ring, ready, empty, 2 * kb, STAGES)
+        load_box(w_desc, row_b, kb * BK, ring, ready, empty, 2 * kb + 1, STAGES)
+
+
+@gluon.jit
+def _load_rows(x_desc, xring, xready, xempty, K: gl.constexpr, X_STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    # the activation boxes once the kernel before (which wrote them) has finished; then the next kernel may launch
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    for kb in range(K // BK):
+        load_box(x_desc, 0, kb * BK, xring, xready, xempty, kb, X_STAGES)
+
+
+@gluon.jit
+def _silu_store(acc_g, acc_u, out_ptr, row_a, M, N, mma: gl.constexpr):
+    # triton_gemm.silu_store's math: each half rounded to the model dtype, silu(gate) * up, rounded
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    rn = row_a + gl.arange(0, acc_g.shape[1], layout=gl.SliceLayout(0, mma))
+    gate = acc_g.to(dtype).to(gl.float32)
+    up = acc_u.to(dtype).to(gl.float32)
+    y = (gate / (1.0 + gl.exp(-gate)) * up).to(dtype)
+    gl.store(out_ptr + rm[:, None].to(gl.int64) * N + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@gluon.jit
+def _rope_store(acc1, acc2, row_a, head, M, io, HQ: gl.constexpr, HKV: gl.constexpr, HALF: gl.constexpr,
+                mma: gl.constexpr):
+    # triton_gemm.rope_store's math: RoPE on q and k heads, q out, k and v to the rows' slots
+    pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, stride_slot, stride_head = io
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    d = row_a - head * 2 * HALF + gl.arange(0, acc1.shape[1], layout=gl.SliceLayout(0, mma))
+    rmask = rm < M
+    mask = rmask[:, None] & (d[None, :] < HALF)
+    x1 = acc1.to(dtype).to(gl.float32)
+    x2 = acc2.to(dtype).to(gl.float32)
+    if head < HQ + HKV:
+        pos = gl.load(pos_ptr + rm, mask=rmask, other=0).to(gl.float32)
+        angle = pos[:, None] * gl.load(inv_freq_ptr + d)[None, :]
+        cos, sin = gl.cos(angle), gl.sin(angle)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < HQ:
+        out = q_ptr + (rm[:, None].to(gl.int64) * HQ + head) * 2 * HALF + d[None, :]
+        gl.store(out, x1.to(dtype), mask=mask)
+        gl.store(out + HALF, x2.to(dtype), mask=mask)
+    else:
+        slot = gl.load(slot_ptr + rm, mask=rmask, other=0).to(gl.int64)
+        dst = slot[:, None] * stride_slot + ((head - HQ) % HKV) * stride_head + d[None, :]
+        plane = k_ptr if head < HQ + HKV else v_ptr
+        gl.store(plane + dst, x1.to(dtype), mask=mask)
+        gl.store(plane + dst + HALF, x2.to(dtype), mask=mask)
+
+
+@gluon.jit
+def _multiply(ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K: gl.constexpr, HALF: gl.constexpr,
+              HQ: gl.constexpr, HKV: gl.constexpr, BN: gl.constexpr, KIND: gl.constexpr, STAGES: gl.constexpr,
+              X_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 16])
+    acc_a = gl.zeros([BM, BN], gl.float32, mma)
+    acc_b = gl.zeros([BM, BN], gl.float32, mma)
+    for kb in range(K // BK):
+        xs = take(xring, xready, kb, X_STAGES)
+        acc_a = warpgroup_mma(xs, take(ring, ready, 2 * kb, STAGES).permute((1, 0)), acc_a)
+        give(empty, 2 * kb, STAGES)
+        acc_b = warpgroup_mma(xs, take(ring, ready, 2 * kb + 1, STAGES).permute((1, 0)), acc_b)
+        give(empty, 2 * kb + 1, STAGES)
+        give(xempty, kb, X_STAGES)
+    row_a, _, head = _tile_rows(N, HALF, BN, KIND)
+    if KIND == GATE:
+        _silu_store(acc_a, acc_b, out_ptr, row_a, M, N, mma)
+    else:
+        _rope_store(acc_a, acc_b, row_a, head, M, io, HQ, HKV, HALF, mma)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def pair_gemm_kernel(w_desc, x_desc, out_ptr, pos_ptr, slot_ptr, inv_freq_ptr, k_ptr, v_ptr, stride_slot,
+                     stride_head, M, N, K: gl.constexpr, HALF: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                     BN: gl.constexpr, KIND: gl.constexpr, STAGES: gl.constexpr, X_STAGES: gl.constexpr,
+                     PREFETCH: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+    """out: gate_up's [M, N] product (KIND GATE; N = I) or q [M, HQ, 2 HALF] (KIND QKV; k_ptr / v_ptr the planes)."""
+    ring, ready, empty = weight_ring(w_desc, STAGES)
+    xring, xready, xempty = weight_ring(x_desc, X_STAGES)
+    io = (pos_ptr, slot_ptr, inv_freq_ptr, out_ptr, k_ptr, v_ptr, stride_slot, stride_head)
+    gl.warp_specialize([
+        (_multiply, (ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K, HALF, HQ, HKV, BN, KIND,
+                     STAGES, X_STAGES, num_warps)),
+        (_load_weights, (w_desc, ring, ready, empty, N, K, HALF, BN, KIND, STAGES, PREFETCH, USE_PDL)),
+        (_load_rows, (x_desc, xring, xready, xempty, K, X_STAGES, USE_PDL)),
+    ], [1, 1], [40, 40])
+
+
+def _descs(w: torch.Tensor, x: torch.Tensor, bn: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, BK.value], gl.bfloat16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([BM.value, BK.value], gl.bfloat16)
+    return TensorDescriptor.from_tensor(w, [bn, BK.value], w_layout), TensorDescriptor.from_tensor(x, [BM.value, BK.value], x_layout)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_stages: int) -> None:
+    rows, k = x.shape
+    bm, bk = BM.value, BK.value
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"pair GEMM: x and w must be bfloat16, got {x.dtype} and {w.dtype}")
+    if not 1 <= rows <= bm or k % bk or w.shape[1] != k or w.shape[0] % rows_per_tile:
+        raise ValueError(f"pair GEMM: x [rows <= {bm}, K % {bk} == 0] and w [n % {rows_per_tile} == 0, K], got "
+                         f"{list(x.shape)} and {list(w.shape)}")
+    if stages < 2 or stages % 2 or x_stages < 2:
+        raise ValueError(f"pair GEMM: stages must be even and >= 2 (a and b boxes), x_stages >= 2; got {stages}, "
+                         f"{x_stages}")
+
+
+def gate_launch(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, bn: int = 64, stages: int = 8,
+                x_stages: int = 4, prefetch: bool = True, use_pdl: bool = True) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs) of pair_gemm_kernel for gate_up + SiLU into out [rows, I]."""
+    _check(x, w_gate_up, 2 * bn, stages, x_stages)
+    n = w_gate_up.shape[0] // 2
+    w_desc, x_desc = _descs(w_gate_up, x, bn)
+    args = (w_desc, x_desc, out, out, out, out, out, out, 0, 0, x.shape[0], n)
+    return (n // bn,), args, dict(K=x.shape[1], HALF=1, HQ=1, HKV=1, BN=bn, KIND=GATE, STAGES=stages,
+                                  X_STAGES=x_stages, PREFETCH=prefetch, num_warps=4, **_pdl(x.device, use_pdl))
+
+
+def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, **tiles) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T): x [rows <= 64, K], w_gate_up [2 I, K] -> [rows, I] (triton_gemm.gate_up_silu);
+    tiles: gate_launch's."""
+    out = torch.empty(x.shape[0], w_gate_up.shape[0] // 2, dtype=x.dtype, device=x.device)
+    grid, args, constexprs = gate_launch(x, w_gate_up, out, **tiles)
+    pair_gemm_kernel[grid](*args, **constexprs)
+    return out
+
+
+def qkv_launch(x: torch.Tensor, w_qkv: torch.Tensor, q: torch.Tensor, rope: tuple, n_q_heads: int, n_kv_heads: int,
+               bd: int = 16, stages: int = 8, x_stages: int = 4, prefetch: bool = True,
+               use_pdl: bool = True) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs) of pair_gemm_kernel for qkv + RoPE + store: q [rows, heads, head_dim] out,
+    rope = (positions, slots, inv_freq, k_plane, v_plane) as triton_gemm.qkv_rope_store takes them."""
+    positions, slots, inv_freq, k_plane, v_plane = rope
+    head_dim = q.shape[-1]
+    half = head_dim // 2
+    if head_dim % 2 or half % bd:
+        raise ValueError(f"qkv_rope_store: head_dim={head_dim} must be even, its half a multiple of bd={bd}")
+    _check(x, w_qkv, bd, stages, x_stages)
+    w_desc, x_desc = _descs(w_qkv, x, bd)
+    args = (w_desc, x_desc, q, positions, slots, inv_freq, k_plane, v_plane, k_plane.stride(0), k_plane.stride(1),
+            x.shape[0], w_qkv.shape[0])
+    return ((n_q_heads + 2 * n_kv_heads) * (half // bd),), args, dict(
+        K=x.shape[1], HALF=half, HQ=n_q_heads, HKV=n_kv_heads, BN=bd, KIND=QKV, STAGES=stages, X_STAGES=x_stages,
+        PREFETCH=prefetch, num_warps=4, **_pdl(x.device, use_pdl))
+
+
+def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, rope: tuple, n_q_heads: int, n_kv_heads: int,
+                   head_dim: int, **tiles) -> torch.Tensor:
+    """triton_gemm.qkv_rope_store: q after RoPE [rows, heads, head_dim]; k and v to their planes' slots."""
+    q = torch.empty(x.shape[0], n_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    grid, args, constexprs = qkv_launch(x, w_qkv, q, rope, n_q_heads, n_kv_heads, **tiles)
+    pair_gemm_kernel[grid](*args, **constexprs)
+    return q
+
+
+def _pdl(device: torch.device, use_pdl: bool) -> dict:
+    from engine import pdl
+
+    return pdl.launch_kwargs(device) if use_pdl else {"USE_PDL": False}
+
+
+def _early_norm_kernel():
+    import triton
+    import triton.language as tl
+
+    from engine.triton_fused import add_norm2_store
+
+    @triton.jit(do_not_specialize=["rows"])
+    def kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps, SPLITS: tl.constexpr,
+               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # triton_gemm._add_rms_norm2_partials_kernel, letting the next kernel launch before its own wait
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
+        h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        y = y.to(h.dtype).to(tl.float32)
+        add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols,
+                        eps)
+
+    return kernel
+
+
+_EARLY = []
+
+
+def add_rms_norm2_partials_early(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
+                                 w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_gemm.add_rms_norm2_partials whose programs let the next kernel launch before they wait: that kernel's
+    programs may start (and load weights) while the partials' GEMM still runs."""
+    import triton
+
+    from engine import pdl
+
+    if not _EARLY:
+        _EARLY.append(_early_norm_kernel())
+    rows, n = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    _EARLY[0][(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps, SPLITS=partials.shape[0],
+                       BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_kwargs(h.device))
+    return h_out, x_out

@@ -1,0 +1,134 @@
+"""Do the 64-row gate_up and qkv GEMMs gain from loading weights before the PDL wait, where a loader warp of their own
+issues the TMA boxes from launch (benchmarks/prefetch_gemm_kernels.py)?
+
+Each GEMM follows a small add + norm kernel (2.2-2.6 us a launch on the H200, ~2 MB read) during which HBM idles
+while the GEMM's programs sit resident at griddepcontrol.wait. Sessions 9 and 30 loaded weights before the wait from
+Triton kernels, where the loads completed (or were serialized) before the wait and measured no gain; session 30's
+were o_proj and down_proj, whose programs can only start in the attention's / gate_up's tail. Here the weight
+stream is a warp of its own, asynchronous, for the two GEMMs after the add + norm. Each chain, o's split-K partials
+-> add + norm -> gate_up + SiLU and down's partials -> add + norm -> qkv + RoPE + store, is timed three ways, as
+gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): today's Triton kernels, the Gluon
+kernel with the weights from launch ("prefetch"), and the same kernel waiting before its weights too ("wait": what
+the Gluon kernel itself costs). "early" adds an add + norm that lets the GEMM launch before its own wait, so the
+GEMM's programs may start during the partials' tail. Outputs are checked against today's chain.
+
+    python benchmarks/prefetch_probe.py --out $OUT/prefetch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
+RINGS = {"gate": ((8, 4), (8, 2), (10, 2)), "qkv": ((8, 4), (16, 2), (24, 2))}  # (weight boxes, activation boxes)
+WAYS = ("triton", "wait", "prefetch", "prefetch+early")
+
+
+def _inputs(k_in: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    return {"a": torch.randn(ROWS, k_in, generator=g, **bf), "h": torch.randn(ROWS, HIDDEN, generator=g, **bf),
+            "wa": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf),
+            "wb": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf)}
+
+
+def _rope() -> tuple:
+    dev = "cuda"
+    return (torch.arange(ROWS, dtype=torch.int32, device=dev) + 600, torch.arange(ROWS, dtype=torch.int32, device=dev),
+            1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32, device=dev) / HEAD_DIM),
+            torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+            torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev))
+
+
+def consumer(op: str, way: str, ring: tuple[int, int]):
+    """fn(x, w) -> the op's output: today's Triton kernel (way "triton") or the Gluon one."""
+    from benchmarks import prefetch_gemm_kernels as pk
+    from engine import triton_gemm as tg
+    from engine.gemm_dispatch import gemm_config
+
+    cfg, rope = gemm_config(ROWS), _rope()
+    tiles = {"stages": ring[0], "x_stages": ring[1], "prefetch": way != "wait"}
+    if op == "gate":
+        if way == "triton":
+            return lambda x, w: tg.gate_up_silu(x, w, cfg)
+        return lambda x, w: pk.gate_up_silu(x, w, **tiles)
+    if way == "triton":
+        return lambda x, w: tg.qkv_rope_store(x, w, *rope, HEADS, HEADS, HEAD_DIM, cfg)
+    return lambda x, w: pk.qkv_rope_store(x, w, rope, HEADS, HEADS, HEAD_DIM, **tiles)
+
+
+def chain(op: str, way: str, ring: tuple[int, int]) -> tuple:
+    """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op."""
+    from benchmarks import prefetch_gemm_kernels as pk
+    from benchmarks.gemm_sweep import weights
+    from engine import triton_gemm as tg
+    from engine.gemm_dispatch import gemm_config
+
+    cfg = gemm_config(ROWS)
+    k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
+    t, prod = _inputs(k_in), weights(HIDDEN, k_in)
+    cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
+    fn = consumer(op, way, ring)
+    norm = pk.add_rms_norm2_partials_early if way.endswith("early") else tg.add_rms_norm2_partials
+    x0 = torch.randn_like(t["h"])
+
+    def run(i):
+        _, x = norm(t["h"], tg.linear_partials(t["a"], prod[i], splits, cfg), t["wa"], t["wb"], EPS)
+        return fn(x, cons[i])
+
+    return run, lambda i: fn(x0, cons[i])
+
+
+def case(op: str, ring: tuple[int, int], with_triton: bool) -> list[dict]:
+    from benchmarks.gemm_sweep import COPIES, timed
+    from benchmarks.weight_layout_probe import rel_err
+
+    want = chain(op, "triton", ring)[0](0)
+    rows = []
+    for way in WAYS[0 if with_triton else 1:]:
+        run, alone = chain(op, way, ring)
+        err = rel_err(run(0), want)
+        row = {"op": op, "way": way, "ring": list(ring) if way != "triton" else None, "err": err, "ok": err < 1e-2,
+               "chain_us": timed(lambda fn=run: [fn(i) for i in range(COPIES)]),
+               "alone_us": timed(lambda fn=alone: [fn(i) for i in range(COPIES)])}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| chain | way | ring (weight boxes, activation boxes) | chain (us) | GEMM alone (us) | rel. err |",
+             "|---|---|---|---|---|---|"]
+    names = {"gate": "o -> add + norm -> gate_up", "qkv": "down -> add + norm -> qkv"}
+    for r in rows:
+        ring = "-" if r["ring"] is None else "{}, {}".format(*r["ring"])
+        wrong = "" if r["ok"] else " WRONG"
+        lines.append(f"| {names[r['op']]} | {r['way']} | {ring} | {r['chain_us']:.2f}{wrong} | {r['alone_us']:.2f} | "
+                     f"{r['err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ops", default="gate,qkv", help="chains to time, comma-separated: gate, qkv")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",")
+    if not ops or not set(ops) <= set(RINGS):
+        ap.error(f"--ops must be a comma list of {', '.join(RINGS)}; got {args.ops!r}")
+    rows = [r for op in ops for n, ring in enumerate(RINGS[op]) for r in case(op, ring, with_triton=n == 0)]
+    from benchmarks.weight_layout_probe import save
+
+    save(args.out, "prefetch", rows, markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""benchmarks/prefetch_gemm_kernels.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
+from launch) run on the CPU by tests/gluon_emulator.py (every CTA and partition a thread, TMA copies landing late and
+out of order) against float64 references written here from the model's math, on fresh random inputs and several
+shapes. Where Triton is installed (CI has none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.benchmark_scripts import load_benchmark
+
+pytest.importorskip("triton.experimental.gluon")
+emulator = pytest.importorskip("tests.gluon_emulator")
+
+pk = load_benchmark("prefetch_gemm_kernels")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def bf(g: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,inter,k,bn,stages,prefetch", [(64, 128, 256, 64, 4, True), (37, 256, 384, 64, 8, False),
+                                                              (9, 64, 128, 32, 2, True)])
+def test_gate_up_silu_against_float64(rows, inter, k, bn, stages, prefetch):
+    g = torch.Generator().manual_seed(rows * 7 + inter)
+    x, w = bf(g, rows, k), bf(g, 2 * inter, k, scale=k ** -0.5)
+    out = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
+    grid, args, constexprs = pk.gate_launch(x, w, out, bn=bn, stages=stages, x_stages=3, prefetch=prefetch)
+    emulator.emulate(pk.pair_gemm_kernel, grid, *args, seed=rows, **constexprs)
+    gate, up = x.double() @ w[:inter].double().T, x.double() @ w[inter:].double().T
+    want = torch.nn.functional.silu(gate) * up
+    assert rel(out, want) < 1e-2, rel(out, want)
+
+
+def rope_ref(y: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    # y [rows, heads, D] float64; NeoX rotate-half with angles pos x inv_freq over both halves
+    half = y.shape[-1] // 2
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    return y * cos + torch.cat([-y[..., half:], y[..., :half]], -1) * sin
+
+
+@pytest.mark.parametrize("rows,hq,hkv,d,bd,prefetch", [(64, 2, 1, 32, 16, True), (21, 3, 3, 64, 16, False),
+                                                        (5, 2, 2, 32, 16, True)])
+def test_qkv_rope_store_against_float64(rows, hq, hkv, d, bd, prefetch):
+    g = torch.Generator().manual_seed(rows * 11 + hq)
+    k, slots_total = 256, 3 * rows + 5
+    x, w = bf(g, rows, k), bf(g, (hq + 2 * hkv) * d, k, scale=k ** -0.5)
+    pos = torch.randint(0, 4000, (rows,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(slots_total, generator=g)[:rows].to(torch.int32)
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    k_plane, v_plane = torch.zeros(slots_total, hkv, d, dtype=torch.bfloat16), torch.zeros(slots_total, hkv, d,
+                                                                                             dtype=torch.bfloat16)
+    q = torch.full((rows, hq, d), float("nan"), dtype=torch.bfloat16)
+    grid, args, constexprs = pk.qkv_launch(x, w, q, (pos, slots, inv_freq, k_plane, v_plane), hq, hkv, bd=bd,
+                                           stages=4, x_stages=2, prefetch=prefetch)
+    emulator.emulate(pk.pair_gemm_kernel, grid, *args, seed=rows, **constexprs)
+    y = (x.double() @ w.double().T).view(rows, hq + 2 * hkv, d)
+    want_q, want_k = rope_ref(y[:, :hq], pos, inv_freq), rope_ref(y[:, hq:hq + hkv], pos, inv_freq)
+    assert rel(q, want_q) < 1e-2, rel(q, want_q)
+    assert rel(k_plane[slots.long()], want_k) < 1e-2
+    assert rel(v_plane[slots.long()], y[:, hq + hkv:]) < 1e-2
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert not k_plane[untouched].any() and not v_plane[untouched].any()  # only the rows' slots written
+
+
+def test_bad_shapes_are_refused_with_the_field():
+    x, w = torch.zeros(65, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows <= 64"):
+        pk.gate_launch(x, w, torch.empty(65, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="stages must be even"):
+        pk.gate_launch(x[:8], w, torch.empty(8, 128, dtype=torch.bfloat16), stages=3)
+    with pytest.raises(TypeError, match="bfloat16"):
+        pk.gate_launch(x[:8].float(), w, torch.empty(8, 128))
