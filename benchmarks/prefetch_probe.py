@@ -1,5 +1,5 @@
 """Do the 64-row gate_up and qkv GEMMs gain from loading weights before the PDL wait, where a loader warp of their own
-issues the TMA boxes from launch (benchmarks/prefetch_gemm_kernels.py)?
+issues the TMA boxes from launch (engine/gluon_pair_gemm.py)?
 
 Each GEMM follows a small add + norm kernel (2.2-2.6 us a launch on the H200, ~2 MB read) during which HBM idles
 while the GEMM's programs sit resident at griddepcontrol.wait. Sessions 9 and 30 loaded weights before the wait from
@@ -47,9 +47,56 @@ def _rope() -> tuple:
             torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev))
 
 
+def _early_norm_kernel():
+    import triton
+    import triton.language as tl
+
+    from engine.triton_fused import add_norm2_store
+
+    @triton.jit(do_not_specialize=["rows"])
+    def kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps, SPLITS: tl.constexpr,
+               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # triton_gemm._add_rms_norm2_partials_kernel, letting the next kernel launch before its own wait
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
+        h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        y = y.to(h.dtype).to(tl.float32)
+        add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols,
+                        eps)
+
+    return kernel
+
+
+_EARLY = []
+
+
+def add_rms_norm2_partials_early(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
+                                 w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_gemm.add_rms_norm2_partials whose programs let the next kernel launch before they wait: that kernel's
+    programs may start (and load weights) while the partials' GEMM still runs."""
+    import triton
+
+    from engine import pdl
+
+    if not _EARLY:
+        _EARLY.append(_early_norm_kernel())
+    rows, n = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    _EARLY[0][(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps, SPLITS=partials.shape[0],
+                       BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_kwargs(h.device))
+    return h_out, x_out
+
+
 def consumer(op: str, way: str, ring: tuple[int, int]):
     """fn(x, w) -> the op's output: today's Triton kernel (way "triton") or the Gluon one."""
-    from benchmarks import prefetch_gemm_kernels as pk
+    from engine import gluon_pair_gemm as pk
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
 
@@ -66,7 +113,6 @@ def consumer(op: str, way: str, ring: tuple[int, int]):
 
 def chain(op: str, way: str, ring: tuple[int, int]) -> tuple:
     """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op."""
-    from benchmarks import prefetch_gemm_kernels as pk
     from benchmarks.gemm_sweep import weights
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
@@ -76,7 +122,7 @@ def chain(op: str, way: str, ring: tuple[int, int]) -> tuple:
     t, prod = _inputs(k_in), weights(HIDDEN, k_in)
     cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
     fn = consumer(op, way, ring)
-    norm = pk.add_rms_norm2_partials_early if way.endswith("early") else tg.add_rms_norm2_partials
+    norm = add_rms_norm2_partials_early if way.endswith("early") else tg.add_rms_norm2_partials
     x0 = torch.randn_like(t["h"])
 
     def run(i):

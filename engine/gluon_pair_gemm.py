@@ -1,5 +1,7 @@
 """The 64-row gate_up + SiLU and qkv + RoPE + store GEMMs as warp-specialized Gluon kernels whose weight loads may
-start before the PDL wait (benchmarks/prefetch_probe.py measures them; Hopper).
+start before the PDL wait (Hopper). Where OUROBATCH_GEMM_PREFETCH names them (gemm_dispatch.prefetch_setting; a
+measuring switch, off by default) the fused pass runs them instead of triton_gemm's; benchmarks/prefetch_probe.py
+times them in their add + norm chains.
 
 Today's Triton kernels (engine/triton_gemm.py) wait for the kernel before (griddepcontrol.wait) before their first
 load: Triton pipelines the weight and activation boxes together, so no weight box can be asked for earlier. Both
@@ -22,8 +24,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
-from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait
-from engine.gluon_ring import give, load_box, take, weight_ring
+from . import pdl
+from .gluon_attention import _gdc_launch_dependents, _gdc_wait
+from .gluon_ring import give, load_box, take, weight_ring
 
 BM, BK = gl.constexpr(64), gl.constexpr(128)  # rows (wgmma's M), a box's K
 GATE, QKV = gl.constexpr(0), gl.constexpr(1)  # the epilogue
@@ -214,53 +217,5 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, rope: tuple, n_q_heads:
 
 
 def _pdl(device: torch.device, use_pdl: bool) -> dict:
-    from engine import pdl
-
     return pdl.launch_kwargs(device) if use_pdl else {"USE_PDL": False}
 
-
-def _early_norm_kernel():
-    import triton
-    import triton.language as tl
-
-    from engine.triton_fused import add_norm2_store
-
-    @triton.jit(do_not_specialize=["rows"])
-    def kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps, SPLITS: tl.constexpr,
-               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # triton_gemm._add_rms_norm2_partials_kernel, letting the next kernel launch before its own wait
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        y = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
-        h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        y = y.to(h.dtype).to(tl.float32)
-        add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols,
-                        eps)
-
-    return kernel
-
-
-_EARLY = []
-
-
-def add_rms_norm2_partials_early(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
-                                 w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """triton_gemm.add_rms_norm2_partials whose programs let the next kernel launch before they wait: that kernel's
-    programs may start (and load weights) while the partials' GEMM still runs."""
-    import triton
-
-    from engine import pdl
-
-    if not _EARLY:
-        _EARLY.append(_early_norm_kernel())
-    rows, n = h.shape
-    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _EARLY[0][(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps, SPLITS=partials.shape[0],
-                       BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_kwargs(h.device))
-    return h_out, x_out

@@ -1,4 +1,4 @@
-"""benchmarks/prefetch_gemm_kernels.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
+"""engine/gluon_pair_gemm.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
 from launch) run on the CPU by tests/gluon_emulator.py (every CTA and partition a thread, TMA copies landing late and
 out of order) against float64 references written here from the model's math, on fresh random inputs and several
 shapes. Where Triton is installed (CI has none)."""
@@ -8,12 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.benchmark_scripts import load_benchmark
-
 pytest.importorskip("triton.experimental.gluon")
 emulator = pytest.importorskip("tests.gluon_emulator")
-
-pk = load_benchmark("prefetch_gemm_kernels")
+from engine import gluon_pair_gemm as pk
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
