@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
-RINGS = {"gate": ((8, 4), (8, 2), (10, 2)), "qkv": ((8, 4), (16, 2), (24, 2))}  # (weight boxes, activation boxes)
+RINGS = {"gate": ((8, 4), (8, 2), (10, 2)), "qkv": ((8, 4), (16, 2), (8, 2))}  # (weight boxes, activation boxes)
 WAYS = ("triton", "wait", "prefetch", "prefetch+early")
 
 
@@ -111,35 +111,43 @@ def consumer(op: str, way: str, ring: tuple[int, int]):
     return lambda x, w: pk.qkv_rope_store(x, w, rope, HEADS, HEADS, HEAD_DIM, **tiles)
 
 
-def chain(op: str, way: str, ring: tuple[int, int]) -> tuple:
-    """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op."""
+def data(op: str) -> dict:
+    """The chain's inputs, shared by every way: the rows, the norms, 24 producer and 24 consumer weight copies."""
     from benchmarks.gemm_sweep import weights
-    from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
 
     cfg = gemm_config(ROWS)
     k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
-    t, prod = _inputs(k_in), weights(HIDDEN, k_in)
     cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
+    return {"t": _inputs(k_in), "prod": weights(HIDDEN, k_in), "cons": cons, "splits": splits}
+
+
+def chain(op: str, way: str, ring: tuple[int, int], d: dict) -> tuple:
+    """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op."""
+    from engine import triton_gemm as tg
+    from engine.gemm_dispatch import gemm_config
+
+    cfg, t = gemm_config(ROWS), d["t"]
     fn = consumer(op, way, ring)
     norm = add_rms_norm2_partials_early if way.endswith("early") else tg.add_rms_norm2_partials
     x0 = torch.randn_like(t["h"])
 
     def run(i):
-        _, x = norm(t["h"], tg.linear_partials(t["a"], prod[i], splits, cfg), t["wa"], t["wb"], EPS)
-        return fn(x, cons[i])
+        _, x = norm(t["h"], tg.linear_partials(t["a"], d["prod"][i], d["splits"], cfg), t["wa"], t["wb"], EPS)
+        return fn(x, d["cons"][i])
 
-    return run, lambda i: fn(x0, cons[i])
+    return run, lambda i: fn(x0, d["cons"][i])
 
 
 def case(op: str, ring: tuple[int, int], with_triton: bool) -> list[dict]:
     from benchmarks.gemm_sweep import COPIES, timed
     from benchmarks.weight_layout_probe import rel_err
 
-    want = chain(op, "triton", ring)[0](0)
+    d = data(op)
+    want = chain(op, "triton", ring, d)[0](0)
     rows = []
     for way in WAYS[0 if with_triton else 1:]:
-        run, alone = chain(op, way, ring)
+        run, alone = chain(op, way, ring, d)
         err = rel_err(run(0), want)
         row = {"op": op, "way": way, "ring": list(ring) if way != "triton" else None, "err": err, "ok": err < 1e-2,
                "chain_us": timed(lambda fn=run: [fn(i) for i in range(COPIES)]),

@@ -9,7 +9,8 @@ GEMMs follow the small add + norm kernel (2.2-2.6 us, reading a few rows), durin
 their programs already sit resident at the wait. Here the two streams are split: a loader warp TMA-loads the tile's
 weight boxes into a ring from launch (weights are no kernel's output; PREFETCH=0 makes it wait too, the control),
 a second loader warp waits for the kernel before, lets the next one launch, and TMA-loads the activation boxes; the
-default warpgroup multiplies (wgmma) and runs the epilogue, which matches triton_gemm's roundings.
+default warpgroup multiplies (asynchronous wgmma, a K step's two in flight while the next step's boxes are awaited)
+and runs the epilogue, which matches triton_gemm's roundings.
 
 A program's tile: rows row_a + [0, BN) and their partners row_b + [0, BN) of the weight matrix, K step by K step
 (gate_up: gate rows t BN.. and up rows I + t BN..; qkv: BN dims of a head's first half and their RoPE partners HALF
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 from . import pdl
 from .gluon_attention import _gdc_launch_dependents, _gdc_wait
@@ -118,11 +119,15 @@ def _multiply(ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K: g
     acc_b = gl.zeros([BM, BN], gl.float32, mma)
     for kb in range(K // BK):
         xs = take(xring, xready, kb, X_STAGES)
-        acc_a = warpgroup_mma(xs, take(ring, ready, 2 * kb, STAGES).permute((1, 0)), acc_a)
-        give(empty, 2 * kb, STAGES)
-        acc_b = warpgroup_mma(xs, take(ring, ready, 2 * kb + 1, STAGES).permute((1, 0)), acc_b)
-        give(empty, 2 * kb + 1, STAGES)
-        give(xempty, kb, X_STAGES)
+        acc_a = warpgroup_mma(xs, take(ring, ready, 2 * kb, STAGES).permute((1, 0)), acc_a, is_async=True)
+        acc_b = warpgroup_mma(xs, take(ring, ready, 2 * kb + 1, STAGES).permute((1, 0)), acc_b, is_async=True)
+        # this K step's two may run on; the step before's are done, and its slots go back
+        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc_a, acc_b])
+        if kb > 0:
+            give(empty, 2 * kb - 2, STAGES)
+            give(empty, 2 * kb - 1, STAGES)
+            give(xempty, kb - 1, X_STAGES)
+    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_a, acc_b])
     row_a, _, head = _tile_rows(N, HALF, BN, KIND)
     if KIND == GATE:
         _silu_store(acc_a, acc_b, out_ptr, row_a, M, N, mma)
@@ -163,9 +168,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_
     if not 1 <= rows <= bm or k % bk or w.shape[1] != k or w.shape[0] % rows_per_tile:
         raise ValueError(f"pair GEMM: x [rows <= {bm}, K % {bk} == 0] and w [n % {rows_per_tile} == 0, K], got "
                          f"{list(x.shape)} and {list(w.shape)}")
-    if stages < 2 or stages % 2 or x_stages < 2:
-        raise ValueError(f"pair GEMM: stages must be even and >= 2 (a and b boxes), x_stages >= 2; got {stages}, "
-                         f"{x_stages}")
+    if stages < 4 or stages % 2 or x_stages < 2:  # the consumer holds a K step's slots until the next step's land
+        raise ValueError(f"pair GEMM: stages must be even and >= 4 (two K steps of a and b boxes), x_stages >= 2; got "
+                         f"{stages}, {x_stages}")
 
 
 def gate_launch(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, bn: int = 64, stages: int = 8,

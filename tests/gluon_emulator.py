@@ -19,7 +19,8 @@ index / slice / permute / _reinterpret / load / store) / warp_specialize / inlin
 fence.proxy.async a fence) / sum / max / rsqrt / exp / exp2 / log2 / sin / cos / sqrt / maximum / minimum / where /
 cdiv / expand_dims / convert_layout / static_assert, the layouts (ignored), mbarrier.init / expect / arrive / wait,
 tma.async_copy_global_to_shared, async_copy (cp.async; a partition's arrival counts each of its threads), mma_v2,
-warpgroup_mma, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
+warpgroup_mma (is_async too: its shared-memory operands count as read until a warpgroup_mma_wait retires it, and a
+TMA copy into them before that is a Race), warpgroup_mma_wait, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import types
 
 import torch
 
-from tests.gluon_emulator_ops import (TIMEOUT_S, Desc, Hang, ProxyRace, Ptr, Race, _Aborted, _allocate_shared_memory,
-                                      _arrive, _async_copy, _async_copy_arrive, _atomic_add, _atomic_xchg, _expect,
-                                      _init, _load, _local, _mma_v2, _State, _state, _store, _tma_engine, _tma_load,
-                                      _wait, _warpgroup_mma, fence_async_shared, fence_proxy_async_global)
+from tests.gluon_emulator_ops import (TIMEOUT_S, Desc, Hang, ProxyRace, Ptr, Race, SMem, _Aborted,
+                                      _allocate_shared_memory, _arrive, _async_copy, _async_copy_arrive, _atomic_add,
+                                      _atomic_xchg, _expect, _init, _load, _local, _mma_v2, _span, _State, _state,
+                                      _store, _tma_engine, _tma_load, _wait, _warpgroup_mma, fence_async_shared,
+                                      fence_proxy_async_global)
 
 __all__ = ["Hang", "ProxyRace", "Race", "emulate"]
 
@@ -69,6 +71,45 @@ def _start(name: str, pid: tuple[int, int, int], fn, args, threads: int) -> thre
         state.threads.append(t)
     t.start()
     return t
+
+
+def _async_reads() -> dict:
+    # per thread: the operand spans of its asynchronous wgmmas not yet retired by a warpgroup_mma_wait, oldest first
+    state = _state()
+    with state.lock:
+        if not hasattr(state, "mma_reads"):
+            state.mma_reads = {}
+        return state.mma_reads
+
+
+def _wgmma(a, b, acc, *, use_acc=True, is_async=False, **kw):
+    """warpgroup_mma: computed at issue; an asynchronous one's shared-memory operands stay read (a TMA copy into
+    them is a Race) until a warpgroup_mma_wait retires it."""
+    out = _warpgroup_mma(a, b, acc, use_acc=use_acc, **kw)
+    if is_async:
+        spans = [_span(op.t) for op in (a, b) if isinstance(op, SMem)]
+        with _state().lock:
+            _async_reads().setdefault(threading.current_thread().name, []).append(spans)
+    return out
+
+
+def _wgmma_wait(num_outstanding=0, deps=None):
+    """warpgroup_mma_wait: all but this thread's `num_outstanding` newest asynchronous wgmmas are done."""
+    with _state().lock:
+        mine = _async_reads().setdefault(threading.current_thread().name, [])
+        del mine[:max(0, len(mine) - int(num_outstanding))]
+    return deps[0] if len(deps) == 1 else tuple(deps)
+
+
+def _tma_load_checked(desc, coord, bar, dest, pred=True):
+    """tma.async_copy_global_to_shared, refused (Race) into shared memory an unfinished asynchronous wgmma reads."""
+    if pred:
+        lo, hi = _span(dest.t)
+        with _state().lock:
+            for name, groups in _async_reads().items():
+                if any(r_lo < hi and lo < r_hi for spans in groups for r_lo, r_hi in spans):
+                    raise Race(f"a TMA copy into shared memory that an unfinished wgmma of {name} reads")
+    _tma_load(desc, coord, bar, dest, pred)
 
 
 def _maximum(a, b, **_):
@@ -167,11 +208,11 @@ def _modules():
         int8=torch.int8)
     emu_mbarrier = _Namespace(mbarrier, init=_init, expect=_expect, arrive=_arrive, wait=_wait,
                               invalidate=lambda bar: None, MBarrierLayout=mbarrier.MBarrierLayout)
-    emu_tma = _Namespace(tma, async_copy_global_to_shared=_tma_load)
+    emu_tma = _Namespace(tma, async_copy_global_to_shared=_tma_load_checked)
     emu_async_copy = _Namespace(async_copy, async_copy_global_to_shared=_async_copy, commit_group=lambda: None,
                                 wait_group=lambda num_outstanding=0: None, mbarrier_arrive=_async_copy_arrive)
-    replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _warpgroup_mma,
-               id(hopper.fence_async_shared): fence_async_shared, id(async_copy): emu_async_copy,
+    replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _wgmma,
+               id(hopper.warpgroup_mma_wait): _wgmma_wait, id(hopper.fence_async_shared): fence_async_shared, id(async_copy): emu_async_copy,
                id(mma_v2): _mma_v2}
     return replace
 

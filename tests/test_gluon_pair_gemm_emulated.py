@@ -21,13 +21,13 @@ def bf(g: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows,inter,k,bn,stages,prefetch", [(64, 128, 256, 64, 4, True), (37, 256, 384, 64, 8, False),
-                                                              (9, 64, 128, 32, 2, True)])
+@pytest.mark.parametrize("rows,inter,k,bn,stages,prefetch", [(64, 128, 512, 64, 4, True), (37, 256, 384, 64, 8, False),
+                                                              (9, 64, 768, 32, 4, True)])
 def test_gate_up_silu_against_float64(rows, inter, k, bn, stages, prefetch):
     g = torch.Generator().manual_seed(rows * 7 + inter)
     x, w = bf(g, rows, k), bf(g, 2 * inter, k, scale=k ** -0.5)
     out = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
-    grid, args, constexprs = pk.gate_launch(x, w, out, bn=bn, stages=stages, x_stages=3, prefetch=prefetch)
+    grid, args, constexprs = pk.gate_launch(x, w, out, bn=bn, stages=stages, x_stages=2, prefetch=prefetch)
     emulator.emulate(pk.pair_gemm_kernel, grid, *args, seed=rows, **constexprs)
     gate, up = x.double() @ w[:inter].double().T, x.double() @ w[inter:].double().T
     want = torch.nn.functional.silu(gate) * up
@@ -46,7 +46,7 @@ def rope_ref(y: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torc
                                                         (5, 2, 2, 32, 16, True)])
 def test_qkv_rope_store_against_float64(rows, hq, hkv, d, bd, prefetch):
     g = torch.Generator().manual_seed(rows * 11 + hq)
-    k, slots_total = 256, 3 * rows + 5
+    k, slots_total = 640, 3 * rows + 5
     x, w = bf(g, rows, k), bf(g, (hq + 2 * hkv) * d, k, scale=k ** -0.5)
     pos = torch.randint(0, 4000, (rows,), generator=g, dtype=torch.int32)
     slots = torch.randperm(slots_total, generator=g)[:rows].to(torch.int32)
@@ -71,7 +71,8 @@ def test_bad_shapes_are_refused_with_the_field():
     x, w = torch.zeros(65, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows <= 64"):
         pk.gate_launch(x, w, torch.empty(65, 128, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="stages must be even"):
-        pk.gate_launch(x[:8], w, torch.empty(8, 128, dtype=torch.bfloat16), stages=3)
+    for stages, x_stages in ((3, 2), (2, 2), (4, 1)):  # odd, one K step of boxes (a deadlock), one activation box
+        with pytest.raises(ValueError, match="stages must be even and >= 4"):
+            pk.gate_launch(x[:8], w, torch.empty(8, 128, dtype=torch.bfloat16), stages=stages, x_stages=x_stages)
     with pytest.raises(TypeError, match="bfloat16"):
         pk.gate_launch(x[:8].float(), w, torch.empty(8, 128))
