@@ -9,8 +9,7 @@ stream is a warp of its own, asynchronous, for the two GEMMs after the add + nor
 -> add + norm -> gate_up + SiLU and down's partials -> add + norm -> qkv + RoPE + store, is timed three ways, as
 gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): today's Triton kernels, the Gluon
 kernel with the weights from launch ("prefetch"), and the same kernel waiting before its weights too ("wait": what
-the Gluon kernel itself costs). "early" adds an add + norm that lets the GEMM launch before its own wait, so the
-GEMM's programs may start during the partials' tail. Outputs are checked against today's chain.
+the Gluon kernel itself costs). Outputs are checked against today's chain.
 
     python benchmarks/prefetch_probe.py --out $OUT/prefetch
 """
@@ -27,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
-RINGS = {"gate": ((8, 4), (8, 2), (10, 2)), "qkv": ((8, 4), (16, 2), (8, 2))}  # (weight boxes, activation boxes)
-WAYS = ("triton", "wait", "prefetch", "prefetch+early")
+RINGS = {"gate": ((8, 4), (6, 4), (4, 6)), "qkv": ((8, 4), (4, 4), (12, 4))}  # (weight boxes, activation boxes)
+WAYS = ("triton", "wait", "prefetch")
 
 
 def _inputs(k_in: int) -> dict:
@@ -45,53 +44,6 @@ def _rope() -> tuple:
             1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32, device=dev) / HEAD_DIM),
             torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
             torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev))
-
-
-def _early_norm_kernel():
-    import triton
-    import triton.language as tl
-
-    from engine.triton_fused import add_norm2_store
-
-    @triton.jit(do_not_specialize=["rows"])
-    def kernel(h_ptr, p_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, rows, n_cols, eps, SPLITS: tl.constexpr,
-               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # triton_gemm._add_rms_norm2_partials_kernel, letting the next kernel launch before its own wait
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        y = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            y += tl.load(p_ptr + (s * rows + row) * n_cols + cols, mask=mask, other=0.0)
-        h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        y = y.to(h.dtype).to(tl.float32)
-        add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + row * n_cols, x_out_ptr + row * n_cols, cols, mask, n_cols,
-                        eps)
-
-    return kernel
-
-
-_EARLY = []
-
-
-def add_rms_norm2_partials_early(h: torch.Tensor, partials: torch.Tensor, w_branch: torch.Tensor,
-                                 w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """triton_gemm.add_rms_norm2_partials whose programs let the next kernel launch before they wait: that kernel's
-    programs may start (and load weights) while the partials' GEMM still runs."""
-    import triton
-
-    from engine import pdl
-
-    if not _EARLY:
-        _EARLY.append(_early_norm_kernel())
-    rows, n = h.shape
-    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _EARLY[0][(rows,)](h, partials, w_branch, w_next, h_out, x_out, rows, n, eps, SPLITS=partials.shape[0],
-                       BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_kwargs(h.device))
-    return h_out, x_out
 
 
 def consumer(op: str, way: str, ring: tuple[int, int]):
@@ -129,7 +81,7 @@ def chain(op: str, way: str, ring: tuple[int, int], d: dict) -> tuple:
 
     cfg, t = gemm_config(ROWS), d["t"]
     fn = consumer(op, way, ring)
-    norm = add_rms_norm2_partials_early if way.endswith("early") else tg.add_rms_norm2_partials
+    norm = tg.add_rms_norm2_partials
     x0 = torch.randn_like(t["h"])
 
     def run(i):

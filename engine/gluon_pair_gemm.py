@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from . import pdl
 from .gluon_attention import _gdc_launch_dependents, _gdc_wait
-from .gluon_ring import give, load_box, take, weight_ring
+from .gluon_ring import load_box, take, weight_ring
 
 BM, BK = gl.constexpr(64), gl.constexpr(128)  # rows (wgmma's M), a box's K
 GATE, QKV = gl.constexpr(0), gl.constexpr(1)  # the epilogue
@@ -110,6 +110,13 @@ def _rope_store(acc1, acc2, row_a, head, M, io, HQ: gl.constexpr, HKV: gl.conste
 
 
 @gluon.jit
+def _release(empty, i, STAGES: gl.constexpr):
+    # the i-th box's slot back to its loader: read only by wgmma (the async proxy, as the TMA copy that refills it),
+    # so no proxy fence (gluon_ring.give's is for slots read by generic loads)
+    mbarrier.arrive(empty.index(i % STAGES), count=1)
+
+
+@gluon.jit
 def _multiply(ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K: gl.constexpr, HALF: gl.constexpr,
               HQ: gl.constexpr, HKV: gl.constexpr, BN: gl.constexpr, KIND: gl.constexpr, STAGES: gl.constexpr,
               X_STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -124,9 +131,9 @@ def _multiply(ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K: g
         # this K step's two may run on; the step before's are done, and its slots go back
         acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc_a, acc_b])
         if kb > 0:
-            give(empty, 2 * kb - 2, STAGES)
-            give(empty, 2 * kb - 1, STAGES)
-            give(xempty, kb - 1, X_STAGES)
+            _release(empty, 2 * kb - 2, STAGES)
+            _release(empty, 2 * kb - 1, STAGES)
+            _release(xempty, kb - 1, X_STAGES)
     acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_a, acc_b])
     row_a, _, head = _tile_rows(N, HALF, BN, KIND)
     if KIND == GATE:
