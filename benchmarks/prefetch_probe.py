@@ -1,5 +1,5 @@
 """Do the 64-row gate_up and qkv GEMMs gain from loading weights before the PDL wait, where a loader warp of their own
-issues the TMA boxes from launch (engine/gluon_pair_gemm.py)?
+issues the TMA boxes from launch (benchmarks/prefetch_kernels.py)?
 
 Each GEMM follows a small add + norm kernel (2.2-2.6 us a launch on the H200, ~2 MB read) during which HBM idles
 while the GEMM's programs sit resident at griddepcontrol.wait. Sessions 9 and 30 loaded weights before the wait from
@@ -48,7 +48,7 @@ def _rope() -> tuple:
 
 def consumer(op: str, way: str, ring: tuple[int, int]):
     """fn(x, w) -> the op's output: today's Triton kernel (way "triton") or the Gluon one."""
-    from engine import gluon_pair_gemm as pk
+    from benchmarks import prefetch_kernels as pk
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import kv_prefetch_dispatch as kvp
 from .attention import attend, attend_o, attend_o_partials
 from .batch import BatchMeta
-from .gemm_dispatch import GemmConfig, gemm_config, prefetches, qkv_block_d, stream_k
+from .gemm_dispatch import GemmConfig, gemm_config, qkv_block_d, stream_k
 from .kv_cache import KVPool
 from .mlp_dispatch import mlp_folds
 
@@ -47,12 +47,6 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, meta: BatchMeta, inv_fr
     """q after RoPE [rows, Hq, d], k and v written to their slots: one kernel where gemm_dispatch says so (stream-K
     on the model's flags where the config asks for it and the call is one row tile)."""
     if qkv_block_d(gemm, d):
-        if prefetches(gemm, "qkv", x):
-            from . import gluon_pair_gemm
-
-            return gluon_pair_gemm.qkv_rope_store(x.contiguous(), w_qkv, (meta.positions, meta.slots, inv_freq,
-                                                  k_plane, v_plane), Hq, Hkv, d, bd=qkv_block_d(gemm, d),
-                                                  stages=gemm.ring_qkv[0], x_stages=gemm.ring_qkv[1])
         if flags is not None and stream_k(gemm, "qkv", x.shape[0]):
             from . import triton_streamk
 
@@ -75,11 +69,6 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, gemm: GemmConfig | No
         from . import triton_fused as fused
 
         return fused.silu_mul(F.linear(x, w_gate_up))
-    if prefetches(gemm, "gate", x):
-        from . import gluon_pair_gemm
-
-        return gluon_pair_gemm.gate_up_silu(x.contiguous(), w_gate_up, stages=gemm.ring_gate[0],
-                                            x_stages=gemm.ring_gate[1])
     if flags is not None and stream_k(gemm, "gate", x.shape[0]):
         from . import triton_streamk
 

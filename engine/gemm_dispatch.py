@@ -40,13 +40,6 @@ class GemmConfig:
     # the stream-K qkv's pipeline depth (0: num_stages): its program holds a whole SM where the one-tile qkv's
     # two 96 KB programs share one, so it needs the deeper pipeline to keep as many bytes in flight (8: 200 KB)
     stages_qkv_stream: int = 8
-    # gate_up_silu / qkv_rope_store as engine/gluon_pair_gemm.py's launches, whose weight boxes load from launch,
-    # before the PDL wait (OUROBATCH_GEMM_PREFETCH, a measuring switch: prefetch_setting); their rings in boxes
-    # (weights, activations)
-    prefetch_gate: bool = False
-    prefetch_qkv: bool = False
-    ring_gate: tuple[int, int] = (8, 4)
-    ring_qkv: tuple[int, int] = (16, 2)
 
 
 # (largest rows, config), ascending: benchmarks/gemm_sweep.py on the H200 (docs/benchmarks/h200_gemm_sweep.json).
@@ -84,54 +77,29 @@ def gemm_block_m(rows: int) -> int:
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
-    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table, OUROBATCH_GEMM_PREFETCH
-    prefetch_gate and prefetch_qkv (measuring switches)."""
+    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table (a measuring switch)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            stream, prefetch = stream_k_setting(), prefetch_setting()
-            if stream is not None:
-                cfg = replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
-            if prefetch is not None:
-                cfg = replace(cfg, prefetch_gate="gate" in prefetch, prefetch_qkv="qkv" in prefetch)
-            return cfg
+            stream = stream_k_setting()
+            return cfg if stream is None else replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
     return None
 
 
 STREAM_K_OPS = ("gate", "qkv")
 
 
-def _ops_setting(name: str) -> frozenset[str] | None:
-    """An ops switch's value: the ops it names ("gate", "qkv", "gate,qkv"; "none": neither), unset: None."""
-    value = os.environ.get(name, "").strip()
+@functools.cache
+def stream_k_setting() -> frozenset[str] | None:
+    """OUROBATCH_STREAM_K: the ops launched stream-K ("gate", "qkv", "gate,qkv"; "none": neither), unset: the
+    table's choice."""
+    value = os.environ.get("OUROBATCH_STREAM_K", "").strip()
     if not value:
         return None
     ops = frozenset() if value == "none" else frozenset(v.strip() for v in value.split(","))
     if not ops <= set(STREAM_K_OPS):
-        raise ValueError(f"{name} must be 'none' or a comma list of {', '.join(STREAM_K_OPS)}, got {value!r}")
+        raise ValueError(f"OUROBATCH_STREAM_K must be 'none' or a comma list of {', '.join(STREAM_K_OPS)}, got "
+                         f"{value!r}")
     return ops
-
-
-@functools.cache
-def stream_k_setting() -> frozenset[str] | None:
-    """OUROBATCH_STREAM_K: the ops launched stream-K, unset: the table's choice."""
-    return _ops_setting("OUROBATCH_STREAM_K")
-
-
-@functools.cache
-def prefetch_setting() -> frozenset[str] | None:
-    """OUROBATCH_GEMM_PREFETCH: the ops launched as gluon_pair_gemm's weight-prefetching kernels, unset: the table's
-    choice."""
-    return _ops_setting("OUROBATCH_GEMM_PREFETCH")
-
-
-def prefetches(cfg: GemmConfig | None, op: str, x: torch.Tensor) -> bool:
-    """Whether a call runs `op` ("gate" or "qkv") as gluon_pair_gemm's launch: the config asks for it, one row tile
-    of a 16-bit dtype on a Hopper GPU with Gluon."""
-    from . import pdl
-
-    wanted = cfg is not None and (cfg.prefetch_gate if op == "gate" else cfg.prefetch_qkv)
-    return (wanted and x.shape[0] <= 64 and x.dtype == torch.bfloat16 and pdl.hopper(x.device)
-            and pdl.gluon_importable())
 
 
 def stream_k(cfg: GemmConfig | None, op: str, rows: int) -> bool:

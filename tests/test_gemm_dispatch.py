@@ -67,32 +67,6 @@ def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(mon
         gemm_dispatch.stream_k_setting.cache_clear()
 
 
-def test_the_prefetch_switch_sets_every_rows_choice_and_refuses_other_values(monkeypatch):
-    table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64, stream_gate=True)))
-    try:
-        for value, gate, qkv in (("gate,qkv", True, True), ("qkv", False, True), ("none", False, False)):
-            monkeypatch.setenv("OUROBATCH_GEMM_PREFETCH", value)
-            gemm_dispatch.prefetch_setting.cache_clear()
-            got = [gemm_config(r, table) for r in (8, 64)]
-            assert [(c.prefetch_gate, c.prefetch_qkv) for c in got] == [(gate, qkv)] * 2, value
-            assert got[1].stream_gate and got[1].block_n == 64  # only the switch's fields change
-        monkeypatch.setenv("OUROBATCH_GEMM_PREFETCH", "down")
-        gemm_dispatch.prefetch_setting.cache_clear()
-        with pytest.raises(ValueError, match="OUROBATCH_GEMM_PREFETCH must be 'none' or a comma list of gate, qkv"):
-            gemm_config(64, table)
-    finally:
-        gemm_dispatch.prefetch_setting.cache_clear()
-
-
-def test_the_prefetching_kernels_serve_only_hopper_calls_of_one_row_tile():
-    import torch
-
-    cfg = GemmConfig(prefetch_gate=True)
-    x = torch.zeros(8, 128, dtype=torch.bfloat16)
-    assert not gemm_dispatch.prefetches(cfg, "gate", x)  # a CPU tensor: no Hopper GPU
-    assert not gemm_dispatch.prefetches(cfg, "qkv", x) and not gemm_dispatch.prefetches(None, "gate", x)
-
-
 def test_the_stream_k_qkv_pipeline_fits_the_shared_memory():
     # a stage at 64 rows, K step 128, bf16: (2 x 16 + 64) x 128 x 2 = 24 KB (block_d 16), 32 KB (block_d 32)
     cfg = GemmConfig(block_k_qkv=128, stages_qkv_stream=8)

@@ -107,17 +107,16 @@ def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True) for _ in prompts]
     outs = {}
     stream = GemmConfig(block_d_qkv=32, tma=2, stream_gate=True, stream_qkv=True)  # engine/triton_streamk.py
-    prefetch = GemmConfig(block_d_qkv=32, tma=2, prefetch_gate=True, prefetch_qkv=True)  # engine/gluon_pair_gemm.py
     tables = (("triton", ((64, GemmConfig()),)), ("triton_qkv", ((64, GemmConfig(block_d_qkv=32)),)),
               ("triton_tma", ((64, GemmConfig(block_d_qkv=32, tma=2)),)), ("triton_stream", ((64, stream),)),
-              ("gluon_prefetch", ((64, prefetch),)), ("cublas", ()))
+              ("cublas", ()))
     for name, table in tables:
         monkeypatch.setattr(gemm_dispatch, "GEMM_TABLE", table)
         cfg = EngineConfig(model=str(ckpt), device="cuda", dtype="bfloat16", deep_interval=4, num_kv_blocks=256,
                            max_num_seqs=8, logprobs_mode="raw")
         with SyncEngine(cfg) as llm:
             outs[name] = llm.generate_batch(prompts, params)
-    for a, b in [pair for name in ("triton", "triton_qkv", "triton_tma", "triton_stream", "gluon_prefetch")
+    for a, b in [pair for name in ("triton", "triton_qkv", "triton_tma", "triton_stream")
                  for pair in zip(outs[name], outs["cublas"])]:
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), len(ta))

@@ -1,7 +1,9 @@
 """The 64-row gate_up + SiLU and qkv + RoPE + store GEMMs as warp-specialized Gluon kernels whose weight loads may
-start before the PDL wait (Hopper). Where OUROBATCH_GEMM_PREFETCH names them (gemm_dispatch.prefetch_setting; a
-measuring switch, off by default) the fused pass runs them instead of triton_gemm's; benchmarks/prefetch_probe.py
-times them in their add + norm chains.
+start before the PDL wait (Hopper): benchmarks/prefetch_probe.py's kernels. Measured on H100s (session 36,
+docs/benchmarks.md): the weights from launch save ~0.5 us of the o -> add + norm -> gate_up chain against the same
+kernel waiting first, which puts the Gluon gate_up ~0.4 us ahead of triton_gemm's there and level with it in the
+decode step (an engine switch built for the measurement, then taken out); the Gluon qkv is ~4 us slower than
+triton_gemm's in its chain either way. The engine keeps its Triton GEMMs.
 
 Today's Triton kernels (engine/triton_gemm.py) wait for the kernel before (griddepcontrol.wait) before their first
 load: Triton pipelines the weight and activation boxes together, so no weight box can be asked for earlier. Both
@@ -25,9 +27,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from . import pdl
-from .gluon_attention import _gdc_launch_dependents, _gdc_wait
-from .gluon_ring import load_box, take, weight_ring
+from engine import pdl
+from engine.gluon_attention import _gdc_launch_dependents, _gdc_wait
+from engine.gluon_ring import load_box, take, weight_ring
 
 BM, BK = gl.constexpr(64), gl.constexpr(128)  # rows (wgmma's M), a box's K
 GATE, QKV = gl.constexpr(0), gl.constexpr(1)  # the epilogue

@@ -1,4 +1,4 @@
-"""engine/gluon_pair_gemm.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
+"""benchmarks/prefetch_kernels.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
 from launch) run on the CPU by tests/gluon_emulator.py (every CTA and partition a thread, TMA copies landing late and
 out of order) against float64 references written here from the model's math, on fresh random inputs and several
 shapes. Where Triton is installed (CI has none)."""
@@ -10,7 +10,10 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 emulator = pytest.importorskip("tests.gluon_emulator")
-from engine import gluon_pair_gemm as pk
+
+from tests.benchmark_scripts import load_benchmark  # noqa: E402
+
+pk = load_benchmark("prefetch_kernels")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,3 +79,26 @@ def test_bad_shapes_are_refused_with_the_field():
             pk.gate_launch(x[:8], w, torch.empty(8, 128, dtype=torch.bfloat16), stages=stages, x_stages=x_stages)
     with pytest.raises(TypeError, match="bfloat16"):
         pk.gate_launch(x[:8].float(), w, torch.empty(8, 128))
+
+
+@pytest.mark.parametrize("kind,bn,half,stages", [(0, 64, 1, 8), (1, 16, 64, 12)])
+def test_compiled_for_sm90_the_weight_loader_skips_the_wait_and_the_rings_fit(kind, bn, half, stages):
+    # Ouro-1.4B's launches: with prefetch only the activation loader waits (one griddepcontrol.wait), without it
+    # both; the rings fit an sm90 SM (gate_up one CTA an SM, qkv two)
+    from triton.experimental.gluon import language as gl
+
+    ws_chain = load_benchmark("ws_chain")
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.bfloat16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    signature = {"w_desc": f"tensordesc<bf16[{bn}, 128],{w_layout!r}>",
+                 "x_desc": f"tensordesc<bf16[64, 128],{x_layout!r}>", "out_ptr": "*bf16", "pos_ptr": "*i32",
+                 "slot_ptr": "*i32", "inv_freq_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16", "stride_slot": "i32",
+                 "stride_head": "i32", "M": "i32", "N": "i32"}
+    got = {}
+    for prefetch in (1, 0):
+        constexprs = {"K": 2048, "HALF": half, "HQ": 16, "HKV": 16, "BN": bn, "KIND": kind, "STAGES": stages,
+                      "X_STAGES": 4, "PREFETCH": prefetch, "USE_PDL": 1, "num_warps": 4}
+        got[prefetch] = ws_chain.compile_sm90(pk.pair_gemm_kernel, signature, constexprs, ("out_ptr", "k_ptr", "v_ptr"))
+    assert got[1]["gdc_wait"] == 1 and got[0]["gdc_wait"] == 2
+    assert got[1]["wgmma"] == got[0]["wgmma"] > 0 and got[1]["tma_loads"] >= 2
+    assert got[1]["shared"] <= (227 if kind == 0 else 113) * 1024
