@@ -1,7 +1,7 @@
 """The 64-row gate_up + SiLU and qkv + RoPE + store GEMMs as warp-specialized Gluon kernels whose weight loads may
 start before the PDL wait (Hopper): benchmarks/prefetch_probe.py's kernels. Measured on H100s (session 36,
 docs/benchmarks.md): the weights from launch save ~0.5 us of the o -> add + norm -> gate_up chain against the same
-kernel waiting first, which puts the Gluon gate_up ~0.4 us ahead of triton_gemm's there and level with it in the
+kernel waiting first, which put the Gluon gate_up 0.4 us ahead of triton_gemm's there (call 3) and level with it in the
 decode step (an engine switch built for the measurement, then taken out); the Gluon qkv is ~4 us slower than
 triton_gemm's in its chain either way. The engine keeps its Triton GEMMs.
 
@@ -166,7 +166,8 @@ def _descs(w: torch.Tensor, x: torch.Tensor, bn: int):
 
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, BK.value], gl.bfloat16)
     x_layout = gl.NVMMASharedLayout.get_default_for([BM.value, BK.value], gl.bfloat16)
-    return TensorDescriptor.from_tensor(w, [bn, BK.value], w_layout), TensorDescriptor.from_tensor(x, [BM.value, BK.value], x_layout)
+    return (TensorDescriptor.from_tensor(w, [bn, BK.value], w_layout),
+            TensorDescriptor.from_tensor(x, [BM.value, BK.value], x_layout))
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_stages: int) -> None:

@@ -20,7 +20,8 @@ fence.proxy.async a fence) / sum / max / rsqrt / exp / exp2 / log2 / sin / cos /
 cdiv / expand_dims / convert_layout / static_assert, the layouts (ignored), mbarrier.init / expect / arrive / wait,
 tma.async_copy_global_to_shared, async_copy (cp.async; a partition's arrival counts each of its threads), mma_v2,
 warpgroup_mma (is_async too: its shared-memory operands count as read until a warpgroup_mma_wait retires it, and a
-TMA copy into them before that is a Race), warpgroup_mma_wait, fence_async_shared. Anything else a kernel calls raises NotImplementedError with its name.
+TMA copy into them before that is a Race), warpgroup_mma_wait, fence_async_shared. Anything else a kernel calls
+raises NotImplementedError with its name.
 """
 
 from __future__ import annotations
@@ -73,15 +74,6 @@ def _start(name: str, pid: tuple[int, int, int], fn, args, threads: int) -> thre
     return t
 
 
-def _async_reads() -> dict:
-    # per thread: the operand spans of its asynchronous wgmmas not yet retired by a warpgroup_mma_wait, oldest first
-    state = _state()
-    with state.lock:
-        if not hasattr(state, "mma_reads"):
-            state.mma_reads = {}
-        return state.mma_reads
-
-
 def _wgmma(a, b, acc, *, use_acc=True, is_async=False, **kw):
     """warpgroup_mma: computed at issue; an asynchronous one's shared-memory operands stay read (a TMA copy into
     them is a Race) until a warpgroup_mma_wait retires it."""
@@ -89,14 +81,14 @@ def _wgmma(a, b, acc, *, use_acc=True, is_async=False, **kw):
     if is_async:
         spans = [_span(op.t) for op in (a, b) if isinstance(op, SMem)]
         with _state().lock:
-            _async_reads().setdefault(threading.current_thread().name, []).append(spans)
+            _state().mma_reads.setdefault(threading.current_thread().name, []).append(spans)
     return out
 
 
 def _wgmma_wait(num_outstanding=0, deps=None):
     """warpgroup_mma_wait: all but this thread's `num_outstanding` newest asynchronous wgmmas are done."""
     with _state().lock:
-        mine = _async_reads().setdefault(threading.current_thread().name, [])
+        mine = _state().mma_reads.setdefault(threading.current_thread().name, [])
         del mine[:max(0, len(mine) - int(num_outstanding))]
     return deps[0] if len(deps) == 1 else tuple(deps)
 
@@ -106,7 +98,7 @@ def _tma_load_checked(desc, coord, bar, dest, pred=True):
     if pred:
         lo, hi = _span(dest.t)
         with _state().lock:
-            for name, groups in _async_reads().items():
+            for name, groups in _state().mma_reads.items():
                 if any(r_lo < hi and lo < r_hi for spans in groups for r_lo, r_hi in spans):
                     raise Race(f"a TMA copy into shared memory that an unfinished wgmma of {name} reads")
     _tma_load(desc, coord, bar, dest, pred)
@@ -212,8 +204,8 @@ def _modules():
     emu_async_copy = _Namespace(async_copy, async_copy_global_to_shared=_async_copy, commit_group=lambda: None,
                                 wait_group=lambda num_outstanding=0: None, mbarrier_arrive=_async_copy_arrive)
     replace = {id(gl): emu_gl, id(mbarrier): emu_mbarrier, id(tma): emu_tma, id(hopper.warpgroup_mma): _wgmma,
-               id(hopper.warpgroup_mma_wait): _wgmma_wait, id(hopper.fence_async_shared): fence_async_shared, id(async_copy): emu_async_copy,
-               id(mma_v2): _mma_v2}
+               id(hopper.warpgroup_mma_wait): _wgmma_wait, id(hopper.fence_async_shared): fence_async_shared,
+               id(async_copy): emu_async_copy, id(mma_v2): _mma_v2}
     return replace
 
 

@@ -55,6 +55,7 @@ class _State:
         self.errors: list[BaseException] = []
         self.unfenced: dict[str, set] = {}  # per thread: generic shared-memory accesses since its last proxy fence
         self.unfenced_global: set = set()  # generic global stores since the last fence.proxy.async (check_global)
+        self.mma_reads: dict[str, list] = {}  # per thread: its unretired async wgmmas' operand spans, oldest first
 
 
 _local = threading.local()
