@@ -9,7 +9,7 @@ stream is a warp of its own, asynchronous, for the two GEMMs after the add + nor
 -> add + norm -> gate_up + SiLU and down's partials -> add + norm -> qkv + RoPE + store, is timed three ways, as
 gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): today's Triton kernels, the Gluon
 kernel with the weights from launch ("prefetch"), and the same kernel waiting before its weights too ("wait": what
-the Gluon kernel itself costs). Outputs are checked against today's chain.
+the Gluon kernel itself costs). Outputs (gate_up's product, qkv's q) are checked against today's chain.
 
     python benchmarks/prefetch_probe.py --out $OUT/prefetch
 """
@@ -81,11 +81,11 @@ def chain(op: str, way: str, ring: tuple[int, int], d: dict) -> tuple:
 
     cfg, t = gemm_config(ROWS), d["t"]
     fn = consumer(op, way, ring)
-    norm = tg.add_rms_norm2_partials
     x0 = torch.randn_like(t["h"])
 
     def run(i):
-        _, x = norm(t["h"], tg.linear_partials(t["a"], d["prod"][i], d["splits"], cfg), t["wa"], t["wb"], EPS)
+        partials = tg.linear_partials(t["a"], d["prod"][i], d["splits"], cfg)
+        _, x = tg.add_rms_norm2_partials(t["h"], partials, t["wa"], t["wb"], EPS)
         return fn(x, d["cons"][i])
 
     return run, lambda i: fn(x0, d["cons"][i])

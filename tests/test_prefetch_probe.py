@@ -1,4 +1,4 @@
-"""benchmarks/prefetch_probe.py's CPU side: its refusals and its table (the kernels: test_prefetch_gemm_emulated.py;
+"""benchmarks/prefetch_probe.py's CPU side: its refusals and its table (the kernels: test_prefetch_kernels_emulated.py;
 the timings need a GPU)."""
 
 from __future__ import annotations
