@@ -61,13 +61,14 @@ def _load_weights(w_desc, ring, ready, empty, N, K: gl.constexpr, HALF: gl.const
 
 
 @gluon.jit
-def _load_rows(x_desc, xring, xready, xempty, K: gl.constexpr, X_STAGES: gl.constexpr, USE_PDL: gl.constexpr):
-    # the activation boxes once the kernel before (which wrote them) has finished; then the next kernel may launch
+def _load_rows(x_desc, xring, xready, xempty, k0, K: gl.constexpr, X_STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    # the activation boxes of K columns from k0 once the kernel before (which wrote them) has finished; then the next
+    # kernel may launch
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
     for kb in range(K // BK):
-        load_box(x_desc, 0, kb * BK, xring, xready, xempty, kb, X_STAGES)
+        load_box(x_desc, 0, k0 + kb * BK, xring, xready, xempty, kb, X_STAGES)
 
 
 @gluon.jit
@@ -157,7 +158,54 @@ def pair_gemm_kernel(w_desc, x_desc, out_ptr, pos_ptr, slot_ptr, inv_freq_ptr, k
         (_multiply, (ring, ready, empty, xring, xready, xempty, out_ptr, io, M, N, K, HALF, HQ, HKV, BN, KIND,
                      STAGES, X_STAGES, num_warps)),
         (_load_weights, (w_desc, ring, ready, empty, N, K, HALF, BN, KIND, STAGES, PREFETCH, USE_PDL)),
-        (_load_rows, (x_desc, xring, xready, xempty, K, X_STAGES, USE_PDL)),
+        (_load_rows, (x_desc, xring, xready, xempty, 0, K, X_STAGES, USE_PDL)),
+    ], [1, 1], [40, 40])
+
+
+@gluon.jit
+def _load_split_weights(w_desc, ring, ready, empty, KS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                        PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+    # the tile's boxes over its split's KS columns; from launch where PREFETCH
+    if USE_PDL and not PREFETCH:
+        _gdc_wait()
+    k0 = gl.program_id(1) * KS
+    for kb in range(KS // BK):
+        load_box(w_desc, gl.program_id(0) * BN, k0 + kb * BK, ring, ready, empty, kb, STAGES)
+
+
+@gluon.jit
+def _multiply_split(ring, ready, empty, xring, xready, xempty, out_ptr, M, N, KS: gl.constexpr, BN: gl.constexpr,
+                    STAGES: gl.constexpr, X_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # one accumulator over the split's K steps (asynchronous wgmma, one step in flight), stored as float32 partials
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, mma)
+    for kb in range(KS // BK):
+        xs = take(xring, xready, kb, X_STAGES)
+        acc = warpgroup_mma(xs, take(ring, ready, kb, STAGES).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        if kb > 0:
+            _release(empty, kb - 1, STAGES)
+            _release(xempty, kb - 1, X_STAGES)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    rn = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    out = out_ptr + (gl.program_id(1) * M + rm[:, None]).to(gl.int64) * N + rn[None, :]
+    gl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@gluon.jit(do_not_specialize=["M"])
+def partials_kernel(w_desc, x_desc, out_ptr, M, N, KS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                    X_STAGES: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+    """triton_gemm.linear_partials: program (n tile, split) writes out[split, :M, its BN columns] = x[:, its KS
+    columns] @ w[its columns, its KS columns].T in float32."""
+    ring, ready, empty = weight_ring(w_desc, STAGES)
+    xring, xready, xempty = weight_ring(x_desc, X_STAGES)
+    gl.warp_specialize([
+        (_multiply_split, (ring, ready, empty, xring, xready, xempty, out_ptr, M, N, KS, BN, STAGES, X_STAGES,
+                           num_warps)),
+        (_load_split_weights, (w_desc, ring, ready, empty, KS, BN, STAGES, PREFETCH, USE_PDL)),
+        (_load_rows, (x_desc, xring, xready, xempty, gl.program_id(1) * KS, KS, X_STAGES, USE_PDL)),
     ], [1, 1], [40, 40])
 
 
@@ -229,6 +277,30 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, rope: tuple, n_q_heads:
     grid, args, constexprs = qkv_launch(x, w_qkv, q, rope, n_q_heads, n_kv_heads, **tiles)
     pair_gemm_kernel[grid](*args, **constexprs)
     return q
+
+
+def partials_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int, bn: int = 64, stages: int = 4,
+                    x_stages: int = 4, prefetch: bool = True, use_pdl: bool = True) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs) of partials_kernel: out [splits, rows, N] float32, x [rows, K] @ w [N, K].T split
+    over K in `splits` equal ranges of whole K steps."""
+    k = x.shape[1]
+    if splits < 1 or k % (splits * BK.value):
+        raise ValueError(f"partials: K={k} must split into splits={splits} ranges of whole {BK.value}-column steps")
+    if stages < 2 or x_stages < 2:  # the consumer holds a K step's slots until the next step's land
+        raise ValueError(f"partials: stages and x_stages must be >= 2, got {stages}, {x_stages}")
+    _check(x, w, bn, 4, x_stages)
+    w_desc, x_desc = _descs(w, x, bn)
+    return (w.shape[0] // bn, splits), (w_desc, x_desc, out, x.shape[0], w.shape[0]), dict(
+        KS=k // splits, BN=bn, STAGES=stages, X_STAGES=x_stages, PREFETCH=prefetch, num_warps=4,
+        **_pdl(x.device, use_pdl))
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, **tiles) -> torch.Tensor:
+    """triton_gemm.linear_partials: float32 partial sums [splits, rows, N] of x @ w.T; tiles: partials_launch's."""
+    out = torch.empty(splits, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    grid, args, constexprs = partials_launch(x, w, out, splits, **tiles)
+    partials_kernel[grid](*args, **constexprs)
+    return out
 
 
 def _pdl(device: torch.device, use_pdl: bool) -> dict:

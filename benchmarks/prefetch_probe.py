@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
-RINGS = {"gate": ((8, 4), (6, 4), (4, 6)), "qkv": ((8, 4), (4, 4), (12, 4))}  # (weight boxes, activation boxes)
+# (weight boxes, activation boxes)
+RINGS = {"gate": ((8, 4), (6, 4), (4, 6)), "qkv": ((8, 4), (4, 4), (12, 4)), "down": ((4, 4), (8, 4), (10, 2))}
+HARNESS_WAYS = ("none", "down", "partials")  # --harness: which linear_partials calls the Gluon kernel takes
 WAYS = ("triton", "wait", "prefetch")
 
 
@@ -54,6 +56,10 @@ def consumer(op: str, way: str, ring: tuple[int, int]):
 
     cfg, rope = gemm_config(ROWS), _rope()
     tiles = {"stages": ring[0], "x_stages": ring[1], "prefetch": way != "wait"}
+    if op == "down":
+        if way == "triton":
+            return lambda x, w: tg.linear_partials(x, w, cfg.splits_down, cfg)
+        return lambda x, w: pk.linear_partials(x, w, cfg.splits_down, **tiles)
     if op == "gate":
         if way == "triton":
             return lambda x, w: tg.gate_up_silu(x, w, cfg)
@@ -69,19 +75,30 @@ def data(op: str) -> dict:
     from engine.gemm_dispatch import gemm_config
 
     cfg = gemm_config(ROWS)
+    if op == "down":  # gate_up -> down: the producer is gate_up's weights, the consumer down's
+        return {"t": _inputs(HIDDEN), "prod": weights(2 * INTER, HIDDEN), "cons": weights(HIDDEN, INTER)}
     k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
     cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
     return {"t": _inputs(k_in), "prod": weights(HIDDEN, k_in), "cons": cons, "splits": splits}
 
 
 def chain(op: str, way: str, ring: tuple[int, int], d: dict) -> tuple:
-    """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op."""
+    """(chain(i), consumer alone(i)) for weight copy i: partials -> add + norm -> the op (op "down": gate_up ->
+    down's partials -> add + norm, the GEMM after a GEMM)."""
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
 
     cfg, t = gemm_config(ROWS), d["t"]
     fn = consumer(op, way, ring)
     x0 = torch.randn_like(t["h"])
+    if op == "down":
+        m0 = torch.randn(ROWS, INTER, device="cuda", dtype=torch.bfloat16)
+
+        def after_gate_up(i):
+            parts = fn(tg.gate_up_silu(t["a"], d["prod"][i], cfg), d["cons"][i])
+            return tg.add_rms_norm2_partials(t["h"], parts, t["wa"], t["wb"], EPS)[1]
+
+        return after_gate_up, lambda i: fn(m0, d["cons"][i])
 
     def run(i):
         partials = tg.linear_partials(t["a"], d["prod"][i], d["splits"], cfg)
@@ -109,10 +126,32 @@ def case(op: str, ring: tuple[int, int], with_triton: bool) -> list[dict]:
     return rows
 
 
+def harness(way: str, ring: tuple[int, int], out: Path) -> list[dict]:
+    """The decode harness with the engine's 64-row linear_partials calls (way "down": down_proj's only; "partials":
+    o_proj's too; "none": neither) on prefetch_kernels.linear_partials, weights from launch."""
+    from benchmarks import prefetch_kernels as pk
+    from benchmarks import throughput
+    from engine import triton_gemm
+
+    original = triton_gemm.linear_partials
+
+    def patched(x, w, splits, cfg):
+        k = x.shape[1]
+        takes = way == "partials" or (way == "down" and k > w.shape[0])
+        if takes and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and k % (splits * 128) == 0:
+            return pk.linear_partials(x.contiguous(), w, splits, stages=ring[0], x_stages=ring[1])
+        return original(x, w, splits, cfg)
+
+    triton_gemm.linear_partials = patched
+    throughput.main(["--out", str(out), "--configs", "interval1", "--scenarios", "64x512x256"])
+    return []
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| chain | way | ring (weight boxes, activation boxes) | chain (us) | GEMM alone (us) | rel. err |",
              "|---|---|---|---|---|---|"]
-    names = {"gate": "o -> add + norm -> gate_up", "qkv": "down -> add + norm -> qkv"}
+    names = {"gate": "o -> add + norm -> gate_up", "qkv": "down -> add + norm -> qkv",
+             "down": "gate_up -> down -> add + norm"}
     for r in rows:
         ring = "-" if r["ring"] is None else "{}, {}".format(*r["ring"])
         wrong = "" if r["ok"] else " WRONG"
@@ -124,8 +163,13 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ops", default="gate,qkv", help="chains to time, comma-separated: gate, qkv")
+    ap.add_argument("--ops", default="gate,qkv,down", help="chains to time, comma-separated: gate, qkv, down")
+    ap.add_argument("--harness", choices=HARNESS_WAYS, help="instead: the decode harness at N = 64 (throughput.py, "
+                    "interval 1, 64x512x256) with this way's linear_partials calls on the Gluon kernel")
+    ap.add_argument("--ring", default="8,4", help="--harness: the Gluon partials' ring, weight boxes,activation boxes")
     args = ap.parse_args(argv)
+    if args.harness:
+        return harness(args.harness, tuple(int(v) for v in args.ring.split(",")), args.out)
     ops = args.ops.split(",")
     if not ops or not set(ops) <= set(RINGS):
         ap.error(f"--ops must be a comma list of {', '.join(RINGS)}; got {args.ops!r}")

@@ -70,10 +70,30 @@ def test_qkv_rope_store_against_float64(rows, hq, hkv, d, bd, prefetch):
     assert not k_plane[untouched].any() and not v_plane[untouched].any()  # only the rows' slots written
 
 
+@pytest.mark.parametrize("rows,n,k,splits,bn,stages,prefetch", [(64, 128, 1024, 4, 64, 4, True),
+                                                                (23, 64, 768, 2, 32, 2, False),
+                                                                (7, 192, 512, 1, 64, 3, True)])
+def test_linear_partials_sum_to_float64(rows, n, k, splits, bn, stages, prefetch):
+    g = torch.Generator().manual_seed(rows + n + splits)
+    x, w = bf(g, rows, k), bf(g, n, k, scale=k ** -0.5)
+    out = torch.full((splits, rows, n), float("nan"))
+    grid, args, constexprs = pk.partials_launch(x, w, out, splits, bn=bn, stages=stages, x_stages=2,
+                                                prefetch=prefetch)
+    emulator.emulate(pk.partials_kernel, grid, *args, seed=rows, **constexprs)
+    ks = k // splits
+    for s in range(splits):  # each split's partial is its own K range's product
+        want = x[:, s * ks:(s + 1) * ks].double() @ w[:, s * ks:(s + 1) * ks].double().T
+        assert rel(out[s], want) < 1e-5, s
+
+
 def test_bad_shapes_are_refused_with_the_field():
     x, w = torch.zeros(65, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows <= 64"):
         pk.gate_launch(x, w, torch.empty(65, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K=128 must split into splits=2"):
+        pk.partials_launch(x[:8], w, torch.empty(2, 8, 256), 2)
+    with pytest.raises(ValueError, match="stages and x_stages must be >= 2"):
+        pk.partials_launch(x[:8], w, torch.empty(1, 8, 256), 1, stages=1)
     for stages, x_stages in ((3, 2), (2, 2), (4, 1)):  # odd, one K step of boxes (a deadlock), one activation box
         with pytest.raises(ValueError, match="stages must be even and >= 4"):
             pk.gate_launch(x[:8], w, torch.empty(8, 128, dtype=torch.bfloat16), stages=stages, x_stages=x_stages)

@@ -10,10 +10,10 @@ from tests.benchmark_scripts import load_benchmark
 
 def test_the_probe_refuses_unknown_chains(capsys):
     probe = load_benchmark("prefetch_probe")
-    for ops in ("gate,down", "", "o"):
+    for ops in ("gate,up", "", "o"):
         with pytest.raises(SystemExit):
             probe.main(["--out", "/nonexistent", "--ops", ops])
-        assert "--ops must be a comma list of gate, qkv" in capsys.readouterr().err
+        assert "--ops must be a comma list of gate, qkv, down" in capsys.readouterr().err
 
 
 def test_the_table_has_a_row_per_way_and_marks_wrong_outputs():
