@@ -3,7 +3,9 @@ start before the PDL wait (Hopper): benchmarks/prefetch_probe.py's kernels. Meas
 docs/benchmarks.md): the weights from launch save ~0.5 us of the o -> add + norm -> gate_up chain against the same
 kernel waiting first, which put the Gluon gate_up 0.4 us ahead of triton_gemm's there (call 3) and level with it in the
 decode step (an engine switch built for the measurement, then taken out); the Gluon qkv is ~4 us slower than
-triton_gemm's in its chain either way. The engine keeps its Triton GEMMs.
+triton_gemm's in its chain either way; partials_kernel (linear_partials' split-K partials, after gate_up) saves
+0.5-1.4 us from launch but loses 3-4 us to triton_gemm's in its chain, and made the step slower. The engine keeps its
+Triton GEMMs.
 
 Today's Triton kernels (engine/triton_gemm.py) wait for the kernel before (griddepcontrol.wait) before their first
 load: Triton pipelines the weight and activation boxes together, so no weight box can be asked for earlier. Both

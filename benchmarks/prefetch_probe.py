@@ -1,5 +1,5 @@
-"""Do the 64-row gate_up and qkv GEMMs gain from loading weights before the PDL wait, where a loader warp of their own
-issues the TMA boxes from launch (benchmarks/prefetch_kernels.py)?
+"""Do the 64-row gate_up, qkv and split-K partials GEMMs gain from loading weights before the PDL wait, where a loader
+warp of their own issues the TMA boxes from launch (benchmarks/prefetch_kernels.py)?
 
 Each GEMM follows a small add + norm kernel (2.2-2.6 us a launch on the H200, ~2 MB read) during which HBM idles
 while the GEMM's programs sit resident at griddepcontrol.wait. Sessions 9 and 30 loaded weights before the wait from
@@ -9,9 +9,13 @@ stream is a warp of its own, asynchronous, for the two GEMMs after the add + nor
 -> add + norm -> gate_up + SiLU and down's partials -> add + norm -> qkv + RoPE + store, is timed three ways, as
 gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): today's Triton kernels, the Gluon
 kernel with the weights from launch ("prefetch"), and the same kernel waiting before its weights too ("wait": what
-the Gluon kernel itself costs). Outputs (gate_up's product, qkv's q) are checked against today's chain.
+the Gluon kernel itself costs). Outputs (gate_up's product, qkv's q) are checked against today's chain. "down" times
+gate_up -> down's split-K partials -> add + norm (the GEMM after a GEMM, checked on the add + norm's output), and
+`--harness WAY` runs the decode harness with the engine's 64-row linear_partials calls on the Gluon kernel (WAY: none,
+down, or partials: o's too). Measured on H100s (session 36, docs/benchmarks.md): no gain in the step from any of them.
 
     python benchmarks/prefetch_probe.py --out $OUT/prefetch
+    python benchmarks/prefetch_probe.py --harness down --ring 8,4 --out $OUT/harness_down
 """
 
 from __future__ import annotations

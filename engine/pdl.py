@@ -25,7 +25,8 @@ add + norm and combine kernels asking L2, before their wait, for the next GEMM's
 o_proj's and down_proj's programs launch ~13 us before the kernel before ends, their first 1-4 weight boxes through
 TMA before the wait tied for o_proj and cost ~1% of the step for down_proj (session 30, on an H100); gate_up's whole
 weight ring loaded from launch by a loader warp of its own (a Gluon kernel, benchmarks/prefetch_probe.py) took
-~0.5 us off its add + norm chain and nothing off the N = 64 step (session 36, H100). And a PDL
+~0.5 us off its add + norm chain and nothing off the N = 64 step, and down_proj's partials so loaded made it slower
+(session 36, H100). And a PDL
 boundary is cheaper than the alternative sessions 9-11 pointed to, a persistent kernel with grid barriers:
 benchmarks/phase_probe.py measured 3.7 against 6.3 us per phase above the bytes at 8 rows, a tie at 64 (session 12).
 """

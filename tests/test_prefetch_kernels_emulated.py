@@ -122,3 +122,20 @@ def test_compiled_for_sm90_the_weight_loader_skips_the_wait_and_the_rings_fit(ki
     assert got[1]["gdc_wait"] == 1 and got[0]["gdc_wait"] == 2
     assert got[1]["wgmma"] == got[0]["wgmma"] > 0 and got[1]["tma_loads"] >= 2
     assert got[1]["shared"] <= (227 if kind == 0 else 113) * 1024
+
+
+def test_compiled_for_sm90_the_partials_weight_loader_skips_the_wait():
+    # down_proj's launch at Ouro-1.4B's shape (K 5,632 in 4 splits of 11 steps): one griddepcontrol.wait with the
+    # weights from launch, two without; one CTA an SM
+    from triton.experimental.gluon import language as gl
+
+    ws_chain = load_benchmark("ws_chain")
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    box = f"tensordesc<bf16[64, 128],{layout!r}>"
+    signature = {"w_desc": box, "x_desc": box, "out_ptr": "*fp32", "M": "i32", "N": "i32"}
+    got = {prefetch: ws_chain.compile_sm90(pk.partials_kernel, signature,
+                                           {"KS": 1408, "BN": 64, "STAGES": 8, "X_STAGES": 4, "PREFETCH": prefetch,
+                                            "USE_PDL": 1, "num_warps": 4}, ("out_ptr",))
+           for prefetch in (1, 0)}
+    assert got[1]["gdc_wait"] == 1 and got[0]["gdc_wait"] == 2 and got[1]["wgmma"] > 0
+    assert got[1]["shared"] <= 227 * 1024
