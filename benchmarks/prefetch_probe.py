@@ -172,8 +172,11 @@ def main(argv=None) -> list[dict]:
                     "interval 1, 64x512x256) with this way's linear_partials calls on the Gluon kernel")
     ap.add_argument("--ring", default="8,4", help="--harness: the Gluon partials' ring, weight boxes,activation boxes")
     args = ap.parse_args(argv)
+    ring = args.ring.split(",")
+    if len(ring) != 2 or not all(v.strip().isdigit() and int(v) >= 2 for v in ring):
+        ap.error(f"--ring must be two counts >= 2, weight boxes,activation boxes; got {args.ring!r}")
     if args.harness:
-        return harness(args.harness, tuple(int(v) for v in args.ring.split(",")), args.out)
+        return harness(args.harness, (int(ring[0]), int(ring[1])), args.out)
     ops = args.ops.split(",")
     if not ops or not set(ops) <= set(RINGS):
         ap.error(f"--ops must be a comma list of {', '.join(RINGS)}; got {args.ops!r}")

@@ -16,6 +16,17 @@ def test_the_probe_refuses_unknown_chains(capsys):
         assert "--ops must be a comma list of gate, qkv, down" in capsys.readouterr().err
 
 
+def test_the_harness_refuses_a_ring_it_cannot_run_and_an_unknown_way(capsys):
+    probe = load_benchmark("prefetch_probe")
+    for ring in ("8", "8,1", "8,x", "4,4,4"):
+        with pytest.raises(SystemExit):
+            probe.main(["--out", "/nonexistent", "--harness", "down", "--ring", ring])
+        assert "--ring must be two counts >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main(["--out", "/nonexistent", "--harness", "qkv"])
+    assert "invalid choice: 'qkv'" in capsys.readouterr().err
+
+
 def test_the_table_has_a_row_per_way_and_marks_wrong_outputs():
     probe = load_benchmark("prefetch_probe")
     rows = [{"op": "gate", "way": "triton", "ring": None, "err": 0.0, "ok": True, "chain_us": 27.7, "alone_us": 20.1},
