@@ -116,7 +116,7 @@ def normed_qkv(p: dict, w_branch, w_next, w_qkv, positions, slots, inv_freq, k_p
     return q, h_out
 
 
-def _inputs(k_in: int, seed: int = 0) -> dict:
+def inputs(k_in: int, seed: int = 0) -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     return {"a": torch.randn(ROWS, k_in, generator=g, **bf), "h": torch.randn(ROWS, HIDDEN, generator=g, **bf),
@@ -124,7 +124,7 @@ def _inputs(k_in: int, seed: int = 0) -> dict:
             "wb": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf)}
 
 
-def _rope_args() -> dict:
+def rope_args() -> dict:
     dev = "cuda"
     return {"positions": torch.arange(ROWS, dtype=torch.int32, device=dev) + 600,
             "slots": torch.arange(ROWS, dtype=torch.int32, device=dev),
@@ -146,9 +146,9 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
 
     cfg = gemm_config(ROWS)
     k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
-    t, prod = _inputs(k_in), weights(HIDDEN, k_in)
+    t, prod = inputs(k_in), weights(HIDDEN, k_in)
     cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
-    rope = _rope_args()
+    rope = rope_args()
 
     def consume_today(x, i):
         if op == "gate":

@@ -220,7 +220,7 @@ def _descs(w: torch.Tensor, x: torch.Tensor, bn: int):
             TensorDescriptor.from_tensor(x, [BM.value, BK.value], x_layout))
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_stages: int) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int) -> None:
     rows, k = x.shape
     bm, bk = BM.value, BK.value
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -228,6 +228,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_
     if not 1 <= rows <= bm or k % bk or w.shape[1] != k or w.shape[0] % rows_per_tile:
         raise ValueError(f"pair GEMM: x [rows <= {bm}, K % {bk} == 0] and w [n % {rows_per_tile} == 0, K], got "
                          f"{list(x.shape)} and {list(w.shape)}")
+
+
+def _check_pair_rings(stages: int, x_stages: int) -> None:
     if stages < 4 or stages % 2 or x_stages < 2:  # the consumer holds a K step's slots until the next step's land
         raise ValueError(f"pair GEMM: stages must be even and >= 4 (two K steps of a and b boxes), x_stages >= 2; got "
                          f"{stages}, {x_stages}")
@@ -236,7 +239,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, rows_per_tile: int, stages: int, x_
 def gate_launch(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, bn: int = 64, stages: int = 8,
                 x_stages: int = 4, prefetch: bool = True, use_pdl: bool = True) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs) of pair_gemm_kernel for gate_up + SiLU into out [rows, I]."""
-    _check(x, w_gate_up, 2 * bn, stages, x_stages)
+    _check(x, w_gate_up, 2 * bn)
+    _check_pair_rings(stages, x_stages)
     n = w_gate_up.shape[0] // 2
     w_desc, x_desc = _descs(w_gate_up, x, bn)
     args = (w_desc, x_desc, out, out, out, out, out, out, 0, 0, x.shape[0], n)
@@ -263,7 +267,8 @@ def qkv_launch(x: torch.Tensor, w_qkv: torch.Tensor, q: torch.Tensor, rope: tupl
     half = head_dim // 2
     if head_dim % 2 or half % bd:
         raise ValueError(f"qkv_rope_store: head_dim={head_dim} must be even, its half a multiple of bd={bd}")
-    _check(x, w_qkv, bd, stages, x_stages)
+    _check(x, w_qkv, bd)
+    _check_pair_rings(stages, x_stages)
     w_desc, x_desc = _descs(w_qkv, x, bd)
     args = (w_desc, x_desc, q, positions, slots, inv_freq, k_plane, v_plane, k_plane.stride(0), k_plane.stride(1),
             x.shape[0], w_qkv.shape[0])
@@ -290,7 +295,7 @@ def partials_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits:
         raise ValueError(f"partials: K={k} must split into splits={splits} ranges of whole {BK.value}-column steps")
     if stages < 2 or x_stages < 2:  # the consumer holds a K step's slots until the next step's land
         raise ValueError(f"partials: stages and x_stages must be >= 2, got {stages}, {x_stages}")
-    _check(x, w, bn, 4, x_stages)
+    _check(x, w, bn)
     w_desc, x_desc = _descs(w, x, bn)
     return (w.shape[0] // bn, splits), (w_desc, x_desc, out, x.shape[0], w.shape[0]), dict(
         KS=k // splits, BN=bn, STAGES=stages, X_STAGES=x_stages, PREFETCH=prefetch, num_warps=4,

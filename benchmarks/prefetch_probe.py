@@ -29,27 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
+from benchmarks.norm_chain_probe import EPS, HEAD_DIM, HEADS, HIDDEN, INTER, ROWS, inputs, rope_args  # noqa: E402
+
 # (weight boxes, activation boxes)
 RINGS = {"gate": ((8, 4), (6, 4), (4, 6)), "qkv": ((8, 4), (4, 4), (12, 4)), "down": ((4, 4), (8, 4), (10, 2))}
 HARNESS_WAYS = ("none", "down", "partials")  # --harness: which linear_partials calls the Gluon kernel takes
 WAYS = ("triton", "wait", "prefetch")
-
-
-def _inputs(k_in: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = {"device": "cuda", "dtype": torch.bfloat16}
-    return {"a": torch.randn(ROWS, k_in, generator=g, **bf), "h": torch.randn(ROWS, HIDDEN, generator=g, **bf),
-            "wa": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf),
-            "wb": 1 + 0.1 * torch.randn(HIDDEN, generator=g, **bf)}
-
-
-def _rope() -> tuple:
-    dev = "cuda"
-    return (torch.arange(ROWS, dtype=torch.int32, device=dev) + 600, torch.arange(ROWS, dtype=torch.int32, device=dev),
-            1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32, device=dev) / HEAD_DIM),
-            torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
-            torch.zeros(ROWS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev))
 
 
 def consumer(op: str, way: str, ring: tuple[int, int]):
@@ -58,7 +43,7 @@ def consumer(op: str, way: str, ring: tuple[int, int]):
     from engine import triton_gemm as tg
     from engine.gemm_dispatch import gemm_config
 
-    cfg, rope = gemm_config(ROWS), _rope()
+    cfg, rope = gemm_config(ROWS), tuple(rope_args().values())
     tiles = {"stages": ring[0], "x_stages": ring[1], "prefetch": way != "wait"}
     if op == "down":
         if way == "triton":
@@ -78,12 +63,12 @@ def data(op: str) -> dict:
     from benchmarks.gemm_sweep import weights
     from engine.gemm_dispatch import gemm_config
 
-    cfg = gemm_config(ROWS)
     if op == "down":  # gate_up -> down: the producer is gate_up's weights, the consumer down's
-        return {"t": _inputs(HIDDEN), "prod": weights(2 * INTER, HIDDEN), "cons": weights(HIDDEN, INTER)}
+        return {"t": inputs(HIDDEN), "prod": weights(2 * INTER, HIDDEN), "cons": weights(HIDDEN, INTER)}
+    cfg = gemm_config(ROWS)
     k_in, splits = (HIDDEN, cfg.splits_o) if op == "gate" else (INTER, cfg.splits_down)
     cons = weights(2 * INTER, HIDDEN) if op == "gate" else weights(3 * HEADS * HEAD_DIM, HIDDEN)
-    return {"t": _inputs(k_in), "prod": weights(HIDDEN, k_in), "cons": cons, "splits": splits}
+    return {"t": inputs(k_in), "prod": weights(HIDDEN, k_in), "cons": cons, "splits": splits}
 
 
 def chain(op: str, way: str, ring: tuple[int, int], d: dict) -> tuple:
