@@ -208,12 +208,18 @@ def _tma_args(x: torch.Tensor, w: torch.Tensor, block_m: int, block_rows: int, b
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]), w_desc, 2
 
 
-def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig) -> torch.Tensor:
-    """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0)."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConfig,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [rows, K], w: [N, K] -> fp32 partial sums [splits, rows, N] of x @ w.T (sum over dim 0), into `out` where
+    given (contiguous, that shape: a slice of a larger partials buffer another call fills the rest of)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, K = x.shape
     N = w.shape[0]
-    out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
+    elif out.shape != (splits, rows, N) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"linear_partials: out must be a contiguous float32 [{splits}, {rows}, {N}] tensor, got "
+                         f"{out.dtype} {list(out.shape)}")
     if rows:
         k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
         bm = gemm_block_m(rows)
