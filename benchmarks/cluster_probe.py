@@ -1,0 +1,214 @@
+"""Can the project's Triton sum split-K partials on the chip, through thread-block clusters and distributed shared memory?
+
+Sessions 27 and 36 (docs/benchmarks.md) left the N = 64 floor row needing a layer with fewer dependent boundaries, whose
+split-K partials would be summed between the CTAs of a cluster instead of through L2. This probe answers what the
+installed Triton can express, for sm90, without a GPU:
+    gluon_reduce    a Gluon tensor split over the 2 CTAs of a cluster (cga_layout), summed over that axis (gl.sum)
+    gluon_convert   the same tensor converted to a layout both CTAs hold (gl.convert_layout: an all-gather)
+    ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
+                    memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
+Each compiles in a child process (Triton 3.6 aborts on some), and reports whether it compiled and its PTX's
+distributed-shared-memory instructions. On a GPU (`--gpu`), ptx_exchange runs over a grid of clusters, checked
+against torch, and a variant swapping ROUNDS times in a loop gives one round's cost (st.shared, two cluster barriers,
+the peer's load), beside the same swap through global memory (L2: the split-K partials' path today). Written against Triton 3.6.0 (the H200 image's).
+
+    python benchmarks/cluster_probe.py --out DIR [--gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONSTRUCTS = ("gluon_reduce", "gluon_convert", "ptx_exchange")
+PTX_COUNTS = {"shared_cluster": "shared::cluster", "mapa": "mapa", "cluster_barrier": "barrier.cluster",
+              "cluster_launch": ".reqnctapercluster"}
+N = 128  # floats a CTA swaps
+ROUNDS = 1024
+
+
+def kernels():
+    """The probe's Gluon kernels (Triton imported here: the module loads without it)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def reduce_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr):
+        r = gl.arange(0, 2, layout=gl.SliceLayout(1, L))
+        c = gl.arange(0, N, layout=gl.SliceLayout(0, L))
+        gl.store(y_ptr + c, gl.sum(gl.load(x_ptr + r[:, None] * N + c[None, :]), axis=0))
+
+    @gluon.jit
+    def convert_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr, M: gl.constexpr):
+        x = gl.convert_layout(gl.load(x_ptr + gl.arange(0, N, layout=L)), M)
+        gl.store(y_ptr + gl.arange(0, N, layout=M), x + 1.0)
+
+    @gluon.jit
+    def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
+                        VIA_L2: gl.constexpr):
+        buf = gl.allocate_shared_memory(gl.float32, [N], S)  # reserves global_smem[0, 4 N): the only allocation
+        c = gl.arange(0, N, layout=L)
+        buf.store(gl.zeros([N], gl.float32, L))
+        gl.thread_barrier()
+        rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [c], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
+        x = gl.load(x_ptr + base + c)
+        acc = x
+        for _ in range(ROUNDS):
+            if VIA_L2:  # the control: the same swap through y's rows in L2 (.cg: not from L1)
+                gl.inline_asm_elementwise("st.global.cg.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
+                                          [(y_ptr + base + c).to(gl.int64), x], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+            else:
+                gl.inline_asm_elementwise("{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
+                                          "st.shared.f32 [a], $2; mov.u32 $0, 0; }", "=r,r,f", [c, x],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+                                      " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
+            if VIA_L2:
+                peer = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l",
+                                                 [(y_ptr + peer_base + c).to(gl.int64)], dtype=gl.float32,
+                                                 is_pure=False, pack=1)
+            else:
+                peer = gl.inline_asm_elementwise("{ .reg .u32 a, r, p; mov.u32 a, global_smem; "
+                                                 "mad.lo.u32 a, $1, 4, a; xor.b32 p, $2, 1; "
+                                                 "mapa.shared::cluster.u32 r, a, p; ld.shared::cluster.f32 $0, [r]; }",
+                                                 "=f,r,r", [c, rank], dtype=gl.float32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+                                      " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
+            acc = acc + 2.0 * peer
+        # Triton's own store would be CTA 0's only: the layout says both CTAs hold the same values
+        gl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
+                                  [(y_ptr + base + c).to(gl.int64), acc], dtype=gl.int32, is_pure=False, pack=1)
+
+    return {"gluon_reduce": reduce_kernel, "gluon_convert": convert_kernel, "ptx_exchange": exchange_kernel}
+
+
+def constexprs(name: str, rounds: int = 1, via_l2: bool = False) -> dict:
+    from triton.experimental.gluon import language as gl
+
+    both, split = [[0]], [[1]]  # CTA 1 holds what CTA 0 does / the next tile
+    if name == "gluon_reduce":
+        return {"N": N, "L": gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0], cga_layout=[[1, 0]])}
+    if name == "gluon_convert":
+        return {"N": 2 * N, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=split),
+                "M": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both)}
+    return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
+            "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA_L2": via_l2}
+
+
+def compile_one(name: str) -> dict:
+    """Compile one construct for sm90 (2 CTAs a cluster) in this process: whether it compiled, its PTX's counts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cx = constexprs(name)
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", **{k: "constexpr" for k in cx}}
+    try:
+        compiled = triton.compile(GluonASTSource(kernels()[name], signature, cx, {}), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_ctas": 2})
+    except Exception as e:  # the compiler's refusal is the answer
+        return {"compiles": False, "error": f"{type(e).__name__}: {e}"[-400:]}
+    ptx = compiled.asm["ptx"]
+    return {"compiles": True, **{k: ptx.count(v) for k, v in PTX_COUNTS.items()}}
+
+
+def compile_report() -> dict:
+    """Every construct compiled in its own child process (an abort there is reported, not fatal)."""
+    import triton
+
+    report = {"triton": triton.__version__, "constructs": {}}
+    for name in CONSTRUCTS:
+        code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import cluster_probe as p; " \
+               f"print('RESULT' + json.dumps(p.compile_one({name!r})))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+        # the compiler's own words go to stderr (an assertion, an MLIR verifier error): its first such line
+        cause = next((ln.strip()[:300] for ln in done.stderr.splitlines()
+                      if "Assertion" in ln or "error:" in ln or "LLVM ERROR" in ln), "")
+        result = json.loads(lines[-1][6:]) if lines else \
+            {"compiles": False, "error": f"the compiler's process ended with {done.returncode}"}
+        if not result["compiles"] and cause:
+            result["cause"] = cause
+        report["constructs"][name] = result
+    return report
+
+
+def run_exchange(clusters: int, rounds: int, via_l2: bool = False) -> dict:
+    """ptx_exchange on the GPU (through the peer's shared memory, or via_l2: through global memory): every value
+    against torch's, and ms for the launch (CUDA events, after a warm-up)."""
+    import torch
+
+    kernel = kernels()["ptx_exchange"]
+    g = torch.Generator(device="cuda").manual_seed(rounds)
+    x = torch.randn(clusters * 2 * N, device="cuda", generator=g)
+    y = torch.full_like(x, float("nan"))
+
+    def launch():
+        kernel[(clusters,)](x, y, **constexprs("ptx_exchange", rounds, via_l2), num_warps=4, num_ctas=2)
+
+    launch()
+    torch.cuda.synchronize()
+    v = x.view(clusters, 2, N)
+    ref, got = v + 2.0 * rounds * v.flip(1), y.view(clusters, 2, N)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        launch()
+    end.record()
+    torch.cuda.synchronize()
+    return {"clusters": clusters, "rounds": rounds, "via": "l2" if via_l2 else "dsmem", "equal": bool(torch.equal(got, ref)),
+            "unwritten": int(torch.isnan(got).sum()), "ms": start.elapsed_time(end) / 10}
+
+
+def gpu_report() -> dict:
+    import torch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [run_exchange(c, r, v) for v in (False, True) for c, r in ((4 * sms, 1), (sms // 2, 1), (sms // 2, ROUNDS))]
+    per_round = {v: (runs[i + 2]["ms"] - runs[i + 1]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in ((0, "dsmem"), (3, "l2"))}
+    return {"device": torch.cuda.get_device_name(0), "runs": runs, "us_per_round": per_round}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"| construct (Triton {report['triton']}, sm90, 2 CTAs a cluster) | compiles | "
+             "shared::cluster / mapa / barrier.cluster | error |", "|---|---|---|---|"]
+    for name, r in report["constructs"].items():
+        counts = " / ".join(str(r.get(k, "-")) for k in ("shared_cluster", "mapa", "cluster_barrier"))
+        why = f"{r.get('error', '')} ({r['cause']})" if r.get("cause") else r.get("error", "")
+        lines.append(f"| {name} | {r['compiles']} | {counts} | {why[:300]} |")
+    gpu = report.get("gpu")
+    if gpu:
+        lines += ["", f"| ptx_exchange on {gpu['device']}: via, clusters x rounds | equal to torch | unwritten | ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['via']}, {r['clusters']} x {r['rounds']} | {r['equal']} | {r['unwritten']} | {r['ms']:.4f} |"
+                  for r in gpu["runs"]]
+        per = gpu["us_per_round"]
+        lines.append(f"\none round (a store, two cluster barriers, the peer's load): {per['dsmem']:.3f} us through "
+                     f"the peer's shared memory, {per['l2']:.3f} us through L2")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gpu", action="store_true", help="also run ptx_exchange on the GPU")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = compile_report()
+    if args.gpu:
+        report["gpu"] = gpu_report()
+    (out / "cluster_probe.json").write_text(json.dumps(report, indent=1))
+    (out / "cluster_probe.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

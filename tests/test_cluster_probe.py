@@ -1,0 +1,44 @@
+"""benchmarks/cluster_probe.py: its table (always), and where Triton is importable, the constructs compiled for sm90 as
+the probe reports them (the exchange through inline PTX must compile with its distributed-shared-memory instructions;
+the GPU run checks its values)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+
+
+def test_the_table_names_each_construct_its_cause_and_the_gpu_runs():
+    probe = load_benchmark("cluster_probe")
+    report = {"triton": "3.6.0", "constructs": {
+        "gluon_reduce": {"compiles": False, "error": "RuntimeError: PassManager::run failed",
+                         "cause": "Assertion `helper.isReduceWithinCTA()`"},
+        "ptx_exchange": {"compiles": True, "shared_cluster": 2, "mapa": 1, "cluster_barrier": 4}},
+        "gpu": {"device": "H100", "us_per_round": {"dsmem": 0.5123, "l2": 1.25},
+                "runs": [{"via": "dsmem", "clusters": 66, "rounds": 1, "equal": True, "unwritten": 0, "ms": 0.0101}]}}
+    lines = probe.markdown(report).splitlines()
+    assert lines[0].startswith("| construct (Triton 3.6.0, sm90, 2 CTAs a cluster) |")
+    assert lines[2] == ("| gluon_reduce | False | - / - / - | RuntimeError: PassManager::run failed "
+                        "(Assertion `helper.isReduceWithinCTA()`) |")
+    assert lines[3] == "| ptx_exchange | True | 2 / 1 / 4 |  |"
+    assert "| dsmem, 66 x 1 | True | 0 | 0.0101 |" in lines
+    assert lines[-1] == ("one round (a store, two cluster barriers, the peer's load): 0.512 us through the peer's shared "
+                         "memory, 1.250 us through L2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
+def test_the_inline_ptx_exchange_compiles_with_cluster_instructions():
+    probe = load_benchmark("cluster_probe")
+    report = probe.compile_report()
+    assert set(report["constructs"]) == set(probe.CONSTRUCTS)
+    exchange = report["constructs"]["ptx_exchange"]
+    if report["triton"].startswith("3.6"):
+        assert exchange["compiles"], exchange
+        assert exchange["mapa"] == 1 and exchange["shared_cluster"] >= 2 and exchange["cluster_barrier"] == 4
+        assert exchange["cluster_launch"] == 1
+        # Triton 3.6's own cross-CTA reduction and conversion do not lower (docs/benchmarks.md, session 37)
+        assert not report["constructs"]["gluon_reduce"]["compiles"]
+        assert not report["constructs"]["gluon_convert"]["compiles"]
