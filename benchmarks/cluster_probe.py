@@ -7,10 +7,13 @@ installed Triton can express, for sm90, without a GPU:
     gluon_convert   the same tensor converted to a layout both CTAs hold (gl.convert_layout: an all-gather)
     ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
                     memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
+    ptx_pingpong    one-way handoffs between the 2 CTAs, a flag per thread (pingpong_kernel), through the receiver's
+                    shared memory or through L2
 Each compiles in a child process (Triton 3.6 aborts on some), and reports whether it compiled and its PTX's
 distributed-shared-memory instructions. On a GPU (`--gpu`), ptx_exchange runs over a grid of clusters, checked
 against torch, and a variant swapping ROUNDS times in a loop gives one round's cost (st.shared, two cluster barriers,
-the peer's load), beside the same swap through global memory (L2: the split-K partials' path today). Written against Triton 3.6.0 (the H200 image's).
+the peer's load), beside the same swap through global memory (L2: the split-K partials' path today) and the
+barriers alone; ptx_pingpong's ROUNDS handoffs give one handoff's latency each way. Written against Triton 3.6.0 (the H200 image's).
 
     python benchmarks/cluster_probe.py --out DIR [--gpu]
 """
@@ -23,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONSTRUCTS = ("gluon_reduce", "gluon_convert", "ptx_exchange")
+CONSTRUCTS = ("gluon_reduce", "gluon_convert", "ptx_exchange", "ptx_pingpong")
 PTX_COUNTS = {"shared_cluster": "shared::cluster", "mapa": "mapa", "cluster_barrier": "barrier.cluster",
               "cluster_launch": ".reqnctapercluster"}
 N = 128  # floats a CTA swaps
@@ -48,7 +51,7 @@ def kernels():
 
     @gluon.jit
     def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
-                        VIA_L2: gl.constexpr):
+                        VIA: gl.constexpr):
         buf = gl.allocate_shared_memory(gl.float32, [N], S)  # reserves global_smem[0, 4 N): the only allocation
         c = gl.arange(0, N, layout=L)
         buf.store(gl.zeros([N], gl.float32, L))
@@ -59,20 +62,22 @@ def kernels():
         x = gl.load(x_ptr + base + c)
         acc = x
         for _ in range(ROUNDS):
-            if VIA_L2:  # the control: the same swap through y's rows in L2 (.cg: not from L1)
+            if VIA == 1:  # the control: the same swap through y's rows in L2 (.cg: not from L1)
                 gl.inline_asm_elementwise("st.global.cg.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
                                           [(y_ptr + base + c).to(gl.int64), x], dtype=gl.int32, is_pure=False,
                                           pack=1)
-            else:
+            elif VIA == 0:
                 gl.inline_asm_elementwise("{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
                                           "st.shared.f32 [a], $2; mov.u32 $0, 0; }", "=r,r,f", [c, x],
                                           dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
                                       " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
-            if VIA_L2:
+            if VIA == 1:
                 peer = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l",
                                                  [(y_ptr + peer_base + c).to(gl.int64)], dtype=gl.float32,
                                                  is_pure=False, pack=1)
+            elif VIA == 2:  # the barriers alone: no swap, its own value
+                peer = x
             else:
                 peer = gl.inline_asm_elementwise("{ .reg .u32 a, r, p; mov.u32 a, global_smem; "
                                                  "mad.lo.u32 a, $1, 4, a; xor.b32 p, $2, 1; "
@@ -85,10 +90,72 @@ def kernels():
         gl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
                                   [(y_ptr + base + c).to(gl.int64), acc], dtype=gl.int32, is_pure=False, pack=1)
 
-    return {"gluon_reduce": reduce_kernel, "gluon_convert": convert_kernel, "ptx_exchange": exchange_kernel}
+    return {"gluon_reduce": reduce_kernel, "gluon_convert": convert_kernel, "ptx_exchange": exchange_kernel,
+            "ptx_pingpong": pingpong_kernel()}
 
 
-def constexprs(name: str, rounds: int = 1, via_l2: bool = False) -> dict:
+def pingpong_kernel():
+    """A one-way handoff a round between the 2 CTAs of a cluster, each thread its own flag: in round k the CTA of
+    rank k % 2 sends its value (a store, then a release store of k + 1 into the flag), the other spins on its flag
+    (acquire loads) and takes the value + 1. VIA 0: data and flags in the receiver's shared memory (mapa +
+    st.shared::cluster); 1: in global memory (x's second and third rows: what split-K partials and a flag cost in L2).
+    x holds three rows of clusters x 2 x N words: the values, the data slots, the flags (zero before a launch)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
+               VIA: gl.constexpr):
+        buf = gl.allocate_shared_memory(gl.float32, [2 * N], S)  # data words, then flag words (global_smem[0, 8 N))
+        c = gl.arange(0, N, layout=L)
+        buf.store(gl.zeros([2 * N], gl.float32, gl.BlockedLayout([2], [32], [4], [0], cga_layout=[[0]])))
+        gl.thread_barrier()
+        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+                                  " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
+        rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [c], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        words = gl.num_programs(0) * 2 * N
+        base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
+        val = gl.load(x_ptr + base + c)
+        for k in range(ROUNDS):
+            sender = (rank == (k % 2)).to(gl.int32)
+            if VIA == 0:
+                gl.inline_asm_elementwise(
+                    "{ .reg .pred s; .reg .u32 a, r; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; "
+                    "mad.lo.u32 a, $1, 4, a; mapa.shared::cluster.u32 r, a, $4; @s st.shared::cluster.f32 [r], $2; "
+                    "add.u32 r, r, 512; @s st.release.cluster.shared::cluster.u32 [r], $5; mov.u32 $0, 0; }",
+                    "=r,r,f,r,r,r", [c, val, sender, rank ^ 1, c * 0 + k + 1], dtype=gl.int32, is_pure=False, pack=1)
+                val = gl.inline_asm_elementwise(
+                    "{ .reg .pred s, d; .reg .u32 a, v; setp.eq.u32 s, $2, 0; mov.u32 a, global_smem; "
+                    "mad.lo.u32 a, $1, 4, a; mov.f32 $0, $4; @!s bra DONE${:uid}; WAIT${:uid}: "
+                    "ld.acquire.cluster.shared::cta.u32 v, [a+512]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; "
+                    "ld.shared::cta.f32 $0, [a]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }",
+                    "=f,r,r,r,f", [c, sender, c * 0 + k + 1, val], dtype=gl.float32, is_pure=False, pack=1)
+            else:
+                gl.inline_asm_elementwise(
+                    "{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; "
+                    "@s st.release.gpu.global.u32 [$4], $5; mov.u32 $0, 0; }", "=r,l,f,r,l,r",
+                    [(x_ptr + words + peer_base + c).to(gl.int64), val, sender,
+                     (x_ptr + 2 * words + peer_base + c).to(gl.int64), c * 0 + k + 1],
+                    dtype=gl.int32, is_pure=False, pack=1)
+                val = gl.inline_asm_elementwise(
+                    "{ .reg .pred s, d; .reg .u32 v; setp.eq.u32 s, $2, 0; mov.f32 $0, $5; @!s bra DONE${:uid}; "
+                    "WAIT${:uid}: ld.acquire.gpu.global.u32 v, [$4]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; "
+                    "ld.global.cg.f32 $0, [$1]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }", "=f,l,r,r,l,f",
+                    [(x_ptr + words + base + c).to(gl.int64), sender, c * 0 + k + 1,
+                     (x_ptr + 2 * words + base + c).to(gl.int64), val], dtype=gl.float32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+                                  " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
+                                  [(y_ptr + base + c).to(gl.int64), val], dtype=gl.int32, is_pure=False, pack=1)
+
+    return kernel
+
+
+VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
+
+
+def constexprs(name: str, rounds: int = 1, via: str = "dsmem") -> dict:
     from triton.experimental.gluon import language as gl
 
     both, split = [[0]], [[1]]  # CTA 1 holds what CTA 0 does / the next tile
@@ -97,8 +164,11 @@ def constexprs(name: str, rounds: int = 1, via_l2: bool = False) -> dict:
     if name == "gluon_convert":
         return {"N": 2 * N, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=split),
                 "M": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both)}
+    if name == "ptx_pingpong":
+        return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
+                "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": VIAS.index(via)}
     return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
-            "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA_L2": via_l2}
+            "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": VIAS.index(via)}
 
 
 def compile_one(name: str) -> dict:
@@ -139,9 +209,9 @@ def compile_report() -> dict:
     return report
 
 
-def run_exchange(clusters: int, rounds: int, via_l2: bool = False) -> dict:
-    """ptx_exchange on the GPU (through the peer's shared memory, or via_l2: through global memory): every value
-    against torch's, and ms for the launch (CUDA events, after a warm-up)."""
+def run_exchange(clusters: int, rounds: int, via: str = "dsmem") -> dict:
+    """ptx_exchange on the GPU, `via` one of VIAS: every value against torch's, and ms for the launch (CUDA events,
+    after a warm-up)."""
     import torch
 
     kernel = kernels()["ptx_exchange"]
@@ -150,29 +220,67 @@ def run_exchange(clusters: int, rounds: int, via_l2: bool = False) -> dict:
     y = torch.full_like(x, float("nan"))
 
     def launch():
-        kernel[(clusters,)](x, y, **constexprs("ptx_exchange", rounds, via_l2), num_warps=4, num_ctas=2)
+        kernel[(clusters,)](x, y, **constexprs("ptx_exchange", rounds, via), num_warps=4, num_ctas=2)
 
     launch()
     torch.cuda.synchronize()
     v = x.view(clusters, 2, N)
-    ref, got = v + 2.0 * rounds * v.flip(1), y.view(clusters, 2, N)
+    ref, got, peer = v.clone(), y.view(clusters, 2, N), v if via == "none" else v.flip(1)
+    for _ in range(rounds):  # the kernel's float32 sums in its order
+        ref = ref + 2.0 * peer
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
         launch()
     end.record()
     torch.cuda.synchronize()
-    return {"clusters": clusters, "rounds": rounds, "via": "l2" if via_l2 else "dsmem", "equal": bool(torch.equal(got, ref)),
+    return {"clusters": clusters, "rounds": rounds, "via": via, "equal": bool(torch.equal(got, ref)),
             "unwritten": int(torch.isnan(got).sum()), "ms": start.elapsed_time(end) / 10}
+
+
+def run_pingpong(clusters: int, rounds: int, via: str) -> dict:
+    """ptx_pingpong on the GPU: the values against torch's replay of the handoffs, and ms for the launch (the flags
+    zeroed before each; a launch that does not finish in 60 s ends the process: a lost flag would spin forever)."""
+    import torch
+    from phase_probe_ws import first_call_or_exit
+
+    kernel = kernels()["ptx_pingpong"]
+    g = torch.Generator(device="cuda").manual_seed(rounds + 1)
+    x = torch.zeros(3, clusters * 2 * N, device="cuda")
+    x[0] = torch.randn(clusters * 2 * N, device="cuda", generator=g)
+    y = torch.full_like(x[0], float("nan"))
+
+    def launch():
+        x[1:].zero_()
+        kernel[(clusters,)](x, y, **constexprs("ptx_pingpong", rounds, via), num_warps=4, num_ctas=2)
+
+    first_call_or_exit(launch, f"ptx_pingpong {via} x {rounds}")
+    ref = x[0].view(clusters, 2, N).clone()
+    for k in range(rounds):  # round k: the CTA of rank k % 2 hands its value to the other, which adds 1
+        ref[:, 1 - k % 2] = ref[:, k % 2] + 1.0
+    got = y.view(clusters, 2, N)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        launch()
+    end.record()
+    torch.cuda.synchronize()
+    return {"kernel": "pingpong", "clusters": clusters, "rounds": rounds, "via": via,
+            "equal": bool(torch.equal(got, ref)), "unwritten": int(torch.isnan(got).sum()),
+            "ms": start.elapsed_time(end) / 10}
 
 
 def gpu_report() -> dict:
     import torch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    runs = [run_exchange(c, r, v) for v in (False, True) for c, r in ((4 * sms, 1), (sms // 2, 1), (sms // 2, ROUNDS))]
-    per_round = {v: (runs[i + 2]["ms"] - runs[i + 1]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in ((0, "dsmem"), (3, "l2"))}
-    return {"device": torch.cuda.get_device_name(0), "runs": runs, "us_per_round": per_round}
+    shapes = ((4 * sms, 1), (sms // 2, 1), (sms // 2, ROUNDS))
+    runs = [run_exchange(c, r, v) for v in VIAS for c, r in shapes]
+    per_round = {v: (runs[3 * i + 2]["ms"] - runs[3 * i + 1]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(VIAS)}
+    pings = [run_pingpong(sms // 2, r, v) for v in VIAS[:2] for r in (1, ROUNDS)]
+    handoff = {v: (pings[2 * i + 1]["ms"] - pings[2 * i]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(VIAS[:2])}
+    return {"device": torch.cuda.get_device_name(0), "runs": runs + pings, "us_per_round": per_round,
+            "us_per_handoff": handoff}
 
 
 def markdown(report: dict) -> str:
@@ -184,13 +292,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {r['compiles']} | {counts} | {why[:300]} |")
     gpu = report.get("gpu")
     if gpu:
-        lines += ["", f"| ptx_exchange on {gpu['device']}: via, clusters x rounds | equal to torch | unwritten | ms |",
+        lines += ["", f"| on {gpu['device']}: kernel, via, clusters x rounds | equal to torch | unwritten | ms |",
                   "|---|---|---|---|"]
-        lines += [f"| {r['via']}, {r['clusters']} x {r['rounds']} | {r['equal']} | {r['unwritten']} | {r['ms']:.4f} |"
-                  for r in gpu["runs"]]
+        lines += [f"| {r.get('kernel', 'exchange')}, {r['via']}, {r['clusters']} x {r['rounds']} | {r['equal']} | "
+                  f"{r['unwritten']} | {r['ms']:.4f} |" for r in gpu["runs"]]
         per = gpu["us_per_round"]
         lines.append(f"\none round (a store, two cluster barriers, the peer's load): {per['dsmem']:.3f} us through "
-                     f"the peer's shared memory, {per['l2']:.3f} us through L2")
+                     f"the peer's shared memory, {per['l2']:.3f} us through L2, {per['none']:.3f} us for the barriers "
+                     "alone")
+        hand = gpu.get("us_per_handoff")
+        if hand:
+            lines.append(f"one handoff (data and a release flag, the peer's acquire spin and load): {hand['dsmem']:.3f} "
+                         f"us through its shared memory, {hand['l2']:.3f} us through L2")
     return "\n".join(lines) + "\n"
 
 

@@ -17,16 +17,19 @@ def test_the_table_names_each_construct_its_cause_and_the_gpu_runs():
         "gluon_reduce": {"compiles": False, "error": "RuntimeError: PassManager::run failed",
                          "cause": "Assertion `helper.isReduceWithinCTA()`"},
         "ptx_exchange": {"compiles": True, "shared_cluster": 2, "mapa": 1, "cluster_barrier": 4}},
-        "gpu": {"device": "H100", "us_per_round": {"dsmem": 0.5123, "l2": 1.25},
+        "gpu": {"device": "H100", "us_per_round": {"dsmem": 0.5123, "l2": 1.25, "none": 0.4},
+                "us_per_handoff": {"dsmem": 0.3, "l2": 0.9},
                 "runs": [{"via": "dsmem", "clusters": 66, "rounds": 1, "equal": True, "unwritten": 0, "ms": 0.0101}]}}
     lines = probe.markdown(report).splitlines()
     assert lines[0].startswith("| construct (Triton 3.6.0, sm90, 2 CTAs a cluster) |")
     assert lines[2] == ("| gluon_reduce | False | - / - / - | RuntimeError: PassManager::run failed "
                         "(Assertion `helper.isReduceWithinCTA()`) |")
     assert lines[3] == "| ptx_exchange | True | 2 / 1 / 4 |  |"
-    assert "| dsmem, 66 x 1 | True | 0 | 0.0101 |" in lines
-    assert lines[-1] == ("one round (a store, two cluster barriers, the peer's load): 0.512 us through the peer's shared "
-                         "memory, 1.250 us through L2")
+    assert "| exchange, dsmem, 66 x 1 | True | 0 | 0.0101 |" in lines
+    assert lines[-2] == ("one round (a store, two cluster barriers, the peer's load): 0.512 us through the peer's shared "
+                         "memory, 1.250 us through L2, 0.400 us for the barriers alone")
+    assert lines[-1] == ("one handoff (data and a release flag, the peer's acquire spin and load): 0.300 us through its "
+                         "shared memory, 0.900 us through L2")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
@@ -39,6 +42,8 @@ def test_the_inline_ptx_exchange_compiles_with_cluster_instructions():
         assert exchange["compiles"], exchange
         assert exchange["mapa"] == 1 and exchange["shared_cluster"] >= 2 and exchange["cluster_barrier"] == 4
         assert exchange["cluster_launch"] == 1
+        pingpong = report["constructs"]["ptx_pingpong"]
+        assert pingpong["compiles"] and pingpong["mapa"] >= 1 and pingpong["shared_cluster"] >= 2, pingpong
         # Triton 3.6's own cross-CTA reduction and conversion do not lower (docs/benchmarks.md, session 37)
         assert not report["constructs"]["gluon_reduce"]["compiles"]
         assert not report["constructs"]["gluon_convert"]["compiles"]
