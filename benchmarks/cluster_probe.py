@@ -7,8 +7,8 @@ installed Triton can express, for sm90, without a GPU:
     gluon_convert   the same tensor converted to a layout both CTAs hold (gl.convert_layout: an all-gather)
     ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
                     memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
-    ptx_pingpong    one-way handoffs between the 2 CTAs, a flag per thread (pingpong_kernel), through the receiver's
-                    shared memory or through L2
+    ptx_pingpong    one-way handoffs between the 2 CTAs (pingpong_kernel): a flag per thread through the receiver's
+                    shared memory or through L2, or st.async into it completing its mbarrier
 Each compiles in a child process (Triton 3.6 aborts on some), and reports whether it compiled and its PTX's
 distributed-shared-memory instructions. On a GPU (`--gpu`), ptx_exchange runs over a grid of clusters, checked
 against torch, and a variant swapping ROUNDS times in a loop gives one round's cost (st.shared, two cluster barriers,
@@ -31,128 +31,19 @@ PTX_COUNTS = {"shared_cluster": "shared::cluster", "mapa": "mapa", "cluster_barr
               "cluster_launch": ".reqnctapercluster"}
 N = 128  # floats a CTA swaps
 ROUNDS = 1024
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_kernels, phase_probe_ws
 
 
-def kernels():
-    """The probe's Gluon kernels (Triton imported here: the module loads without it)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+def kernels() -> dict:
+    """The probe's Gluon kernels by construct (benchmarks/cluster_kernels.py; Triton imported there)."""
+    import cluster_kernels as ck
 
-    @gluon.jit
-    def reduce_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr):
-        r = gl.arange(0, 2, layout=gl.SliceLayout(1, L))
-        c = gl.arange(0, N, layout=gl.SliceLayout(0, L))
-        gl.store(y_ptr + c, gl.sum(gl.load(x_ptr + r[:, None] * N + c[None, :]), axis=0))
-
-    @gluon.jit
-    def convert_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr, M: gl.constexpr):
-        x = gl.convert_layout(gl.load(x_ptr + gl.arange(0, N, layout=L)), M)
-        gl.store(y_ptr + gl.arange(0, N, layout=M), x + 1.0)
-
-    @gluon.jit
-    def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
-                        VIA: gl.constexpr):
-        buf = gl.allocate_shared_memory(gl.float32, [N], S)  # reserves global_smem[0, 4 N): the only allocation
-        c = gl.arange(0, N, layout=L)
-        buf.store(gl.zeros([N], gl.float32, L))
-        gl.thread_barrier()
-        rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [c], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-        base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
-        x = gl.load(x_ptr + base + c)
-        acc = x
-        for _ in range(ROUNDS):
-            if VIA == 1:  # the control: the same swap through y's rows in L2 (.cg: not from L1)
-                gl.inline_asm_elementwise("st.global.cg.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
-                                          [(y_ptr + base + c).to(gl.int64), x], dtype=gl.int32, is_pure=False,
-                                          pack=1)
-            elif VIA == 0:
-                gl.inline_asm_elementwise("{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
-                                          "st.shared.f32 [a], $2; mov.u32 $0, 0; }", "=r,r,f", [c, x],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-                                      " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
-            if VIA == 1:
-                peer = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l",
-                                                 [(y_ptr + peer_base + c).to(gl.int64)], dtype=gl.float32,
-                                                 is_pure=False, pack=1)
-            elif VIA == 2:  # the barriers alone: no swap, its own value
-                peer = x
-            else:
-                peer = gl.inline_asm_elementwise("{ .reg .u32 a, r, p; mov.u32 a, global_smem; "
-                                                 "mad.lo.u32 a, $1, 4, a; xor.b32 p, $2, 1; "
-                                                 "mapa.shared::cluster.u32 r, a, p; ld.shared::cluster.f32 $0, [r]; }",
-                                                 "=f,r,r", [c, rank], dtype=gl.float32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-                                      " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
-            acc = acc + 2.0 * peer
-        # Triton's own store would be CTA 0's only: the layout says both CTAs hold the same values
-        gl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
-                                  [(y_ptr + base + c).to(gl.int64), acc], dtype=gl.int32, is_pure=False, pack=1)
-
-    return {"gluon_reduce": reduce_kernel, "gluon_convert": convert_kernel, "ptx_exchange": exchange_kernel,
-            "ptx_pingpong": pingpong_kernel()}
-
-
-def pingpong_kernel():
-    """A one-way handoff a round between the 2 CTAs of a cluster, each thread its own flag: in round k the CTA of
-    rank k % 2 sends its value (a store, then a release store of k + 1 into the flag), the other spins on its flag
-    (acquire loads) and takes the value + 1. VIA 0: data and flags in the receiver's shared memory (mapa +
-    st.shared::cluster); 1: in global memory (x's second and third rows: what split-K partials and a flag cost in L2).
-    x holds three rows of clusters x 2 x N words: the values, the data slots, the flags (zero before a launch)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit
-    def kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
-               VIA: gl.constexpr):
-        buf = gl.allocate_shared_memory(gl.float32, [2 * N], S)  # data words, then flag words (global_smem[0, 8 N))
-        c = gl.arange(0, N, layout=L)
-        buf.store(gl.zeros([2 * N], gl.float32, gl.BlockedLayout([2], [32], [4], [0], cga_layout=[[0]])))
-        gl.thread_barrier()
-        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-                                  " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
-        rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [c], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-        words = gl.num_programs(0) * 2 * N
-        base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
-        val = gl.load(x_ptr + base + c)
-        for k in range(ROUNDS):
-            sender = (rank == (k % 2)).to(gl.int32)
-            if VIA == 0:
-                gl.inline_asm_elementwise(
-                    "{ .reg .pred s; .reg .u32 a, r; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; "
-                    "mad.lo.u32 a, $1, 4, a; mapa.shared::cluster.u32 r, a, $4; @s st.shared::cluster.f32 [r], $2; "
-                    "add.u32 r, r, 512; @s st.release.cluster.shared::cluster.u32 [r], $5; mov.u32 $0, 0; }",
-                    "=r,r,f,r,r,r", [c, val, sender, rank ^ 1, c * 0 + k + 1], dtype=gl.int32, is_pure=False, pack=1)
-                val = gl.inline_asm_elementwise(
-                    "{ .reg .pred s, d; .reg .u32 a, v; setp.eq.u32 s, $2, 0; mov.u32 a, global_smem; "
-                    "mad.lo.u32 a, $1, 4, a; mov.f32 $0, $4; @!s bra DONE${:uid}; WAIT${:uid}: "
-                    "ld.acquire.cluster.shared::cta.u32 v, [a+512]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; "
-                    "ld.shared::cta.f32 $0, [a]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }",
-                    "=f,r,r,r,f", [c, sender, c * 0 + k + 1, val], dtype=gl.float32, is_pure=False, pack=1)
-            else:
-                gl.inline_asm_elementwise(
-                    "{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; "
-                    "@s st.release.gpu.global.u32 [$4], $5; mov.u32 $0, 0; }", "=r,l,f,r,l,r",
-                    [(x_ptr + words + peer_base + c).to(gl.int64), val, sender,
-                     (x_ptr + 2 * words + peer_base + c).to(gl.int64), c * 0 + k + 1],
-                    dtype=gl.int32, is_pure=False, pack=1)
-                val = gl.inline_asm_elementwise(
-                    "{ .reg .pred s, d; .reg .u32 v; setp.eq.u32 s, $2, 0; mov.f32 $0, $5; @!s bra DONE${:uid}; "
-                    "WAIT${:uid}: ld.acquire.gpu.global.u32 v, [$4]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; "
-                    "ld.global.cg.f32 $0, [$1]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }", "=f,l,r,r,l,f",
-                    [(x_ptr + words + base + c).to(gl.int64), sender, c * 0 + k + 1,
-                     (x_ptr + 2 * words + base + c).to(gl.int64), val], dtype=gl.float32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-                                  " mov.u32 $0, 0;", "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
-                                  [(y_ptr + base + c).to(gl.int64), val], dtype=gl.int32, is_pure=False, pack=1)
-
-    return kernel
+    return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel, "ptx_exchange": ck.exchange_kernel,
+            "ptx_pingpong": ck.pingpong_kernel}
 
 
 VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
+PING_VIAS = ("dsmem", "l2", "async")  # pingpong_kernel's: flags in shared memory, flags in L2, st.async + mbarrier
 
 
 def constexprs(name: str, rounds: int = 1, via: str = "dsmem") -> dict:
@@ -166,7 +57,7 @@ def constexprs(name: str, rounds: int = 1, via: str = "dsmem") -> dict:
                 "M": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both)}
     if name == "ptx_pingpong":
         return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
-                "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": VIAS.index(via)}
+                "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": PING_VIAS.index(via)}
     return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
             "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": VIAS.index(via)}
 
@@ -277,8 +168,8 @@ def gpu_report() -> dict:
     shapes = ((4 * sms, 1), (sms // 2, 1), (sms // 2, ROUNDS))
     runs = [run_exchange(c, r, v) for v in VIAS for c, r in shapes]
     per_round = {v: (runs[3 * i + 2]["ms"] - runs[3 * i + 1]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(VIAS)}
-    pings = [run_pingpong(sms // 2, r, v) for v in VIAS[:2] for r in (1, ROUNDS)]
-    handoff = {v: (pings[2 * i + 1]["ms"] - pings[2 * i]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(VIAS[:2])}
+    pings = [run_pingpong(sms // 2, r, v) for v in PING_VIAS for r in (1, ROUNDS)]
+    handoff = {v: (pings[2 * i + 1]["ms"] - pings[2 * i]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(PING_VIAS)}
     return {"device": torch.cuda.get_device_name(0), "runs": runs + pings, "us_per_round": per_round,
             "us_per_handoff": handoff}
 
@@ -303,7 +194,8 @@ def markdown(report: dict) -> str:
         hand = gpu.get("us_per_handoff")
         if hand:
             lines.append(f"one handoff (data and a release flag, the peer's acquire spin and load): {hand['dsmem']:.3f} "
-                         f"us through its shared memory, {hand['l2']:.3f} us through L2")
+                         f"us through its shared memory, {hand['l2']:.3f} us through L2; st.async + mbarrier: "
+                         f"{hand['async']:.3f} us")
     return "\n".join(lines) + "\n"
 
 
