@@ -56,10 +56,9 @@ def _reserve(N: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
-                    VIA: gl.constexpr):
-    """ROUNDS swaps of the two CTAs' rows, each: a store, a cluster barrier, the peer's row, a barrier; y = x + 2 x the
-    peer's, ROUNDS times. VIA 0: the peer's shared memory (mapa + ld.shared::cluster); 1: y's rows in L2 (.cg);
+def exchange_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: gl.constexpr, VIA: gl.constexpr):
+    """`rounds` swaps of the two CTAs' rows, each: a store, a cluster barrier, the peer's row, a barrier; y = x + 2 x the
+    peer's, `rounds` times. VIA 0: the peer's shared memory (mapa + ld.shared::cluster); 1: y's rows in L2 (.cg);
     2: the barriers alone (its own row)."""
     _reserve(N, S)
     c = gl.arange(0, N, layout=L)
@@ -68,7 +67,7 @@ def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.c
     base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
     x = gl.load(x_ptr + base + c)
     acc = x
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         if VIA == 1:
             gl.inline_asm_elementwise("st.global.cg.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
                                       [(y_ptr + base + c).to(gl.int64), x], dtype=gl.int32, is_pure=False, pack=1)
@@ -93,88 +92,105 @@ def exchange_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.c
 
 
 @gluon.jit
-def _handoff_smem_flags(c, val, sender, peer, k):
-    """Round k through the receiver's shared memory: the sender's threads store their value and a release flag
-    (k + 1) into the peer's words; the receiver's spin on their own flag (acquire) and take the value + 1."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred s; .reg .u32 a, r; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
-        "mapa.shared::cluster.u32 r, a, $4; @s st.shared::cluster.f32 [r], $2; add.u32 r, r, 512; "
-        "@s st.release.cluster.shared::cluster.u32 [r], $5; mov.u32 $0, 0; }",
-        "=r,r,f,r,r,r", [c, val, sender, peer, c * 0 + k + 1], dtype=gl.int32, is_pure=False, pack=1)
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred s, d; .reg .u32 a, v; setp.eq.u32 s, $2, 0; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
-        "mov.f32 $0, $4; @!s bra DONE${:uid}; WAIT${:uid}: ld.acquire.cluster.shared::cta.u32 v, [a+512]; "
-        "setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; ld.shared::cta.f32 $0, [a]; add.f32 $0, $0, 0f3F800000; "
-        "DONE${:uid}: }", "=f,r,r,r,f", [c, sender, c * 0 + k + 1, val], dtype=gl.float32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _handoff_l2_flags(c, val, sender, k, data_mine, data_peer, flag_mine, flag_peer):
-    """The same through global memory: the value (.cg) and a release flag into the peer's words, an acquire spin."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; @s st.release.gpu.global.u32 [$4], $5; "
-        "mov.u32 $0, 0; }", "=r,l,f,r,l,r", [data_peer.to(gl.int64), val, sender, flag_peer.to(gl.int64),
+def _flag_handoff(c, val, sender, peer, k, data_mine, data_peer, flag_mine, flag_peer, SMEM: gl.constexpr):
+    """Round k with a flag a CTA: the sender's threads store their values into the peer's words, sync, and thread 0
+    fences and stores a release flag (k + 1); the receiver's thread 0 spins on its flag (acquire), the CTA syncs and
+    every thread takes its value + 1. SMEM: in the receiver's shared memory (addresses are global_smem byte offsets,
+    mapped to the peer's by mapa; scope cluster), else in global memory (addresses are pointers; .cg, scope gpu)."""
+    if SMEM:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred s; .reg .u32 a, r; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; add.u32 a, a, $1; "
+            "mapa.shared::cluster.u32 r, a, $4; @s st.shared::cluster.f32 [r], $2; mov.u32 $0, 0; }",
+            "=r,r,f,r,r", [data_peer, val, sender, peer], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; mov.u32 $0, 0; }",
+                                  "=r,l,f,r", [data_peer.to(gl.int64), val, sender], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    gl.thread_barrier()
+    one = ((c == 0) & (sender != 0)).to(gl.int32)
+    if SMEM:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred s; .reg .u32 a, r; setp.ne.u32 s, $2, 0; mov.u32 a, global_smem; add.u32 a, a, $1; "
+            "mapa.shared::cluster.u32 r, a, $4; @s fence.acq_rel.cluster; @s st.release.cluster.shared::cluster.u32 "
+            "[r], $3; mov.u32 $0, 0; }", "=r,r,r,r,r", [flag_peer, one, c * 0 + k + 1, peer],
+            dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred s, d; .reg .u32 a, v; setp.ne.u32 s, $2, 0; @!s bra DONE${:uid}; mov.u32 a, global_smem; "
+            "add.u32 a, a, $1; WAIT${:uid}: ld.acquire.cluster.shared::cta.u32 v, [a]; setp.lt.u32 d, v, $3; "
+            "@d bra WAIT${:uid}; DONE${:uid}: mov.u32 $0, 0; }", "=r,r,r,r",
+            [flag_mine, ((c == 0) & (sender == 0)).to(gl.int32), c * 0 + k + 1], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred s; setp.ne.u32 s, $2, 0; @s fence.acq_rel.gpu; @s st.release.gpu.global.u32 [$1], $3; "
+            "mov.u32 $0, 0; }", "=r,l,r,r", [flag_peer.to(gl.int64), one, c * 0 + k + 1], dtype=gl.int32,
+            is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred s, d; .reg .u32 v; setp.ne.u32 s, $2, 0; @!s bra DONE${:uid}; WAIT${:uid}: "
+            "ld.acquire.gpu.global.u32 v, [$1]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; DONE${:uid}: "
+            "mov.u32 $0, 0; }", "=r,l,r,r", [flag_mine.to(gl.int64), ((c == 0) & (sender == 0)).to(gl.int32),
                                              c * 0 + k + 1], dtype=gl.int32, is_pure=False, pack=1)
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred s, d; .reg .u32 v; setp.eq.u32 s, $2, 0; mov.f32 $0, $5; @!s bra DONE${:uid}; WAIT${:uid}: "
-        "ld.acquire.gpu.global.u32 v, [$4]; setp.lt.u32 d, v, $3; @d bra WAIT${:uid}; ld.global.cg.f32 $0, [$1]; "
-        "add.f32 $0, $0, 0f3F800000; DONE${:uid}: }", "=f,l,r,r,l,f",
-        [data_mine.to(gl.int64), sender, c * 0 + k + 1, flag_mine.to(gl.int64), val], dtype=gl.float32,
-        is_pure=False, pack=1)
+    gl.thread_barrier()
+    if SMEM:
+        got = gl.inline_asm_elementwise("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                                        "ld.shared::cta.f32 $0, [a]; }", "=f,r", [data_mine], dtype=gl.float32,
+                                        is_pure=False, pack=1)
+    else:
+        got = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l", [data_mine.to(gl.int64)],
+                                        dtype=gl.float32, is_pure=False, pack=1)
+    return gl.where(sender == 0, got + 1.0, val)
 
 
 @gluon.jit
-def _handoff_async(c, val, sender, peer, k):
-    """Round k as Hopper's producer / consumer path: the sender's threads st.async their value into the peer's words,
-    each completing 4 bytes of the peer's mbarrier (at global_smem + 512); the receiver's thread 0 arrives expecting
-    4 N bytes, and all its threads wait on the barrier's phase (its receives so far, k // 2, mod 2)."""
+def _handoff_async(c, val, sender, peer, k, BAR: gl.constexpr):
+    """Round k as Hopper's producer / consumer path: the sender's threads st.async their values into the peer's words,
+    each completing 4 bytes of the peer's mbarrier (at global_smem + BAR); the receiver's thread 0 arrives expecting
+    BAR bytes (all of them), and all its threads wait on the barrier's phase (its receives so far, k // 2, mod 2)."""
     gl.inline_asm_elementwise(
-        "{ .reg .pred s; .reg .u32 a, r, b; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; add.u32 b, a, 512; "
+        "{ .reg .pred s; .reg .u32 a, r, b; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; add.u32 b, a, $5; "
         "mad.lo.u32 a, $1, 4, a; mapa.shared::cluster.u32 r, a, $4; mapa.shared::cluster.u32 b, b, $4; "
         "@s st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [r], $2, [b]; mov.u32 $0, 0; }",
-        "=r,r,f,r,r", [c, val, sender, peer], dtype=gl.int32, is_pure=False, pack=1)
+        "=r,r,f,r,r,r", [c, val, sender, peer, c * 0 + BAR], dtype=gl.int32, is_pure=False, pack=1)
     return gl.inline_asm_elementwise(
         "{ .reg .pred s, f, d; .reg .u32 a, b; setp.eq.u32 s, $2, 0; setp.eq.and.u32 f, $1, 0, s; "
-        "mov.u32 a, global_smem; add.u32 b, a, 512; mad.lo.u32 a, $1, 4, a; mov.f32 $0, $4; "
-        "@f mbarrier.arrive.expect_tx.shared::cta.b64 _, [b], 512; @!s bra DONE${:uid}; WAIT${:uid}: "
+        "mov.u32 a, global_smem; add.u32 b, a, $5; mad.lo.u32 a, $1, 4, a; mov.f32 $0, $4; "
+        "@f mbarrier.arrive.expect_tx.shared::cta.b64 _, [b], $5; @!s bra DONE${:uid}; WAIT${:uid}: "
         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [b], $3; @!d bra WAIT${:uid}; "
         "ld.shared::cta.f32 $0, [a]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }",
-        "=f,r,r,r,f", [c, sender, c * 0 + (k // 2) % 2, val], dtype=gl.float32, is_pure=False, pack=1)
+        "=f,r,r,r,f,r", [c, sender, c * 0 + (k // 2) % 2, val, c * 0 + BAR], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _init_barrier(c):
-    """Thread 0 initializes the CTA's mbarrier (one arrival a phase) at global_smem + 512, fenced for the cluster."""
+def _init_barrier(c, BAR: gl.constexpr):
+    """Thread 0 initializes the CTA's mbarrier (one arrival a phase) at global_smem + BAR, fenced for the cluster."""
     gl.inline_asm_elementwise(
-        "{ .reg .pred f; .reg .u32 b; setp.eq.u32 f, $1, 0; mov.u32 b, global_smem; add.u32 b, b, 512; "
+        "{ .reg .pred f; .reg .u32 b; setp.eq.u32 f, $1, 0; mov.u32 b, global_smem; add.u32 b, b, $2; "
         "@f mbarrier.init.shared::cta.b64 [b], 1; @f fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
-        "=r,r", [c], dtype=gl.int32, is_pure=False, pack=1)
+        "=r,r,r", [c, c * 0 + BAR], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def pingpong_kernel(x_ptr, y_ptr, N: gl.constexpr, ROUNDS: gl.constexpr, L: gl.constexpr, S: gl.constexpr,
-                    VIA: gl.constexpr):
-    """ROUNDS one-way handoffs: in round k the CTA of rank k % 2 hands its value to the other, which takes it + 1.
-    VIA 0: release / acquire flags in the receiver's shared memory; 1: the same in L2 (x's second and third rows:
-    data words, flags; zero before a launch); 2: st.async + the receiver's mbarrier. x: three rows of
+def pingpong_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: gl.constexpr, VIA: gl.constexpr):
+    """`rounds` one-way handoffs of N floats a CTA: in round k the CTA of rank k % 2 hands its values to the other,
+    which takes them + 1. VIA 0: a flag in the receiver's shared memory; 1: the same in L2 (x's second and third
+    rows: data words, flags; zero before a launch); 2: st.async + the receiver's mbarrier. x: three rows of
     clusters x 2 x N words (values, data, flags); y: the values after the last round."""
-    _reserve(N, S)
+    _reserve(N, S)  # data at global_smem[0, 4 N), the flag or the mbarrier at 4 N
     c = gl.arange(0, N, layout=L)
     if VIA == 2:
-        _init_barrier(c)
+        _init_barrier(c, 4 * N)
     _cluster_sync(c)
     rank = _rank(c)
     words = gl.num_programs(0) * 2 * N
     base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
     val = gl.load(x_ptr + base + c)
-    for k in range(ROUNDS):
+    for k in range(rounds):
         sender = (rank == (k % 2)).to(gl.int32)
         if VIA == 0:
-            val = _handoff_smem_flags(c, val, sender, rank ^ 1, k)
+            val = _flag_handoff(c, val, sender, rank ^ 1, k, c * 4, c * 4, c * 0 + 4 * N, c * 0 + 4 * N, True)
         elif VIA == 1:
-            val = _handoff_l2_flags(c, val, sender, k, x_ptr + words + base + c, x_ptr + words + peer_base + c,
-                                    x_ptr + 2 * words + base + c, x_ptr + 2 * words + peer_base + c)
+            val = _flag_handoff(c, val, sender, rank ^ 1, k, x_ptr + words + base + c, x_ptr + words + peer_base + c,
+                                x_ptr + 2 * words + base + c * 0, x_ptr + 2 * words + peer_base + c * 0, False)
         else:
-            val = _handoff_async(c, val, sender, rank ^ 1, k)
+            val = _handoff_async(c, val, sender, rank ^ 1, k, 4 * N)
     _cluster_sync(c)
     _store_out(y_ptr + base + c, val)

@@ -7,13 +7,14 @@ installed Triton can express, for sm90, without a GPU:
     gluon_convert   the same tensor converted to a layout both CTAs hold (gl.convert_layout: an all-gather)
     ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
                     memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
-    ptx_pingpong    one-way handoffs between the 2 CTAs (pingpong_kernel): a flag per thread through the receiver's
+    ptx_pingpong    one-way handoffs between the 2 CTAs (pingpong_kernel): a CTA's values and a flag through the receiver's
                     shared memory or through L2, or st.async into it completing its mbarrier
 Each compiles in a child process (Triton 3.6 aborts on some), and reports whether it compiled and its PTX's
 distributed-shared-memory instructions. On a GPU (`--gpu`), ptx_exchange runs over a grid of clusters, checked
-against torch, and a variant swapping ROUNDS times in a loop gives one round's cost (st.shared, two cluster barriers,
+against torch, and ROUNDS more swaps in its loop give one round's cost (st.shared, two cluster barriers,
 the peer's load), beside the same swap through global memory (L2: the split-K partials' path today) and the
-barriers alone; ptx_pingpong's ROUNDS handoffs give one handoff's latency each way. Written against Triton 3.6.0 (the H200 image's).
+barriers alone; ROUNDS more of ptx_pingpong's handoffs give one handoff's cost, for 512 B and 16 KB (a 64 x 64 float32
+partial tile) a CTA. Written against Triton 3.6.0 (the H200 image's).
 
     python benchmarks/cluster_probe.py --out DIR [--gpu]
 """
@@ -46,7 +47,8 @@ VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memor
 PING_VIAS = ("dsmem", "l2", "async")  # pingpong_kernel's: flags in shared memory, flags in L2, st.async + mbarrier
 
 
-def constexprs(name: str, rounds: int = 1, via: str = "dsmem") -> dict:
+def constexprs(name: str, via: str = "dsmem", per_thread: int = 1) -> dict:
+    """A construct's compile-time arguments; the exchanges move N x per_thread floats a CTA."""
     from triton.experimental.gluon import language as gl
 
     both, split = [[0]], [[1]]  # CTA 1 holds what CTA 0 does / the next tile
@@ -55,11 +57,9 @@ def constexprs(name: str, rounds: int = 1, via: str = "dsmem") -> dict:
     if name == "gluon_convert":
         return {"N": 2 * N, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=split),
                 "M": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both)}
-    if name == "ptx_pingpong":
-        return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
-                "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": PING_VIAS.index(via)}
-    return {"N": N, "ROUNDS": rounds, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both),
-            "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": VIAS.index(via)}
+    vias = PING_VIAS if name == "ptx_pingpong" else VIAS
+    return {"N": N * per_thread, "L": gl.BlockedLayout([per_thread], [32], [4], [0], cga_layout=both),
+            "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": vias.index(via)}
 
 
 def compile_one(name: str) -> dict:
@@ -69,7 +69,8 @@ def compile_one(name: str) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cx = constexprs(name)
-    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", **{k: "constexpr" for k in cx}}
+    rounds = {"rounds": "i32"} if name.startswith("ptx_") else {}
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", **rounds, **{k: "constexpr" for k in cx}}
     try:
         compiled = triton.compile(GluonASTSource(kernels()[name], signature, cx, {}), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4, "num_ctas": 2})
@@ -111,7 +112,7 @@ def run_exchange(clusters: int, rounds: int, via: str = "dsmem") -> dict:
     y = torch.full_like(x, float("nan"))
 
     def launch():
-        kernel[(clusters,)](x, y, **constexprs("ptx_exchange", rounds, via), num_warps=4, num_ctas=2)
+        kernel[(clusters,)](x, y, rounds, **constexprs("ptx_exchange", via), num_warps=4, num_ctas=2)
 
     launch()
     torch.cuda.synchronize()
@@ -129,34 +130,35 @@ def run_exchange(clusters: int, rounds: int, via: str = "dsmem") -> dict:
             "unwritten": int(torch.isnan(got).sum()), "ms": start.elapsed_time(end) / 10}
 
 
-def run_pingpong(clusters: int, rounds: int, via: str) -> dict:
-    """ptx_pingpong on the GPU: the values against torch's replay of the handoffs, and ms for the launch (the flags
-    zeroed before each; a launch that does not finish in 60 s ends the process: a lost flag would spin forever)."""
+def run_pingpong(clusters: int, rounds: int, via: str, per_thread: int = 1) -> dict:
+    """ptx_pingpong on the GPU, N x per_thread floats a handoff: the values against torch's replay of the handoffs,
+    and ms for the launch (the flags zeroed before each; a launch that does not finish in 60 s ends the process: a
+    lost flag would spin forever)."""
     import torch
     from phase_probe_ws import first_call_or_exit
 
-    kernel = kernels()["ptx_pingpong"]
-    g = torch.Generator(device="cuda").manual_seed(rounds + 1)
-    x = torch.zeros(3, clusters * 2 * N, device="cuda")
-    x[0] = torch.randn(clusters * 2 * N, device="cuda", generator=g)
+    kernel, n = kernels()["ptx_pingpong"], N * per_thread
+    g = torch.Generator(device="cuda").manual_seed(rounds + per_thread)
+    x = torch.zeros(3, clusters * 2 * n, device="cuda")
+    x[0] = torch.randn(clusters * 2 * n, device="cuda", generator=g)
     y = torch.full_like(x[0], float("nan"))
 
     def launch():
         x[1:].zero_()
-        kernel[(clusters,)](x, y, **constexprs("ptx_pingpong", rounds, via), num_warps=4, num_ctas=2)
+        kernel[(clusters,)](x, y, rounds, **constexprs("ptx_pingpong", via, per_thread), num_warps=4, num_ctas=2)
 
     first_call_or_exit(launch, f"ptx_pingpong {via} x {rounds}")
-    ref = x[0].view(clusters, 2, N).clone()
-    for k in range(rounds):  # round k: the CTA of rank k % 2 hands its value to the other, which adds 1
+    ref = x[0].view(clusters, 2, n).clone()
+    for k in range(rounds):  # round k: the CTA of rank k % 2 hands its values to the other, which adds 1
         ref[:, 1 - k % 2] = ref[:, k % 2] + 1.0
-    got = y.view(clusters, 2, N)
+    got = y.view(clusters, 2, n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
         launch()
     end.record()
     torch.cuda.synchronize()
-    return {"kernel": "pingpong", "clusters": clusters, "rounds": rounds, "via": via,
+    return {"kernel": "pingpong", "clusters": clusters, "rounds": rounds, "via": via, "bytes": 4 * n,
             "equal": bool(torch.equal(got, ref)), "unwritten": int(torch.isnan(got).sum()),
             "ms": start.elapsed_time(end) / 10}
 
@@ -165,11 +167,15 @@ def gpu_report() -> dict:
     import torch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = ((4 * sms, 1), (sms // 2, 1), (sms // 2, ROUNDS))
+    shapes = ((4 * sms, 1), (sms // 2, 2), (sms // 2, ROUNDS + 2))  # a check; then two timings, ROUNDS apart
     runs = [run_exchange(c, r, v) for v in VIAS for c, r in shapes]
-    per_round = {v: (runs[3 * i + 2]["ms"] - runs[3 * i + 1]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(VIAS)}
-    pings = [run_pingpong(sms // 2, r, v) for v in PING_VIAS for r in (1, ROUNDS)]
-    handoff = {v: (pings[2 * i + 1]["ms"] - pings[2 * i]["ms"]) * 1e3 / (ROUNDS - 1) for i, v in enumerate(PING_VIAS)}
+    per_round = {v: (runs[3 * i + 2]["ms"] - runs[3 * i + 1]["ms"]) * 1e3 / ROUNDS for i, v in enumerate(VIAS)}
+    pings, handoff = [], {}
+    for per_thread in (1, 32):  # 512 B and 16 KB a handoff (a 64 x 64 float32 partial tile)
+        for v in PING_VIAS:
+            few, many = run_pingpong(sms // 2, 2, v, per_thread), run_pingpong(sms // 2, ROUNDS + 2, v, per_thread)
+            pings += [few, many]
+            handoff[f"{v}_{4 * N * per_thread}"] = (many["ms"] - few["ms"]) * 1e3 / ROUNDS
     return {"device": torch.cuda.get_device_name(0), "runs": runs + pings, "us_per_round": per_round,
             "us_per_handoff": handoff}
 
@@ -185,17 +191,19 @@ def markdown(report: dict) -> str:
     if gpu:
         lines += ["", f"| on {gpu['device']}: kernel, via, clusters x rounds | equal to torch | unwritten | ms |",
                   "|---|---|---|---|"]
-        lines += [f"| {r.get('kernel', 'exchange')}, {r['via']}, {r['clusters']} x {r['rounds']} | {r['equal']} | "
-                  f"{r['unwritten']} | {r['ms']:.4f} |" for r in gpu["runs"]]
+        lines += [f"| {r.get('kernel', 'exchange')}, {r['via']}, {r['clusters']} x {r['rounds']}"
+                  f"{', %d B' % r['bytes'] if 'bytes' in r else ''} | {r['equal']} | {r['unwritten']} | {r['ms']:.4f} |"
+                  for r in gpu["runs"]]
         per = gpu["us_per_round"]
         lines.append(f"\none round (a store, two cluster barriers, the peer's load): {per['dsmem']:.3f} us through "
                      f"the peer's shared memory, {per['l2']:.3f} us through L2, {per['none']:.3f} us for the barriers "
                      "alone")
         hand = gpu.get("us_per_handoff")
         if hand:
-            lines.append(f"one handoff (data and a release flag, the peer's acquire spin and load): {hand['dsmem']:.3f} "
-                         f"us through its shared memory, {hand['l2']:.3f} us through L2; st.async + mbarrier: "
-                         f"{hand['async']:.3f} us")
+            lines += ["", "| one handoff, us (a CTA's values, then its flag / the mbarrier's transaction) | "
+                      + " | ".join(PING_VIAS) + " |", "|---|---|---|---|"]
+            for size in sorted({int(key.rsplit("_", 1)[1]) for key in hand}):
+                lines.append(f"| {size} B | " + " | ".join(f"{hand[f'{v}_{size}']:.3f}" for v in PING_VIAS) + " |")
     return "\n".join(lines) + "\n"
 
 
