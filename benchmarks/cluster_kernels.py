@@ -160,6 +160,31 @@ def _handoff_async(c, val, sender, peer, k, BAR: gl.constexpr):
 
 
 @gluon.jit
+def _handoff_bulk(c, val, sender, peer, k, BAR: gl.constexpr):
+    """Round k as one bulk copy: the sender's threads write their values into their own words (then a proxy fence and a
+    CTA sync), and its thread 0 copies all BAR bytes into the peer's words with cp.async.bulk, completing the peer's
+    mbarrier; the receiver waits as in _handoff_async."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred s; .reg .u32 a; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
+        "@s st.shared::cta.f32 [a], $2; @s fence.proxy.async.shared::cta; mov.u32 $0, 0; }",
+        "=r,r,f,r", [c, val, sender], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred s; .reg .u32 a, r, b; setp.ne.u32 s, $1, 0; mov.u32 a, global_smem; add.u32 b, a, $3; "
+        "mapa.shared::cluster.u32 r, a, $2; mapa.shared::cluster.u32 b, b, $2; "
+        "@s cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [r], [a], $3, [b]; mov.u32 $0, 0; }",
+        "=r,r,r,r", [((c == 0) & (sender != 0)).to(gl.int32), peer, c * 0 + BAR], dtype=gl.int32, is_pure=False,
+        pack=1)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred s, f, d; .reg .u32 a, b; setp.eq.u32 s, $2, 0; setp.eq.and.u32 f, $1, 0, s; "
+        "mov.u32 a, global_smem; add.u32 b, a, $5; mad.lo.u32 a, $1, 4, a; mov.f32 $0, $4; "
+        "@f mbarrier.arrive.expect_tx.shared::cta.b64 _, [b], $5; @!s bra DONE${:uid}; WAIT${:uid}: "
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, [b], $3; @!d bra WAIT${:uid}; "
+        "ld.shared::cta.f32 $0, [a]; add.f32 $0, $0, 0f3F800000; DONE${:uid}: }",
+        "=f,r,r,r,f,r", [c, sender, c * 0 + (k // 2) % 2, val, c * 0 + BAR], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _init_barrier(c, BAR: gl.constexpr):
     """Thread 0 initializes the CTA's mbarrier (one arrival a phase) at global_smem + BAR, fenced for the cluster."""
     gl.inline_asm_elementwise(
@@ -172,11 +197,12 @@ def _init_barrier(c, BAR: gl.constexpr):
 def pingpong_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: gl.constexpr, VIA: gl.constexpr):
     """`rounds` one-way handoffs of N floats a CTA: in round k the CTA of rank k % 2 hands its values to the other,
     which takes them + 1. VIA 0: a flag in the receiver's shared memory; 1: the same in L2 (x's second and third
-    rows: data words, flags; zero before a launch); 2: st.async + the receiver's mbarrier. x: three rows of
+    rows: data words, flags; zero before a launch); 2: st.async + the receiver's mbarrier; 3: one cp.async.bulk of
+    the CTA's words into the receiver's, completing its mbarrier. x: three rows of
     clusters x 2 x N words (values, data, flags); y: the values after the last round."""
     _reserve(N, S)  # data at global_smem[0, 4 N), the flag or the mbarrier at 4 N
     c = gl.arange(0, N, layout=L)
-    if VIA == 2:
+    if VIA >= 2:
         _init_barrier(c, 4 * N)
     _cluster_sync(c)
     rank = _rank(c)
@@ -190,7 +216,9 @@ def pingpong_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: g
         elif VIA == 1:
             val = _flag_handoff(c, val, sender, rank ^ 1, k, x_ptr + words + base + c, x_ptr + words + peer_base + c,
                                 x_ptr + 2 * words + base + c * 0, x_ptr + 2 * words + peer_base + c * 0, False)
-        else:
+        elif VIA == 2:
             val = _handoff_async(c, val, sender, rank ^ 1, k, 4 * N)
+        else:
+            val = _handoff_bulk(c, val, sender, rank ^ 1, k, 4 * N)
     _cluster_sync(c)
     _store_out(y_ptr + base + c, val)

@@ -8,7 +8,7 @@ installed Triton can express, for sm90, without a GPU:
     ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
                     memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
     ptx_pingpong    one-way handoffs between the 2 CTAs (pingpong_kernel): a CTA's values and a flag through the receiver's
-                    shared memory or through L2, or st.async into it completing its mbarrier
+                    shared memory or through L2, or st.async / one cp.async.bulk into it completing its mbarrier
 Each compiles in a child process (Triton 3.6 aborts on some), and reports whether it compiled and its PTX's
 distributed-shared-memory instructions. On a GPU (`--gpu`), ptx_exchange runs over a grid of clusters, checked
 against torch, and ROUNDS more swaps in its loop give one round's cost (st.shared, two cluster barriers,
@@ -44,7 +44,8 @@ def kernels() -> dict:
 
 
 VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
-PING_VIAS = ("dsmem", "l2", "async")  # pingpong_kernel's: flags in shared memory, flags in L2, st.async + mbarrier
+PING_VIAS = ("dsmem", "l2", "async", "bulk")  # pingpong_kernel's: a flag in shared memory, a flag in L2, st.async or
+# one cp.async.bulk completing the receiver's mbarrier
 
 
 def constexprs(name: str, via: str = "dsmem", per_thread: int = 1) -> dict:
@@ -201,7 +202,7 @@ def markdown(report: dict) -> str:
         hand = gpu.get("us_per_handoff")
         if hand:
             lines += ["", "| one handoff, us (a CTA's values, then its flag / the mbarrier's transaction) | "
-                      + " | ".join(PING_VIAS) + " |", "|---|---|---|---|"]
+                      + " | ".join(PING_VIAS) + " |", "|---" * (len(PING_VIAS) + 1) + "|"]
             for size in sorted({int(key.rsplit("_", 1)[1]) for key in hand}):
                 lines.append(f"| {size} B | " + " | ".join(f"{hand[f'{v}_{size}']:.3f}" for v in PING_VIAS) + " |")
     return "\n".join(lines) + "\n"

@@ -18,8 +18,8 @@ def test_the_table_names_each_construct_its_cause_and_the_gpu_runs():
                          "cause": "Assertion `helper.isReduceWithinCTA()`"},
         "ptx_exchange": {"compiles": True, "shared_cluster": 2, "mapa": 1, "cluster_barrier": 4}},
         "gpu": {"device": "H100", "us_per_round": {"dsmem": 0.5123, "l2": 1.25, "none": 0.4},
-                "us_per_handoff": {"dsmem_512": 0.3, "l2_512": 0.9, "async_512": 0.25, "dsmem_16384": 1.5,
-                                   "l2_16384": 2.0, "async_16384": 0.5},
+                "us_per_handoff": {"dsmem_512": 0.3, "l2_512": 0.9, "async_512": 0.25, "bulk_512": 0.2,
+                                   "dsmem_16384": 1.5, "l2_16384": 2.0, "async_16384": 0.5, "bulk_16384": 0.4},
                 "runs": [{"via": "dsmem", "clusters": 66, "rounds": 1, "equal": True, "unwritten": 0, "ms": 0.0101}]}}
     lines = probe.markdown(report).splitlines()
     assert lines[0].startswith("| construct (Triton 3.6.0, sm90, 2 CTAs a cluster) |")
@@ -29,7 +29,9 @@ def test_the_table_names_each_construct_its_cause_and_the_gpu_runs():
     assert "| exchange, dsmem, 66 x 1 | True | 0 | 0.0101 |" in lines
     assert ("one round (a store, two cluster barriers, the peer's load): 0.512 us through the peer's shared memory, "
             "1.250 us through L2, 0.400 us for the barriers alone") in lines
-    assert lines[-2:] == ["| 512 B | 0.300 | 0.900 | 0.250 |", "| 16384 B | 1.500 | 2.000 | 0.500 |"]
+    assert lines[-4:] == ["| one handoff, us (a CTA's values, then its flag / the mbarrier's transaction) | dsmem | l2 | "
+                          "async | bulk |", "|---|---|---|---|---|", "| 512 B | 0.300 | 0.900 | 0.250 | 0.200 |",
+                          "| 16384 B | 1.500 | 2.000 | 0.500 | 0.400 |"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
