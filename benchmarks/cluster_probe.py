@@ -75,8 +75,11 @@ def compile_one(name: str) -> dict:
     try:
         compiled = triton.compile(GluonASTSource(kernels()[name], signature, cx, {}), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4, "num_ctas": 2})
-    except Exception as e:  # the compiler's refusal is the answer
-        return {"compiles": False, "error": f"{type(e).__name__}: {e}"[-400:]}
+    except Exception as e:  # the compiler's refusal is the answer: the innermost error's last line
+        while e.__cause__ is not None:
+            e = e.__cause__
+        last = next((ln.strip() for ln in reversed(str(e).splitlines()) if ln.strip() != "^"), "")
+        return {"compiles": False, "error": f"{type(e).__name__}: {last}"[:400]}
     ptx = compiled.asm["ptx"]
     return {"compiles": True, **{k: ptx.count(v) for k, v in PTX_COUNTS.items()}}
 
