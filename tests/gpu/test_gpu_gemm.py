@@ -100,6 +100,30 @@ def test_qkv_rope_store_matches_the_cublas_path(rows, Hq, Hkv, d, hidden, block_
     assert not planes["k"][rest].any() and not planes["v"][rest].any()
 
 
+@pytest.mark.parametrize("rows,splits", [(64, 4), (9, 2), (100, 8)])
+def test_linear_partials_into_slices_of_one_buffer_equal_the_call_alone(rows, splits):
+    """Two calls over the two halves of K writing into the halves of one partials buffer (head_split_probe's use)
+    give, where their K splits meet at the halves, the one call's partials to the bit; a wrong `out` is refused."""
+    from engine import triton_gemm as tg
+
+    cfg, k, n = dataclasses.replace(gemm_dispatch.GEMM_TABLE[-1][1], splits_o=splits), 2048, 1024
+    g = torch.Generator(device="cuda").manual_seed(rows + splits)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    whole = tg.linear_partials(x, w, splits, cfg)
+    part = torch.full((splits, rows, n), float("nan"), device="cuda")
+    half = k // 2
+    for j in range(2):
+        tg.linear_partials(x[:, j * half:(j + 1) * half].contiguous(), w[:, j * half:(j + 1) * half].contiguous(),
+                           splits // 2, cfg, part[j * splits // 2:(j + 1) * splits // 2])
+    assert torch.equal(part, whole)
+    torch.testing.assert_close(part.sum(0), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    for bad in (torch.empty(splits, rows, n + 1, device="cuda"), torch.empty(splits, rows, n, device="cuda").half(),
+                torch.empty(splits, n, rows, device="cuda").transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be a contiguous float32"):
+            tg.linear_partials(x, w, splits, cfg, bad)
+
+
 def test_engine_with_the_fused_gemms_agrees_with_cublas(tmp_path, monkeypatch):
     ckpt = make_tiny_checkpoint(tmp_path / "m", seed=5, eos_token_id=None, hidden_size=256, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=64, intermediate_size=704, vocab_size=301)
