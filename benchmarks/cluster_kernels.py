@@ -57,8 +57,8 @@ def _reserve(N: gl.constexpr, S: gl.constexpr):
 
 @gluon.jit
 def exchange_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: gl.constexpr, VIA: gl.constexpr):
-    """`rounds` swaps of the two CTAs' rows, each: a store, a cluster barrier, the peer's row, a barrier; y = x + 2 x the
-    peer's, `rounds` times. VIA 0: the peer's shared memory (mapa + ld.shared::cluster); 1: y's rows in L2 (.cg);
+    """`rounds` swaps of the two CTAs' rows, each: a store, a cluster barrier, the peer's row, a barrier; y = x + 2 x
+    the peer's, `rounds` times. VIA 0: the peer's shared memory (mapa + ld.shared::cluster); 1: y's rows in L2 (.cg);
     2: the barriers alone (its own row)."""
     _reserve(N, S)
     c = gl.arange(0, N, layout=L)
@@ -77,8 +77,9 @@ def exchange_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: g
                                       is_pure=False, pack=1)
         _cluster_sync(c)
         if VIA == 1:
-            peer = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l", [(y_ptr + peer_base + c).to(gl.int64)],
-                                             dtype=gl.float32, is_pure=False, pack=1)
+            peer = gl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l",
+                                             [(y_ptr + peer_base + c).to(gl.int64)], dtype=gl.float32, is_pure=False,
+                                             pack=1)
         elif VIA == 2:
             peer = x
         else:
@@ -103,9 +104,9 @@ def _flag_handoff(c, val, sender, peer, k, data_mine, data_peer, flag_mine, flag
             "mapa.shared::cluster.u32 r, a, $4; @s st.shared::cluster.f32 [r], $2; mov.u32 $0, 0; }",
             "=r,r,f,r,r", [data_peer, val, sender, peer], dtype=gl.int32, is_pure=False, pack=1)
     else:
-        gl.inline_asm_elementwise("{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; mov.u32 $0, 0; }",
-                                  "=r,l,f,r", [data_peer.to(gl.int64), val, sender], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        gl.inline_asm_elementwise("{ .reg .pred s; setp.ne.u32 s, $3, 0; @s st.global.cg.f32 [$1], $2; "
+                                  "mov.u32 $0, 0; }", "=r,l,f,r", [data_peer.to(gl.int64), val, sender],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
     one = ((c == 0) & (sender != 0)).to(gl.int32)
     if SMEM:
