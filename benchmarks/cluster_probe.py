@@ -112,10 +112,18 @@ def compile_report() -> dict:
     return report
 
 
+def ms_per_launch(launch, times: int = 10) -> float:
+    """ms a call of launch (sampler_bench.eager_us: CUDA events around `times` calls after a warm-up call)."""
+    from sampler_bench import eager_us
+
+    return eager_us(launch, times) / 1e3
+
+
 def run_exchange(clusters: int, rounds: int, via: str = "dsmem") -> dict:
     """ptx_exchange on the GPU, `via` one of VIAS: every value against torch's, and ms for the launch (CUDA events,
-    after a warm-up)."""
+    after a warm-up that must finish in 60 s)."""
     import torch
+    from phase_probe_ws import first_call_or_exit
 
     kernel = kernels()["ptx_exchange"]
     g = torch.Generator(device="cuda").manual_seed(rounds)
@@ -125,20 +133,13 @@ def run_exchange(clusters: int, rounds: int, via: str = "dsmem") -> dict:
     def launch():
         kernel[(clusters,)](x, y, rounds, **constexprs("ptx_exchange", via), num_warps=4, num_ctas=2)
 
-    launch()
-    torch.cuda.synchronize()
+    first_call_or_exit(launch, f"ptx_exchange {via} x {rounds}")
     v = x.view(clusters, 2, N)
     ref, got, peer = v.clone(), y.view(clusters, 2, N), v if via == "none" else v.flip(1)
     for _ in range(rounds):  # the kernel's float32 sums in its order
         ref = ref + 2.0 * peer
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
     return {"clusters": clusters, "rounds": rounds, "via": via, "equal": bool(torch.equal(got, ref)),
-            "unwritten": int(torch.isnan(got).sum()), "ms": start.elapsed_time(end) / 10}
+            "unwritten": int(torch.isnan(got).sum()), "ms": ms_per_launch(launch)}
 
 
 def run_pingpong(clusters: int, rounds: int, via: str, per_thread: int = 1) -> dict:
@@ -163,15 +164,8 @@ def run_pingpong(clusters: int, rounds: int, via: str, per_thread: int = 1) -> d
     for k in range(rounds):  # round k: the CTA of rank k % 2 hands its values to the other, which adds 1
         ref[:, 1 - k % 2] = ref[:, k % 2] + 1.0
     got = y.view(clusters, 2, n)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
     return {"kernel": "pingpong", "clusters": clusters, "rounds": rounds, "via": via, "bytes": 4 * n,
-            "equal": bool(torch.equal(got, ref)), "unwritten": int(torch.isnan(got).sum()),
-            "ms": start.elapsed_time(end) / 10}
+            "equal": bool(torch.equal(got, ref)), "unwritten": int(torch.isnan(got).sum()), "ms": ms_per_launch(launch)}
 
 
 def gpu_report() -> dict:
