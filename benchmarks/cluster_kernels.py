@@ -142,25 +142,25 @@ def _flag_handoff(c, val, sender, peer, k, data_mine, data_peer, flag_mine, flag
 
 
 @gluon.jit
-def _handoff_async(c, val, sender, peer, k, BAR: gl.constexpr, PER: gl.constexpr):
+def _handoff_async(c, slot, val, sender, peer, k, BAR: gl.constexpr, PER: gl.constexpr):
     """Round k as Hopper's producer / consumer path: the sender's threads st.async their values into the peer's words,
     each completing 4 bytes of the peer's mbarrier (at global_smem + BAR); the receiver waits on it (_receive)."""
     gl.inline_asm_elementwise(
         "{ .reg .pred s; .reg .u32 a, r, b; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; add.u32 b, a, $5; "
         "mad.lo.u32 a, $1, 4, a; mapa.shared::cluster.u32 r, a, $4; mapa.shared::cluster.u32 b, b, $4; "
         "@s st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [r], $2, [b]; mov.u32 $0, 0; }",
-        "=r,r,f,r,r,r", [c, val, sender, peer, c * 0 + BAR], dtype=gl.int32, is_pure=False, pack=1)
-    return _receive(c, val, sender, k, BAR, PER)
+        "=r,r,f,r,r,r", [slot, val, sender, peer, c * 0 + BAR], dtype=gl.int32, is_pure=False, pack=1)
+    return _receive(c, slot, val, sender, k, BAR, PER)
 
 
 @gluon.jit
-def _handoff_bulk(c, val, sender, peer, k, BAR: gl.constexpr, PER: gl.constexpr):
+def _handoff_bulk(c, slot, val, sender, peer, k, BAR: gl.constexpr, PER: gl.constexpr):
     """Round k as one bulk copy: the sender's threads write their values into their own words (then a proxy fence and a
     CTA sync), and its thread 0 copies all BAR bytes into the peer's words with cp.async.bulk, completing the peer's
     mbarrier; the receiver waits on it (_receive)."""
     gl.inline_asm_elementwise(
         "{ .reg .pred s; .reg .u32 a; setp.ne.u32 s, $3, 0; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
-        "@s st.shared::cta.f32 [a], $2; mov.u32 $0, 0; }", "=r,r,f,r", [c, val, sender], dtype=gl.int32,
+        "@s st.shared::cta.f32 [a], $2; mov.u32 $0, 0; }", "=r,r,f,r", [slot, val, sender], dtype=gl.int32,
         is_pure=False, pack=1)
     gl.inline_asm_elementwise(  # once a thread, after its stores: the async proxy (the bulk copy) sees them
         "{ .reg .pred s; setp.ne.u32 s, $1, 0; @s fence.proxy.async.shared::cta; mov.u32 $0, 0; }", "=r,r",
@@ -172,11 +172,11 @@ def _handoff_bulk(c, val, sender, peer, k, BAR: gl.constexpr, PER: gl.constexpr)
         "@s cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [r], [a], $3, [b]; mov.u32 $0, 0; }",
         "=r,r,r,r", [((c == 0) & (sender != 0)).to(gl.int32), peer, c * 0 + BAR], dtype=gl.int32, is_pure=False,
         pack=1)
-    return _receive(c, val, sender, k, BAR, PER)
+    return _receive(c, slot, val, sender, k, BAR, PER)
 
 
 @gluon.jit
-def _receive(c, val, sender, k, BAR: gl.constexpr, PER: gl.constexpr):
+def _receive(c, slot, val, sender, k, BAR: gl.constexpr, PER: gl.constexpr):
     """The receiver's side of a transaction-counted handoff: thread 0 arrives expecting BAR bytes, each thread waits on
     the phase once (at its first element), then every element is its word + 1."""
     first = ((c % PER) == 0).to(gl.int32) * (1 - sender)
@@ -187,8 +187,8 @@ def _receive(c, val, sender, k, BAR: gl.constexpr, PER: gl.constexpr):
         "DONE${:uid}: mov.u32 $0, 0; }", "=r,r,r,r,r", [c, first, c * 0 + (k // 2) % 2, c * 0 + BAR], dtype=gl.int32,
         is_pure=False, pack=1)
     got = gl.inline_asm_elementwise("{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
-                                    "ld.shared::cta.f32 $0, [a]; }", "=f,r", [c], dtype=gl.float32, is_pure=False,
-                                    pack=1)
+                                    "ld.shared::cta.f32 $0, [a]; }", "=f,r", [slot], dtype=gl.float32,
+                                    is_pure=False, pack=1)
     return gl.where(sender == 0, got + 1.0, val)
 
 
@@ -217,16 +217,20 @@ def pingpong_kernel(x_ptr, y_ptr, rounds, N: gl.constexpr, L: gl.constexpr, S: g
     words = gl.num_programs(0) * 2 * N
     base, peer_base = (gl.program_id(0) * 2 + rank) * N, (gl.program_id(0) * 2 + (rank ^ 1)) * N
     val = gl.load(x_ptr + base + c)
+    # element c (a thread's c % PER-th of its PER) lives in word slot: a warp's lanes touch consecutive words (no bank
+    # conflicts in shared memory, coalesced in L2)
+    slot = (c % (N // 128)) * 128 + c // (N // 128)
     for k in range(rounds):
         sender = (rank == (k % 2)).to(gl.int32)
         if VIA == 0:
-            val = _flag_handoff(c, val, sender, rank ^ 1, k, c * 4, c * 4, c * 0 + 4 * N, c * 0 + 4 * N, True)
+            val = _flag_handoff(c, val, sender, rank ^ 1, k, slot * 4, slot * 4, c * 0 + 4 * N, c * 0 + 4 * N, True)
         elif VIA == 1:
-            val = _flag_handoff(c, val, sender, rank ^ 1, k, x_ptr + words + base + c, x_ptr + words + peer_base + c,
-                                x_ptr + 2 * words + base + c * 0, x_ptr + 2 * words + peer_base + c * 0, False)
+            val = _flag_handoff(c, val, sender, rank ^ 1, k, x_ptr + words + base + slot,
+                                x_ptr + words + peer_base + slot, x_ptr + 2 * words + base + c * 0,
+                                x_ptr + 2 * words + peer_base + c * 0, False)
         elif VIA == 2:
-            val = _handoff_async(c, val, sender, rank ^ 1, k, 4 * N, N // 128)
+            val = _handoff_async(c, slot, val, sender, rank ^ 1, k, 4 * N, N // 128)
         else:
-            val = _handoff_bulk(c, val, sender, rank ^ 1, k, 4 * N, N // 128)
+            val = _handoff_bulk(c, slot, val, sender, rank ^ 1, k, 4 * N, N // 128)
     _cluster_sync(c)
     _store_out(y_ptr + base + c, val)
