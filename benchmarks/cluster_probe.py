@@ -21,8 +21,9 @@ partial tile) a CTA. Written against Triton 3.6.0 (the H200 image's).
     python benchmarks/cluster_probe.py --out DIR [--gpu]
 
 Measured on an H100 (session 37, docs/benchmarks.md): Triton 3.6 refuses gluon_reduce and gluon_convert (3.9 compiles
-both); the inline-PTX kernels are exact; a 512 B handoff costs 0.11 us by st.async and 0.12 by cp.async.bulk into the
-peer's mbarrier, 0.92 with a flag in its shared memory, 1.22 with a flag in L2; a barrier.cluster swap 0.78.
+both); the inline-PTX kernels are exact; a 512 B handoff costs 0.11 us by st.async and 0.13 by cp.async.bulk into the
+peer's mbarrier, 0.93 with a flag in its shared memory, 1.23 with a flag in L2 (16 KB: 0.86, 0.91, 1.41, 2.35); a
+barrier.cluster swap 0.79.
 """
 
 from __future__ import annotations
