@@ -219,7 +219,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, cfg: GemmConf
         out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
     elif out.shape != (splits, rows, N) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"linear_partials: out must be a contiguous float32 [{splits}, {rows}, {N}] tensor, got "
-                         f"{out.dtype} {list(out.shape)}")
+                         f"{out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ', not contiguous'}")
     if rows:
         k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
         bm = gemm_block_m(rows)
