@@ -10,9 +10,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-SMEM_FLAGS = 512  # bytes from global_smem to the second half of the reserved words (N = 128 floats first)
-
-
 @gluon.jit
 def reduce_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr):
     """y = the sum of x's two rows, each row one CTA's (L's cga_layout splits dim 0)."""
@@ -48,8 +45,8 @@ def _store_out(ptrs, v):
 
 @gluon.jit
 def _reserve(N: gl.constexpr, S: gl.constexpr):
-    """Zero 2 N words of shared memory (global_smem's first: the kernel's only allocation), then sync the cluster
-    (a peer writes into them only after)."""
+    """Zero 2 N words of shared memory (global_smem's first: the kernel's only allocation) and sync the CTA; the
+    kernels then sync the cluster, so a peer writes into them only after."""
     buf = gl.allocate_shared_memory(gl.float32, [2 * N], S)
     buf.store(gl.zeros([2 * N], gl.float32, gl.BlockedLayout([2], [32], [4], [0], cga_layout=[[0]])))
     gl.thread_barrier()
