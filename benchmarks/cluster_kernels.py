@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 @gluon.jit
 def reduce_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr):
@@ -23,6 +24,25 @@ def convert_kernel(x_ptr, y_ptr, N: gl.constexpr, L: gl.constexpr, M: gl.constex
     """x split over the CTAs (L) converted to a layout both hold (M): an all-gather."""
     x = gl.convert_layout(gl.load(x_ptr + gl.arange(0, N, layout=L)), M)
     gl.store(y_ptr + gl.arange(0, N, layout=M), x + 1.0)
+
+
+@gluon.jit
+def tma_wgmma_kernel(a_desc, b_desc, out_ptr, BAR: gl.constexpr, ACC: gl.constexpr, OUT: gl.constexpr):
+    """out = a @ b.T for one 64 x 64 tile in each CTA of the cluster: TMA loads into its own shared memory (layouts with
+    cga_layout [[0, 0]]), an mbarrier, wgmma; the stores through PTX (Triton's own would be CTA 0's only). What a
+    split-K GEMM whose CTAs then sum through the peer's shared memory is made of."""
+    a = gl.allocate_shared_memory(gl.bfloat16, [64, 64], a_desc.layout)
+    b = gl.allocate_shared_memory(gl.bfloat16, [64, 64], b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], BAR)
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, 2 * 64 * 64 * 2)
+    tma.async_copy_global_to_shared(a_desc, [0, 0], bar, a)
+    tma.async_copy_global_to_shared(b_desc, [0, 0], bar, b)
+    mbarrier.wait(bar, 0)
+    acc = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([64, 64], gl.float32, ACC))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
+    _store_out(out_ptr + r[:, None] * 64 + c[None, :], gl.convert_layout(acc, OUT))
 
 
 @gluon.jit

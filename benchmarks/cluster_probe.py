@@ -6,6 +6,7 @@ split-K partials would be summed between the CTAs of a cluster instead of throug
 installed Triton can express, for sm90, without a GPU:
     gluon_reduce    a Gluon tensor split over the 2 CTAs of a cluster (cga_layout), summed over that axis (gl.sum)
     gluon_convert   the same tensor converted to a layout both CTAs hold (gl.convert_layout: an all-gather)
+    gluon_tma_wgmma a 64 x 64 tile's TMA loads, mbarrier and wgmma in each CTA of the cluster (layouts both hold)
     ptx_exchange    a 2-CTA cluster kernel whose CTAs swap a row through inline PTX: st.shared into its own shared
                     memory, barrier.cluster, mapa + ld.shared::cluster from its peer's
     ptx_pingpong    one-way handoffs between the 2 CTAs (pingpong_kernel): a CTA's values and a flag through the
@@ -34,10 +35,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONSTRUCTS = ("gluon_reduce", "gluon_convert", "ptx_exchange", "ptx_pingpong")
+CONSTRUCTS = ("gluon_reduce", "gluon_convert", "gluon_tma_wgmma", "ptx_exchange", "ptx_pingpong")
 PTX_COUNTS = {"shared_cluster": "shared::cluster", "mapa": "mapa", "cluster_barrier": "barrier.cluster",
               "cluster_launch": ".reqnctapercluster", "st_async": "st.async", "bulk_copy": "cp.async.bulk",
-              "release_gpu": "st.release.gpu"}
+              "release_gpu": "st.release.gpu", "wgmma": "wgmma.mma_async", "tma_load": "cp.async.bulk.tensor"}
 N = 128  # floats a CTA swaps
 ROUNDS = 1024
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_kernels, phase_probe_ws
@@ -47,8 +48,8 @@ def kernels() -> dict:
     """The probe's Gluon kernels by construct (benchmarks/cluster_kernels.py; Triton imported there)."""
     import cluster_kernels as ck
 
-    return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel, "ptx_exchange": ck.exchange_kernel,
-            "ptx_pingpong": ck.pingpong_kernel}
+    return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel, "gluon_tma_wgmma": ck.tma_wgmma_kernel,
+            "ptx_exchange": ck.exchange_kernel, "ptx_pingpong": ck.pingpong_kernel}
 
 
 VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
@@ -66,6 +67,11 @@ def constexprs(name: str, via: str = "dsmem", per_thread: int = 1) -> dict:
     if name == "gluon_convert":
         return {"N": 2 * N, "L": gl.BlockedLayout([1], [32], [4], [0], cga_layout=split),
                 "M": gl.BlockedLayout([1], [32], [4], [0], cga_layout=both)}
+    if name == "gluon_tma_wgmma":
+        return {"BAR": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both),
+                "ACC": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16],
+                                                 cga_layout=[[0, 0]]),
+                "OUT": gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0], cga_layout=[[0, 0]])}
     vias = PING_VIAS if name == "ptx_pingpong" else VIAS
     return {"N": N * per_thread, "L": gl.BlockedLayout([per_thread], [32], [4], [0], cga_layout=both),
             "S": gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=both), "VIA": vias.index(via)}
@@ -80,6 +86,12 @@ def compile_one(name: str, via: str = "dsmem", per_thread: int = 1) -> dict:
     cx = constexprs(name, via, per_thread)
     rounds = {"rounds": "i32"} if name.startswith("ptx_") else {}
     signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", **rounds, **{k: "constexpr" for k in cx}}
+    if name == "gluon_tma_wgmma":
+        from triton.experimental.gluon import language as gl
+
+        box = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, cga_layout=[[0, 0]])
+        signature = {"a_desc": f"tensordesc<bf16[64, 64],{box!r}>", "b_desc": f"tensordesc<bf16[64, 64],{box!r}>",
+                     "out_ptr": "*fp32", **{k: "constexpr" for k in cx}}
     try:
         compiled = triton.compile(GluonASTSource(kernels()[name], signature, cx, {}), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4, "num_ctas": 2})

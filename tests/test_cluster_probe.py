@@ -46,6 +46,9 @@ def test_the_inline_ptx_exchange_compiles_with_cluster_instructions():
         assert exchange["cluster_launch"] == 1
         pingpong = report["constructs"]["ptx_pingpong"]
         assert pingpong["compiles"] and pingpong["mapa"] >= 1 and pingpong["shared_cluster"] >= 2, pingpong
+        # TMA loads and wgmma in each CTA of a cluster compile with layouts both CTAs hold
+        wgmma = report["constructs"]["gluon_tma_wgmma"]
+        assert wgmma["compiles"] and wgmma["wgmma"] > 0 and wgmma["tma_load"] == 2 and wgmma["cluster_launch"] == 1
         # Triton 3.6's own cross-CTA reduction and conversion do not lower (docs/benchmarks.md, session 37)
         assert not report["constructs"]["gluon_reduce"]["compiles"]
         assert not report["constructs"]["gluon_convert"]["compiles"]
