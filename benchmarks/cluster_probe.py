@@ -48,8 +48,8 @@ def kernels() -> dict:
     """The probe's Gluon kernels by construct (benchmarks/cluster_kernels.py; Triton imported there)."""
     import cluster_kernels as ck
 
-    return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel, "gluon_tma_wgmma": ck.tma_wgmma_kernel,
-            "ptx_exchange": ck.exchange_kernel, "ptx_pingpong": ck.pingpong_kernel}
+    return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel,
+            "gluon_tma_wgmma": ck.tma_wgmma_kernel, "ptx_exchange": ck.exchange_kernel, "ptx_pingpong": ck.pingpong_kernel}
 
 
 VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
