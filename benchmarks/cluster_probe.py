@@ -49,7 +49,8 @@ def kernels() -> dict:
     import cluster_kernels as ck
 
     return {"gluon_reduce": ck.reduce_kernel, "gluon_convert": ck.convert_kernel,
-            "gluon_tma_wgmma": ck.tma_wgmma_kernel, "ptx_exchange": ck.exchange_kernel, "ptx_pingpong": ck.pingpong_kernel}
+            "gluon_tma_wgmma": ck.tma_wgmma_kernel, "ptx_exchange": ck.exchange_kernel,
+            "ptx_pingpong": ck.pingpong_kernel}
 
 
 VIAS = ("dsmem", "l2", "none")  # exchange_kernel's VIA: the peer's shared memory, global memory, no swap (barriers)
