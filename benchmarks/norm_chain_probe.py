@@ -34,6 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS, HIDDEN, INTER, HEADS, HEAD_DIM, EPS = 64, 2048, 5632, 16, 128, 1e-6
+
+
 def kernels():
     """(stats_kernel, normed_gate_kernel, normed_qkv_kernel): Triton imported where the probe runs them."""
     from benchmarks import norm_chain_kernels as nk
