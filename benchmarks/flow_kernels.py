@@ -1,0 +1,155 @@
+"""Kernels of benchmarks/flow_probe.py: the decode attention counting its finished programs per kv head, and o_proj's
+split-K partials waiting on those counts instead of on the whole attention grid (Triton, CUDA; Triton's
+interpreter runs them one launch after the other, so a count is always complete when read there).
+
+With programmatic dependent launch (engine/pdl.py) a kernel's programs wait at ``griddepcontrol.wait`` for the whole
+kernel before to finish. o_proj's split s reads only heads [s K / S, (s + 1) K / S) of the attention's output, and
+the attention's grid runs a head's requests one after the other (the sequence is its fastest axis), so the first
+splits' inputs are ready while the last heads' programs still run. Here each attention program, once its output row
+is stored, adds 1 to its kv head's count (a CTA barrier, then a release add at GPU scope), and each o_proj program
+spins (acquire loads) until the counts of its split's kv heads reach the request count, then fences the async proxy
+(its activations come in through TMA) and runs as the engine's linear_partials does, to the bit.
+
+Why no program waits forever: o_proj's grid launches only once every attention program has run its
+``launch_dependents`` (after its own wait), so every program it waits for is resident or done. Every value a count
+guards was stored after that program's own PDL wait, so whatever the kernels before the attention wrote is visible
+too; the add + norm after o_proj waits for o_proj's grid as before, and every attention program has stored its row
+by then.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.pdl_wait import wait_after
+from engine.triton_attention import _attend_keys
+from engine.triton_gemm import _box
+
+
+@triton.jit
+def attention_count_kernel(q_ptr, k_ptr, v_ptr, o_ptr, count_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
+                           stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_k_block, stride_k_slot,
+                           stride_k_head, stride_bt, qk_scale, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           META_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    """engine.triton_attention._paged_attention_kernel's one-row call (one M tile, no key split, sequence-fastest
+    grid (seqs, kv heads)), then `count[kv_head] += 1` once the output is stored."""
+    if USE_PDL and not META_EARLY:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    q_begin = tl.load(query_start_ptr + seq)
+    n_q = tl.load(query_start_ptr + seq + 1) - q_begin
+    ctx = tl.load(context_lens_ptr + seq)
+    last_row = tl.minimum((BLOCK_M - 1) // GROUP, n_q - 1)
+    hi = tl.where(n_q > 0, ctx - n_q + last_row + 1, 0)
+    if USE_PDL and META_EARLY:  # the host's lengths and block ids before the wait, as the engine's launch
+        first = tl.load(block_tables_ptr + seq * stride_bt + tl.arange(0, BLOCK_N) // PAGE,
+                        mask=tl.arange(0, BLOCK_N) < hi, other=0)
+        wait_after(tl.sum(first, 0) + q_begin + n_q + ctx)
+    offs_m = tl.arange(0, BLOCK_M)
+    row = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    m_valid = row < n_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_row = (q_begin + row).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    acc, m_i, l_i = _attend_keys(q, ctx - n_q + row, 0, hi, k_ptr, v_ptr, block_tables_ptr, seq, stride_bt, kv_head,
+                                 stride_k_block, stride_k_slot, stride_k_head, qk_scale, BLOCK_M, BLOCK_N, PAGE,
+                                 HEAD_DIM, False)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = q_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+    tl.debug_barrier()  # every thread's stores before the release
+    tl.atomic_add(count_ptr + kv_head, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_counts(count_ptr, first, last, target, FENCE: tl.constexpr):
+    """Spin until count[first..last) all reach `target` (acquire); then, where FENCE, order the async proxy (TMA)
+    after it."""
+    seen = target
+    for g in range(first, last):
+        seen = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
+    if FENCE:
+        seen = tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [seen], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    return seen
+
+
+@triton.jit(do_not_specialize=["M"])
+def partials_after_counts_kernel(x_ptr, w_ptr, out_ptr, count_ptr, target, M, N, K, k_per_split, stride_xm,
+                                 stride_wn, HEAD_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, TMA: tl.constexpr, FENCE: tl.constexpr,
+                                 USE_PDL: tl.constexpr):
+    """engine.triton_gemm._linear_partials_kernel, its PDL wait replaced by the counts of the kv heads whose
+    columns (HEAD_COLS each) its K split reads."""
+    if USE_PDL:  # the add + norm after may launch; this grid waits for nothing but the counts
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    seen = _wait_counts(count_ptr, k_start // HEAD_COLS, tl.cdiv(k_end, HEAD_COLS), target, FENCE)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
+        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
+        acc += tl.dot(a, tl.trans(b))
+    out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N) & (seen >= target))
+
+
+def attention_count(q, k_blocks, v_blocks, block_tables, context_lens, query_start, scale: float, count, config):
+    """The attention of one new row per request (q [rows, heads, d]; k_blocks, v_blocks [blocks, page, kv heads, d])
+    with engine.attention_dispatch.LaunchConfig `config` (one key split, sequence-fastest grid), adding each
+    program's 1 to count [kv heads] (int32) -> [rows, heads, d]."""
+    import torch
+
+    from engine import pdl
+    from engine.attention_dispatch import query_tiling
+
+    rows, heads, d = q.shape
+    _, page, kv_heads, _ = k_blocks.shape
+    group = heads // kv_heads
+    block_m, m_tiles = query_tiling(1, group, d)
+    if config.splits != 1 or config.head_major or m_tiles != 1 or count.shape != (kv_heads,):
+        raise ValueError(f"attention_count: one key split, sequence-fastest order, one M tile and a count per kv head "
+                         f"({kv_heads}), got {config}, {m_tiles} M tiles, count {list(count.shape)}")
+    out = torch.empty_like(q)
+    attention_count_kernel[(context_lens.shape[0], kv_heads)](
+        q, k_blocks, v_blocks, out, count, block_tables, context_lens, query_start, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+        block_tables.stride(0), scale * 1.4426950408889634, GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        PAGE=page, HEAD_DIM=d, META_EARLY=config.meta_early, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl.launch_kwargs(q.device))
+    return out
+
+
+def partials_after_counts(x, w, splits: int, cfg, count, target: int, head_cols: int, out=None):
+    """engine.triton_gemm.linear_partials(x, w, splits, cfg, out), each program first waiting for count[g] >= target
+    for the kv heads g (head_cols columns of x each) of its K split."""
+    import torch
+
+    from engine import pdl, triton_gemm
+    from engine.gemm_dispatch import gemm_block_m
+
+    rows, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
+    bm = gemm_block_m(rows)
+    x_arg, w_arg, tma = triton_gemm._tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
+    grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
+    partials_after_counts_kernel[grid](x_arg, w_arg, out, count, target, rows, N, K, k_per_split, x.stride(0),
+                                       w.stride(0), HEAD_COLS=head_cols, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+                                       BLOCK_K=cfg.block_k, TMA=tma, FENCE=x.device.type == "cuda",
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                       **pdl.launch_kwargs(x.device))
+    return out

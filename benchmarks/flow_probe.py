@@ -1,0 +1,185 @@
+"""Does o_proj starting on each K split as soon as its heads' attention is done shorten the N = 64 decode pass?
+
+With programmatic dependent launch every kernel's programs wait for the whole kernel before (engine/pdl.py), so
+o_proj's split-K partials start only after the decode attention's last program, though split s reads only its
+heads' outputs, and the attention's grid finishes a head's requests together (sequence-fastest order): at 64
+requests x 16 kv heads its 1,024 programs take ~1.1 waves of slots, so the first 12 heads are done while the
+last wave still runs. Here (benchmarks/flow_kernels.py) the attention counts its finished programs per kv head and
+o_proj's programs wait for their split's counts instead of the grid: a dataflow edge, the rest of the pass as the
+engine runs it. The counts are zeroed once a pass (one memset); each layer has its own.
+
+Ways (one loop pass of the engine's model, its kernels, PDL, a CUDA graph, twice in turn; every readout compared
+with `kernels`):
+    kernels     the engine's loop pass (fused_pass.run_loops)
+    mirror:S    this probe's pass with the engine's attention and o_proj in S K splits (mirror:4 is `kernels`)
+    flow:S      the same with the counted attention and o_proj waiting on the counts
+
+    python benchmarks/flow_probe.py --out DIR [--rows 64] [--context 640] [--ways kernels,mirror:4,flow:4,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "mirror:8", "flow:8", "flow:16")
+
+
+def parse_way(name: str) -> tuple[str, int]:
+    """A --ways entry: ("kernels", 0) or (mirror | flow, S) with S a power of two from 1 to 64."""
+    if name == "kernels":
+        return name, 0
+    kind, _, splits = name.partition(":")
+    if kind not in ("mirror", "flow") or not splits.isdigit() or int(splits) not in (1, 2, 4, 8, 16, 32, 64):
+        raise ValueError(f"--ways: {name!r} is neither 'kernels' nor mirror:S / flow:S with S a power of two, 1-64")
+    return kind, int(splits)
+
+
+class FlowPass:
+    """One loop pass (loop 1) of the engine's model over a decode batch, o_proj's input edge as a way says."""
+
+    def __init__(self, rows: int, context: int) -> None:
+        from ws_step64_probe import D, HEADS, decode_batch, engine_model
+
+        from engine.attention_dispatch import choose_config
+        from engine.fused_pass import inv_freq
+        from engine.gemm_dispatch import gemm_config
+
+        self.model = engine_model()
+        cfg = self.model.config
+        self.gemm = gemm_config(rows)
+        self.pool, self.meta = decode_batch(cfg, rows, context, 0.0)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        self.h = torch.randn(rows, HEADS * D, generator=g, device="cuda").to(torch.bfloat16)
+        self.freqs = inv_freq(self.model, self.h.device)
+        self.launch = choose_config(rows, cfg.num_key_value_heads, 1, cfg.head_dim,
+                                    torch.cuda.get_device_properties(0).multi_processor_count)
+        self.counts = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, dtype=torch.int32, device="cuda")
+        self.head_cols = cfg.head_dim * (cfg.num_attention_heads // cfg.num_key_value_heads)
+        self.outs: dict[str, torch.Tensor] = {}
+
+    def kernels(self) -> None:
+        self.outs["kernels"] = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
+
+    def run(self, name: str, flow: bool, splits: int) -> None:
+        from engine import fused_pass
+        from engine import triton_fused as fused
+
+        layers, eps, cfg = self.model.model.layers, self.model.config.rms_norm_eps, self.model.config
+        h, x = self.h, fused.rms_norm(self.h, layers[0].input_layernorm.weight, eps)
+        if flow:
+            self.counts.zero_()
+        for i, layer in enumerate(layers):
+            k_plane, v_plane = self.pool.plane(1, layer.layer)
+            q = fused_pass.qkv_rope_store(x, layer.self_attn.qkv_weight, self.meta, self.freqs, k_plane, v_plane,
+                                          cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.gemm,
+                                          None)
+            part = self._attention_o(i, q, flow, splits)
+            h, x = self._add_norm(h, part, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight)
+            w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.model.norm.weight
+            act = fused_pass.gate_up_silu(x, layer.mlp.gate_up_weight, self.gemm, None)
+            h, x = fused_pass.linear_add_norm(h, act, layer.mlp.down_proj.weight, self.gemm, "down",
+                                              layer.post_attention_layernorm_2.weight, w_next, eps)
+        self.outs[name] = x
+
+    def _attention_o(self, i: int, q: torch.Tensor, flow: bool, splits: int) -> torch.Tensor:
+        """Layer i's attention and o_proj's float32 partials [splits, rows, hidden]."""
+        from flow_kernels import attention_count, partials_after_counts
+
+        from engine import triton_gemm
+        from engine.triton_attention import launch_paged_attention
+
+        layer, m, rows = self.model.model.layers[i], self.meta, q.shape[0]
+        kb, vb = self.pool.block_plane(1, layer.layer)
+        w_o, scale = layer.self_attn.o_proj.weight, layer.self_attn.scale
+        if not flow:
+            a = launch_paged_attention(q, kb, vb, m.block_tables, m.context_lens, m.query_start, 1, scale,
+                                       self.launch)
+            return triton_gemm.linear_partials(a.reshape(rows, -1), w_o, splits, self.gemm)
+        a = attention_count(q, kb, vb, m.block_tables, m.context_lens, m.query_start, scale, self.counts[i],
+                            self.launch)
+        return partials_after_counts(a.reshape(rows, -1), w_o, splits, self.gemm, self.counts[i],
+                                     m.context_lens.shape[0], self.head_cols)
+
+    def _add_norm(self, h, part, w_branch, w_next):
+        from engine import triton_gemm
+
+        return triton_gemm.add_rms_norm2_partials(h, part, w_branch, w_next, self.model.config.rms_norm_eps)
+
+    def ways(self, names: list[str]) -> dict:
+        table = {}
+        for name in names:
+            kind, splits = parse_way(name)
+            table[name] = self.kernels if kind == "kernels" else \
+                (lambda name=name, kind=kind, splits=splits: self.run(name, kind == "flow", splits))
+        return table
+
+
+def measure(p: FlowPass, ways: dict, out: Path) -> dict:
+    """Every way's first call (checked against `kernels`, and the counts against the request count), then all of
+    them twice in turn."""
+    from phase_probe import rel_err, timed
+
+    rows = p.h.shape[0]
+    result = {"device": torch.cuda.get_device_name(0), "rows": rows, "context": int(p.meta.context_lens.max()),
+              "ways": {}, "checks": {}}
+    for name, fn in ways.items():
+        p.counts.fill_(-1)
+        fn()
+        torch.cuda.synchronize()
+        ref, got = p.outs.get("kernels"), p.outs[name]
+        counted = bool((p.counts == p.meta.context_lens.shape[0]).all()) if name.startswith("flow") else None
+        result["checks"][name] = {"finite": bool(torch.isfinite(got.float()).all()), "counts_complete": counted,
+                                  "equal": None if ref is None else bool(torch.equal(got, ref)),
+                                  "rel_err": None if ref is None else rel_err(got, ref)}
+        print(f"{name}: {result['checks'][name]}", flush=True)
+    for _ in range(2):
+        for name, fn in ways.items():
+            ms = timed(fn)
+            result["ways"].setdefault(name, []).append(ms)
+            print(f"{name:10s} {ms:.3f} ms a pass", flush=True)
+            (out / "flow.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict) -> str:
+    base = min(result["ways"].get("kernels", [float("nan")]))
+    lines = [f"| way ({result['rows']} rows x {result['context']} positions, {result['device']}) | ms a pass (two "
+             "rounds) | us a layer vs kernels | equal to kernels | rel. error | counts complete |",
+             "|---|---|---|---|---|---|"]
+    for name, ms in result["ways"].items():
+        check = result["checks"][name]
+        lines.append(f"| {name} | {' / '.join(f'{v:.3f}' for v in ms)} | {(min(ms) - base) * 1e3 / 24:+.2f} | "
+                     f"{check['equal']} | {check['rel_err']} | {check['counts_complete']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--ways", default=",".join(DEFAULT_WAYS))
+    args = ap.parse_args(argv)
+    names = args.ways.split(",")
+    for name in names:
+        parse_way(name)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    p = FlowPass(args.rows, args.context)
+    result = measure(p, p.ways(names), out)
+    (out / "flow.json").write_text(json.dumps(result, indent=1))
+    (out / "flow.md").write_text(table(result))
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
