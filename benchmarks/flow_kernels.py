@@ -28,13 +28,21 @@ from engine.triton_gemm import _box
 
 
 @triton.jit
-def attention_count_kernel(q_ptr, k_ptr, v_ptr, o_ptr, count_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
-                           stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_k_block, stride_k_slot,
-                           stride_k_head, stride_bt, qk_scale, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           META_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+def _now(token):
+    """The GPU's global timer (ns) once `token` (an int32 scalar) is computed."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [token], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def attention_count_kernel(q_ptr, k_ptr, v_ptr, o_ptr, count_ptr, stamp_ptr, block_tables_ptr, context_lens_ptr,
+                           query_start_ptr, stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_k_block,
+                           stride_k_slot, stride_k_head, stride_bt, qk_scale, GROUP: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           META_EARLY: tl.constexpr, STAMP: tl.constexpr, USE_PDL: tl.constexpr):
     """engine.triton_attention._paged_attention_kernel's one-row call (one M tile, no key split, sequence-fastest
-    grid (seqs, kv heads)), then `count[kv_head] += 1` once the output is stored."""
+    grid (seqs, kv heads)), then `count[kv_head] += 1` once the output is stored. STAMP: the program's start (past
+    its wait) and end times go to stamp [seq + seqs x kv_head, 2] (int64, ns)."""
     if USE_PDL and not META_EARLY:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -48,6 +56,8 @@ def attention_count_kernel(q_ptr, k_ptr, v_ptr, o_ptr, count_ptr, block_tables_p
         first = tl.load(block_tables_ptr + seq * stride_bt + tl.arange(0, BLOCK_N) // PAGE,
                         mask=tl.arange(0, BLOCK_N) < hi, other=0)
         wait_after(tl.sum(first, 0) + q_begin + n_q + ctx)
+    if STAMP:
+        t0 = _now(n_q)
     offs_m = tl.arange(0, BLOCK_M)
     row = offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
@@ -63,7 +73,11 @@ def attention_count_kernel(q_ptr, k_ptr, v_ptr, o_ptr, count_ptr, block_tables_p
     o_off = q_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
     tl.debug_barrier()  # every thread's stores before the release
-    tl.atomic_add(count_ptr + kv_head, 1, sem="release", scope="gpu")
+    done = tl.atomic_add(count_ptr + kv_head, 1, sem="release", scope="gpu")
+    if STAMP:
+        stamp = stamp_ptr + 2 * (seq + tl.num_programs(0) * kv_head)
+        tl.store(stamp, t0)
+        tl.store(stamp + 1, _now(done))
 
 
 @triton.jit
@@ -82,33 +96,45 @@ def _wait_counts(count_ptr, first, last, target, FENCE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def partials_after_counts_kernel(x_ptr, w_ptr, out_ptr, count_ptr, target, M, N, K, k_per_split, stride_xm,
-                                 stride_wn, HEAD_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, TMA: tl.constexpr, FENCE: tl.constexpr,
-                                 USE_PDL: tl.constexpr):
+def partials_after_counts_kernel(x_ptr, w_ptr, out_ptr, count_ptr, starts_ptr, stamp_ptr, target, M, N, K,
+                                 stride_xm, stride_wn, HEAD_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                                 FENCE: tl.constexpr, STAMP: tl.constexpr, USE_PDL: tl.constexpr):
     """engine.triton_gemm._linear_partials_kernel, its PDL wait replaced by the counts of the kv heads whose
-    columns (HEAD_COLS each) its K split reads."""
+    columns (HEAD_COLS each) its K split reads; split s covers K columns starts[s]..starts[s + 1] (multiples of
+    BLOCK_K). STAMP: the program's start, the counts' arrival and its end go to stamp [program, 3] (int64, ns)."""
     if USE_PDL:  # the add + norm after may launch; this grid waits for nothing but the counts
         tl.extra.cuda.gdc_launch_dependents()
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_start = split * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
+    k_start = tl.load(starts_ptr + split)
+    k_end = tl.load(starts_ptr + split + 1)
+    if STAMP:
+        t0 = _now(k_start)
     seen = _wait_counts(count_ptr, k_start // HEAD_COLS, tl.cdiv(k_end, HEAD_COLS), target, FENCE)
+    if STAMP:
+        t1 = _now(seen)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
-        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
+    for k in range(k_start, k_end, BLOCK_K):
+        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k, K, BLOCK_K, TMA == 2)
+        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k, K, BLOCK_K, TMA > 0)
         acc += tl.dot(a, tl.trans(b))
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N) & (seen >= target))
+    if STAMP:
+        stamp = stamp_ptr + 3 * (pid_n + tl.num_programs(0) * (split + tl.num_programs(1) * pid_m))
+        tl.store(stamp, t0)
+        tl.store(stamp + 1, t1)
+        tl.store(stamp + 2, _now(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True)))
 
 
-def attention_count(q, k_blocks, v_blocks, block_tables, context_lens, query_start, scale: float, count, config):
+def attention_count(q, k_blocks, v_blocks, block_tables, context_lens, query_start, scale: float, count, config,
+                    stamp=None):
     """The attention of one new row per request (q [rows, heads, d]; k_blocks, v_blocks [blocks, page, kv heads, d])
     with engine.attention_dispatch.LaunchConfig `config` (one key split, sequence-fastest grid), adding each
-    program's 1 to count [kv heads] (int32) -> [rows, heads, d]."""
+    program's 1 to count [kv heads] (int32) -> [rows, heads, d]. stamp: int64 [seqs x kv heads, 2] for the programs'
+    start and end times (CUDA only), or None."""
     import torch
 
     from engine import pdl
@@ -123,33 +149,40 @@ def attention_count(q, k_blocks, v_blocks, block_tables, context_lens, query_sta
                          f"({kv_heads}), got {config}, {m_tiles} M tiles, count {list(count.shape)}")
     out = torch.empty_like(q)
     attention_count_kernel[(context_lens.shape[0], kv_heads)](
-        q, k_blocks, v_blocks, out, count, block_tables, context_lens, query_start, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        block_tables.stride(0), scale * 1.4426950408889634, GROUP=group, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        PAGE=page, HEAD_DIM=d, META_EARLY=config.meta_early, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.launch_kwargs(q.device))
+        q, k_blocks, v_blocks, out, count, count if stamp is None else stamp, block_tables, context_lens,
+        query_start, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_blocks.stride(0), k_blocks.stride(1),
+        k_blocks.stride(2), block_tables.stride(0), scale * 1.4426950408889634, GROUP=group, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, PAGE=page, HEAD_DIM=d, META_EARLY=config.meta_early, STAMP=stamp is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(q.device))
     return out
 
 
-def partials_after_counts(x, w, splits: int, cfg, count, target: int, head_cols: int, out=None):
-    """engine.triton_gemm.linear_partials(x, w, splits, cfg, out), each program first waiting for count[g] >= target
-    for the kv heads g (head_cols columns of x each) of its K split."""
+def split_starts(K: int, splits: int, block_k: int) -> list[int]:
+    """linear_partials' even K splits as starts [splits + 1] (the last is K)."""
+    per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return [min(K, s * per) for s in range(splits)] + [K]
+
+
+def partials_after_counts(x, w, starts, cfg, count, target: int, head_cols: int, out=None, stamp=None):
+    """engine.triton_gemm.linear_partials(x, w, splits, cfg, out) with split s over K columns starts[s]..starts[s + 1]
+    (an int32 tensor on x's device, multiples of cfg.block_k), each program first waiting for count[g] >= target
+    for the kv heads g (head_cols columns of x each) of its split. stamp: int64 [programs, 3] or None."""
     import torch
 
     from engine import pdl, triton_gemm
     from engine.gemm_dispatch import gemm_block_m
 
     rows, K = x.shape
-    N = w.shape[0]
+    N, splits = w.shape[0], starts.shape[0] - 1
     if out is None:
         out = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
     bm = gemm_block_m(rows)
     x_arg, w_arg, tma = triton_gemm._tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
     grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
-    partials_after_counts_kernel[grid](x_arg, w_arg, out, count, target, rows, N, K, k_per_split, x.stride(0),
-                                       w.stride(0), HEAD_COLS=head_cols, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-                                       BLOCK_K=cfg.block_k, TMA=tma, FENCE=x.device.type == "cuda",
+    partials_after_counts_kernel[grid](x_arg, w_arg, out, count, starts, count if stamp is None else stamp, target,
+                                       rows, N, K, x.stride(0), w.stride(0), HEAD_COLS=head_cols, BLOCK_M=bm,
+                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TMA=tma,
+                                       FENCE=x.device.type == "cuda", STAMP=stamp is not None,
                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                        **pdl.launch_kwargs(x.device))
     return out

@@ -10,11 +10,16 @@ engine runs it. The counts are zeroed once a pass (one memset); each layer has i
 
 Ways (one loop pass of the engine's model, its kernels, PDL, a CUDA graph, twice in turn; every readout compared
 with `kernels`):
-    kernels     the engine's loop pass (fused_pass.run_loops)
-    mirror:S    this probe's pass with the engine's attention and o_proj in S K splits (mirror:4 is `kernels`)
-    flow:S      the same with the counted attention and o_proj waiting on the counts
+    kernels       the engine's loop pass (fused_pass.run_loops)
+    mirror:S      this probe's pass with the engine's attention and o_proj in S K splits (mirror:4 is `kernels`)
+    flow:S        the same with the counted attention and o_proj waiting on the counts
+    flow:hA,B,..  o_proj's splits uneven, starting at kv heads 0, A, B, ... (a small last split: the heads the
+                  attention finishes last)
+--trace also replays each flow way once with both kernels stamping the GPU's timer (flow_kernels' STAMP): when
+each kv head's last attention program ends, and when o_proj's programs start, see their counts and end, against
+the attention's end (medians over the layers).
 
-    python benchmarks/flow_probe.py --out DIR [--rows 64] [--context 640] [--ways kernels,mirror:4,flow:4,...]
+    python benchmarks/flow_probe.py --out DIR [--rows 64] [--context 640] [--ways kernels,flow:4,...] [--trace]
 """
 
 from __future__ import annotations
@@ -29,17 +34,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "mirror:8", "flow:8", "flow:16")
+DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "flow:h5,10,14", "flow:h6,12,15", "flow:h4,8,12,15")
 
 
-def parse_way(name: str) -> tuple[str, int]:
-    """A --ways entry: ("kernels", 0) or (mirror | flow, S) with S a power of two from 1 to 64."""
+def parse_way(name: str) -> tuple[str, int, tuple[int, ...]]:
+    """A --ways entry: ("kernels", 0, ()), (mirror | flow, S, ()) with S a power of two from 1 to 64, or
+    ("flow", S, (A, B, ...)) for flow:hA,B,... (S - 1 increasing kv heads past 0)."""
     if name == "kernels":
-        return name, 0
+        return name, 0, ()
     kind, _, splits = name.partition(":")
-    if kind not in ("mirror", "flow") or not splits.isdigit() or int(splits) not in (1, 2, 4, 8, 16, 32, 64):
-        raise ValueError(f"--ways: {name!r} is neither 'kernels' nor mirror:S / flow:S with S a power of two, 1-64")
-    return kind, int(splits)
+    if kind == "flow" and splits.startswith("h"):
+        heads = tuple(int(v) for v in splits[1:].split(",") if v.isdigit())
+        if len(heads) == len(splits[1:].split(",")) and all(0 < a < b for a, b in zip((0, *heads), heads)):
+            return kind, len(heads) + 1, heads
+    elif kind in ("mirror", "flow") and splits.isdigit() and int(splits) in (1, 2, 4, 8, 16, 32, 64):
+        return kind, int(splits), ()
+    raise ValueError(f"--ways: {name!r} is none of 'kernels', mirror:S / flow:S with S a power of two, 1-64, or "
+                     "flow:hA,B,... with increasing kv heads past 0")
 
 
 class FlowPass:
@@ -64,16 +75,20 @@ class FlowPass:
         self.counts = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, dtype=torch.int32, device="cuda")
         self.head_cols = cfg.head_dim * (cfg.num_attention_heads // cfg.num_key_value_heads)
         self.outs: dict[str, torch.Tensor] = {}
+        self.starts: dict[tuple, torch.Tensor] = {}
 
     def kernels(self) -> None:
         self.outs["kernels"] = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
 
-    def run(self, name: str, flow: bool, splits: int) -> None:
+    def run(self, name: str, flow: bool, splits: int, heads: tuple[int, ...] = (), stamps=None) -> None:
+        """The pass, o_proj in `splits` K splits (starting at kv heads `heads` where given), through the counted
+        edge where `flow`; stamps: (attention [layers, programs, 2], o_proj [layers, programs, 3]) int64 or None."""
         from engine import fused_pass
         from engine import triton_fused as fused
 
         layers, eps, cfg = self.model.model.layers, self.model.config.rms_norm_eps, self.model.config
         h, x = self.h, fused.rms_norm(self.h, layers[0].input_layernorm.weight, eps)
+        starts = self._starts(splits, heads) if flow else None
         if flow:
             self.counts.zero_()
         for i, layer in enumerate(layers):
@@ -81,7 +96,7 @@ class FlowPass:
             q = fused_pass.qkv_rope_store(x, layer.self_attn.qkv_weight, self.meta, self.freqs, k_plane, v_plane,
                                           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.gemm,
                                           None)
-            part = self._attention_o(i, q, flow, splits)
+            part = self._attention_o(i, q, splits, starts, None if stamps is None else (stamps[0][i], stamps[1][i]))
             h, x = self._add_norm(h, part, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight)
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.model.norm.weight
             act = fused_pass.gate_up_silu(x, layer.mlp.gate_up_weight, self.gemm, None)
@@ -89,8 +104,21 @@ class FlowPass:
                                               layer.post_attention_layernorm_2.weight, w_next, eps)
         self.outs[name] = x
 
-    def _attention_o(self, i: int, q: torch.Tensor, flow: bool, splits: int) -> torch.Tensor:
-        """Layer i's attention and o_proj's float32 partials [splits, rows, hidden]."""
+    def _starts(self, splits: int, heads: tuple[int, ...]) -> torch.Tensor:
+        """o_proj's split starts (flow_kernels.partials_after_counts), kept per setting (a graph holds them)."""
+        from flow_kernels import split_starts
+
+        key = (splits, heads)
+        if key not in self.starts:
+            K = self.model.model.layers[0].self_attn.o_proj.weight.shape[1]
+            values = [0, *(g * self.head_cols for g in heads), K] if heads else split_starts(K, splits,
+                                                                                             self.gemm.block_k)
+            self.starts[key] = torch.tensor(values, dtype=torch.int32, device="cuda")
+        return self.starts[key]
+
+    def _attention_o(self, i: int, q: torch.Tensor, splits: int, starts, stamps) -> torch.Tensor:
+        """Layer i's attention and o_proj's float32 partials [splits, rows, hidden] (the counted edge where starts is
+        given)."""
         from flow_kernels import attention_count, partials_after_counts
 
         from engine import triton_gemm
@@ -99,14 +127,14 @@ class FlowPass:
         layer, m, rows = self.model.model.layers[i], self.meta, q.shape[0]
         kb, vb = self.pool.block_plane(1, layer.layer)
         w_o, scale = layer.self_attn.o_proj.weight, layer.self_attn.scale
-        if not flow:
+        if starts is None:
             a = launch_paged_attention(q, kb, vb, m.block_tables, m.context_lens, m.query_start, 1, scale,
                                        self.launch)
             return triton_gemm.linear_partials(a.reshape(rows, -1), w_o, splits, self.gemm)
         a = attention_count(q, kb, vb, m.block_tables, m.context_lens, m.query_start, scale, self.counts[i],
-                            self.launch)
-        return partials_after_counts(a.reshape(rows, -1), w_o, splits, self.gemm, self.counts[i],
-                                     m.context_lens.shape[0], self.head_cols)
+                            self.launch, None if stamps is None else stamps[0])
+        return partials_after_counts(a.reshape(rows, -1), w_o, starts, self.gemm, self.counts[i],
+                                     m.context_lens.shape[0], self.head_cols, None, None if stamps is None else stamps[1])
 
     def _add_norm(self, h, part, w_branch, w_next):
         from engine import triton_gemm
@@ -116,10 +144,28 @@ class FlowPass:
     def ways(self, names: list[str]) -> dict:
         table = {}
         for name in names:
-            kind, splits = parse_way(name)
+            kind, splits, heads = parse_way(name)
             table[name] = self.kernels if kind == "kernels" else \
-                (lambda name=name, kind=kind, splits=splits: self.run(name, kind == "flow", splits))
+                (lambda name=name, kind=kind, splits=splits, heads=heads: self.run(name, kind == "flow", splits, heads))
         return table
+
+    def trace(self, name: str) -> dict:
+        """Flow way `name` replayed once from a graph with both kernels stamping the timer: times (us) against
+        the attention's last program end, medians over the layers (flow_trace.summarize)."""
+        from flow_trace import summarize
+
+        _, splits, heads = parse_way(name)
+        layers, kv_heads, seqs = len(self.model.model.layers), self.counts.shape[1], self.meta.context_lens.shape[0]
+        n_tiles = -(-self.model.model.layers[0].self_attn.o_proj.weight.shape[0] // self.gemm.block_n)
+        stamps = (torch.zeros(layers, seqs * kv_heads, 2, dtype=torch.int64, device="cuda"),
+                  torch.zeros(layers, n_tiles * splits, 3, dtype=torch.int64, device="cuda"))
+        self.run(name, True, splits, heads, stamps)  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run(name, True, splits, heads, stamps)
+        graph.replay()
+        torch.cuda.synchronize()
+        return summarize(stamps[0].cpu(), stamps[1].cpu(), seqs, kv_heads, n_tiles, splits)
 
 
 def measure(p: FlowPass, ways: dict, out: Path) -> dict:
@@ -167,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--ways", default=",".join(DEFAULT_WAYS))
+    ap.add_argument("--trace", action="store_true", help="also each flow way's timer stamps (flow_trace.py)")
     args = ap.parse_args(argv)
     names = args.ways.split(",")
     for name in names:
@@ -176,8 +223,15 @@ def main(argv=None) -> int:
     p = FlowPass(args.rows, args.context)
     result = measure(p, p.ways(names), out)
     (out / "flow.json").write_text(json.dumps(result, indent=1))
-    (out / "flow.md").write_text(table(result))
-    print(table(result))
+    text = table(result)
+    if args.trace:
+        from flow_trace import trace_table
+
+        result["traces"] = {name: p.trace(name) for name in names if name.startswith("flow")}
+        (out / "flow.json").write_text(json.dumps(result, indent=1))
+        text += "\n" + trace_table(result["traces"])
+    (out / "flow.md").write_text(text)
+    print(text)
     return 0
 
 
