@@ -13,7 +13,7 @@ with `kernels`):
     kernels       the engine's loop pass (fused_pass.run_loops)
     mirror:S      this probe's pass with the engine's attention and o_proj in S K splits (mirror:4 is `kernels`)
     flow:S        the same with the counted attention and o_proj waiting on the counts
-    flow:hA,B,..  o_proj's splits uneven, starting at kv heads 0, A, B, ... (a small last split: the heads the
+    flow:hA-B-..  o_proj's splits uneven, starting at kv heads 0, A, B, ... (a small last split: the heads the
                   attention finishes last)
 --trace also replays each flow way once with both kernels stamping the GPU's timer (flow_kernels' STAMP): when
 each kv head's last attention program ends, and when o_proj's programs start, see their counts and end, against
@@ -34,23 +34,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "flow:h5,10,14", "flow:h6,12,15", "flow:h4,8,12,15")
+DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "flow:h5-10-14", "flow:h6-12-15", "flow:h4-8-12-15")
 
 
 def parse_way(name: str) -> tuple[str, int, tuple[int, ...]]:
     """A --ways entry: ("kernels", 0, ()), (mirror | flow, S, ()) with S a power of two from 1 to 64, or
-    ("flow", S, (A, B, ...)) for flow:hA,B,... (S - 1 increasing kv heads past 0)."""
+    ("flow", S, (A, B, ...)) for flow:hA-B-... (S - 1 increasing kv heads past 0)."""
     if name == "kernels":
         return name, 0, ()
     kind, _, splits = name.partition(":")
     if kind == "flow" and splits.startswith("h"):
-        heads = tuple(int(v) for v in splits[1:].split(",") if v.isdigit())
-        if len(heads) == len(splits[1:].split(",")) and all(0 < a < b for a, b in zip((0, *heads), heads)):
+        heads = tuple(int(v) for v in splits[1:].split("-") if v.isdigit())
+        if len(heads) == len(splits[1:].split("-")) and all(0 < a < b for a, b in zip((0, *heads), heads)):
             return kind, len(heads) + 1, heads
     elif kind in ("mirror", "flow") and splits.isdigit() and int(splits) in (1, 2, 4, 8, 16, 32, 64):
         return kind, int(splits), ()
     raise ValueError(f"--ways: {name!r} is none of 'kernels', mirror:S / flow:S with S a power of two, 1-64, or "
-                     "flow:hA,B,... with increasing kv heads past 0")
+                     "flow:hA-B-... with increasing kv heads past 0")
 
 
 class FlowPass:
