@@ -45,7 +45,7 @@ def parse_way(name: str) -> tuple[str, int, tuple[int, ...]]:
     kind, _, splits = name.partition(":")
     if kind == "flow" and splits.startswith("h"):
         heads = tuple(int(v) for v in splits[1:].split("-") if v.isdigit())
-        if len(heads) == len(splits[1:].split("-")) and all(0 < a < b for a, b in zip((0, *heads), heads)):
+        if len(heads) == len(splits[1:].split("-")) and all(a < b for a, b in zip((0, *heads), heads)):
             return kind, len(heads) + 1, heads
     elif kind in ("mirror", "flow") and splits.isdigit() and int(splits) in (1, 2, 4, 8, 16, 32, 64):
         return kind, int(splits), ()
