@@ -24,6 +24,7 @@ import triton.language as tl
 
 from engine.pdl_wait import wait_after
 from engine.triton_attention import _attend_keys
+from engine.triton_fused import add_norm2_store
 from engine.triton_gemm import _box
 
 
@@ -186,3 +187,72 @@ def partials_after_counts(x, w, starts, cfg, count, target: int, head_cols: int,
                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                        **pdl.launch_kwargs(x.device))
     return out
+
+
+@triton.jit(do_not_specialize=["M", "workers"])
+def partials_norm_kernel(x_ptr, w_ptr, part_ptr, ticket_ptr, h_ptr, wa_ptr, wb_ptr, h_out_ptr, x_out_ptr, M, N, K,
+                         k_per_split, stride_xm, stride_wn, workers, eps, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """engine.triton_gemm._linear_partials_kernel (SPLITS K splits on grid axis 1), then the add + norm
+    (_add_rms_norm2_partials_kernel's math) in the same launch: every program takes a ticket once its partial tile is
+    stored; the last `workers` to take one wait until all have, then each runs rows worker, worker + workers, ...
+    of h + rms(sum of the partials) wa -> h_out, rms(h_out) wb -> x_out. `ticket`: one int32, zero before."""
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
+        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
+        acc += tl.dot(a, tl.trans(b))
+    tl.store(part_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.debug_barrier()  # every thread's stores before the release
+    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    worker = ticket - (total - workers)
+    if worker >= 0:
+        seen = ticket + 1
+        while seen < total:
+            seen = tl.atomic_add(ticket_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        for row in range(worker, M, workers):
+            base = row * N  # rows x hidden of one decode batch: well inside int32
+            y = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                y += tl.load(part_ptr + s * M * N + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            h = tl.load(h_ptr + base + cols, mask=mask, other=0.0)
+            y = y.to(h.dtype).to(tl.float32)  # the GEMM output in the model dtype, as the reference path has it
+            add_norm2_store(y, h, wa_ptr, wb_ptr, h_out_ptr + base, x_out_ptr + base, cols, mask, N, eps)
+
+
+def partials_norm(x, w, splits: int, cfg, ticket, h, w_branch, w_next, eps: float, workers: int | None = None):
+    """engine.triton_gemm.add_rms_norm2_partials(h, linear_partials(x, w, splits, cfg), w_branch, w_next, eps) as one
+    launch (partials_norm_kernel; `ticket` a zeroed int32 on x's device; `workers`: rows, at most the grid) ->
+    (h_out, x_out)."""
+    import torch
+
+    from engine import pdl, triton_gemm
+    from engine.gemm_dispatch import gemm_block_m
+
+    rows, K = x.shape
+    N = w.shape[0]
+    part = torch.empty(splits, rows, N, dtype=torch.float32, device=x.device)
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_k) * cfg.block_k
+    bm = gemm_block_m(rows)
+    grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(rows, bm))
+    workers = min(rows, grid[0] * grid[1] * grid[2]) if workers is None else workers
+    x_arg, w_arg, tma = triton_gemm._tma_args(x, w, bm, cfg.block_n, cfg.block_k, cfg)
+    partials_norm_kernel[grid](x_arg, w_arg, part, ticket, h, w_branch, w_next, h_out, x_out, rows, N, K, k_per_split,
+                               x.stride(0), w.stride(0), workers, eps, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+                               BLOCK_K=cfg.block_k, TMA=tma, SPLITS=splits, BLOCK=triton.next_power_of_2(N),
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+    return h_out, x_out

@@ -15,6 +15,8 @@ with `kernels`):
     flow:S        the same with the counted attention and o_proj waiting on the counts
     flow:hA-B-..  o_proj's splits uneven, starting at kv heads 0, A, B, ... (a small last split: the heads the
                   attention finishes last)
+    fold:o|d|od   o_proj's (o), down_proj's (d) or both split-K launches with the add + norm after them in the same
+                  launch (flow_kernels.partials_norm_kernel: the last programs to finish run the rows' norms)
 --trace also replays each flow way once with both kernels stamping the GPU's timer (flow_kernels' STAMP): when
 each kv head's last attention program ends, and when o_proj's programs start, see their counts and end, against
 the attention's end (medians over the layers).
@@ -34,15 +36,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "flow:h5-10-14", "flow:h6-12-15", "flow:h4-8-12-15")
+DEFAULT_WAYS = ("kernels", "mirror:4", "flow:4", "fold:o", "fold:d", "fold:od")
 
 
 def parse_way(name: str) -> tuple[str, int, tuple[int, ...]]:
-    """A --ways entry: ("kernels", 0, ()), (mirror | flow, S, ()) with S a power of two from 1 to 64, or
-    ("flow", S, (A, B, ...)) for flow:hA-B-... (S - 1 increasing kv heads past 0)."""
+    """A --ways entry: ("kernels", 0, ()), (mirror | flow, S, ()) with S a power of two from 1 to 64,
+    ("flow", S, (A, B, ...)) for flow:hA-B-... (S - 1 increasing kv heads past 0), or ("fold", 0, ("o", "d"))
+    for fold:od (o, d or both)."""
     if name == "kernels":
         return name, 0, ()
     kind, _, splits = name.partition(":")
+    if kind == "fold" and splits in ("o", "d", "od"):
+        return kind, 0, tuple(splits)
     if kind == "flow" and splits.startswith("h"):
         heads = tuple(int(v) for v in splits[1:].split("-") if v.isdigit())
         if len(heads) == len(splits[1:].split("-")) and all(a < b for a, b in zip((0, *heads), heads)):
@@ -50,7 +55,7 @@ def parse_way(name: str) -> tuple[str, int, tuple[int, ...]]:
     elif kind in ("mirror", "flow") and splits.isdigit() and int(splits) in (1, 2, 4, 8, 16, 32, 64):
         return kind, int(splits), ()
     raise ValueError(f"--ways: {name!r} is none of 'kernels', mirror:S / flow:S with S a power of two, 1-64, or "
-                     "flow:hA-B-... with increasing kv heads past 0")
+                     "flow:hA-B-... with increasing kv heads past 0, or fold:o, fold:d, fold:od")
 
 
 class FlowPass:
@@ -73,6 +78,7 @@ class FlowPass:
         self.launch = choose_config(rows, cfg.num_key_value_heads, 1, cfg.head_dim,
                                     torch.cuda.get_device_properties(0).multi_processor_count)
         self.counts = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, dtype=torch.int32, device="cuda")
+        self.tickets = torch.zeros(cfg.num_hidden_layers, 2, dtype=torch.int32, device="cuda")
         self.head_cols = cfg.head_dim * (cfg.num_attention_heads // cfg.num_key_value_heads)
         self.outs: dict[str, torch.Tensor] = {}
         self.starts: dict[tuple, torch.Tensor] = {}
@@ -80,9 +86,11 @@ class FlowPass:
     def kernels(self) -> None:
         self.outs["kernels"] = self.model.run_loops(self.h, self.meta, self.pool, 1, 1)[-1]
 
-    def run(self, name: str, flow: bool, splits: int, heads: tuple[int, ...] = (), stamps=None) -> None:
+    def run(self, name: str, flow: bool, splits: int, heads: tuple[int, ...] = (), stamps=None,
+            fold: tuple[str, ...] = ()) -> None:
         """The pass, o_proj in `splits` K splits (starting at kv heads `heads` where given), through the counted
-        edge where `flow`; stamps: (attention [layers, programs, 2], o_proj [layers, programs, 3]) int64 or None."""
+        edge where `flow`; stamps: (attention [layers, programs, 2], o_proj [layers, programs, 3]) int64 or None;
+        fold: the split-K GEMMs ("o", "d") whose add + norm runs in their own launch (splits: the engine's)."""
         from engine import fused_pass
         from engine import triton_fused as fused
 
@@ -91,17 +99,26 @@ class FlowPass:
         starts = self._starts(splits, heads) if flow else None
         if flow:
             self.counts.zero_()
+        if fold:
+            self.tickets.zero_()
         for i, layer in enumerate(layers):
             k_plane, v_plane = self.pool.plane(1, layer.layer)
             q = fused_pass.qkv_rope_store(x, layer.self_attn.qkv_weight, self.meta, self.freqs, k_plane, v_plane,
                                           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.gemm,
                                           None)
-            part = self._attention_o(i, q, splits, starts, None if stamps is None else (stamps[0][i], stamps[1][i]))
-            h, x = self._add_norm(h, part, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight)
+            w_attn = (layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight)
+            if "o" in fold:
+                h, x = self._folded(i, 0, self._attention(i, q), layer.self_attn.o_proj.weight, h, *w_attn)
+            else:
+                part = self._attention_o(i, q, splits, starts, None if stamps is None else (stamps[0][i], stamps[1][i]))
+                h, x = self._add_norm(h, part, *w_attn)
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.model.norm.weight
             act = fused_pass.gate_up_silu(x, layer.mlp.gate_up_weight, self.gemm, None)
-            h, x = fused_pass.linear_add_norm(h, act, layer.mlp.down_proj.weight, self.gemm, "down",
-                                              layer.post_attention_layernorm_2.weight, w_next, eps)
+            w_mlp = (layer.post_attention_layernorm_2.weight, w_next)
+            if "d" in fold:
+                h, x = self._folded(i, 1, act, layer.mlp.down_proj.weight, h, *w_mlp)
+            else:
+                h, x = fused_pass.linear_add_norm(h, act, layer.mlp.down_proj.weight, self.gemm, "down", *w_mlp, eps)
         self.outs[name] = x
 
     def _starts(self, splits: int, heads: tuple[int, ...]) -> torch.Tensor:
@@ -133,8 +150,26 @@ class FlowPass:
             return triton_gemm.linear_partials(a.reshape(rows, -1), w_o, splits, self.gemm)
         a = attention_count(q, kb, vb, m.block_tables, m.context_lens, m.query_start, scale, self.counts[i],
                             self.launch, None if stamps is None else stamps[0])
-        return partials_after_counts(a.reshape(rows, -1), w_o, starts, self.gemm, self.counts[i],
-                                     m.context_lens.shape[0], self.head_cols, None, None if stamps is None else stamps[1])
+        seqs = m.context_lens.shape[0]
+        return partials_after_counts(a.reshape(rows, -1), w_o, starts, self.gemm, self.counts[i], seqs, self.head_cols,
+                                     None, None if stamps is None else stamps[1])
+
+    def _attention(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention as the engine launches it at this batch, [rows, hidden]."""
+        from engine.triton_attention import launch_paged_attention
+
+        layer, m = self.model.model.layers[i], self.meta
+        kb, vb = self.pool.block_plane(1, layer.layer)
+        return launch_paged_attention(q, kb, vb, m.block_tables, m.context_lens, m.query_start, 1,
+                                      layer.self_attn.scale, self.launch).reshape(q.shape[0], -1)
+
+    def _folded(self, i: int, which: int, y, w, h, w_branch, w_next):
+        """(h + rms(y @ w.T) w_branch, its rms times w_next) from one flow_kernels.partials_norm launch."""
+        from flow_kernels import partials_norm
+
+        splits = self.gemm.splits_o if which == 0 else self.gemm.splits_down
+        return partials_norm(y, w, splits, self.gemm, self.tickets[i, which], h, w_branch, w_next,
+                             self.model.config.rms_norm_eps)
 
     def _add_norm(self, h, part, w_branch, w_next):
         from engine import triton_gemm
@@ -145,8 +180,12 @@ class FlowPass:
         table = {}
         for name in names:
             kind, splits, heads = parse_way(name)
-            table[name] = self.kernels if kind == "kernels" else \
-                (lambda name=name, kind=kind, splits=splits, heads=heads: self.run(name, kind == "flow", splits, heads))
+            if kind == "fold":
+                table[name] = lambda name=name, fold=heads: self.run(name, False, 0, (), None, fold)
+            else:
+                table[name] = self.kernels if kind == "kernels" else \
+                    (lambda name=name, kind=kind, splits=splits, heads=heads: self.run(name, kind == "flow", splits,
+                                                                                       heads))
         return table
 
     def trace(self, name: str) -> dict:

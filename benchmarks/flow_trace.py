@@ -44,7 +44,7 @@ def trace_table(traces: dict) -> str:
     lines = ["| way | attention span | o_proj's first start | each split's counts seen | each split's end | "
              "each split's work | o_proj's end | kv heads' last ends |", "|---|---|---|---|---|---|---|---|"]
     for name, t in traces.items():
-        lines.append(f"| {name} | {t['attention_us']:.2f} | {fmt(t['o_first_start_us'])} | {fmt(t['split_counts_us'])} | "
-                     f"{fmt(t['split_end_us'])} | {fmt(t['split_work_us'])} | {fmt(t['o_end_us'])} | "
-                     f"{fmt(t['head_end_us'])} |")
+        lines.append(f"| {name} | {t['attention_us']:.2f} | {fmt(t['o_first_start_us'])} | "
+                     f"{fmt(t['split_counts_us'])} | {fmt(t['split_end_us'])} | {fmt(t['split_work_us'])} | "
+                     f"{fmt(t['o_end_us'])} | {fmt(t['head_end_us'])} |")
     return "\n".join(lines) + "\n(us against the attention's last program end; medians over the layers)\n"
