@@ -181,7 +181,7 @@ class FlowPass:
         for name in names:
             kind, splits, heads = parse_way(name)
             if kind == "fold":
-                table[name] = lambda name=name, fold=heads: self.run(name, False, 0, (), None, fold)
+                table[name] = lambda name=name, fold=heads: self.run(name, False, self.gemm.splits_o, (), None, fold)
             else:
                 table[name] = self.kernels if kind == "kernels" else \
                     (lambda name=name, kind=kind, splits=splits, heads=heads: self.run(name, kind == "flow", splits,
