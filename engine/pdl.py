@@ -29,6 +29,9 @@ weight ring loaded from launch by a loader warp of its own (a Gluon kernel, benc
 (session 36, H100). And a PDL
 boundary is cheaper than the alternative sessions 9-11 pointed to, a persistent kernel with grid barriers:
 benchmarks/phase_probe.py measured 3.7 against 6.3 us per phase above the bytes at 8 rows, a tie at 64 (session 12).
+Nor is a dataflow edge in its place (benchmarks/flow_probe.py, session 38, H100, N = 64): o_proj's K splits waiting on
+per-kv-head counts of finished attention programs tied (the heads end together), and the add + norm run inside the
+split-K launch behind a grid-wide ticket cost 0.9-1.8 us a layer more than its own PDL-launched kernel.
 """
 
 from __future__ import annotations
