@@ -210,28 +210,14 @@ class FlowPass:
 def measure(p: FlowPass, ways: dict, out: Path) -> dict:
     """Every way's first call (checked against `kernels`, and the counts against the request count), then all of
     them twice in turn."""
-    from phase_probe import rel_err, timed
+    from head_split_probe import check_then_time
 
-    rows = p.h.shape[0]
-    result = {"device": torch.cuda.get_device_name(0), "rows": rows, "context": int(p.meta.context_lens.max()),
+    seqs = p.meta.context_lens.shape[0]
+    result = {"device": torch.cuda.get_device_name(0), "rows": p.h.shape[0], "context": int(p.meta.context_lens.max()),
               "ways": {}, "checks": {}}
-    for name, fn in ways.items():
-        p.counts.fill_(-1)
-        fn()
-        torch.cuda.synchronize()
-        ref, got = p.outs.get("kernels"), p.outs[name]
-        counted = bool((p.counts == p.meta.context_lens.shape[0]).all()) if name.startswith("flow") else None
-        result["checks"][name] = {"finite": bool(torch.isfinite(got.float()).all()), "counts_complete": counted,
-                                  "equal": None if ref is None else bool(torch.equal(got, ref)),
-                                  "rel_err": None if ref is None else rel_err(got, ref)}
-        print(f"{name}: {result['checks'][name]}", flush=True)
-    for _ in range(2):
-        for name, fn in ways.items():
-            ms = timed(fn)
-            result["ways"].setdefault(name, []).append(ms)
-            print(f"{name:10s} {ms:.3f} ms a pass", flush=True)
-            (out / "flow.json").write_text(json.dumps(result, indent=1))
-    return result
+    counted = lambda name: {"counts_complete": bool((p.counts == seqs).all()) if name.startswith("flow")  # noqa: E731
+                            else None}
+    return check_then_time(p.outs, ways, result, out / "flow.json", before=lambda: p.counts.fill_(-1), extra=counted)
 
 
 def table(result: dict) -> str:

@@ -239,18 +239,20 @@ class SplitPass:
         return (weights + kv) / (COPY_TBPS * 1e9)
 
 
-def measure(p: SplitPass, ways: dict, context: int, out: Path) -> dict:
-    """Every way's first call (checked against `kernels` to the bit), then all of them twice in turn."""
+def check_then_time(outs: dict, ways: dict, result: dict, path: Path, note=lambda ms: "", before=None,
+                    extra=None) -> dict:
+    """Every way's first call checked against outs["kernels"] (finite, equal to the bit, relative error, and the
+    fields `extra(name)` adds), `before()` ahead of each; then all of them timed twice in turn (phase_probe.timed:
+    a CUDA graph), result["checks"] and result["ways"] filled and written to `path` as they come."""
     from phase_probe import rel_err, timed
 
-    floor = p.floor_ms(context)
-    result = {"device": torch.cuda.get_device_name(0), "rows": p.h.shape[0], "context": context, "floor_ms": floor,
-              "ways": {}, "checks": {}}
     for name, fn in ways.items():
+        if before is not None:
+            before()
         fn()
         torch.cuda.synchronize()
-        ref, got = p.outs.get("kernels"), p.outs[name]
-        result["checks"][name] = {"finite": bool(torch.isfinite(got.float()).all()),
+        ref, got = outs.get("kernels"), outs[name]
+        result["checks"][name] = {"finite": bool(torch.isfinite(got.float()).all()), **(extra(name) if extra else {}),
                                   "equal": None if ref is None else bool(torch.equal(got, ref)),
                                   "rel_err": None if ref is None else rel_err(got, ref)}
         print(f"{name}: {result['checks'][name]}", flush=True)
@@ -258,9 +260,18 @@ def measure(p: SplitPass, ways: dict, context: int, out: Path) -> dict:
         for name, fn in ways.items():
             ms = timed(fn)
             result["ways"].setdefault(name, []).append(ms)
-            print(f"{name:14s} {ms:.3f} ms a pass ({ms / floor:.3f}x the {floor:.3f} ms floor)", flush=True)
-            (out / "head_split.json").write_text(json.dumps(result, indent=1))
+            print(f"{name:14s} {ms:.3f} ms a pass{note(ms)}", flush=True)
+            path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def measure(p: SplitPass, ways: dict, context: int, out: Path) -> dict:
+    """Every way's first call (checked against `kernels` to the bit), then all of them twice in turn."""
+    floor = p.floor_ms(context)
+    result = {"device": torch.cuda.get_device_name(0), "rows": p.h.shape[0], "context": context, "floor_ms": floor,
+              "ways": {}, "checks": {}}
+    return check_then_time(p.outs, ways, result, out / "head_split.json",
+                           lambda ms: f" ({ms / floor:.3f}x the {floor:.3f} ms floor)")
 
 
 def table(result: dict) -> str:
