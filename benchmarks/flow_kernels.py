@@ -1,22 +1,26 @@
-"""Kernels of benchmarks/flow_probe.py: the decode attention counting its finished programs per kv head, and o_proj's
-split-K partials waiting on those counts instead of on the whole attention grid (Triton, CUDA; Triton's
-interpreter runs them one launch after the other, so a count is always complete when read there).
+"""Kernels of benchmarks/flow_probe.py (Triton, CUDA; Triton's interpreter runs them one launch after the other, so
+a count or a ticket is always complete when read there):
+- `attention_count_kernel`: the decode attention, each program adding 1 to its kv head's count once its output row
+  is stored (a CTA barrier, then a release add at GPU scope);
+- `partials_after_counts_kernel`: o_proj's split-K partials, each program spinning (acquire loads) until the counts
+  of its split's kv heads reach the request count instead of waiting at ``griddepcontrol.wait`` for the whole
+  attention grid, then fencing the async proxy (its activations come in through TMA) and running as the engine's
+  linear_partials does, to the bit (its splits even, or uneven by head);
+- `partials_norm_kernel`: a split-K GEMM and the add + norm after it in one launch, behind a ticket;
+- STAMP: both counted kernels store the GPU's timer at their programs' start and end (flow_trace.py reads them).
 
-With programmatic dependent launch (engine/pdl.py) a kernel's programs wait at ``griddepcontrol.wait`` for the whole
-kernel before to finish. o_proj's split s reads only heads [s K / S, (s + 1) K / S) of the attention's output, and
-the attention's grid runs a head's requests one after the other (the sequence is its fastest axis), so the first
-splits' inputs are ready while the last heads' programs still run. Here each attention program, once its output row
-is stored, adds 1 to its kv head's count (a CTA barrier, then a release add at GPU scope), and each o_proj program
-spins (acquire loads) until the counts of its split's kv heads reach the request count, then fences the async proxy
-(its activations come in through TMA) and runs as the engine's linear_partials does, to the bit.
+The idea: with programmatic dependent launch (engine/pdl.py) o_proj's split s waits for every attention program,
+though it reads only heads [s K / S, (s + 1) K / S), and the attention's grid runs a head's requests one after the
+other (the sequence is its fastest axis). Measured on an H100 (docs/benchmarks.md, session 38): the heads end within
+~1 us of each other, since all 1,024 programs of the N = 64 call are resident at once, and the counted edge ties.
 
 Why no program waits forever: o_proj's grid launches only once every attention program has run its
-``launch_dependents`` (after its own wait), so every program it waits for is resident or done. Every value a count
-guards was stored after that program's own PDL wait, so whatever the kernels before the attention wrote is visible
-too; the add + norm after o_proj waits for o_proj's grid as before, and every attention program has stored its row
-by then.
+``launch_dependents`` (after its own wait), so every program it waits for is resident or done; and a split-K grid's
+next kernel launches only once all its programs have run theirs, so no ticket waits on a program that cannot start.
+Every value a count guards was stored after that program's own PDL wait, so whatever the kernels before the attention
+wrote is visible too; the add + norm after o_proj waits for o_proj's grid as before, and every attention program has
+stored its row by then.
 """
-
 from __future__ import annotations
 
 import triton

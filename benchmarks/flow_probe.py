@@ -2,11 +2,11 @@
 
 With programmatic dependent launch every kernel's programs wait for the whole kernel before (engine/pdl.py), so
 o_proj's split-K partials start only after the decode attention's last program, though split s reads only its
-heads' outputs, and the attention's grid finishes a head's requests together (sequence-fastest order): at 64
-requests x 16 kv heads its 1,024 programs take ~1.1 waves of slots, so the first 12 heads are done while the
-last wave still runs. Here (benchmarks/flow_kernels.py) the attention counts its finished programs per kv head and
-o_proj's programs wait for their split's counts instead of the grid: a dataflow edge, the rest of the pass as the
-engine runs it. The counts are zeroed once a pass (one memset); each layer has its own.
+heads' outputs, and the attention's grid runs a head's requests together (sequence-fastest order). Here
+(benchmarks/flow_kernels.py) the attention counts its finished programs per kv head and o_proj's programs wait for
+their split's counts instead of the grid: a dataflow edge, the rest of the pass as the engine runs it. The counts
+are zeroed once a pass (one memset); each layer has its own. Measured on an H100 (session 38, docs/benchmarks.md):
+a tie, since the heads end within ~1 us of each other (--trace); the fold ways lose 0.9-2.3 us a layer.
 
 Ways (one loop pass of the engine's model, its kernels, PDL, a CUDA graph, twice in turn; every readout compared
 with `kernels`):
