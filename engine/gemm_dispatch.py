@@ -30,6 +30,7 @@ class GemmConfig:
     block_k_qkv: int = 128  # K per step of qkv_rope_store (its own: 256 wins there at <= 16 rows, 128 in the others)
     num_warps: int = 4
     num_stages: int = 4
+    stages_gate: int = 0  # gate_up_silu's pipeline depth (0: num_stages)
     # loads through Hopper's TMA (tensor descriptors; Triton pipelines the box loads with mbarriers) instead of
     # pointer loads (cp.async): 0 none, 1 the weights, 2 the weights and the activations; sm90+ only, else 0
     tma: int = 0
@@ -77,12 +78,31 @@ def gemm_block_m(rows: int) -> int:
 
 def gemm_config(rows: int, table: tuple[tuple[int, GemmConfig], ...] | None = None) -> GemmConfig | None:
     """The fused GEMMs' tiles for a call of `rows` rows, or None: use cuBLAS (F.linear) for this call.
-    OUROBATCH_STREAM_K sets stream_gate and stream_qkv in every row of the table (a measuring switch)."""
+    OUROBATCH_STREAM_K sets stream_gate and stream_qkv, OUROBATCH_GATE_STAGES stages_gate, in every row of the table
+    (measuring switches)."""
     for max_rows, cfg in GEMM_TABLE if table is None else table:
         if rows <= max_rows:
-            stream = stream_k_setting()
+            stream, stages = stream_k_setting(), gate_stages_setting()
+            if stages is not None:
+                cfg = replace(cfg, stages_gate=stages)
             return cfg if stream is None else replace(cfg, stream_gate="gate" in stream, stream_qkv="qkv" in stream)
     return None
+
+
+@functools.cache
+def gate_stages_setting() -> int | None:
+    """OUROBATCH_GATE_STAGES: gate_up_silu's pipeline depth (2-6) in every row of the table; unset: the table's."""
+    value = os.environ.get("OUROBATCH_GATE_STAGES", "").strip()
+    if not value:
+        return None
+    if value not in ("2", "3", "4", "5", "6"):
+        raise ValueError(f"OUROBATCH_GATE_STAGES must be an integer from 2 to 6, got {value!r}")
+    return int(value)
+
+
+def gate_stages(cfg: GemmConfig) -> int:
+    """gate_up_silu's pipeline depth: its own stages_gate, else the config's num_stages."""
+    return cfg.stages_gate or cfg.num_stages
 
 
 STREAM_K_OPS = ("gate", "qkv")

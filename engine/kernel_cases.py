@@ -30,7 +30,8 @@ from .attention import MAX_KERNEL_HISTORY_ROWS
 from .attention_dispatch import LAUNCH_TABLE, LaunchConfig, choose_config, launch_override, query_tiling
 from .cuda_graphs import batch_buckets
 from . import gemm_dispatch
-from .gemm_dispatch import gate_block_k, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages, stream_k
+from .gemm_dispatch import (gate_block_k, gate_stages, gemm_block_m, gemm_config, qkv_block_d, qkv_stream_stages,
+                            stream_k)
 from .mlp_dispatch import MLP_ROWS
 from .prefill_graph import PrefillLayout, prefill_buckets
 
@@ -301,8 +302,9 @@ def gemm_keys(rows: int, table=None, head_dim: int = 0) -> set[tuple]:
         return set()
     bm, rest = gemm_block_m(rows), (cfg.num_warps, cfg.num_stages, cfg.tma)
     gate = "gate_up_stream" if stream_k(cfg, "gate", rows) else "gate_up"  # triton_streamk's kernel, or triton_gemm's
+    gate_rest = rest if gate == "gate_up_stream" else (cfg.num_warps, gate_stages(cfg), cfg.tma)
     keys = ({("partials", bm, cfg.block_n, cfg.block_k) + rest,
-             (gate, bm, cfg.block_n_gate, gate_block_k(cfg)) + rest}
+             (gate, bm, cfg.block_n_gate, gate_block_k(cfg)) + gate_rest}
             | {("norm_partials", n) for n in (cfg.splits_o, cfg.splits_down)})
     block_d = qkv_block_d(cfg, head_dim)
     if block_d:

@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .gemm_dispatch import GemmConfig, gate_block_k, gemm_block_m, qkv_block_d
+from .gemm_dispatch import GemmConfig, gate_block_k, gate_stages, gemm_block_m, qkv_block_d
 from .triton_fused import add_norm2_store
 
 
@@ -244,7 +244,7 @@ def gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig) -> t
         x_arg, w_arg, tma = _tma_args(x, w_gate_up, bm, cfg.block_n_gate, block_k, cfg)
         _gate_up_silu_kernel[grid](x_arg, w_arg, out, rows, n, K, x.stride(0), w_gate_up.stride(0),
                                    BLOCK_M=bm, BLOCK_N=cfg.block_n_gate, BLOCK_K=block_k, TMA=tma,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+                                   num_warps=cfg.num_warps, num_stages=gate_stages(cfg), **pdl.launch_kwargs(x.device))
     return out
 
 

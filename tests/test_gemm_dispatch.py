@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import gemm_dispatch
-from engine.gemm_dispatch import GEMM_TABLE, GemmConfig, gate_block_k, gemm_block_m, gemm_config, qkv_stream_stages
+from engine.gemm_dispatch import (GEMM_TABLE, GemmConfig, gate_block_k, gate_stages, gemm_block_m, gemm_config,
+                                  qkv_stream_stages)
 
 
 def test_the_table_is_ascending_and_every_config_is_a_valid_tile():
@@ -65,6 +66,28 @@ def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(mon
         assert gemm_config(8, table) is table[0][1] and gemm_config(64, table) is table[1][1]  # unset: the table's
     finally:
         gemm_dispatch.stream_k_setting.cache_clear()
+
+
+def test_gate_up_takes_its_own_stages_where_the_config_or_the_switch_sets_them(monkeypatch):
+    assert gate_stages(GemmConfig(num_stages=4)) == 4
+    assert gate_stages(GemmConfig(num_stages=4, stages_gate=3)) == 3
+    table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64, stages_gate=5)))
+    try:
+        monkeypatch.setenv("OUROBATCH_GATE_STAGES", "3")
+        gemm_dispatch.gate_stages_setting.cache_clear()
+        got = [gemm_config(r, table) for r in (8, 64)]
+        assert [gate_stages(c) for c in got] == [3, 3] and [c.num_stages for c in got] == [4, 4]
+        assert got[1].block_n == 64  # only the switch's field changes
+        for bad in ("1", "7", "three", "3.0"):
+            monkeypatch.setenv("OUROBATCH_GATE_STAGES", bad)
+            gemm_dispatch.gate_stages_setting.cache_clear()
+            with pytest.raises(ValueError, match="OUROBATCH_GATE_STAGES must be an integer from 2 to 6"):
+                gemm_config(64, table)
+        monkeypatch.delenv("OUROBATCH_GATE_STAGES")
+        gemm_dispatch.gate_stages_setting.cache_clear()
+        assert gemm_config(64, table) is table[1][1] and gate_stages(table[1][1]) == 5  # unset: the table's
+    finally:
+        gemm_dispatch.gate_stages_setting.cache_clear()
 
 
 def test_the_stream_k_qkv_pipeline_fits_the_shared_memory():

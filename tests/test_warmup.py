@@ -405,12 +405,15 @@ def test_one_gemm_launch_per_config_and_tile():
 
 def test_gate_ups_own_k_step_and_tma_are_their_own_specializations():
     base = GemmConfig(block_n=32)
-    for other in (dataclasses.replace(base, block_k_gate=64), dataclasses.replace(base, tma=2)):
+    for other in (dataclasses.replace(base, block_k_gate=64), dataclasses.replace(base, tma=2),
+                  dataclasses.replace(base, stages_gate=3)):
         a, b = (kernel_cases.gemm_keys(8, ((16, cfg),)) for cfg in (base, other))
         gate_a, gate_b = ({k for k in keys if k[0] == "gate_up"} for keys in (a, b))
         assert gate_a != gate_b  # a second compile of gate_up, which the warm-up must launch too
-        if other.tma == base.tma:  # block_k_gate leaves the partials' specialization alone
+        if other.tma == base.tma:  # block_k_gate and stages_gate leave the partials' specialization alone
             assert {k for k in a if k[0] == "partials"} == {k for k in b if k[0] == "partials"}
+    assert {k for k in kernel_cases.gemm_keys(8, ((16, dataclasses.replace(base, stages_gate=4)),))} == \
+        kernel_cases.gemm_keys(8, ((16, base),)), "stages_gate equal to num_stages is the same compile"
 
 
 INTERPRETED = """
