@@ -46,6 +46,17 @@ def test_a_tile_holds_the_rows_in_a_power_of_two_between_16_and_64(rows):
     assert bm == 16 or bm // 2 < rows, "the smallest such tile"
 
 
+def _refused_then_unset(monkeypatch, name: str, setting, bad: tuple[str, ...], match: str, table) -> None:
+    """Each bad value of the switch `name` refused by gemm_config with `match`; then the switch unset."""
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        setting.cache_clear()
+        with pytest.raises(ValueError, match=match):
+            gemm_config(64, table)
+    monkeypatch.delenv(name)
+    setting.cache_clear()
+
+
 def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(monkeypatch):
     table = ((16, GemmConfig(block_n=32)), (64, GemmConfig(block_n=64, stream_gate=True)))
     try:
@@ -56,13 +67,8 @@ def test_the_stream_k_switch_sets_every_rows_choice_and_refuses_other_values(mon
             got = [gemm_config(r, table) for r in (8, 64)]
             assert [(c.stream_gate, c.stream_qkv) for c in got] == [(gate, qkv)] * 2, value
             assert got[1].block_n == 64  # only the switch's fields change
-        for bad in ("yes", "gate,up", "1"):
-            monkeypatch.setenv("OUROBATCH_STREAM_K", bad)
-            gemm_dispatch.stream_k_setting.cache_clear()
-            with pytest.raises(ValueError, match="OUROBATCH_STREAM_K must be 'none' or a comma list of gate, qkv"):
-                gemm_config(64, table)
-        monkeypatch.delenv("OUROBATCH_STREAM_K")
-        gemm_dispatch.stream_k_setting.cache_clear()
+        _refused_then_unset(monkeypatch, "OUROBATCH_STREAM_K", gemm_dispatch.stream_k_setting, ("yes", "gate,up", "1"),
+                            "OUROBATCH_STREAM_K must be 'none' or a comma list of gate, qkv", table)
         assert gemm_config(8, table) is table[0][1] and gemm_config(64, table) is table[1][1]  # unset: the table's
     finally:
         gemm_dispatch.stream_k_setting.cache_clear()
@@ -78,13 +84,8 @@ def test_gate_up_takes_its_own_stages_where_the_config_or_the_switch_sets_them(m
         got = [gemm_config(r, table) for r in (8, 64)]
         assert [gate_stages(c) for c in got] == [3, 3] and [c.num_stages for c in got] == [4, 4]
         assert got[1].block_n == 64  # only the switch's field changes
-        for bad in ("1", "7", "three", "3.0"):
-            monkeypatch.setenv("OUROBATCH_GATE_STAGES", bad)
-            gemm_dispatch.gate_stages_setting.cache_clear()
-            with pytest.raises(ValueError, match="OUROBATCH_GATE_STAGES must be an integer from 2 to 6"):
-                gemm_config(64, table)
-        monkeypatch.delenv("OUROBATCH_GATE_STAGES")
-        gemm_dispatch.gate_stages_setting.cache_clear()
+        _refused_then_unset(monkeypatch, "OUROBATCH_GATE_STAGES", gemm_dispatch.gate_stages_setting,
+                            ("1", "7", "three", "3.0"), "OUROBATCH_GATE_STAGES must be an integer from 2 to 6", table)
         assert gemm_config(64, table) is table[1][1] and gate_stages(table[1][1]) == 5  # unset: the table's
     finally:
         gemm_dispatch.gate_stages_setting.cache_clear()
