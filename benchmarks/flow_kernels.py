@@ -29,7 +29,7 @@ import triton.language as tl
 from engine.pdl_wait import wait_after
 from engine.triton_attention import _attend_keys
 from engine.triton_fused import add_norm2_store
-from engine.triton_gemm import _box
+from engine.triton_gemm import _box, partial_tile
 
 
 @triton.jit
@@ -205,17 +205,7 @@ def partials_norm_kernel(x_ptr, w_ptr, part_ptr, ticket_ptr, h_ptr, wa_ptr, wb_p
     if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = split * k_per_split
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        a = _box(x_ptr, pid_m * BLOCK_M, rm, M, stride_xm, k_start + k, K, BLOCK_K, TMA == 2)
-        b = _box(w_ptr, pid_n * BLOCK_N, rn, N, stride_wn, k_start + k, K, BLOCK_K, TMA > 0)
-        acc += tl.dot(a, tl.trans(b))
-    tl.store(part_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    partial_tile(x_ptr, w_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     tl.debug_barrier()  # every thread's stores before the release
     total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")

@@ -26,7 +26,6 @@ the attention's end (medians over the layers).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -233,11 +232,9 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--context", type=int, default=640)
-    ap.add_argument("--ways", default=",".join(DEFAULT_WAYS))
+    from head_split_probe import pass_parser
+
+    ap = pass_parser(__doc__, DEFAULT_WAYS)
     ap.add_argument("--trace", action="store_true", help="also each flow way's timer stamps (flow_trace.py)")
     args = ap.parse_args(argv)
     names = args.ways.split(",")

@@ -286,13 +286,18 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pass_parser(doc: str, ways: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The loop-pass probes' arguments: --out, --rows, --context, --ways (default `ways`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=640)
-    ap.add_argument("--ways", default=",".join(DEFAULT_WAYS))
-    args = ap.parse_args(argv)
+    ap.add_argument("--ways", default=",".join(ways))
+    return ap
+
+
+def main(argv=None) -> int:
+    args = pass_parser(__doc__, DEFAULT_WAYS).parse_args(argv)
     names = check_ways(args.ways.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -116,13 +116,11 @@ def rope_store(acc1, acc2, head, d, rm, M, pos_ptr, slot_ptr, inv_freq_ptr, q_pt
             tl.store(v_cache_ptr + dst + HALF, x2.to(dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for every row count
-def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                            USE_PDL: tl.constexpr):
-    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+@triton.jit
+def partial_tile(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """This program's tile of the split-K partials (grid: column tiles, splits, row tiles): x[rm] @ w[rn].T over its
+    split's K, fp32, stored into out [splits, M, N]; inlined (benchmarks/flow_kernels.py's fold kernel calls it too)."""
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,6 +132,16 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_
         acc += tl.dot(a, tl.trans(b))
     out = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count
+def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    if USE_PDL:  # engine/pdl.py: wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    partial_tile(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count
