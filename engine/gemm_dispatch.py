@@ -56,7 +56,8 @@ class GemmConfig:
 # two) and is gone. Session 12: TMA loads of weights and activations (`tma=2`) took the N = 64 graphed step from
 # 13.21 / 13.28 to 12.90 / 13.15 ms (gate_up + SiLU 15.5 -> 14.7 us, qkv + RoPE + store 12.2 -> 11.4 us) and made
 # the N = 8 one slower (6.22 / 6.31 -> 6.29 / 6.24 ms; qkv 9.6 -> 10.4 us), so only the 64-row bucket has them
-# (docs/benchmarks/h200_session12_2026-12-04/).
+# (docs/benchmarks/h200_session12_2026-12-04/). Session 38: gate_up + SiLU at 3 pipeline stages (stages_gate; alone
+# 2.7% faster than 4 in session 30's sweep) ran the N = 64 step no faster on an H100, so it keeps num_stages.
 GEMM_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_n=32, block_k=128, splits_o=4, splits_down=4, block_n_gate=64, block_d_qkv=32,
                     block_k_qkv=256)),
