@@ -243,8 +243,8 @@ def check_then_time(outs: dict, ways: dict, result: dict, path: Path, note=lambd
                     extra=None) -> dict:
     """Every way's first call checked against outs["kernels"] (finite, equal to the bit, relative error, and the
     fields `extra(name)` adds), `before()` ahead of each; then all of them timed twice in turn (phase_probe.timed:
-    a CUDA graph), result["checks"] and result["ways"] filled and written to `path` as they come."""
-    from phase_probe import rel_err, timed
+    phase_probe.time_in_turn), result["checks"] and result["ways"] filled and written to `path` as they come."""
+    from phase_probe import rel_err, time_in_turn
 
     for name, fn in ways.items():
         if before is not None:
@@ -256,13 +256,7 @@ def check_then_time(outs: dict, ways: dict, result: dict, path: Path, note=lambd
                                   "equal": None if ref is None else bool(torch.equal(got, ref)),
                                   "rel_err": None if ref is None else rel_err(got, ref)}
         print(f"{name}: {result['checks'][name]}", flush=True)
-    for _ in range(2):
-        for name, fn in ways.items():
-            ms = timed(fn)
-            result["ways"].setdefault(name, []).append(ms)
-            print(f"{name:14s} {ms:.3f} ms a pass{note(ms)}", flush=True)
-            path.write_text(json.dumps(result, indent=1))
-    return result
+    return time_in_turn(ways, result, path, note)
 
 
 def measure(p: SplitPass, ways: dict, context: int, out: Path) -> dict:

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.best:
         print(" ".join(best(json.loads((Path(args.out or ".") / "kv_prefetch.json").read_text()), args.best)))
         return 0
-    from phase_probe import COPY_TBPS, out_and_sms, timed
+    from phase_probe import COPY_TBPS, out_and_sms, time_in_turn
     from phase_probe_ws import first_call_or_exit
 
     out, _ = out_and_sms(ap, args.out)
@@ -146,12 +146,7 @@ def main(argv=None) -> int:
         first_call_or_exit(fn, f"kv_prefetch {name}")
         result["checks"][name] = p.check(name)
     print(json.dumps(result["checks"]), flush=True)
-    for _ in range(2):
-        for name, fn in ways.items():
-            ms = timed(fn)
-            result["ways"].setdefault(name, []).append(ms)
-            print(f"{name:18s} {ms:.3f} ms ({ms / floor:.3f}x the {floor:.3f} ms floor)", flush=True)
-            (out / "kv_prefetch.json").write_text(json.dumps(result, indent=1))
+    time_in_turn(ways, result, out / "kv_prefetch.json", lambda ms: f" ({ms / floor:.3f}x the {floor:.3f} ms floor)")
     (out / "kv_prefetch.md").write_text(table(result))
     print(table(result))
     return 0

@@ -225,6 +225,18 @@ def timed(fn) -> float:
     return timed_per_copy(fn) * COPIES / 1e3
 
 
+def time_in_turn(ways: dict, result: dict, path: Path, note=lambda ms: "", rounds: int = 2) -> dict:
+    """Every way timed (`timed`) `rounds` times in turn, the spread between rounds being the noise: ms per call into
+    result["ways"][name], printed with note(ms), and result written to `path` (JSON) after each."""
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            ms = timed(fn)
+            result["ways"].setdefault(name, []).append(ms)
+            print(f"{name:14s} {ms:.3f} ms a pass{note(ms)}", flush=True)
+            path.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 

@@ -245,7 +245,7 @@ def parse_way(text: str) -> tuple[int, int, int]:
 
 def measure(p: Pass, ways: dict, floor: float, out: Path) -> dict:
     """Every way's first call under a deadline, then all of them twice in turn: ms per pass and x the floor."""
-    from phase_probe import timed
+    from phase_probe import time_in_turn
     from phase_probe_ws import first_call_or_exit
 
     result = {"device": torch.cuda.get_device_name(0), "rows": p.chain.rows, "layers": p.chain.layers,
@@ -259,13 +259,8 @@ def measure(p: Pass, ways: dict, floor: float, out: Path) -> dict:
             del ways[name]
         print(f"{name}: {result['checks'][name]}", flush=True)
         (out / "ws_step64.json").write_text(json.dumps(result, indent=1))  # kept if a later way hangs
-    for _ in range(2):
-        for name, fn in ways.items():
-            ms = timed(fn)
-            result["ways"].setdefault(name, []).append(ms)
-            print(f"{name:10s} {ms:.3f} ms a pass ({ms / floor:.3f}x the {floor:.3f} ms floor)", flush=True)
-            (out / "ws_step64.json").write_text(json.dumps(result, indent=1))
-    return result
+    return time_in_turn(ways, result, out / "ws_step64.json",
+                        lambda ms: f" ({ms / floor:.3f}x the {floor:.3f} ms floor)")
 
 
 def table(result: dict) -> str:
