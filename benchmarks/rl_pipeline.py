@@ -30,162 +30,35 @@ and the mixed-version share of samples. JSON, a markdown table and a plot of run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
-import random
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import anyio
 import torch
 from tqdm.auto import tqdm
 
-from ourobatch import Engine, EngineConfig, SamplingParams
+from ourobatch import Engine, EngineConfig
 from ourobatch.assembly import resolve_dtype
 from engine.config import OuroConfig
-from engine.loader import load_state_dict
 from ourobatch.rollout import Collector
-from scheduler.params import RequestOutputKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout import draw_lengths  # noqa: E402
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 import provenance  # noqa: E402
+from rl_pipeline_parts import CappedEngine, Learner, make_tasks, perturbed_copies, sample_params  # noqa: E402
+from rl_pipeline_report import add_ratios, brief, headline, markdown, plot, summarize  # noqa: E402
 
 POLICIES = ("continue", "recompute", "abort")
 H200 = dict(prompts=32, n=8, prompt_len=512, max_tokens=2048, median=400.0, train_s=10.0, batches=5)
 TINY = dict(prompts=2, n=2, prompt_len=8, max_tokens=16, median=6.0, train_s=0.05, batches=5)
 STATS_DELTAS = ("tokens_generated", "preemptions", "prefill_tokens_computed", "prefill_tokens_requested",
                 "engine_steps")
-
-
-# ---------------------------------------------------------------------- the workload
-
-def make_tasks(args, vocab: int, seed: int, median: float) -> list[dict]:
-    """batches x R tasks: a prompt (unique) and the n drawn lengths of its samples."""
-    rng = random.Random(seed)
-    tasks, seen = [], set()
-    while len(tasks) < args.batches * args.prompts:
-        prompt = tuple(rng.randrange(1, vocab) for _ in range(args.prompt_len))
-        if prompt in seen:  # the length cap finds a sample's target by its prompt
-            continue
-        seen.add(prompt)
-        tasks.append(dict(prompt_token_ids=list(prompt),
-                          targets=draw_lengths(rng, args.n, median, args.sigma, args.max_tokens)))
-    return tasks
-
-
-class CappedEngine:
-    """The engine as both loops see it, where each sample ends at its drawn length.
-
-    generate() streams the request and aborts it once it holds its target tokens, then reports the
-    first `target` tokens with finish_reason "stop" (rollout.py's per-completion abort, seen as an
-    EOS). A sample's target is found by (prompt, seed): the k-th distinct seed of a prompt gets its k-th
-    length, and the same seed always the same one, so a restarted or regenerated sample keeps its
-    length. Everything else is the engine's own call."""
-
-    def __init__(self, engine: Engine, tasks: list[dict]) -> None:
-        self._engine = engine
-        self._free = {tuple(t["prompt_token_ids"]): list(t["targets"]) for t in tasks}
-        self._targets: dict[tuple, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def target(self, prompt: list[int], seed: int | None) -> int:
-        key = (tuple(prompt), seed)
-        if key not in self._targets:
-            free = self._free[key[0]]
-            if not free:
-                raise RuntimeError(f"more distinct seeds than samples for one prompt (seed {seed}): a task's "
-                                   f"samples must keep one seed each")
-            self._targets[key] = free.pop(0)
-        return self._targets[key]
-
-    async def generate(self, prompt_token_ids, params=None, request_id: str | None = None):
-        params = SamplingParams.coerce(params)
-        target = self.target(prompt_token_ids, params.seed)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        loops: list[int] = []
-        versions: list[int] = []
-        last = None
-        cut = False
-        delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        async with self._engine.stream(prompt_token_ids, delta, request_id=request_id) as stream:
-            async for out in stream:
-                c = out.outputs[0]
-                last = out
-                tokens += c.token_ids
-                logprobs += c.logprobs
-                loops += c.readout_loops
-                versions += c.weight_versions
-                if not cut and len(tokens) >= target:
-                    cut = True  # the sample's "EOS": later tokens of this step and the next are dropped
-                    await self._engine.abort(out.request_id)
-        assert last is not None, "a stream ends with a final output"
-        c = last.outputs[0]
-        finish = ("length" if target >= params.max_tokens else "stop") if cut else c.finish_reason
-        t = target if cut else len(tokens)
-        done = dataclasses.replace(c, token_ids=tokens[:t], logprobs=logprobs[:t], readout_loops=loops[:t],
-                                   weight_versions=versions[:t], cumulative_logprob=sum(logprobs[:t]),
-                                   finish_reason=finish)
-        return dataclasses.replace(last, outputs=[done], finished=True)
-
-
-def sample_params(args) -> SamplingParams:
-    return SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
-
-
-# ---------------------------------------------------------------------- the learner
-
-def perturbed_copies(model_dir: str, dtype: torch.dtype, device: str, count: int = 2,
-                     scale: float = 0.01) -> list[list[tuple[str, torch.Tensor]]]:
-    """`count` full sets of (HF name, tensor): the checkpoint's tensors x (1 + scale x noise), on `device`."""
-    base = load_state_dict(model_dir, OuroConfig.from_checkpoint(model_dir), dtype, device)
-    gen = torch.Generator(device=device).manual_seed(1234)
-    copies: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(count)]
-    for name, t in base.items():
-        for copy in copies:
-            noise = torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)
-            copy.append((name, (t.float() * (1 + scale * noise)).to(dtype)))
-    del base
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return copies
-
-
-class Learner:
-    """Trains on a batch for train_s seconds (a sleep), then pushes the next weight copy."""
-
-    def __init__(self, copies: list[list[tuple[str, torch.Tensor]]], train_s: float) -> None:
-        self.copies, self.train_s = copies, train_s
-        self.num_steps = 0
-        self.push_s: list[float] = []
-        self.ordinals: dict[int, int] = {}  # weight version -> updates before it, in this run
-        self.version = 0
-
-    def start(self, version: int) -> None:
-        self.ordinals = {version: 0}
-        self.version = version
-        self.push_s = []
-
-    async def step(self, push: Callable[[list], Awaitable[int]]) -> None:
-        await anyio.sleep(self.train_s)
-        named = self.copies[self.num_steps % len(self.copies)]
-        self.num_steps += 1
-        t = time.perf_counter()
-        self.version = await push(named)
-        self.push_s.append(time.perf_counter() - t)
-        self.ordinals[self.version] = len(self.ordinals)
-
-    def staleness(self, version: int) -> int:
-        return self.ordinals[self.version] - self.ordinals[version]  # KeyError: a token from outside the run
 
 
 # ---------------------------------------------------------------------- one run
@@ -317,40 +190,6 @@ async def timed_run(engine: Engine, tasks: list[dict], args, learner: Learner, t
     return row
 
 
-def summarize(rec: Recorder, args, learner: Learner) -> dict:
-    b = rec.batches
-    tokens = sum(x["tokens"] for x in b)
-    wall = b[-1].get("t_trained", rec.now()) if b else rec.now()
-    row = dict(batches=len(b), tokens=tokens, samples=sum(sum(x["group_sizes"]) for x in b), wall_s=wall,
-               tokens_per_s=tokens / wall, batch_records=b, trace=rec.trace,
-               mean_running=_window_mean(rec.trace, 1, 0.0, wall),
-               peak_running=max((p[1] for p in rec.trace), default=0),
-               busy_share=_window_mean(rec.trace, 2, 0.0, wall), push_s_mean=sum(learner.push_s) / max(len(learner.push_s), 1),
-               staleness_histogram_check=dict(sorted(rec.histogram.items())), mixed_version_samples_check=rec.mixed)
-    if len(b) >= 3:  # the steady window: from batch 0's hand-over to batch K-2's (batches 1..K-2)
-        a, z = b[0]["t_consumed"], b[-2]["t_consumed"]
-        row.update(steady_window_s=[a, z], steady_tokens_per_s=sum(x["tokens"] for x in b[1:-1]) / (z - a),
-                   steady_mean_running=_window_mean(rec.trace, 1, a, z), steady_busy_share=_window_mean(rec.trace, 2, a, z),
-                   # what the engine generated in the window (consumed tokens there may come from before it)
-                   steady_generated_tokens_per_s=(_generated_at(rec.trace, z) - _generated_at(rec.trace, a)) / (z - a))
-    return row
-
-
-def _generated_at(trace: list, t: float) -> int:
-    """Tokens generated by time t: the last trace sample at or before t."""
-    return max((p[4] for p in trace if p[0] <= t), default=0)
-
-
-def _window_mean(trace: list, col: int, a: float, z: float) -> float:
-    """Time mean of trace[col] over [a, z], each sample holding until the next."""
-    total = 0.0
-    for p, q in zip(trace, trace[1:] + [(float("inf"),)]):
-        lo, hi = max(p[0], a), min(q[0], z)
-        if hi > lo:
-            total += (hi - lo) * p[col]
-    return total / (z - a) if z > a else 0.0
-
-
 # ---------------------------------------------------------------------- one engine per config
 
 def plan_runs(args) -> list[tuple[int | None, str | None]]:
@@ -398,93 +237,10 @@ async def run_config(model_dir: str, args, name: str, copies, started: float, do
             save()
 
 
-def brief(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in ("trace", "batch_records", "collector_occupancy")}
-
-
-def add_ratios(rows: list[dict]) -> None:
-    sync = {r["config"]: r for r in rows if r["loop"] == "sync"}
-    for r in rows:
-        base = sync.get(r["config"])
-        if base is not None:
-            r["x_sync"] = r["tokens_per_s"] / base["tokens_per_s"]
-            if "steady_tokens_per_s" in r and "steady_tokens_per_s" in base:
-                r["steady_x_sync"] = r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
-
-
-# ---------------------------------------------------------------------- report
-
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"Measured {meta['date']} on {meta['device_name']}, commit {meta['commit']}, torch {meta['torch']}, "
-             f"{meta['dtype']}: {meta['batches']} batches of {meta['prompts']} prompts x n={meta['n']}, prompt "
-             f"{meta['prompt_len']}, cap {meta['max_tokens']}, lengths lognormal(median {meta['median']}, sigma "
-             f"{meta['sigma']}), train {meta['train_s']} s per batch, seed {meta['seed']}. Steady: batches 1..K-2, "
-             f"from batch 0's hand-over to batch K-2's.", "",
-             "| config | loop | eta | on_update | wall s | tok/s | steady tok/s | x sync | steady x sync | "
-             "mean running | steady mean running | busy | steady busy | tokens by staleness 0/1/2 | 1-old share | "
-             "mixed samples | generated / consumed | push s | steady generated tok/s | busy ms / generated token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        hist = r["staleness_histogram"]
-        stale = "/".join(str(hist.get(k, 0)) for k in range(max(3, max(hist, default=0) + 1)))
-        lines.append(
-            f"| {r['config']} | {r['loop']} | {'-' if r['eta'] is None else r['eta']} | {r['policy'] or '-'} | "
-            f"{r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | {r.get('steady_tokens_per_s', float('nan')):.0f} | "
-            f"{r.get('x_sync', float('nan')):.2f} | {r.get('steady_x_sync', float('nan')):.2f} | "
-            f"{r['mean_running']:.1f} | {r.get('steady_mean_running', float('nan')):.1f} | {r['busy_share']:.0%} | "
-            f"{r.get('steady_busy_share', float('nan')):.0%} | {stale} | {r['share_tokens_1_old']:.0%} | "
-            f"{r['mixed_version_samples']} / {r['samples']} | {r['generated_over_consumed']:.2f} | "
-            f"{r['push_s_mean']:.3f} | {r.get('steady_generated_tokens_per_s', float('nan')):.0f} | "
-            f"{1e3 * r['wall_s'] * r['busy_share'] / max(r['tokens_generated'], 1):.3f} |")
-    if meta.get("skipped"):
-        lines += ["", "Not run (--time-limit-s): " + ", ".join(meta["skipped"]) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def headline(rows: list[dict], max_num_seqs: int) -> str:
-    lines = []
-    for config in dict.fromkeys(r["config"] for r in rows):
-        for r in rows:
-            if r["config"] == config and r["loop"] == "collector" and r["eta"] in (0, 1) and "x_sync" in r:
-                lines.append(f"{config}: collector(eta={r['eta']}, {r['policy']}) / sync = {r['x_sync']:.2f}x "
-                             f"consumed tok/s, {r.get('steady_x_sync', float('nan')):.2f}x steady; steady mean "
-                             f"running {r.get('steady_mean_running', float('nan')):.0f} of {max_num_seqs}")
-    lines.append("(target on the H200: eta=1 >= 1.5x for interval1 and deferred8 with steady mean running >= 200 "
-                 "of 256; eta=0 >= 1.0x)")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return False
-    configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(len(configs), 1, figsize=(9, 3.2 * max(len(configs), 1)), squeeze=False)
-    for ax, config in zip(axes[:, 0], configs):
-        for r in rows:
-            if r["config"] != config or not (r["loop"] == "sync" or (r["eta"], r["policy"]) == (1, "continue")):
-                continue
-            label = "sync" if r["loop"] == "sync" else "collector, eta=1, continue"
-            line, = ax.plot([x[0] for x in r["trace"]], [x[1] for x in r["trace"]], label=label, lw=1)
-            for b in r["batch_records"]:
-                ax.axvline(b["t_consumed"], color=line.get_color(), ls=":", lw=0.6)
-        ax.set_title(f"{config} (dotted: a batch handed to the learner)", fontsize=9)
-        ax.set_ylabel("running samples")
-        ax.legend(fontsize=7)
-    axes[-1, 0].set_xlabel("seconds since the first submit")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-
 # ---------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, their defaults filled in (the H200 workload, or --tiny's), and the config names."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for rl_pipeline.json, rl_pipeline.md, rl_pipeline_running.png")
@@ -528,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.policies:
         if p not in POLICIES:
             ap.error(f"--policies takes {', '.join(POLICIES)}, got {p!r}")
+    return args, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, names = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
