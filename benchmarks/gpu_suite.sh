@@ -47,16 +47,22 @@ trap finish EXIT
 trap 'exit 143' TERM INT  # a stop still packs what is there
 if [ -n "${SUITE_SMOKE:-}" ]; then
   echo "SUITE_SMOKE: CPU smoke run, no install" > "$OUT/gpu.txt"
-elif [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
-fi
-if [ -z "${SUITE_SMOKE:-}" ]; then
+else
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+  fi
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 fi
 status=0
+gpu_tests() {  # $1: a time limit (s), then pytest's files: -x, the log in gpu_tests.log, the exit in $status
+  local limit=$1; shift
+  timeout -k 10 "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x "$@" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+}
 if [ "$what" = startup ]; then  # the startup's GPU tests (warm-up, captures, graphed prefill), then `cold` below
   GPU_TESTS=${GPU_TESTS:-tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_startup.py tests/gpu/test_gpu_prefill_graph.py}
 fi
@@ -101,9 +107,7 @@ if [ "$what" = layers64 ]; then  # the 64-row launches (engine/layers64.py, OURO
   # (benchmarks/ws_step64_probe.py: last, when the 1.4B shape's kernels are in the compile cache); a hang exits
   # (the limits add up to ~9.5 minutes: one device call)
   if [ "${L64_TESTS:-1}" != 0 ]; then  # L64_TESTS=0: they passed in an earlier call
-    timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
-      tests/gpu/test_gpu_gluon_layers64.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    status=${PIPESTATUS[0]}
+    gpu_tests 240 tests/gpu/test_gpu_gluon_layers64.py
   fi
   on=1; [ "$status" = 0 ] || on=""  # the launches failed their tests: the harness without them only
   for r in $(seq 1 "${L64_ROUNDS:-1}"); do
@@ -124,9 +128,7 @@ if [ "$what" = kv_prefetch ]; then  # keys and values asked into L2 ahead of the
   # auto: the probe's PF_BEST best settings, default 2), alternated, PF_ROUNDS rounds (default 1), each run its
   # own process; a hang exits
   if [ "${PF_TESTS:-1}" != 0 ]; then
-    timeout -k 10 180 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
-      tests/gpu/test_gpu_kv_prefetch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    status=${PIPESTATUS[0]}
+    gpu_tests 180 tests/gpu/test_gpu_kv_prefetch.py
   fi
   if [ "${PF_PROBE:-1}" != 0 ]; then
     timeout -k 10 "${PROBE_TIMEOUT_S:-300}" python3 benchmarks/kv_prefetch_probe.py --out "$OUT/kv_prefetch" "$@" \
@@ -150,9 +152,7 @@ if [ "$what" = streamk ]; then  # the stream-K GEMMs (engine/triton_streamk.py):
   # 64x512x256) with OUROBATCH_STREAM_K at each of SK_VALUES (default none gate qkv gate,qkv) in turn, SK_ROUNDS rounds
   # (default 2), each its own process, only if the tests passed
   if [ "${SK_TESTS:-1}" != 0 ]; then
-    timeout -k 10 300 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x tests/gpu/test_gpu_streamk.py \
-      2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    status=${PIPESTATUS[0]}
+    gpu_tests 300 tests/gpu/test_gpu_streamk.py
   fi
   if [ "${SK_PROBE:-1}" != 0 ] && [ "$status" = 0 ]; then
     timeout -k 10 240 python3 benchmarks/gemm_scaling_probe.py --out "$OUT/streamk" --stream 2>&1 \
@@ -173,9 +173,7 @@ if [ "$what" = paged_decode ]; then  # the paged kernel's launch for the decode 
   # probe's PD_BEST best launches, default 2, that beat the table), alternated, PD_ROUNDS rounds (default 1), each run
   # its own process, only if the tests passed; a hang exits
   if [ "${PD_TESTS:-1}" != 0 ]; then
-    timeout -k 10 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
-      tests/gpu/test_gpu_attention_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    status=${PIPESTATUS[0]}
+    gpu_tests 240 tests/gpu/test_gpu_attention_kernels.py
   fi
   gluon=--no-gluon; [ "${PD_GLUON:-0}" = 1 ] && gluon=""
   if [ "${PD_PROBE:-1}" != 0 ]; then  # PD_PROBE=0: no probe (give PD_SETTINGS)
@@ -201,9 +199,7 @@ if [ "$what" = decode_attn ]; then  # the Gluon decode attention kernel: its GPU
   # Triton table (benchmarks/decode_attention.py), then the decode harness's floor scenarios with each kernel
   # (OUROBATCH_DECODE_ATTENTION=triton / gluon, DA_ROUNDS rounds, default 2; DA_SCENARIOS), each run its own
   # process; a hang exits
-  timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x \
-    tests/gpu/test_gpu_gluon_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  status=${PIPESTATUS[0]}
+  gpu_tests 150 tests/gpu/test_gpu_gluon_attention.py
   if [ "${DA_BENCH:-1}" != 0 ]; then  # DA_BENCH=0: the harness only
     timeout -k 10 200 python3 benchmarks/decode_attention.py --out "$OUT/decode_attention" 2>&1 \
       | tee "$OUT/decode_attention.log" | grep '^|' | tail -12
@@ -221,9 +217,7 @@ env_variants() {  # $1: an env variable, $2: its values, $3: a tag, then through
   # (FV_TESTS), then the decode harness with each value, each run its own process, FV_ROUNDS rounds (default 2),
   # FV_SCENARIOS (default 8x512x256); FV_PROFILE=1: the step profile's kernel counts with the first and last value
   local var=$1 values=$2 tag=$3 r f; shift 3
-  timeout -k 10 420 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -x $FV_TESTS 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -15
-  status=${PIPESTATUS[0]}
+  gpu_tests 420 $FV_TESTS
   [ "$status" -eq 0 ] || return  # a wrong or hung kernel: no timings
   for r in $(seq 1 "${FV_ROUNDS:-2}"); do
     for f in $values; do
