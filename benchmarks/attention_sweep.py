@@ -231,21 +231,24 @@ def top_kernels(shapes: list[dict], grid: list[tuple[int, int, int]], k: int = 3
     return sorted(rank, key=rank.get)[:k]
 
 
-def run(args) -> dict:
-    cuda = not args.smoke
-    if args.smoke:
+def sweep_space(smoke: bool) -> tuple[str, torch.dtype, list[tuple[int, int, int]], tuple[int, ...]]:
+    """The device, dtype, (BLOCK_N, warps, stages) grid and split counts to sweep (--smoke: tiny heads on CPU)."""
+    if smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs on CPU tensors under Triton's interpreter: set TRITON_INTERPRET=1")
         global HEADS, KV_HEADS, HEAD_DIM
         HEADS, KV_HEADS, HEAD_DIM = 2, 1, 32  # GQA 2
         device, dtype = "cpu", torch.float32  # the interpreter's tl.dot is wrong for bf16
-        grid, splits = [(16, 4, 2), (32, 4, 2)], (1, 2)
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("the sweep times CUDA kernels: run it on a GPU (or --smoke under TRITON_INTERPRET=1)")
-        device, dtype = "cuda", torch.bfloat16
-        grid = [g for g in itertools.product(BLOCK_NS, WARPS, STAGES) if not (g[0] == 128 and g[1] == 2)]
-        splits = SPLITS
+        return device, dtype, [(16, 4, 2), (32, 4, 2)], (1, 2)
+    if not torch.cuda.is_available():
+        raise SystemExit("the sweep times CUDA kernels: run it on a GPU (or --smoke under TRITON_INTERPRET=1)")
+    grid = [g for g in itertools.product(BLOCK_NS, WARPS, STAGES) if not (g[0] == 128 and g[1] == 2)]
+    return "cuda", torch.bfloat16, grid, SPLITS
+
+
+def run(args) -> dict:
+    cuda = not args.smoke
+    device, dtype, grid, splits = sweep_space(args.smoke)
     from engine.triton_attention import default_config, num_sms
 
     sms = num_sms(torch.device(device))

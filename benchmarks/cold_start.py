@@ -255,9 +255,9 @@ def timeline_table(rows: list[dict], last: int = 8) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(HERE))
-    from throughput import add_checkpoint_args, check_configs  # noqa: E402
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (the --child flags included: the subprocesses parse the same one)."""
+    from throughput import add_checkpoint_args  # noqa: E402
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap)
@@ -283,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(HERE))
+    from throughput import check_configs  # noqa: E402
+
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)), flush=True)

@@ -184,7 +184,9 @@ def parse_configs(text: str, T: int, explicit: bool) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- running
 
-def run_config(cfg: dict, model, args, tasks: list[dict], max_tokens: int, T: int) -> tuple[dict, list, list]:
+def generate_timed(cfg: dict, model, args, tasks: list[dict], max_tokens: int) -> tuple[list, float, dict, dict]:
+    """The config's outputs for every task, the wall seconds of that batch (warm-up excluded) and the engine's
+    stats before and after it."""
     prompts = [t["prompt_token_ids"] for t in tasks]
     max_len = max(len(p) for p in prompts) + max_tokens
     econf = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, mode=cfg["mode"],
@@ -211,6 +213,11 @@ def run_config(cfg: dict, model, args, tasks: list[dict], max_tokens: int, T: in
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
+    return outs, wall, before, after
+
+
+def run_config(cfg: dict, model, args, tasks: list[dict], max_tokens: int, T: int) -> tuple[dict, list, list]:
+    outs, wall, before, after = generate_timed(cfg, model, args, tasks, max_tokens)
     comps = [o.outputs[0] for o in outs]
     n_tokens = sum(len(c.token_ids) for c in comps)
     row = dict(config=cfg["name"], mode=cfg["mode"], deep_interval=cfg["deep_interval"],

@@ -180,7 +180,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The parsed, checked command line, its KV allocation policies and its config names."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap)
     ap.add_argument("--out", required=True, help="folder for rollout.json, rollout.md, rollout_kv.png")
@@ -215,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         if a not in ("lazy", "reserve"):
             ap.error(f"--allocations takes lazy and/or reserve, got {a!r}")
     names = check_configs(ap, args.configs, args.shallow_loops)
+    return args, allocations, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, allocations, names = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_checkpoint(args)

@@ -84,6 +84,30 @@ def check_configs(ap: argparse.ArgumentParser, configs: str, default_s: int) -> 
     return names
 
 
+def step_to_end(core) -> tuple[float, float, int, int, int, float]:
+    """Step the core until every request is done: the decode steps' wall and GPU seconds, their count and
+    tokens, the most requests in one step and the total seconds."""
+    ex = core.executor
+    decode_wall = decode_gpu = 0.0
+    decode_steps = decode_tokens = max_running = 0
+    t_start = time.perf_counter()
+    while core.has_unfinished:
+        generated = core.scheduler.counters.tokens_generated
+        t0 = time.perf_counter()
+        plan = core.schedule()
+        result = ex.execute(plan)
+        core.update(plan, result)
+        t1 = time.perf_counter()
+        max_running = max(max_running, len(plan.shallow))
+        if not plan.prefills and (plan.shallow or plan.deep):
+            decode_steps += 1
+            decode_wall += t1 - t0
+            decode_tokens += core.scheduler.counters.tokens_generated - generated  # verified tokens only
+            if ex.timing:
+                decode_gpu += ex.timing[-1] / 1e3
+    return decode_wall, decode_gpu, decode_steps, decode_tokens, max_running, time.perf_counter() - t_start
+
+
 def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> dict:
     mode, B, s = parse_config(name, args.shallow_loops)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
@@ -103,24 +127,7 @@ def run_one(model_dir: str, model, args, name: str, N: int, P: int, M: int) -> d
         core.add(p, SamplingParams(max_tokens=M, temperature=args.temperature, seed=i, ignore_eos=True))
     ex.timing = [] if args.device.startswith("cuda") else None
     before = dict(core.stats())
-    decode_wall = decode_gpu = 0.0
-    decode_steps = decode_tokens = max_running = 0
-    t_start = time.perf_counter()
-    while core.has_unfinished:
-        generated = core.scheduler.counters.tokens_generated
-        t0 = time.perf_counter()
-        plan = core.schedule()
-        result = ex.execute(plan)
-        core.update(plan, result)
-        t1 = time.perf_counter()
-        max_running = max(max_running, len(plan.shallow))
-        if not plan.prefills and (plan.shallow or plan.deep):
-            decode_steps += 1
-            decode_wall += t1 - t0
-            decode_tokens += core.scheduler.counters.tokens_generated - generated  # verified tokens only
-            if ex.timing:
-                decode_gpu += ex.timing[-1] / 1e3
-    total = time.perf_counter() - t_start
+    decode_wall, decode_gpu, decode_steps, decode_tokens, max_running, total = step_to_end(core)
     after = core.stats()
     row = dict(
         config=name, mode=mode, deep_interval=B, shallow_loops=s, N=N, prompt=P, output=M,

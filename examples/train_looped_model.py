@@ -184,7 +184,8 @@ def build_model(args) -> tuple[OuroForCausalLM, dict]:
     return model, raw
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[float]]:
+    """The checked command line (--toy's sizes applied) and the loss weight of each loop."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -207,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         import tokenizers  # noqa: F401
     except ImportError:
         ap.error("the tokenizers package writes tokenizer.json: pip install tokenizers (or ourobatch[text])")
-    argv_text = " ".join(argv) if argv is not None else " ".join(__import__("sys").argv[1:])
     if args.toy:
         args.nodes, args.hops, args.answers, args.hidden, args.batch = 7, 2, 2, 32, 32
         args.eval_n, args.heldout = min(args.eval_n, 200), min(args.heldout, 50)
@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden % max(2, args.hidden // 64):
         ap.error(f"--hidden must split into equal heads (an even number below 128, else a multiple of 64), "
                  f"got {args.hidden}")
+    return args, weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, weights = parse_args(argv)
+    argv_text = " ".join(argv) if argv is not None else " ".join(__import__("sys").argv[1:])
     task = dict(nodes=args.nodes, hops=args.hops, answers=args.answers)
     model, raw = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
