@@ -26,7 +26,7 @@ from ourobatch import kernel_prefetch, warmup
 from ourobatch.kernel_prefetch import KernelPrefetch
 from ourobatch.warmup import StartupClock, WarmupPlan, loop_pass_graph
 
-from .test_warmup import shapes
+from .test_warmup_kernels import shapes
 
 WAIT = 30.0  # a gate never opened fails the launch after this long, instead of hanging the test
 

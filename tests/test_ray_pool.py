@@ -2,13 +2,13 @@
 mode, survives a killed replica (named error or retry, restart, catch-up), and fans weight updates out.
 
 One ray.init for the module and one pool at a time (`pools` keeps the last one open for the next test):
-a pool's startup (two worker processes importing torch) is most of this file's time.
+a pool's startup (two worker processes importing torch) is most of this file's time. The parts that need no
+cluster (the facade, the router, summed stats): tests/test_ray_pool_routing.py; helpers: tests/ray_pool_helpers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 
 import pytest
@@ -16,84 +16,17 @@ import pytest_asyncio
 import ray
 import torch
 
-from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch import Engine, SyncEngine
 from ourobatch.ray import EnginePool, ReplicaDiedError
-from ourobatch.ray.routing import Router
-from ourobatch.ray.stats import sum_stats
 from scheduler.errors import EngineDeadError, RequestRejectedError
 from ourobatch.testing import make_tiny_checkpoint
+from tests.ray_pool_helpers import (LIMIT, MID_FLIGHT, MODES, assert_same, config, drain, first_delta, freeze,
+                                    join_deltas, reference, sp, until_restarted)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
-LIMIT = 60  # seconds: every wait on the pool is bounded, so a hang fails the test instead of CI
-# Tokens of a request a test needs still running after its first delta, when its pause / freeze / kill lands: long
-# enough however busy the machine is (two test workers on two cores); 24-40 tokens once finished first.
-MID_FLIGHT = 300
-
-MODES = {"deferred4": dict(mode="deferred", deep_interval=4), "eager4": dict(mode="eager", deep_interval=4),
-         "verify4": dict(mode="verify", deep_interval=4), "interval1": dict(deep_interval=1)}
 
 
-def config(ckpt, mode: str, **kw) -> EngineConfig:
-    return EngineConfig(model=str(ckpt), dtype="float64", block_size=4, num_kv_blocks=512, max_model_len=512,
-                        **MODES[mode], **kw)
-
-
-def sp(max_tokens=12, seed=0, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
-
-
-APPROX = ("logprobs", "cumulative_logprob", "top_logprobs")  # float64 sums: equal to 1e-9, not bit for bit
-
-
-def assert_same(got, want, ignore: tuple[str, ...] = ()) -> None:
-    """Pool output == single-engine output in every CompletionOutput field but `ignore` (log-probs to 1e-9)."""
-    assert (got.request_id, got.prompt_token_ids, got.finished) == (want.request_id, want.prompt_token_ids,
-                                                                    want.finished)
-    assert len(got.outputs) == len(want.outputs)
-    for a, b in zip(got.outputs, want.outputs):
-        for f in dataclasses.fields(b):
-            if f.name in ignore:
-                continue
-            x, y = getattr(a, f.name), getattr(b, f.name)
-            if f.name == "top_logprobs" and y is not None:
-                assert [t.keys() for t in x] == [t.keys() for t in y]
-                x, y = [v for t in x for v in t.values()], [v for t in y for v in t.values()]
-            if f.name in APPROX and y is not None:
-                assert x == pytest.approx(y, abs=1e-9), f.name
-            else:
-                assert x == y, f.name
-
-
-def join_deltas(deltas):
-    """The last DELTA output with each per-token field (token_ids, logprobs, readout_loops, ...) replaced by
-    the concatenation of all the deltas' (so it should equal the cumulative output)."""
-    joined = copy.deepcopy(deltas[-1])
-    for c in joined.outputs:
-        parts = [o.outputs[c.index] for o in deltas]
-        for f in dataclasses.fields(c):
-            if isinstance(getattr(c, f.name), list):
-                setattr(c, f.name, [x for part in parts for x in getattr(part, f.name)])
-    return joined
-
-
-def reference(cfg: EngineConfig, prompts, params, request_ids):
-    with SyncEngine(cfg) as llm:
-        return llm.generate_batch(prompts, params, request_ids=request_ids)
-
-
-# ---------------------------------------------------------------------- routing (no Ray)
-
-def test_ray_facade_is_pinned_and_imports_ray_lazily():
-    import subprocess
-    import sys
-
-    import ourobatch.ray
-
-    assert set(ourobatch.ray.__all__) == {"EngineActor", "EnginePool", "ReplicaDiedError"}
-    code = ("import sys, ourobatch, ourobatch.ray; ourobatch.ray.ReplicaDiedError; "
-            "assert 'ray' not in sys.modules and 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
+# ---------------------------------------------------------------------- the pool's broadcast methods (no Ray)
 
 def test_every_broadcast_method_is_an_async_method_of_the_engine_and_the_pool():
     """EngineActor.call awaits Engine.<method> by name and EnginePool offers the same call: neither looks
@@ -105,36 +38,6 @@ def test_every_broadcast_method_is_an_async_method_of_the_engine_and_the_pool():
     for name in BROADCAST_METHODS:
         assert inspect.iscoroutinefunction(getattr(Engine, name, None)), f"Engine.{name}"
         assert inspect.iscoroutinefunction(getattr(EnginePool, name, None)), f"EnginePool.{name}"
-
-
-def test_router_least_outstanding_work_then_lowest_index():
-    r = Router(3, block_size=4, affinity_tokens=0)
-    assert r.choose([1, 2, 3, 4, 5], [10, 3, 3]) == 1
-    assert r.choose([1], [None, 7, 2]) == 2
-    assert r.choose([1], [None, None, None]) is None
-
-
-def test_router_prefix_affinity_yields_to_balance():
-    r = Router(2, block_size=4, affinity_tokens=8, affinity_slack_tokens=100)
-    system = [9, 9, 9, 9, 8, 8, 8, 8]
-    assert r.choose(system + [1], [0, 0]) == 0  # a new prefix lands on the least loaded replica
-    assert r.choose(system + [2, 3], [50, 0]) == 0  # same first 8 tokens: same replica, within the slack
-    assert r.choose(system + [4], [101, 0]) == 1  # too unbalanced: the least loaded one
-    assert r.choose(system + [5], [60, 0]) == 0  # the prefix kept its home
-    assert r.choose(system + [6], [None, 0]) == 1  # home down: it moves
-    assert r.choose(system + [7], [0, 50]) == 1
-    assert r.choose([9, 9, 9], [5, 0]) == 1  # no full block: no affinity
-    with pytest.raises(ValueError, match="affinity_tokens"):
-        Router(2, block_size=4, affinity_tokens=-1)
-
-
-def test_summed_stats_add_counters_and_recompute_usage():
-    total = sum_stats([{"tokens_generated": 3, "kv_blocks_used": 1, "kv_blocks_total": 4, "kv_usage": 0.25,
-                        "step_in_flight": False, "max_model_len": 64, "attention_backend": "torch"},
-                       {"tokens_generated": 5, "kv_blocks_used": 3, "kv_blocks_total": 4, "kv_usage": 0.75,
-                        "step_in_flight": True, "max_model_len": 64, "attention_backend": "torch"}])
-    assert total == {"tokens_generated": 8, "kv_blocks_used": 4, "kv_blocks_total": 8, "kv_usage": 0.5,
-                     "step_in_flight": True, "max_model_len": 64, "attention_backend": "torch"}
 
 
 # ---------------------------------------------------------------------- the pool on Ray
@@ -241,22 +144,6 @@ async def test_pool_outputs_carry_prompt_logprobs_as_a_single_engine_does(pools,
     async with pool.stream(PROMPTS[1], dataclasses.replace(params, output_kind="DELTA")) as s:
         carried = [out.prompt_logprobs is not None async for out in s]
     assert sum(carried) == 1  # a DELTA stream carries them once
-
-
-async def freeze(pool: EnginePool, index: int) -> None:
-    """Pause one replica with its requests kept (Engine.pause("keep")): they stay in flight."""
-    await asyncio.wait_for(pool.actors[index].call.remote("pause", "keep"), LIMIT)
-
-
-async def first_delta(stream):
-    return await asyncio.wait_for(stream.__anext__(), LIMIT)
-
-
-async def drain(stream) -> list:
-    outs = []
-    async for out in stream:
-        outs.append(out)
-    return outs
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -420,14 +307,6 @@ async def test_weight_updates_fan_out_and_a_restarted_replica_catches_up(pools, 
     await check(new, 1)
     assert await asyncio.wait_for(pool.load_weights(ckpt, version=7), LIMIT) == 7
     await check(ckpt, 7)
-
-
-async def until_restarted(pool: EnginePool, index: int) -> None:
-    """Wait until the pool has seen replica `index` die and come back (its monitor notices at once)."""
-    restarts = pool.replicas[index].restarts
-    while pool.replicas[index].restarts == restarts:
-        await pool._changed.wait()
-    await pool.wait_ready(LIMIT)
 
 
 @pytest.mark.asyncio(loop_scope="module")

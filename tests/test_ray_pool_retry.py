@@ -24,8 +24,8 @@ import torch
 
 from ourobatch.ray import EnginePool, ReplicaDiedError
 from ourobatch.testing import make_tiny_checkpoint
-from tests.test_ray_pool import (LIMIT, MID_FLIGHT, assert_same, config, drain, first_delta, freeze, join_deltas, reference, sp,
-                              until_restarted)
+from tests.ray_pool_helpers import (LIMIT, MID_FLIGHT, assert_same, config, drain, first_delta, freeze, join_deltas,
+                                    reference, sp, until_restarted)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]  # one local Ray at a time
 PROMPT = [20, 19, 18, 17, 16]

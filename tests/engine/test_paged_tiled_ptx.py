@@ -12,7 +12,7 @@ import pytest
 
 from engine import kernel_cases
 
-from ..test_warmup import shapes
+from ..test_warmup_kernels import shapes
 
 
 def test_the_tiled_launchs_key_has_one_m_tiles_class():
