@@ -8,6 +8,20 @@ from pathlib import Path
 MODE_COLORS = {"full": "k", "eager": "tab:gray", "deferred": "tab:blue", "verify": "tab:green"}
 
 
+def pyplot(skipped: str):
+    """matplotlib.pyplot on the Agg backend, or None (with a warning naming what is `skipped`) where matplotlib
+    is not importable: the benchmarks' plots are optional, their numbers are not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"warning: matplotlib is not importable; {skipped} skipped", file=sys.stderr)
+        return None
+    return plt
+
+
 def mode_color(row: dict) -> str:
     """Full depth (deep_interval 1, whatever the mode) in black, then one color per mode."""
     return MODE_COLORS["full" if row["deep_interval"] == 1 else row["mode"]]
@@ -16,13 +30,8 @@ def mode_color(row: dict) -> str:
 def accuracy_plot(rows: list[dict], x_key: str, path: Path, *, xlabel: str, ylabel: str, title: str) -> bool:
     """One point per row at (row[x_key], accuracy) with its 95% CI; rows whose x is None are left out.
     Returns False (and warns) when matplotlib is not importable."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"warning: matplotlib is not importable; {Path(path).name} skipped", file=sys.stderr)
+    plt = pyplot(Path(path).name)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, r in enumerate(r for r in rows if r[x_key] is not None):

@@ -7,6 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts, not a package
+from bench_plot import pyplot  # noqa: E402
+
+
 def summarize(rec, args, learner) -> dict:
     """One run's row from its rl_pipeline.Recorder and rl_pipeline.Learner (args: the benchmark's)."""
     b = rec.batches
@@ -16,12 +20,14 @@ def summarize(rec, args, learner) -> dict:
                tokens_per_s=tokens / wall, batch_records=b, trace=rec.trace,
                mean_running=_window_mean(rec.trace, 1, 0.0, wall),
                peak_running=max((p[1] for p in rec.trace), default=0),
-               busy_share=_window_mean(rec.trace, 2, 0.0, wall), push_s_mean=sum(learner.push_s) / max(len(learner.push_s), 1),
+               busy_share=_window_mean(rec.trace, 2, 0.0, wall),
+               push_s_mean=sum(learner.push_s) / max(len(learner.push_s), 1),
                staleness_histogram_check=dict(sorted(rec.histogram.items())), mixed_version_samples_check=rec.mixed)
     if len(b) >= 3:  # the steady window: from batch 0's hand-over to batch K-2's (batches 1..K-2)
         a, z = b[0]["t_consumed"], b[-2]["t_consumed"]
         row.update(steady_window_s=[a, z], steady_tokens_per_s=sum(x["tokens"] for x in b[1:-1]) / (z - a),
-                   steady_mean_running=_window_mean(rec.trace, 1, a, z), steady_busy_share=_window_mean(rec.trace, 2, a, z),
+                   steady_mean_running=_window_mean(rec.trace, 1, a, z),
+                   steady_busy_share=_window_mean(rec.trace, 2, a, z),
                    # what the engine generated in the window (consumed tokens there may come from before it)
                    steady_generated_tokens_per_s=(_generated_at(rec.trace, z) - _generated_at(rec.trace, a)) / (z - a))
     return row
@@ -99,13 +105,8 @@ def headline(rows: list[dict], max_num_seqs: int) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot(path.name)
+    if plt is None:
         return False
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(len(configs), 1, figsize=(9, 3.2 * max(len(configs), 1)), squeeze=False)

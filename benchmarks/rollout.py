@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_checkpoint_args, check_configs, ensure_checkpoint, parse_config  # noqa: E402
 import provenance  # noqa: E402
 from public_path import budget_kwargs  # noqa: E402
+from bench_plot import pyplot  # noqa: E402
 
 
 def draw_lengths(rng: random.Random, count: int, median: float, sigma: float, cap: int) -> list[int]:
@@ -156,13 +157,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot(path.name)
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     for r in rows:

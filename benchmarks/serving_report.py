@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts, not a package
+from bench_plot import pyplot  # noqa: E402
+
 BASELINE, COMPARED = "interval1", "deferred4"
 GAP_EDGES_MS = [0.1 * 2 ** (i / 4) for i in range(81)]  # itl_hist bin edges: 0.1 ms .. 105 s, 4 per octave
 
@@ -185,13 +188,8 @@ def markdown(rows: list[dict], meta: dict, summary: dict) -> str:
 
 def plot(rows: list[dict], out: Path, plot_rate: Any) -> bool:
     """serving_latency.png (p99 TTFT and ITL against rate), serving_running.png and serving_gaps.png (one rate)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots", file=sys.stderr)
+    plt = pyplot("the plots")
+    if plt is None:
         return False
     names, rates = list(dict.fromkeys(r["config"] for r in rows)), list(dict.fromkeys(r["rate"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
