@@ -45,12 +45,15 @@ def make_config(**overrides) -> dict:
     return config
 
 
+def attention_dims(config: dict) -> tuple[int, int, int, int]:
+    """(hidden size, query heads, kv heads, head dim) from an HF config dict, with its defaults."""
+    H, nh = config["hidden_size"], config["num_attention_heads"]
+    return H, nh, config.get("num_key_value_heads") or nh, config.get("head_dim") or H // nh
+
+
 def make_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    H = config["hidden_size"]
-    nh = config["num_attention_heads"]
-    nkv = config.get("num_key_value_heads") or nh
-    hd = config.get("head_dim") or H // nh
+    H, nh, nkv, hd = attention_dims(config)
     inter = config["intermediate_size"]
     V = config["vocab_size"]
 
@@ -137,10 +140,7 @@ def _rope_complex(x, theta):
 
 def reference_forward(config, weights, ids):
     w = {k: v.to(torch.float64) for k, v in weights.items()}
-    H = config["hidden_size"]
-    nh = config["num_attention_heads"]
-    nkv = config.get("num_key_value_heads") or nh
-    hd = config.get("head_dim") or H // nh
+    H, nh, nkv, hd = attention_dims(config)
     eps = config["rms_norm_eps"]
     theta = config["rope_theta"]
     lm_head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
