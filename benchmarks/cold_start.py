@@ -125,7 +125,8 @@ async def one_round(engine, args, seed: int) -> dict:
                 gpu_s=sum(steps_ms) / 1e3 if steps_ms else None, slowest_step_ms=max(steps_ms) if steps_ms else None,
                 compiles=None if delta is None else delta.compiled + delta.loaded, captures=captures1 - captures0,
                 prompts_sha1=hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12],
-                new_memory_segments=segments, sm_clock_mhz_before=clock0, steps_ms=[round(x, 3) for x in steps_ms] if steps_ms else None,
+                new_memory_segments=segments, sm_clock_mhz_before=clock0,
+                steps_ms=[round(x, 3) for x in steps_ms] if steps_ms else None,
                 **{k: stats1[k] - stats0[k] for k in ("prefix_cache_hits", "prefill_tokens_computed")})
 
 
@@ -192,7 +193,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"process 2 with the folder process 1 filled. start to ready: from the process's spawn "
              f"(interpreter, imports) to the engine ready; warm = the last round.", "",
              "| config | process | start to ready s | import s | ready s | setup | weights | KV pool | executor | "
-             "kernels | graphs | requests | other | compiled / loaded | round s | first / warm | compiles, captures per round | "
+             "kernels | graphs | requests | other | compiled / loaded | round s | first / warm | "
+             "compiles, captures per round | "
              "prefix-cache hits |", "|---" * 18 + "|"]
     for r in rows:
         ph, rounds = r["phases"], r["rounds"]
@@ -212,8 +214,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         load, pre, during = r.get("weights_breakdown") or {}, r.get("prefetch_kernels") or {}, r.get("compiled_during")
         compiled = "-" if during is None else " / ".join(str(during.get(p, 0)) for p in
                                                           ("weights", "kernels", "graphs", "requests"))
-        per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}, {f(x.get('sm_clock_mhz_before'), '{}')}"
-                               for x in r["rounds"])
+        per_round = " / ".join(f"{f(x.get('steps'), '{}')}, {f(x.get('gpu_s'))}, "
+                               f"{f(x.get('sm_clock_mhz_before'), '{}')}" for x in r["rounds"])
         lines.append(f"| {r['config']} | {r['process']} | {f(load.get('weights_total_s'))} | "
                      f"{f(load.get('weights_gb_per_s'))} | {f(pre.get('seconds'))} / {f(pre.get('sequential_seconds'))}"
                      f" | {compiled} | {per_round} |")

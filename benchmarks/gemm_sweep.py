@@ -94,8 +94,8 @@ def sweep_op(op: str, M: int, around_table: bool = False, tma: bool = False) -> 
     if op == "gate":
         base = timed(lambda: [fused.silu_mul(F.linear(x, w)) for w in ws])
     elif op == "qkv":
-        base = timed(lambda: [fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, kp, vp, Q // 128, KV // 128, 128)
-                              for w in ws])
+        base = timed(lambda: [fused.rope_store_kv(F.linear(x, w), pos, slots, inv_freq, kp, vp, Q // 128, KV // 128,
+                                                  128) for w in ws])
     else:
         base = timed(lambda: [fused.add_rms_norm2(h, F.linear(x, w), wa, wb, EPS) for w in ws])
     rows = []
@@ -205,7 +205,8 @@ def main(argv=None) -> int:
             r = sweep_op(op, M, args.around_table, args.tma)
             result["sweep"].append(r)
             b = r["best"]
-            print(f"M={M:4d} {op:5s} cuBLAS path {r['cublas_us']:6.1f} us  best {b['us'] if b else float('nan'):6.1f} us "
+            print(f"M={M:4d} {op:5s} cuBLAS path {r['cublas_us']:6.1f} us  "
+                  f"best {b['us'] if b else float('nan'):6.1f} us "
                   f"x{r['speedup'] or 0:.2f}  {b['cfg'] if b else None} splits={b['splits'] if b else None}",
                   flush=True)
             if args.tma:

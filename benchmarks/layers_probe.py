@@ -156,8 +156,8 @@ def main(argv=None) -> int:
               "floor_ms": floor_ms, "ways": {}}
     for gb in (float(x) for x in args.pool_gb.split(",")):
         k, v, meta = problem(args.rows, args.context, gb)
-        fn = lambda k=k, v=v, meta=meta, **kw: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6, D**-0.5,  # noqa: E731
-                                                              **kw)
+        fn = lambda k=k, v=v, meta=meta, **kw: launch_layers(h, st, k, v, meta, st.inv_freq, 1e-6,  # noqa: E731
+                                                              D**-0.5, **kw)
         for stages in [int(x) for x in args.stages.split(",") if x] or [ld.STAGES]:
             ld.STAGES = stages  # launch_layers reads it at each call
             name = f"pool_{gb:g}gb" + (f"_stages{stages}" if args.stages else "")

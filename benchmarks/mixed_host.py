@@ -201,7 +201,8 @@ def measure_row(rig: Rig, N: int, C: int, k: int, kind: str, decode: list[Shallo
 
 def table(rows: list[dict]) -> str:
     cuda = any("launches" in r for r in rows)
-    head = ["kind", "N", "C", "k", "launch ms", "step ms", "ops", "compute ops"] + (["launches", "syncs"] if cuda else [])
+    head = (["kind", "N", "C", "k", "launch ms", "step ms", "ops", "compute ops"]
+            + (["launches", "syncs"] if cuda else []))
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         cells = [r["kind"], r["N"], r["chunks"], r["k"], f"{r['launch_ms']:.2f}", f"{r['step_ms']:.2f}", r["ops"],

@@ -47,7 +47,8 @@ def _group(samples: list[dict], config: str, N: int, flops_per_token: float, thr
     decode = [s for s in mine if s["kind"] == "decode"]
     base_all = _median([s["step_ms"] for s in decode])
     base = {deep: _median([s["step_ms"] for s in decode if s["deep"] == deep]) or base_all for deep in (False, True)}
-    rows = [dict(config=config, N=N, kind="decode", k=0, n=len(decode), step_ms=percentiles([s["step_ms"] for s in decode]),
+    rows = [dict(config=config, N=N, kind="decode", k=0, n=len(decode),
+                 step_ms=percentiles([s["step_ms"] for s in decode]),
                  gpu_ms=percentiles([s["gpu_ms"] for s in decode if s["gpu_ms"] is not None]),
                  launch_ms=percentiles([s["launch_ms"] for s in decode]), ratio=1.0, base_ms=base_all,
                  base_by_deep=base)]
@@ -70,7 +71,8 @@ def _group(samples: list[dict], config: str, N: int, flops_per_token: float, thr
                              deep_steps=sum(s["deep"] for s in group), ratio=ratio, extra_ms=extra_ms,
                              device_allocs=_allocs(group),
                              chunk_tflop=flops_per_token * k / 1e12,
-                             prefill_tflops=flops_per_token * k / 1e9 / extra_ms if extra_ms and extra_ms > 0 else None))
+                             prefill_tflops=(flops_per_token * k / 1e9 / extra_ms
+                                             if extra_ms and extra_ms > 0 else None)))
             if ratio <= threshold:
                 within = k
         fixed, per_token = _fit(points)
@@ -112,7 +114,8 @@ def _table(rows: list[dict], config: str, N: int) -> list[str]:
         for kind in KINDS:
             r = next((r for r in mine if r["kind"] == kind and r["k"] == k), None)
             cells.append("-" if r is None else
-                         f"{fmt(r['step_ms']['p50'], '{:.1f}')} (x{r['ratio']:.2f}) / {fmt(r['gpu_ms']['p50'], '{:.1f}')}"
+                         f"{fmt(r['step_ms']['p50'], '{:.1f}')} (x{r['ratio']:.2f})"
+                         f" / {fmt(r['gpu_ms']['p50'], '{:.1f}')}"
                          f" / {fmt(r['launch_ms']['p50'], '{:.1f}')} / {fmt(r['prefill_tflops'], '{:.0f}')}")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return lines
@@ -129,7 +132,8 @@ def _profile_lines(profile: dict | None, syncs: dict | None) -> list[str]:
         p = profile.get(name)
         if p is None:
             continue
-        sync = "-" if not syncs else f"{syncs[name]['engine_count']} (+{syncs[name]['count'] - syncs[name]['engine_count']})"
+        sync = ("-" if not syncs else
+                f"{syncs[name]['engine_count']} (+{syncs[name]['count'] - syncs[name]['engine_count']})")
         lines.append(f"| {name} | {p['wall_ms']:.1f} | {fmt(p['gpu_ms'], '{:.1f}')} | {p['kernel_ms']:.1f} | "
                      f"{fmt(p['busy_share'], '{:.0%}')} | {p['device_activities']} | {p['launches']} | "
                      f"{p['host_ms']:.1f} | {sync} |")

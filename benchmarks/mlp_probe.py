@@ -5,8 +5,8 @@ Each way runs a layer's MLP 24 times in a row (each layer's output the next one'
 graph and timed as phase_probe.py times its chains (PDL on, as in the engine):
 - kernels: triton_gemm.add_rms_norm2_partials, gate_up_silu, linear_partials (the engine's path without the fold);
 - mlp: gluon_mlp.launch_mlp, with STAGES ring slots (mlpSTAGES), a stager of WARPS warps (wWARPS, default 8),
-  SiLU x up staged group by group (g1, the default) or after the grid barrier (g0); diagnostics (the output then wrong): d1 no MMAs, d2 no waits for SiLU x up, d3 no
-  add + norm.
+  SiLU x up staged group by group (g1, the default) or after the grid barrier (g0); diagnostics (the output then
+  wrong): d1 no MMAs, d2 no waits for SiLU x up, d3 no add + norm.
 Every way twice in turn; us per layer and above the weights' bytes floor (gate_up + down at 4.3 TB/s).
 
     python benchmarks/mlp_probe.py --out DIR [--ways kernels,mlp12,mlp16,mlp12d1,mlp12d2,mlp12d3] [--layers 24]
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     if args.attention:  # o_proj's weights and the keys and values
         floor_us += (HIDDEN * 2048 + 2 * ROWS * args.attention * 2048) * 2 / (COPY_TBPS * 1e6)
     ways = {name: layers.way(name) for name in args.ways.split(",")}
-    result = {"between_mb": args.between, "attention_context": args.attention, "commit": commit(), "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
+    result = {"between_mb": args.between, "attention_context": args.attention, "commit": commit(),
+              "gpu": torch.cuda.get_device_name(), "floor_us_per_layer": floor_us, "layers": args.layers, "ways": {}}
     for _ in range(2):
         for name, fn in ways.items():
             us = timed(fn) * 1e3 / args.layers

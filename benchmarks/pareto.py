@@ -52,7 +52,8 @@ def join(quality_rows: list[dict], throughput_rows: list[dict], scenario: tuple[
 def markdown(rows: list[dict], qmeta: dict, tmeta: dict, scenario: str) -> str:
     lines = [f"Accuracy: `{Path(qmeta['model']).name}`, {qmeta['num_tasks']} tasks, {qmeta['device']} {qmeta['dtype']} "
              f"({qmeta['date']}). Speed-up: decode tokens/s relative to interval 1 from benchmarks/throughput.py, "
-             f"{tmeta.get('device_name', tmeta.get('device'))} {tmeta['dtype']}, scenario {scenario} ({tmeta['date']}).",
+             f"{tmeta.get('device_name', tmeta.get('device'))} {tmeta['dtype']}, "
+             f"scenario {scenario} ({tmeta['date']}).",
              "", "| config | mode | B | s | accuracy [95% CI] | agree exact | KL shallow | speed-up |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quality", required=True, help="results.json of benchmarks/quality.py")
     ap.add_argument("--throughput", required=True, help="results.json of benchmarks/throughput.py")
-    ap.add_argument("--scenario", default=None, help="NxPROMPTxOUTPUT of the throughput run (needed when it has several)")
+    ap.add_argument("--scenario", default=None,
+                    help="NxPROMPTxOUTPUT of the throughput run (needed when it has several)")
     ap.add_argument("--out", required=True, help="PNG path")
     ap.add_argument("--markdown", default=None, help="also write the joined table here")
     args = ap.parse_args(argv)

@@ -42,7 +42,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_probe import BLOCK_N, COPY_TBPS, K, Chain, measure, out_and_sms, phase_columns, rel_err  # noqa: E402
-from ws_chain import BLOCK_K_WS, CHAIN_ALIGNED, chain_signature, compile_sm90, smem_layouts, ws_chain_kernel  # noqa: E402,E501
+from ws_chain import (BLOCK_K_WS, CHAIN_ALIGNED, chain_signature, compile_sm90, smem_layouts,  # noqa: E402
+                      ws_chain_kernel)
 from ws_chain64 import compile64_for_sm90, parse_ways64, run_ws64  # noqa: E402
 from ws_chain64_wg import compile_wg_for_sm90, parse_ways_wg, run_ws64wg  # noqa: E402
 

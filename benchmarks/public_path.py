@@ -163,7 +163,8 @@ def engine_config(args, model_dir: str, name: str) -> EngineConfig:
     return EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, mode=mode, deep_interval=B,
                         shallow_loops=s, max_num_seqs=args.N, max_model_len=args.P + args.M,
                         gpu_memory_utilization=args.gpu_memory_utilization, **budget_kwargs(args),
-                        async_scheduling={"auto": None, "on": True, "off": False}[getattr(args, "async_scheduling", "auto")])
+                        async_scheduling={"auto": None, "on": True,
+                                          "off": False}[getattr(args, "async_scheduling", "auto")])
 
 
 def workload(args, vocab: int, count: int | None = None,

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl_ops.json").write_text(json.dumps(result, indent=1))
-    lines = ["| operation | seconds | device used GiB | torch allocated GiB | torch reserved GiB |", "|---|---|---|---|---|"]
+    lines = ["| operation | seconds | device used GiB | torch allocated GiB | torch reserved GiB |",
+             "|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['op']} | {r['seconds']:.2f} | {r.get('device_used_gib', 0):.2f} | "
                      f"{r.get('allocated_gib', 0):.2f} | {r.get('reserved_gib', 0):.2f} |")

@@ -14,7 +14,8 @@ requested, prefix-cache hits, and KV utilisation / running requests over time (P
     python benchmarks/rollout.py --out results/rollout                      # H200: the issue's workload
     python benchmarks/rollout.py --device cpu --tiny --prompts 3 --n 2 --prompt-len 8 --max-tokens 24 \\
         --median 8 --out /tmp/r                                               # CPU smoke test
-    python benchmarks/rollout.py --out results/rollout_r2 --replicas 2        # 2 replicas, ourobatch.ray (docs/scaling.md)
+    python benchmarks/rollout.py --out results/rollout_r2 --replicas 2        # 2 replicas, ourobatch.ray
+                                                                              # (docs/scaling.md)
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     lazy = {r["config"]: r for r in rows if r["kv_allocation"] == "lazy"}
     for r in rows:
         if r["kv_allocation"] == "reserve" and r["config"] in lazy:
-            lazy[r["config"]]["mean_running_over_reserve"] = lazy[r["config"]]["mean_running"] / max(r["mean_running"], 1e-9)
+            lazy[r["config"]]["mean_running_over_reserve"] = (lazy[r["config"]]["mean_running"]
+                                                              / max(r["mean_running"], 1e-9))
     (out / "rollout.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
     (out / "rollout.md").write_text(markdown(rows, meta))
     plot(rows, out / "rollout_kv.png")

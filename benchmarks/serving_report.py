@@ -148,7 +148,8 @@ def steps_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['config']} | {r['rate']} | {st['num_steps']} | {fmt(d['step_ms']['p50'], '{:.1f}')} / "
                      f"{fmt(d['step_ms']['p99'], '{:.1f}')} | {fmt(p['step_ms']['p50'], '{:.1f}')} / "
                      f"{fmt(p['step_ms']['p99'], '{:.1f}')} | {fmt(p['launch_ms']['p50'], '{:.1f}')} | "
-                     f"{p['with_history']} | {st['ahead']} | {st['compiled']} / {st['captures']} | {_allocs(r)} | {by} |")
+                     f"{p['with_history']} | {st['ahead']} | {st['compiled']} / {st['captures']} | "
+                     f"{_allocs(r)} | {by} |")
     return lines
 
 

@@ -169,7 +169,8 @@ def profile_one(model_dir, model, args, config: str, suffix: str, N: int) -> dic
     print(f"N={N} {name}: graph {gt['gpu_ms']:.2f} ms (wall {gt['wall_ms']:.2f}), eager kernels "
           f"{kt['kernels_per_step']:.0f}/step sum {kt['kernel_us_per_step'] / 1e3:.2f} ms: {groups}", flush=True)
     for k in kt["top"][:12]:
-        print(f"    {k['calls']:6.0f} x {k['us'] / max(k['calls'], 1):7.1f} us = {k['us'] / 1e3:6.2f} ms  {k['name'][:90]}")
+        print(f"    {k['calls']:6.0f} x {k['us'] / max(k['calls'], 1):7.1f} us = {k['us'] / 1e3:6.2f} ms  "
+              f"{k['name'][:90]}")
     return dict(N=N, config=name, **kt, **gt)
 
 

@@ -107,7 +107,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
 
 
 def _sdpa_pieces(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_plane: torch.Tensor,
-                 v_plane: torch.Tensor, plan, groups: int, scale: float) -> list[tuple[slice | torch.Tensor, torch.Tensor]]:
+                 v_plane: torch.Tensor, plan, groups: int,
+                 scale: float) -> list[tuple[slice | torch.Tensor, torch.Tensor]]:
     """prefill_attention's SDPA calls: fresh chunk groups batched, chunks that gather their history."""
     pieces: list[tuple[slice | torch.Tensor, torch.Tensor]] = []
     if plan.fresh and k is None:  # every fresh group's keys in one gather (views of it per group)

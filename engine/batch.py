@@ -2,7 +2,8 @@
 
 Block tables live on the device in one buffer, one row per live request, written when the request
 first appears and extended when its block list grows (lazy allocation: a block every block_size
-positions; all growths of a step are written in one copy). A step then sends only small index vectors (table row, first position, token id per request); slots and positions are
+positions; all growths of a step are written in one copy). A step then sends only small index vectors
+(table row, first position, token id per request); slots and positions are
 computed on the device, which keeps the hot path free of per-request host work and lets the same
 function run eagerly or inside a CUDA graph. Nothing here waits for the device: host-to-device copies
 go through pinned memory without blocking, and host-built metadata reads the plan's block ids, never

@@ -8,8 +8,8 @@ batch), then one batched sampling pass over every work item that carries a Sampl
 Retained rows (deferred mode) are the loop-s readouts of fed positions whose deep loops have not run.
 They live in one device buffer ``rows[table_row, i]`` (i < deep_interval; engine/retained.py owns it),
 written by the shallow call and read by the deep call, so neither needs per-request host work; a
-released request's rows are simply forgotten. A failing phase is reported as a StepFailure, never raised: the scheduler decides
-who ends with it.
+released request's rows are simply forgotten. A failing phase is reported as a StepFailure, never raised:
+the scheduler decides who ends with it.
 
 ``execute(plan)`` is ``launch(plan).result()``. ``launch`` only queues work on the device (host-to-device
 copies through pinned memory, metadata from the plan's block ids, no read of a device value), so with

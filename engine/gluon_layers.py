@@ -207,7 +207,8 @@ def staging(dtype: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr):
 def layers_kernel(wq, wo, wgu, wd, k_desc, v_desc, h_in_ptr, out_ptr, k_ptr, v_ptr, inv_freq_ptr, hq_ptr, hm_ptr,
                   qkv_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, n_in, n_in2, n_post, n_post2, n_final, pos_ptr, slots_ptr,
                   tables_ptr, stride_bt, ctx_ptr, cnt_ptr, sums_ptr, trace_ptr, num_layers, M, layer_rows, eps,
-                  qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
+                  qk_scale, H: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, HEADS: gl.constexpr,
+                  D: gl.constexpr,
                   PAGE: gl.constexpr, XCHUNKS: gl.constexpr, x_layout: gl.constexpr, STAGES: gl.constexpr,
                   USE_PDL: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(BN * BK == 2 * PAGE * D, "a ring slot holds one weight box, or a page of keys and one of values")

@@ -180,8 +180,8 @@ def launch_gemm(s: KernelShapes, rows: int, key: tuple, weights: dict[str, torch
         plane = torch.zeros(s.block_size, Hkv, d, **zeros)  # pool.plane()'s layout: [slots, kv_heads, d]
         index = torch.zeros(rows, dtype=torch.int64, device=device)  # positions and slots (slot 0)
         inv_freq = torch.ones(d // 2, dtype=torch.float32, device=device)
-        args = (torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq, plane, plane, Hq, Hkv,
-                d, cfg)
+        args = (torch.zeros(rows, s.hidden_size, **zeros), weights["qkv"], index, index, inv_freq, plane, plane, Hq,
+                Hkv, d, cfg)
         if key[0] == "qkv":
             triton_gemm.qkv_rope_store(*args)
         else:

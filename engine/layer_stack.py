@@ -24,7 +24,8 @@ class LayerStack:
     """The stacked weights, the RoPE frequencies, the launch's counters and scratch rows, its descriptors."""
 
     def __init__(self, wq: torch.Tensor, wo: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, norms: torch.Tensor,
-                 final_norm: torch.Tensor, inv_freq: torch.Tensor, layers: int, weight_layers: int | None = None) -> None:
+                 final_norm: torch.Tensor, inv_freq: torch.Tensor, layers: int,
+                 weight_layers: int | None = None) -> None:
         # weight_layers: the layers the weight tensors hold (the warm-up's launch: fewer; the launch's TMA reads
         # past them come back as zeros), `layers` those of everything else
         self.wq, self.wo, self.wgu, self.wd = wq, wo, wgu, wd

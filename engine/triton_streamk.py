@@ -170,7 +170,8 @@ def stream_programs(tiles: int, k_blocks: int, num_sms: int) -> int:
 def gate_up_silu_stream(x: torch.Tensor, w_gate_up: torch.Tensor, cfg: GemmConfig, flags: torch.Tensor,
                         num_sms: int | None = None) -> torch.Tensor:
     """triton_gemm.gate_up_silu as a stream-K launch (rows <= 64: one row tile). flags: int32, zero, one per
-    program (gemm_dispatch.new_stream_flags); left zero. num_sms: the program count's bound (default: the device's SMs)."""
+    program (gemm_dispatch.new_stream_flags); left zero. num_sms: the program count's bound (default: the
+    device's SMs)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = w_gate_up.shape[0] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

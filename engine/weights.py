@@ -41,8 +41,8 @@ def copy_named_tensors(model: OuroForCausalLM, named_tensors: Iterable[tuple[str
     seen: set[str] = set()
 
     def fail(message: str) -> WeightUpdateError:
-        done = f"; {len(copied)} tensor(s) were already copied ({', '.join(copied[:3])}{', ...' if len(copied) > 3 else ''})" \
-            if copied else "; nothing was copied"
+        done = (f"; {len(copied)} tensor(s) were already copied ({', '.join(copied[:3])}"
+                f"{', ...' if len(copied) > 3 else ''})" if copied else "; nothing was copied")
         return WeightUpdateError(message + done, copied=tuple(copied))
 
     if isinstance(named_tensors, (str, bytes, dict)):

@@ -68,7 +68,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny_checkpoint(tmp))
         rng = random.Random(0)
-        items = [{"prompt_index": i, "seed": i, "prompt_token_ids": [rng.randrange(1, 31) for _ in range(args.prompt_len)]}
+        items = [{"prompt_index": i, "seed": i,
+                  "prompt_token_ids": [rng.randrange(1, 31) for _ in range(args.prompt_len)]}
                  for i in range(args.prompts)]
         results = ray.data.from_items(items).map_batches(
             Rollout, fn_constructor_kwargs=dict(model=model, device=args.device, max_tokens=args.max_tokens,

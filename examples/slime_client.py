@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             report["server_info"] = check("/get_server_info", client.get("/get_server_info"))
             report["model_info"] = check("/get_model_info", client.get("/get_model_info"))
             current = check("/get_weight_version", client.get("/get_weight_version"))["weight_version"]
-            report["rounds"].append({"weight_version": current, "samples": asyncio.run(rollout(args.url, prompts, args))})
+            report["rounds"].append({"weight_version": current,
+                                     "samples": asyncio.run(rollout(args.url, prompts, args))})
             version = args.start_version  # the trainer's count: each update sends str(version + 1)
             for weights in args.weights:
                 version += 1

@@ -106,7 +106,8 @@ class SchedulerConfig:
     mode: str
     vocab_size: int
     eos_token_ids: frozenset[int] = frozenset()
-    kv_allocation: str = "lazy"  # "lazy": blocks as positions are written, preempt when dry; "reserve": all at admission
+    # "lazy": blocks as positions are written, preempt when dry; "reserve": all at admission
+    kv_allocation: str = "lazy"
     enable_prefix_caching: bool = True  # keep computed prompt blocks for later requests with the same prefix
     kv_watermark: float = 0.01  # lazy: share of the pool kept free at admission, so decode rarely runs dry
     # most prompt tokens a step prefills while requests are decoding (None: only max_num_batched_tokens

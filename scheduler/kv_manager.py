@@ -11,7 +11,8 @@ Shared prefixes. A (re)prefill feeds ``prompt + outputs``. Its full blocks are k
 prefix and the weight version of the step that admits it (block_manager.prefix_block_keys), so a block
 is shared only by an equal prefix under the same weights. At admission the request takes, instead of
 computing them (except where it still needs prompt log-probs: no block holding such a position is
-shared, Request.prompt_logprobs_from), (a) blocks registered in the prefix cache by earlier prefills (``enable_prefix_caching``), and
+shared, Request.prompt_logprobs_from), (a) blocks registered in the prefix cache by earlier prefills
+(``enable_prefix_caching``), and
 (b) blocks that another request admitted in the same plan is computing in that same prefill call
 (``pending``: the n samples of a request), which works even with the cache off: within one layer,
 every row's keys are written before any row attends. The block holding the last fed token is never

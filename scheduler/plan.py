@@ -144,7 +144,8 @@ class VerifyResult:
 
     request_id: str
     num_accepted: int  # engine: drafts accepted, a prefix of DeepWork.draft_token_ids
-    accepted_logprobs: tuple[float, ...]  # engine: loop-T log-prob of each accepted draft (logprobs_mode: processed or raw)
+    accepted_logprobs: tuple[float, ...]  # engine: loop-T log-prob of each accepted draft (logprobs_mode:
+    #                                       processed or raw)
     token_id: int | None  # engine: the residual draw at the first rejection, or the token after all
     #                       accepted drafts (None when all were accepted and no row follows them)
     logprob: float | None  # engine: loop-T processed log-prob of token_id

@@ -3,7 +3,8 @@
 Theory of operation. Every engine step, each open cohort advances its decoding members by exactly one
 shallow step (one token fed per request, loops 1..s). When that step completes a block of
 ``deep_interval`` steps (the cohort's boundary), the same plan also carries one DeepWork per member over
-its retained rows, so one deep call holds every member's rows (decode_plan.py, cohort.py). KV blocks are taken lazily, as positions
+its retained rows, so one deep call holds every member's rows (decode_plan.py, cohort.py). KV blocks are taken
+lazily, as positions
 are written (kv_manager.py); when the coming step's writes do not fit, the newest requests are
 preempted and later recomputed, and waiting requests are admitted in order while blocks and
 ``max_num_seqs`` allow (admission.py). Prefills fill what the decode rows leave of the step's token

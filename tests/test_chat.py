@@ -117,7 +117,8 @@ def test_n_2_and_logprobs_match_the_in_process_engine(oai, reference):
     content = named.choices[0].logprobs.content
     assert [e.token for e in content] == answer_text(task).split() + ["<|endoftext|>"]
     assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in content)
-    assert oai.chat.completions.create(model=NAME, messages=task_message(task), max_tokens=2).choices[0].logprobs is None
+    assert oai.chat.completions.create(model=NAME, messages=task_message(task),
+                                       max_tokens=2).choices[0].logprobs is None
 
 
 def test_stop_strings_cut_the_answer(oai):
@@ -143,7 +144,8 @@ def test_max_tokens_defaults_to_the_rest_of_the_context_and_length_is_reported(o
     assert r.usage.completion_tokens == CONFIG.max_model_len - len(task["prompt_token_ids"])
     short = oai.chat.completions.create(model=NAME, messages=task_message(task), temperature=0, max_tokens=16,
                                         max_completion_tokens=2)  # the newer name wins
-    assert short.usage.completion_tokens == 2 and short.choices[0].message.content == " ".join(answer_text(task).split()[:2])
+    assert (short.usage.completion_tokens == 2
+            and short.choices[0].message.content == " ".join(answer_text(task).split()[:2]))
 
 
 def test_multi_turn_and_text_parts_render_through_the_template(oai, client):

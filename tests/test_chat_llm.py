@@ -49,7 +49,8 @@ def test_one_conversation_per_conversation_params_and_n(llm):
     again = llm.generate({"prompt_token_ids": TASKS[1]["prompt_token_ids"]},
                          SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False)[0]
     assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]  # same prompt, same seed
-    cut = llm.chat(task_message(TASKS[3]), SamplingParams(temperature=0, max_tokens=8, stop=[answer_text(TASKS[3]).split()[1]]),
+    cut = llm.chat(task_message(TASKS[3]),
+                   SamplingParams(temperature=0, max_tokens=8, stop=[answer_text(TASKS[3]).split()[1]]),
                    use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == answer_text(TASKS[3]).split()[0] + " "
 

@@ -12,7 +12,8 @@ from ourobatch.chat_template import ChatTemplate, conversations, load_chat_templ
 
 # ChatML, as Qwen-style checkpoints ship it
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
@@ -42,7 +43,8 @@ def test_tokenizer_config_string_with_special_tokens(tmp_path):
 
 def test_named_templates_and_the_files_beside_them(tmp_path):
     folder = write(tmp_path, **{"tokenizer_config.json": {"chat_template": [
-        {"name": "default", "template": "config-default"}, {"name": "tool_use", "template": "tools: {{ tools | tojson }}"},
+        {"name": "default", "template": "config-default"},
+        {"name": "tool_use", "template": "tools: {{ tools | tojson }}"},
         {"name": "rag", "template": "{% for d in documents %}[{{ d.title }}]{% endfor %}"}]}})
     t = load_chat_template(folder)
     assert t.render(CHAT) == "config-default"
@@ -71,7 +73,8 @@ def test_hf_globals_filters_and_extensions():
     with pytest.raises(ValueError, match="no system role"):
         render("{{ raise_exception('no system role') if messages[0].role == 'system' }}", CHAT)
     assert len(render("{{ strftime_now('%Y-%m-%d') }}", CHAT)) == 10
-    assert render("{{ messages[0] | tojson }}", [{"role": "user", "content": "é"}]) == '{"role": "user", "content": "é"}'
+    assert (render("{{ messages[0] | tojson }}", [{"role": "user", "content": "é"}])
+            == '{"role": "user", "content": "é"}')
     assert render("{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}", CHAT) == '{"a": 2, "b": 1}'
     assert render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}",
                   CHAT) == "system"

@@ -50,7 +50,8 @@ class Layers:
         norms = (1 + 0.1 * torch.randn(4, layers, h, generator=g)).to(torch.bfloat16)
         self.inv_freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.stack = LayerStack(randn(layers * self.qkv, h, scale=h**-0.5), randn(layers * h, h, scale=h**-0.5),
-                                randn(layers * 2 * inter, h, scale=h**-0.5), randn(layers * h, inter, scale=inter**-0.5),
+                                randn(layers * 2 * inter, h, scale=h**-0.5),
+                                randn(layers * h, inter, scale=inter**-0.5),
                                 norms, randn(h), self.inv_freq, layers)
         self.rows = {"h": randn(m, h), "h_out": torch.zeros(m, h, dtype=torch.bfloat16),
                      "q": torch.zeros(m, hq * D, dtype=torch.bfloat16)}

@@ -63,7 +63,8 @@ def test_the_stamps_inside_read_from_the_event_before():
     table = lp.trace_table(t)
     assert abs(table["    sandwich A: chunk 0 out"] - 0.3) < 1e-9
     assert abs(table["    sandwich B: every chunk out"] - 0.2) < 1e-9
-    assert abs(table["    attend: RoPE, new key / value"] - 1.0) < 1e-9 and abs(table["    attend: the pages"] - 7.0) < 1e-9
+    assert (abs(table["    attend: RoPE, new key / value"] - 1.0) < 1e-9
+            and abs(table["    attend: the pages"] - 7.0) < 1e-9)
 
 
 def test_spans_add_up_to_the_layer_on_random_traces():

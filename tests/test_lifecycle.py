@@ -11,7 +11,8 @@ import weakref
 import anyio
 import pytest
 
-from ourobatch import CheckpointError, Engine, EngineClosedError, EngineConfig, EngineDeadError, SamplingParams, SyncEngine
+from ourobatch import (CheckpointError, Engine, EngineClosedError, EngineConfig, EngineDeadError, SamplingParams,
+                       SyncEngine)
 from engine import loader
 from ourobatch.testing import make_tiny_checkpoint
 

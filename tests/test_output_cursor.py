@@ -133,7 +133,8 @@ def test_a_retried_flight_resumes_from_what_the_caller_was_given(kind):
     flight = Flight("f", [1, 2, 3], params, kind)
     assert flight.cursor.kind == kind
     first = SubRequest(flight, "f", [1, 2, 3], params, [0, 1])  # both completions on one replica, DELTA
-    flight.merge(first, RequestOutput("f", [1, 2, 3], [engine_output(0, [10, 11], -0.5), engine_output(1, [20], -0.25)]))
+    flight.merge(first, RequestOutput("f", [1, 2, 3], [engine_output(0, [10, 11], -0.5),
+                                                       engine_output(1, [20], -0.25)]))
     got = [tokens(flight.take())]
     # the replica dies: each unfinished completion continues elsewhere from prompt + its tokens
     retries = flight.retry_subrequests(first)

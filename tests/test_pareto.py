@@ -48,7 +48,8 @@ def test_main_writes_plot_and_table(tmp_path):
     (tmp_path / "q.json").write_text(json.dumps(dict(meta=meta_q, rows=QUALITY)))
     (tmp_path / "t.json").write_text(json.dumps(dict(meta=meta_t, rows=THROUGHPUT)))
     rc = pareto.main(["--quality", str(tmp_path / "q.json"), "--throughput", str(tmp_path / "t.json"),
-                      "--scenario", "64x512x512", "--out", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "p.md")])
+                      "--scenario", "64x512x512", "--out", str(tmp_path / "p.png"),
+                      "--markdown", str(tmp_path / "p.md")])
     assert rc == 0 and (tmp_path / "p.png").stat().st_size > 0
     md = (tmp_path / "p.md").read_text()
     assert "| deferred4s3 | deferred | 4 | 3 | 0.900 [0.800, 1.000] | 0.900 | - | 1.20 |" in md

@@ -45,7 +45,8 @@ def test_more_ring_slots_take_more_shared_memory():
 def test_ways_parse_and_reject_what_the_kernel_does_not_have():
     assert ws.parse_ways("12:4:0:2,10:1:2:0:4,6:4:0:2:0:4096") == [(12, 4, 0, 2, 0, 0), (10, 1, 2, 0, 4, 0),
                                                                   (6, 4, 0, 2, 0, 4096)]
-    for bad in ("12:3:0:2", "12:4:0:5", "40:4:0:2", "12:4:0", "12:4:0:2:3", "12:4:0:2:0:5632", "12:4:0:1:0:4096", "12:4:0:4"):
+    for bad in ("12:3:0:2", "12:4:0:5", "40:4:0:2", "12:4:0", "12:4:0:2:3", "12:4:0:2:0:5632", "12:4:0:1:0:4096",
+                "12:4:0:4"):
         with pytest.raises(ValueError, match="stages:chains:skip:split"):
             ws.parse_ways(bad)
     with pytest.raises(ValueError, match="rows must be <= 16"):
@@ -134,7 +135,8 @@ def test_the_split_k_kernel_names_what_a_way_or_a_chain_lacks():
     for bad in ("8:4", "8:4:0:1:0", "8:4:0,"):
         with pytest.raises(ValueError, match="stages:splits:skip"):
             wg.parse_ways_wg(bad)
-    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:4", "skip 0..3"), ("8:4:0:2", "group must be")]:
+    for bad, field in [("8:3:0", "splits must be"), ("16:4:0", "stages must"), ("8:4:4", "skip 0..3"),
+                       ("8:4:0:2", "group must be")]:
         with pytest.raises(ValueError, match=field):
             wg.parse_ways_wg(bad)
     cols = [2112, 6336]

@@ -209,7 +209,8 @@ def test_sglang_generate_streams_input_logprobs(client):
             "return_logprob": True, "top_logprobs_num": 2}
     plain = client.post("/generate", json=body).json()
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
     assert events and all(e["meta_info"]["input_token_logprobs"] == plain["meta_info"]["input_token_logprobs"]
                           for e in events)
     assert events[-1]["meta_info"]["input_top_logprobs"] == plain["meta_info"]["input_top_logprobs"]

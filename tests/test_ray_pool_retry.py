@@ -183,7 +183,8 @@ async def test_abort_of_one_completion_is_remembered_the_other_is_retried(fresh,
     kept, aborted = final.outputs
     assert (kept.finish_reason, aborted.finish_reason) == ("length", "abort")
     assert_same(dataclasses.replace(final, outputs=[kept]), dataclasses.replace(want, outputs=want.outputs[:1]))
-    assert aborted.token_ids == want.outputs[1].token_ids[:len(aborted.token_ids)] and len(aborted.token_ids) < MID_FLIGHT
+    assert (aborted.token_ids == want.outputs[1].token_ids[:len(aborted.token_ids)]
+            and len(aborted.token_ids) < MID_FLIGHT)
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -239,7 +239,8 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_kv(server, client, 
     ({"model": NAME, "prompt": [1, 10**6]}, None),
     ({"model": NAME, "prompt": [1, 2], "max_tokens": 100}, None),
     ({"model": NAME, "prompt": [], "max_tokens": 2}, "prompt"),
-    ({"model": NAME, "prompt": [1, 2], "max_tokens": 0}, "max_tokens"),  # without echo (tests/test_prompt_logprobs_server.py)
+    ({"model": NAME, "prompt": [1, 2], "max_tokens": 0},  # without echo (tests/test_prompt_logprobs_server.py)
+     "max_tokens"),
     ({"model": NAME, "prompt": [1, 2], "logprobs": -2}, "logprobs"),  # -1 is the whole vocabulary (vLLM)
     ({"model": NAME, "prompt": [1, 2], "suffix": "x"}, "suffix"),
     ({"model": NAME, "prompt": [1, 2], "logit_bias": {"3": 5.0}}, "logit_bias"),

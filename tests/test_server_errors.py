@@ -295,7 +295,8 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event():
                 _next_event(lines)
                 assert gate.entered.wait(60)
                 before = metric_values(scraper)[added]
-                plain = pool.submit(httpx.post, srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}},
+                plain = pool.submit(httpx.post, srv.url + "/generate",
+                                    json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}},
                                     timeout=60)
                 for _ in range(10_000):  # each scrape is a round trip (no sleep): until the plain one is queued
                     if metric_values(scraper)[added] > before:

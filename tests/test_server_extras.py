@@ -63,7 +63,8 @@ def test_tokenize_text_and_chat_forms(client):
     plain = client.post("/tokenize", json={"prompt": "n1 n2", "add_special_tokens": False}).json()
     assert (plain["tokens"], plain["token_strs"]) == ([IDS["n1"], IDS["n2"]], None)
     # the chat form renders the checkpoint's template (bos + " " + the task) before it encodes
-    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": _text(task["prompt_token_ids"][1:])}]})
+    chat = client.post("/tokenize",
+                       json={"messages": [{"role": "user", "content": _text(task["prompt_token_ids"][1:])}]})
     assert chat.status_code == 200, chat.text
     assert chat.json()["tokens"] == task["prompt_token_ids"]
 

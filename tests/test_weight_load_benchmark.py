@@ -34,7 +34,8 @@ def test_the_report_is_its_runs_medians(tmp_path):
         times = {p: [r["seconds"] for r in saved["runs"] if r["contention"] == row["contention"] and r["path"] == p]
                  for p in ("read", "mapped")}
         assert row["read_s"] == round(statistics.median(times["read"]), 4)
-        assert row["mapped_over_read"] == round(statistics.median(times["mapped"]) / statistics.median(times["read"]), 2)
+        assert (row["mapped_over_read"]
+                == round(statistics.median(times["mapped"]) / statistics.median(times["read"]), 2))
     table = (tmp_path / "o" / "weight_load.md").read_text()
     assert "| none |" in table and "| gil |" in table
 

@@ -40,7 +40,8 @@ class Dispatch:
             raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
         if len(prompt) + params.max_tokens > self.config.max_model_len:  # the replica checks the rest
             raise RequestRejectedError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                                       f"{len(prompt) + params.max_tokens} exceeds max_model_len={self.config.max_model_len}")
+                                       f"{len(prompt) + params.max_tokens} exceeds "
+                                       f"max_model_len={self.config.max_model_len}")
         if params.seed is None:  # the seed an Engine would give its i-th unseeded request
             params = params.with_seed(request_seed(self.config.seed, self._num_unseeded))
             self._num_unseeded += 1
@@ -68,7 +69,8 @@ class Dispatch:
             if self._closing:
                 raise EngineClosedError("the pool is closed")
             if self.control.inconsistent:
-                raise InconsistentWeightsError(f"the pool's replicas hold different weights ({self.control.inconsistent}); "
+                raise InconsistentWeightsError(f"the pool's replicas hold different weights "
+                                               f"({self.control.inconsistent}); "
                                                f"a complete update_weights / load_weights restores service")
             if self.control.weights_missing:  # as every replica would answer, ready or not (control.py)
                 raise InconsistentWeightsError("generate: the pool's replicas hold no weights since sleep(2); "

@@ -12,7 +12,8 @@ Faults. One monitor task per replica keeps an ``actor.watch()`` call pending, so
 dead engine is seen at once. Its in-flight requests fail with ReplicaDiedError, or with
 ``retry_aborted=True`` continue on another replica from prompt + the tokens they already have. Ray
 restarts the actor (``max_restarts``); the monitor waits for it, replays what it missed (control.py),
-arms it, and the router uses it again (health.py; the request path is dispatch.py). Every wait a caller can be stuck in is bounded: no ready replica
+arms it, and the router uses it again (health.py; the request path is dispatch.py). Every wait a caller can be
+stuck in is bounded: no ready replica
 within ``ready_timeout_s`` is a ReplicaDiedError, a control call past ``control_timeout_s`` a TimeoutError.
 """
 

@@ -7,7 +7,8 @@ from collections import Counter
 from typing import Any, Iterable
 
 COUNTERS = ("groups_started", "groups_yielded", "groups_filtered", "groups_carried", "groups_aborted",
-            "groups_stale", "groups_failed", "samples_started", "samples_restarted", "samples_paused", "batches", "updates",
+            "groups_stale", "groups_failed", "samples_started", "samples_restarted", "samples_paused", "batches",
+            "updates",
             "tokens_consumed", "mixed_version_samples", "samples_consumed")
 
 

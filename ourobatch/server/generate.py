@@ -84,7 +84,8 @@ async def _prompts(gen: Generation, body: GenerateRequest) -> tuple[list[list[in
 
 def _sampling_params(body: GenerateRequest, prompts: list[list[int]], start: int) -> list[SamplingParams]:
     """One SamplingParams per prompt from SGLang's sampling_params (one dict for all, or one each)."""
-    raw = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * len(prompts)
+    raw = (body.sampling_params if isinstance(body.sampling_params, list)
+           else [body.sampling_params or {}] * len(prompts))
     if len(raw) != len(prompts):
         raise BadRequest(f"got {len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
     try:

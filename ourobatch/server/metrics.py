@@ -69,7 +69,8 @@ class StatsCollector(Collector):
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
         if isinstance(used, int) and isinstance(total, int) and total > 0:
-            yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage", "Share of the KV pool in use (0..1)", value=used / total)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage", "Share of the KV pool in use (0..1)",
+                                    value=used / total)
 
 
 class TimedExecutor:

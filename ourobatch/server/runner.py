@@ -109,7 +109,8 @@ async def open_streams(engine: Any, prompts: list[list[int]], params: list[Sampl
 
 
 async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: SamplingParams,
-                     tokenizer: Tokenizer | None, eos: frozenset[int], emit: Callable[[Delta], Awaitable[None]]) -> None:
+                     tokenizer: Tokenizer | None, eos: frozenset[int],
+                     emit: Callable[[Delta], Awaitable[None]]) -> None:
     """Deliver one queued prompt's deltas to `emit` until each completion ends. A completion cut by a stop
     string is aborted in the engine at once (its siblings run on); leaving the stream aborts the rest."""
     completions = [_Completion(tokenizer, params, eos) for _ in range(params.n)]

@@ -90,7 +90,8 @@ def test_tied_lm_head_is_the_embedding_and_counted_once(tmp_path):
     assert timings.num_tensors == len(load_file(str(ckpt / "model.safetensors")))
 
 
-@pytest.mark.parametrize("stored,dtype,value", [(torch.float32, torch.float32, 3e38), (torch.float16, torch.float16, 6e4)])
+@pytest.mark.parametrize("stored,dtype,value",
+                         [(torch.float32, torch.float32, 3e38), (torch.float16, torch.float16, 6e4)])
 def test_finite_weights_whose_sum_overflows_load(tmp_path, stored, dtype, value):
     """The check sums |w| per tensor (in float32): weights near the dtype's largest value overflow that sum,
     which is no reason to refuse them."""

@@ -17,7 +17,8 @@ for vocab, rows in ((97, 40), (5000, 13), (4096, 6)):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(rows, vocab, generator=g) * 3
     logits[0, : vocab // 2] = float("-inf")  # a row whose first chunk(s) have no mass
-    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4], seed=7919 * i + 2**40 * (i % 3)) for i in range(rows)]
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4], seed=7919 * i + 2**40 * (i % 3))
+              for i in range(rows)]
     cnt = torch.tensor([1 + i % 11 for i in range(rows)])
     temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
     seeds = torch.tensor([p.seed for p in params])

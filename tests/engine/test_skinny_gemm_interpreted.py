@@ -2,7 +2,8 @@
 written from the math (x @ w.T summed over the K splits; silu(x @ gate.T) * (x @ up.T)), in Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed) on fresh random inputs. The shapes
 cover a split of one block, a K that is not a multiple of the block (the last block is masked) and several
-blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads). qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
+blocks per split, each with pointer loads and with TMA descriptors (the interpreter emulates their loads).
+qkv + RoPE + store: tests/engine/test_qkv_rope_store.py; on the GPU: tests/gpu/test_gpu_gemm.py."""
 
 from __future__ import annotations
 

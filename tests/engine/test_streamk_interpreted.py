@@ -1,5 +1,6 @@
 """engine/triton_streamk's stream-K gate_up + SiLU and qkv + RoPE + store against float64 references written from
-the math (silu(x @ gate.T) * (x @ up.T); q, k, v = x W^T by heads, RoPE on q and k, k and v at their slots), in Triton's interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed)
+the math (silu(x @ gate.T) * (x @ up.T); q, k, v = x W^T by heads, RoPE on q and k, k and v at their slots), in
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, where Triton is installed)
 on fresh random inputs. The interpreter runs the programs one after another by id, so an owner's wait finds its
 producers' flags up; what it checks is the split of the (tile, K block) units: program counts that give tiles
 shared by two and three programs, ranges inside one tile (middle producers), ranges holding whole tiles, one

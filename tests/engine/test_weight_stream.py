@@ -94,8 +94,10 @@ def _write_raw(path, header: dict, data: bytes) -> None:
 
 @pytest.mark.parametrize("header,data,match", [
     ({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), r"tensor w has dtype Q7, not one of"),
-    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), r"tensor w's bytes \[0, 8\) do not fit its shape \(3,\) and dtype F32"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8), r"tensor w's bytes \[0, 16\) do not fit .* inside the file"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
+     r"tensor w's bytes \[0, 8\) do not fit its shape \(3,\) and dtype F32"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8),
+     r"tensor w's bytes \[0, 16\) do not fit .* inside the file"),
     ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), r"tensor w has a malformed header entry"),
 ])
 def test_a_header_that_does_not_describe_the_file_is_named(tmp_path, header, data, match):

@@ -1,6 +1,7 @@
 """engine/kv_prefetch.py on a Hopper GPU: a fused decode pass (engine/fused_pass.py) with OUROBATCH_KV_PREFETCH set
 equals the same pass without it to the bit (a prefetch is a hint; the launch must keep the PDL chain's order),
-eagerly, and a graph replay equals the eager call, at every point and page choice, with contexts shorter than the pages asked for;
+eagerly, and a graph replay equals the eager call, at every point and page choice, with contexts shorter than the
+pages asked for;
 and it launches one prefetch per attention of the pass. Its schedule: tests/engine/test_kv_prefetch_dispatch.py."""
 
 from __future__ import annotations

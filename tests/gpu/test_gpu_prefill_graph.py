@@ -35,7 +35,8 @@ def workload(seed: int, n: int = 24):
         if kind == 0:  # a fresh prompt of any length
             prompts.append([rnd.randrange(1, 211) for _ in range(rnd.randint(1, 300))])
         elif kind == 1:  # a shared prefix (cached blocks: the rest is a chunk after a history) plus a tail
-            prompts.append(base[:rnd.choice([16, 32, 100, 256])] + [rnd.randrange(1, 211) for _ in range(rnd.randint(1, 40))])
+            prompts.append(base[:rnd.choice([16, 32, 100, 256])]
+                           + [rnd.randrange(1, 211) for _ in range(rnd.randint(1, 40))])
         else:  # short prompts: many chunks in one step
             prompts.append([rnd.randrange(1, 211) for _ in range(rnd.randint(1, 12))])
     params = [SamplingParams(max_tokens=rnd.randint(4, 12), temperature=rnd.choice([0.0, 0.9]), seed=i,
