@@ -15,11 +15,11 @@ Rounding follows the reference path: each GEMM output is rounded to the model dt
 the SiLU, as F.linear's output is; only the order of the fp32 accumulation differs.
 
 Which rows counts use these kernels, and with which tiles, is `GemmConfig` from engine/gemm_dispatch.py's
-`gemm_config(rows)`
-(tuned on the H200 by benchmarks/gemm_sweep.py); above its range the cuBLAS path stays. Its `tma` field loads the
-weights (1), or the weights and the activations (2), through Hopper's tensor memory accelerator: a tensor
-descriptor per matrix, built per launch (a graph captures it once), whose box loads Triton pipelines with
-mbarriers instead of per-thread cp.async; out-of-range rows and K come back as zeros, as the masked loads'.
+`gemm_config(rows)` (tuned on the H200 by benchmarks/gemm_sweep.py); above its range the cuBLAS path stays. Its
+`tma` field loads the weights (1), or the weights and the activations (2), through Hopper's tensor memory
+accelerator: a tensor descriptor per matrix, built per launch (a graph captures it once), whose box loads Triton
+pipelines with mbarriers instead of per-thread cp.async; out-of-range rows and K come back as zeros, as the masked
+loads'.
 
 The row count (M; the norm's `rows`) is not specialized (`do_not_specialize`): Triton would compile each kernel
 three times, for 1 row, for multiples of 16 and for the rest. Compiled for sm90 at the decode shapes, those
@@ -287,7 +287,7 @@ def qkv_rope_store(x: torch.Tensor, w_qkv: torch.Tensor, positions: torch.Tensor
         x_arg, w_arg, tma = _tma_args(x, w_qkv, bm, block_d, cfg.block_k_qkv, cfg)
         _qkv_rope_store_kernel[grid](x_arg, w_arg, positions, slots, inv_freq, q, k_plane, v_plane, rows, K,
                                      x.stride(0), w_qkv.stride(0), n_q_heads, n_kv_heads, k_plane.stride(0),
-                                     k_plane.stride(1), HALF=half, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=cfg.block_k_qkv,
-                                     TMA=tma,
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+                                     k_plane.stride(1), HALF=half, BLOCK_M=bm, BLOCK_D=block_d,
+                                     BLOCK_K=cfg.block_k_qkv, TMA=tma, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return q
