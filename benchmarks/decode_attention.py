@@ -4,8 +4,12 @@ orders, attention_dispatch.LaunchConfig.head_major); with --ceilings, the device
 
 Decode calls only (one new row per request), Ouro-1.4B heads (16 q = 16 kv heads, d = 128), pages of 16,
 shuffled block tables, every request at context L; KV copies rotate so one replay defeats the L2
-(attention_sweep.py's Problem and timing: a CUDA graph of back-to-back calls, CUDA events, median of 5).
-Every output is checked against a float64 reference computed densely from the gathered pages.
+(attention_sweep.py's Problem and timing: a CUDA graph of calls, CUDA events, median of 5). Each call follows a
+one-element add launched without PDL (its own time measured alone and subtracted), so no call's first programs
+start on the SMs the call before leaves: back to back (`--back-to-back`, the timing before session 40) a
+persistent ring's last round hid behind the next call, 8 us a call at N = 64 on an H100
+(benchmarks/attention_in_pool.py, docs/benchmarks.md session 40). Every output is checked against a float64
+reference computed densely from the gathered pages.
 
     python benchmarks/decode_attention.py --out $OUT/decode_attention      # on an H200
     python benchmarks/decode_attention.py --out $OUT/da --shapes 64x640 --triton-grid --no-gluon --ceilings
@@ -89,7 +93,16 @@ def ceilings(nbytes: int = 2 << 30) -> dict:
             "copy_tbps": tbps(lambda: y.copy_(x), 2 * nbytes), "bytes": nbytes}
 
 
-def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool = True) -> dict:
+def separated(fn, flag: torch.Tensor):
+    """fn(copy) after a one-element add that PDL does not overlap: the call starts when the one before has ended."""
+    def call(copy):
+        flag.add_(1)
+        return fn(copy)
+    return call
+
+
+def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool = True,
+              breaks: bool = True) -> dict:
     from engine import triton_attention
     from engine.gluon_attention import launch_decode_attention
 
@@ -98,7 +111,10 @@ def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool
     p = Problem(n, ctx, "cuda", torch.bfloat16, copies, seed=n * 7919 + ctx)
     q, starts = p.inputs(1, seed=ctx)
     ref = reference(p, q)
-    res = {"n": n, "ctx": ctx, "floor_us": nbytes / 4.3e12 * 1e6, "candidates": {}}
+    res = {"n": n, "ctx": ctx, "floor_us": nbytes / 4.3e12 * 1e6, "candidates": {},
+           "timing": "breaks" if breaks else "back to back"}
+    flag = torch.zeros(1, device="cuda")
+    brk = time_call(lambda copy: flag.add_(1), 1e-6, copies, True) if breaks else 0.0
     for label, c in candidates(n, sms, triton_grid, gluon):
         def fn(copy, c=c):
             args = (q, p.k, p.v, p.tables[copy], p.ctx, starts)
@@ -109,7 +125,7 @@ def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool
         try:
             out = fn(0).double()
             err = float((out - ref).norm() / ref.norm())
-            s = time_call(fn, nbytes / 3e12, copies, True)
+            s = time_call(separated(fn, flag) if breaks else fn, nbytes / 3e12, copies, True) - brk
             res["candidates"][label] = {"us": s * 1e6, "tbps": nbytes / s / 1e12, "rel_err": err, "ok": err < 1e-2}
         except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile or fit
             res["candidates"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False}
@@ -179,6 +195,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--triton-grid", action="store_true", help="time the paged kernel's TRITON_GRID launches too")
     ap.add_argument("--no-gluon", dest="gluon", action="store_false", help="leave the Gluon kernel's rings out")
     ap.add_argument("--ceilings", action="store_true", help="measure the device's read and copy bandwidth first")
+    ap.add_argument("--back-to-back", dest="breaks", action="store_false",
+                    help="time calls back to back (PDL overlaps each call's start with the last one's end)")
     ap.add_argument("--best", type=int, default=0,
                     help="print the N fastest launches of --out's decode_attention.json that beat the table, and stop")
     args = ap.parse_args(argv)
@@ -190,7 +208,7 @@ def main(argv=None) -> list[dict]:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     ceiling = ceilings() if args.ceilings else None
     torch.cuda.empty_cache()
-    results = [run_shape(n, ctx, sms, args.triton_grid, args.gluon) for n, ctx in shapes]
+    results = [run_shape(n, ctx, sms, args.triton_grid, args.gluon, args.breaks) for n, ctx in shapes]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_attention.json").write_text(json.dumps(results, indent=1))
     table = (markdown(results) if args.gluon else "") + ("\n\n" if args.gluon and args.triton_grid else "")

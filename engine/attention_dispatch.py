@@ -126,6 +126,9 @@ DECODE_MAX_PER_SM = 1.0
 # Past it, up to this many pairs per SM, persistent CTAs (one per SM, a 192 KB ring) walk the pairs; past it the
 # Triton kernel (H200, session 15: alone at L = 640, N = 16 21.3 vs 25.3 us, N = 64 76.3 vs 81.0; but in the
 # full-depth step, alternated, N = 16 6.68 / 6.67 vs 6.91 / 6.85 ms and N = 64 12.43 / 12.47 vs 12.39 / 12.38).
+# Those alone times were back to back, where PDL hid the ring's last round behind the next call; with a break
+# between calls the N = 64 ring is slower than the Triton kernel (H100, session 40: 116.0-116.4 vs 113.9-114.1 us,
+# benchmarks/attention_in_pool.py), as the step says. The N <= 16 bound rests on the step times above.
 DECODE_PERSIST_MAX_PER_SM = 2.0
 PERSISTENT_RING = DecodeConfig(32, 12, ctas_per_sm=1)
 
