@@ -52,6 +52,16 @@ def timeline(spans: list[tuple[str, float, float]]) -> tuple[dict[str, dict[str,
     return dict(per), (frontier - first) if first is not None else 0.0
 
 
+def after_predecessor(spans: list[tuple[str, float, float]], depth: int = 1) -> list[tuple[str, float, float]]:
+    """Each span renamed "name < the span started before it < the one before that ..." (`depth` of them, start
+    order): one kernel name that serves two places in a layer (o_proj's and down_proj's split-K partials; at depth
+    2 the two add + norms) splits into one row per place."""
+    ordered = sorted(spans, key=lambda s: (s[1], s[2]))
+    names = [name[:40] for name, _, _ in ordered]
+    return [(" < ".join([name[:60]] + [names[j] if j >= 0 else "-" for j in range(i - 1, i - 1 - depth, -1)]),
+             start, end) for i, (name, start, end) in enumerate(ordered)]
+
+
 def table(per: dict[str, dict[str, float]], steps: int, top: int = 16) -> list[dict]:
     """Per name, sorted by advance: calls per step and each field per call (us) and per step (ms)."""
     rows = []
@@ -68,7 +78,7 @@ def markdown(label: str, rows: list[dict], span_ms: float) -> str:
              "| kernel | calls / step | dur us | advance us | early us | idle us | advance ms / step |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['name'][:60]} | {r['calls_per_step']:.0f} | {r['dur_us']:.2f} | {r['advance_us']:.2f} | "
+        lines.append(f"| {r['name'][:104]} | {r['calls_per_step']:.0f} | {r['dur_us']:.2f} | {r['advance_us']:.2f} | "
                      f"{r['early_us']:.2f} | {r['idle_us']:.2f} | {r['advance_ms_per_step']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -97,7 +107,8 @@ def profile_graphed(model_dir, model, args, config: str, N: int) -> dict:
             torch.cuda.synchronize()
     finally:
         core.close()
-    per, span = timeline(device_spans(prof))
+    spans = device_spans(prof)
+    per, span = timeline(after_predecessor(spans, args.after) if args.after else spans)
     rows = table(per, args.steps, args.top)
     return dict(N=N, config=config, steps=args.steps, span_ms_per_step=span / args.steps / 1e3,
                 kernels_per_step=sum(r["calls"] for r in per.values()) / args.steps,
@@ -118,10 +129,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4, help="graphed steps under the profiler")
     ap.add_argument("--top", type=int, default=16, help="kernels listed per run")
+    ap.add_argument("--after", type=int, default=0, metavar="DEPTH",
+                    help="one row per kernel and the DEPTH kernels started before it (1: o_proj's and down_proj's "
+                         "partials apart; 2: the two add + norms too)")
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.steps < 1 or args.after < 0:
+        ap.error(f"--steps must be >= 1 and --after >= 0, got {args.steps} and {args.after}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_checkpoint(args)

@@ -59,3 +59,17 @@ def test_table_is_per_call_and_per_step_sorted_by_advance():
 def test_a_span_ending_before_it_starts_is_refused():
     with pytest.raises(ValueError, match="ends"):
         gt.timeline([("bad", 5.0, 4.0)])
+
+
+def test_after_predecessor_splits_one_kernel_by_the_kernel_before_it():
+    spans = [("attn", 0.0, 10.0), ("partials", 2.0, 14.0), ("norm", 14.5, 16.0), ("gate", 15.0, 30.0),
+             ("partials", 25.0, 36.0), ("norm", 36.5, 38.0)]
+    renamed = gt.after_predecessor(list(reversed(spans)))
+    assert [n for n, _, _ in renamed] == ["attn < -", "partials < attn", "norm < partials", "gate < norm",
+                                          "partials < gate", "norm < partials"]
+    per, span = gt.timeline(renamed)
+    assert span == 38.0 and per["partials < attn"]["advance"] == 4.0 and per["partials < gate"]["advance"] == 6.0
+    assert per["norm < partials"]["calls"] == 2
+    deeper = [n for n, _, _ in gt.after_predecessor(spans, 2)]
+    assert deeper[0] == "attn < - < -" and deeper[2] == "norm < partials < attn"
+    assert deeper[5] == "norm < partials < gate"
