@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -93,42 +92,26 @@ def launcher(calls: list[tuple], config: DecodeConfig | None, breaks: torch.Tens
     return fn
 
 
-def graph_us(fn, reps: int, replays: int = 7) -> float:
-    """Microseconds per fn call: `reps` calls captured in one CUDA graph, the median of `replays` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+def graph_us(fn, calls: int) -> float:
+    """Microseconds per fn call: at least `calls` calls in one CUDA graph (attention_sweep.time_call: the median of
+    5 replays)."""
+    from attention_sweep import time_call
+
+    return time_call(fn, 1e-4, calls, True) * 1e6
 
 
 def measure(calls: list[tuple], kernels, rounds: int) -> list[dict]:
     """Per round and kernel: us a call back to back and with breaks (the break's own time subtracted)."""
-    reps = 2 * len(calls)
     kv_bytes = BYTES_PER_POSITION * int(calls[0][4].sum())
     flag = torch.zeros(1, device="cuda")
     ref = launcher(calls, None, None)(0).float()
     rows = []
     for rnd in range(rounds):
-        brk = graph_us(launcher(calls, False, flag), reps)
+        brk = graph_us(launcher(calls, False, flag), len(calls))
         for name, config in kernels:
             out = launcher(calls, config, None)(0).float()
-            chained = graph_us(launcher(calls, config, None), reps)
-            alone = graph_us(launcher(calls, config, flag), reps) - brk
+            chained = graph_us(launcher(calls, config, None), len(calls))
+            alone = graph_us(launcher(calls, config, flag), len(calls)) - brk
             rows.append(dict(kernel=name, round=rnd + 1, back_to_back_us=chained, with_breaks_us=alone,
                              break_us=brk, tbps_with_breaks=kv_bytes / alone / 1e6,
                              rel_err=float((out - ref).norm() / ref.norm())))
