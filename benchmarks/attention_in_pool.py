@@ -74,8 +74,10 @@ def record_calls(core, limit: int = 96) -> list[tuple]:
     return calls
 
 
-def launcher(calls: list[tuple], config: DecodeConfig | None, breaks: torch.Tensor | None):
-    """fn(i): the kernel on recorded call i (mod their count), after a one-element add where `breaks` is given."""
+def launcher(calls: list[tuple], config: DecodeConfig | None | bool, breaks: torch.Tensor | None):
+    """fn(i): the kernel on recorded call i (mod their count), after a one-element add where `breaks` is given.
+    config: None the Triton paged kernel at the table's launch, a DecodeConfig that Gluon ring, False no kernel (the
+    add alone)."""
     from engine.gluon_attention import launch_decode_attention
     from engine.triton_attention import default_config, launch_paged_attention
 
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     model = load_model(model_dir, torch.bfloat16, "cuda")
     model.fuse_projections()
     calls = record_calls(decoding_core(model_dir, model, args, "interval1", args.n, graphs=False))
+    if not calls:
+        ap.error(f"no one-row decode attention call was made at --n {args.n}: small batches run the whole loop pass "
+                 "as one launch (engine/gluon_layers.py); take a larger --n")
     kv_bytes = BYTES_PER_POSITION * int(calls[0][4].sum())
     rows = measure(calls, kernels, args.rounds)
     device = torch.cuda.get_device_name()
