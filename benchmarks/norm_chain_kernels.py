@@ -111,3 +111,66 @@ def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out
                                  row0 + HALF, M, K, BLOCK_M, BLOCK_D, BLOCK_K)
     rope_store(acc1, acc2, head, d, tl.arange(0, BLOCK_M), M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr,
                k_cache_ptr, v_cache_ptr, n_q_heads, n_kv_heads, stride_slot, stride_head, HALF)
+
+
+# The stacked way (session 40): no elementwise work in the consumer's K loop. With x = r_h (h + r_y wa y) wb (r_y,
+# r_h the rows' two rsqrt scales), x @ w.T = r_h (A1 @ w.T + r_y A2 @ w.T) for A1 = h wb and A2 = (wa y) wb, both
+# known to the producer column by column. The producer writes them stacked (ab: [2 x 64, N], A1's rows first), the
+# consumer multiplies the 128 rows against each weight box once (M = 128) and scales the rows in its epilogue.
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def stacked_stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, wb_ptr, y_ptr, ab_ptr, stats_ptr, M, N, K,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """stats_kernel's y and row sums, and the tile's columns of A1 = h wb and A2 = (wa y) wb into ab (bf16)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid, tiles = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        acc += tl.dot(a_desc.load([0, k]), tl.trans(w_desc.load([pid * BLOCK_N, k])))
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None]
+    offs = rm[:, None] * N + rn[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=mask)
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * y.to(tl.float32)
+    wb = tl.load(wb_ptr + rn).to(tl.float32)[None, :]
+    tl.store(ab_ptr + offs, (h * wb).to(y.dtype), mask=mask)
+    tl.store(ab_ptr + BLOCK_M * N + offs, (wy * wb).to(y.dtype), mask=mask)
+    out = stats_ptr + pid * M + rm
+    rmask = rm < M
+    tl.store(out, tl.sum(h * h, 1), mask=rmask)
+    tl.store(out + tiles * M, tl.sum(y.to(tl.float32) * y.to(tl.float32), 1), mask=rmask)
+    tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
+    tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
+
+
+@triton.jit
+def _rescaled(acc, r_y, r_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """r_h (A1 @ w.T + r_y A2 @ w.T) from the stacked accumulator's two halves."""
+    top, bottom = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_M, BLOCK_N)), (1, 2, 0)))
+    return r_h[:, None] * (top + r_y[:, None] * bottom)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def stacked_gate_kernel(ab_desc, w_desc, stats_ptr, out_ptr, M, N, K, n_tiles, eps, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr):
+    """silu(x @ gate.T) * (x @ up.T) for x = rms(h + rms(y) wa) wb: the stacked A1, A2 rows against each gate and
+    up box once, the rows' scales after the loop."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    acc_g = tl.zeros((2 * BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((2 * BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = ab_desc.load([0, k])
+        acc_g += tl.dot(x, tl.trans(w_desc.load([pid * BLOCK_N, k])))
+        acc_u += tl.dot(x, tl.trans(w_desc.load([N + pid * BLOCK_N, k])))
+    r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
+    silu_store(_rescaled(acc_g, r_y, r_h, BLOCK_M, BLOCK_N), _rescaled(acc_u, r_y, r_h, BLOCK_M, BLOCK_N), out_ptr,
+               tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N)

@@ -1,6 +1,7 @@
 """benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI has none) against
 the layer's math in float64: the producer's y and row sums, then the add + norm carried into gate_up + SiLU and into
-qkv + RoPE + the key / value store, the new residual included; rows below the 64-row tile too."""
+qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2) and gate_up; rows
+below the 64-row tile too."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ for rows, k_in, hidden, inter, producer in [(64, 256, 256, 128, (16, 128)), (9, 
     gate, up = x @ w_gu[:inter].double().T, x @ w_gu[inter:].double().T
     out, h_out = probe.normed_gate(p, wa, wb, w_gu)
     assert err(out, gate / (1 + torch.exp(-gate)) * up) < 1e-5 and err(h_out, h_new) < 1e-5, "gate"
+    s = probe.stacked_stats(a, w_o, h, wa, wb, *producer)
+    assert err(s["y"], y) < 1e-5 and err(s["ab"][:rows], h.double() * wb.double()) < 1e-5, "A1"
+    assert err(s["ab"][64:64 + rows], y * wa.double() * wb.double()) < 1e-5, "A2"
+    assert err(probe.stacked_gate(s, w_gu), gate / (1 + torch.exp(-gate)) * up) < 1e-5, "stacked gate"
     nq, nkv, hd = 2, 1, 128
     w_qkv = torch.randn((nq + 2 * nkv) * hd, hidden, generator=g) / hidden ** 0.5
     pos = torch.randint(0, 500, (rows,), generator=g, dtype=torch.int32)
