@@ -84,3 +84,23 @@ def test_the_table_marks_wrong_outputs_and_leaves_the_carried_ways_norm_empty():
     assert len(lines) == 4 and lines[0].count("|") == lines[2].count("|") == lines[3].count("|")
     assert lines[2].startswith("| o -> gate_up | today | 3 | 27.70 |") and "| 2.22 |" in lines[2]
     assert lines[3].startswith("| down -> qkv | carried, producer 16x128 | 3 | 27.70 WRONG |") and "| - |" in lines[3]
+
+
+def test_the_stacked_consumer_compiles_for_sm90_with_wgmma_and_tma_in_the_cards_shared_memory():
+    triton = pytest.importorskip("triton")  # where Triton is installed (CI has none); no GPU needed
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from benchmarks import norm_chain_kernels as nk
+
+    types = {"ab_desc": "tensordesc<bf16[128, 128]>", "w_desc": "tensordesc<bf16[64, 128]>", "stats_ptr": "*fp32",
+             "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "eps": "fp32"}
+    constexprs = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "TILES": 128, "USE_PDL": True}
+    signature = {**types, **{k: "constexpr" for k in constexprs}}
+    attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in ("stats_ptr", "out_ptr", "N", "K")}
+    compiled = triton.compile(ASTSource(nk.stacked_gate_kernel, signature=signature, constexprs=constexprs,
+                                        attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8, num_stages=3))
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 232_448, compiled.metadata.shared  # an H100's / H200's per-block limit
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "st.local" not in ptx
