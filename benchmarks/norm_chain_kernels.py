@@ -174,3 +174,28 @@ def stacked_gate_kernel(ab_desc, w_desc, stats_ptr, out_ptr, M, N, K, n_tiles, e
     r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
     silu_store(_rescaled(acc_g, r_y, r_h, BLOCK_M, BLOCK_N), _rescaled(acc_u, r_y, r_h, BLOCK_M, BLOCK_N), out_ptr,
                tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
+def stacked_qkv_kernel(ab_desc, w_desc, stats_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                       M, K, n_tiles, eps, n_q_heads, n_kv_heads, stride_slot, stride_head, HALF: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """normed_qkv_kernel's output (q after RoPE; k, v into their slots) from the stacked A1, A2 rows."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_D)
+    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row0 = head * 2 * HALF + (pid % (HALF // BLOCK_D)) * BLOCK_D
+    acc1 = tl.zeros((2 * BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc2 = tl.zeros((2 * BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = ab_desc.load([0, k])
+        acc1 += tl.dot(x, tl.trans(w_desc.load([row0, k])))
+        acc2 += tl.dot(x, tl.trans(w_desc.load([row0 + HALF, k])))
+    r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
+    rope_store(_rescaled(acc1, r_y, r_h, BLOCK_M, BLOCK_D), _rescaled(acc2, r_y, r_h, BLOCK_M, BLOCK_D), head, d,
+               tl.arange(0, BLOCK_M), M, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, n_q_heads,
+               n_kv_heads, stride_slot, stride_head, HALF)

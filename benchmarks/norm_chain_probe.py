@@ -14,11 +14,12 @@ loads that Triton's pipeliner left unpipelined (gate_up 15 -> 62 us). This probe
   roundings (sum h'^2 from the S's: S0 + 2 r S2 + r^2 S3); program p writes the new residual's K blocks p, p + P, ...
 Timed as gemm_sweep.py times (24 weight copies, a CUDA graph, PDL as the engine launches): each chain (o -> gate_up,
 down -> qkv) both ways, and each kernel alone. Outputs checked against today's chain.
-The stacked way (session 40; o -> gate_up, at most 3 stages: its boxes are twice as tall) takes the norm's
+The stacked way (session 40; gate_up's at most 3 stages: its boxes are twice as tall) takes the norm's
 elementwise work out of the consumer's K loop: x @ w.T = r_h (A1 @ w.T + r_y A2 @ w.T) with A1 = h w_b and
 A2 = (w_a y) w_b, which the producer (`stacked_stats_kernel`) writes column by column beside y and the row sums; the
-consumer (`stacked_gate_kernel`) multiplies both, stacked as 128 rows, against each weight box once and scales the
-rows after its loop. It does not form the new residual h' (the next producer would, from h, y and r_y: not timed).
+consumers (`stacked_gate_kernel`, `stacked_qkv_kernel`) multiply both, stacked as 128 rows, against each weight box
+once and scale the rows after their loops. It does not form the new residual h' (the next producer would, from h,
+y and r_y: not timed).
 Measured on an H100 (session 35, docs/benchmarks.md): every carried chain slower, o -> gate_up 40.9-43.2 us against
 27.7, down -> qkv 50.4-69.7 against 26.6. The consumers carry it worst (gate_up 33-38 us against 20.1; qkv 34-50
 against 12.7: the norm's elementwise work on every K block, and at 4 stages one qkv program an SM); the producers lose
@@ -109,6 +110,24 @@ def stacked_gate(p: dict, w_gate_up: torch.Tensor, block_n: int = 64, block_k: i
                                             BLOCK_K=block_k, TILES=_tiles_constexpr(n_tiles), num_warps=warps,
                                             num_stages=stages, **_pdl(out.device))
     return out
+
+
+def stacked_qkv(p: dict, w_qkv, positions, slots, inv_freq, k_plane, v_plane, n_q_heads: int, n_kv_heads: int,
+                head_dim: int, block_d: int = 16, block_k: int = 128, stages: int = 3, warps: int = 4) -> torch.Tensor:
+    """normed_qkv's q (k and v into their planes' slots) from stacked_stats' ab and row sums."""
+    from benchmarks import norm_chain_kernels as nk
+
+    rows, k = p["h"].shape
+    half = head_dim // 2
+    q = torch.empty(rows, n_q_heads, head_dim, dtype=p["h"].dtype, device=p["h"].device)
+    n_tiles = p["stats"].shape[1]
+    grid = ((n_q_heads + 2 * n_kv_heads) * (half // block_d),)
+    nk.stacked_qkv_kernel[grid](_desc(p["ab"], [128, block_k]), _desc(w_qkv, [block_d, block_k]), p["stats"],
+                                positions, slots, inv_freq, q, k_plane, v_plane, rows, k, n_tiles, EPS, n_q_heads,
+                                n_kv_heads, k_plane.stride(0), k_plane.stride(1), HALF=half, BLOCK_M=64,
+                                BLOCK_D=block_d, BLOCK_K=block_k, TILES=_tiles_constexpr(n_tiles), num_warps=warps,
+                                num_stages=stages, **_pdl(q.device))
+    return q
 
 
 def _normed_args(p: dict, w_branch: torch.Tensor, w_next: torch.Tensor, w: torch.Tensor, block_rows: int,
@@ -219,13 +238,18 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
     ways = {"today": (today, lambda i: tg.linear_partials(t["a"], prod[i], splits, cfg), lambda i: consume_today(x0, i),
                       lambda i: tg.add_rms_norm2_partials(t["h"], zeros, t["wa"], t["wb"], EPS)),
             "carried": (carried, produce, lambda i: consume_carried(p0, i), None)}
-    if op == "gate" and stages <= 3:  # the stacked consumer's 128-row boxes: 64 KB a stage
+    if op == "qkv" or stages <= 3:  # gate_up's stacked boxes take 64 KB a stage: 4 do not fit
         def produce_stacked(i):
             return stacked_stats(t["a"], prod[i], t["h"], t["wa"], t["wb"], *producer, stages=stages)
 
+        def consume_stacked(p, i):
+            if op == "gate":
+                return stacked_gate(p, cons[i], stages=stages)
+            return stacked_qkv(p, cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
+
         s0 = produce_stacked(0)
-        ways["stacked"] = (lambda i: (stacked_gate(produce_stacked(i), cons[i], stages=stages), None), produce_stacked,
-                           lambda i: stacked_gate(s0, cons[i], stages=stages), None)
+        ways["stacked"] = (lambda i: (consume_stacked(produce_stacked(i), i), None), produce_stacked,
+                           lambda i: consume_stacked(s0, i), None)
     return ways
 
 

@@ -1,7 +1,7 @@
 """benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI has none) against
 the layer's math in float64: the producer's y and row sums, then the add + norm carried into gate_up + SiLU and into
-qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2) and gate_up; rows
-below the 64-row tile too."""
+qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2), gate_up and qkv;
+rows below the 64-row tile too."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ for rows, k_in, hidden, inter, producer in [(64, 256, 256, 128, (16, 128)), (9, 
     x1, x2 = qkv[..., :hd // 2], qkv[..., hd // 2:]
     rot = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
     assert err(q, rot[:, :nq]) < 1e-5 and err(h_out, h_new) < 1e-5, "q"
+    assert err(kp[slots.long()], rot[:, nq:nq + nkv]) < 1e-5 and err(vp[slots.long()], qkv[:, nq + nkv:]) < 1e-5
+    kp.zero_(), vp.zero_()
+    q = probe.stacked_qkv(s, w_qkv, pos, slots, inv, kp, vp, nq, nkv, hd)
+    assert err(q, rot[:, :nq]) < 1e-5, "stacked q"
     assert err(kp[slots.long()], rot[:, nq:nq + nkv]) < 1e-5 and err(vp[slots.long()], qkv[:, nq + nkv:]) < 1e-5
 print("ok")
 """
