@@ -120,9 +120,13 @@ def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
-def stacked_stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, wb_ptr, y_ptr, ab_ptr, stats_ptr, M, N, K,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """stats_kernel's y and row sums, and the tile's columns of A1 = h wb and A2 = (wa y) wb into ab (bf16)."""
+def stacked_stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, wb_ptr, y_ptr, ab_ptr, stats_ptr, h_out_ptr, prev_y_ptr,
+                         prev_wa_ptr, prev_stats_ptr, prev_tiles, eps, M, N, K, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORM_H: tl.constexpr, TILES: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """stats_kernel's y and row sums, and the tile's columns of A1 = h wb and A2 = (wa y) wb into ab (bf16). FORM_H:
+    h is first formed from the chain before's (h_ptr + rms(prev y) prev wa, its rows' rsqrt from prev stats, with
+    the add + norm kernel's roundings) and stored into h_out: the residual the stacked consumers do not form."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -137,6 +141,13 @@ def stacked_stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, wb_ptr, y_ptr, ab_ptr, s
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=mask)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if FORM_H:
+        prev_r_y, _ = norm_scales(prev_stats_ptr, M, prev_tiles, N, eps, BLOCK_M, TILES)
+        prev_y = tl.load(prev_y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        prev_wa = tl.load(prev_wa_ptr + rn)
+        branch = ((prev_y * prev_r_y[:, None]).to(prev_wa.dtype) * prev_wa[None, :]).to(tl.float32)
+        h = (h + branch).to(y.dtype).to(tl.float32)
+        tl.store(h_out_ptr + offs, h.to(y.dtype), mask=mask)
     wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * y.to(tl.float32)
     wb = tl.load(wb_ptr + rn).to(tl.float32)[None, :]
     tl.store(ab_ptr + offs, (h * wb).to(y.dtype), mask=mask)

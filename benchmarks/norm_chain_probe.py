@@ -18,8 +18,8 @@ The stacked way (session 40; gate_up's at most 3 stages: its boxes are twice as 
 elementwise work out of the consumer's K loop: x @ w.T = r_h (A1 @ w.T + r_y A2 @ w.T) with A1 = h w_b and
 A2 = (w_a y) w_b, which the producer (`stacked_stats_kernel`) writes column by column beside y and the row sums; the
 consumers (`stacked_gate_kernel`, `stacked_qkv_kernel`) multiply both, stacked as 128 rows, against each weight box
-once and scale the rows after their loops. It does not form the new residual h' (the next producer would, from h,
-y and r_y: not timed).
+once and scale the rows after their loops. They leave the new residual h' to the next producer, which forms it
+from h, y and the row sums before its own (FORM_H; timed here with the chain before's y at zero).
 Measured on an H100 (session 35, docs/benchmarks.md): every carried chain slower, o -> gate_up 40.9-43.2 us against
 27.7, down -> qkv 50.4-69.7 against 26.6. The consumers carry it worst (gate_up 33-38 us against 20.1; qkv 34-50
 against 12.7: the norm's elementwise work on every K block, and at 4 stages one qkv program an SM); the producers lose
@@ -78,9 +78,10 @@ def stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Ten
 
 
 def stacked_stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor, w_next: torch.Tensor,
-                  block_n: int = 16, block_k: int = 128, stages: int = 4) -> dict:
+                  block_n: int = 16, block_k: int = 128, stages: int = 4, prev: dict | None = None) -> dict:
     """The stacked way's producer: stats' {h, y, stats} and ab [128, N] (A1 = h w_next, then A2 = (w_branch y)
-    w_next)."""
+    w_next). With prev ({y, stats, wa} of the chain before, whose residual h is), h is first formed as
+    h + rms(prev y) prev wa, and returned as "h"."""
     from benchmarks import norm_chain_kernels as nk
 
     rows, k = a.shape
@@ -90,10 +91,13 @@ def stacked_stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: t
     tiles = n // block_n
     y, ab = torch.empty(rows, n, dtype=a.dtype, device=a.device), torch.empty(128, n, dtype=a.dtype, device=a.device)
     st = torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device)
+    h_out = torch.empty_like(h) if prev else h
+    before = (h_out, prev["y"], prev["wa"], prev["stats"], prev["stats"].shape[1]) if prev else (h, h, w_branch, st, 1)
     nk.stacked_stats_kernel[(tiles,)](_desc(a, [64, block_k]), _desc(w, [block_n, block_k]), h, w_branch, w_next, y,
-                                      ab, st, rows, n, k, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                                      ab, st, *before, EPS, rows, n, k, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k,
+                                      FORM_H=prev is not None, TILES=_tiles_constexpr(before[4]), num_warps=4,
                                       num_stages=stages, **_pdl(a.device))
-    return {"h": h, "y": y, "stats": st, "ab": ab}
+    return {"h": h_out, "y": y, "stats": st, "ab": ab}
 
 
 def stacked_gate(p: dict, w_gate_up: torch.Tensor, block_n: int = 64, block_k: int = 128, stages: int = 3,
@@ -197,6 +201,25 @@ def rope_args() -> dict:
 PRODUCERS = ((16, 128), (16, 256), (32, 128))  # the carried producer's (columns a program, K step)
 
 
+def _stacked_way(op: str, t: dict, prod, cons, rope: dict, producer: tuple[int, int], stages: int) -> tuple:
+    """chains()' stacked way: (chain(i) -> (output, None), its producer alone, its consumer alone, None)."""
+    # the residual the stacked consumers leave is formed by the next producer: timed here with the chain before's y
+    # at zero, so h stays t["h"] and the output comparable with today's chain
+    before = {"y": torch.zeros_like(t["h"]), "wa": t["wa"],
+              "stats": torch.zeros(4, HIDDEN // producer[0], ROWS, device="cuda")}
+
+    def produce(i):
+        return stacked_stats(t["a"], prod[i], t["h"], t["wa"], t["wb"], *producer, stages=stages, prev=before)
+
+    def consume(p, i):
+        if op == "gate":
+            return stacked_gate(p, cons[i], stages=stages)
+        return stacked_qkv(p, cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
+
+    p0 = produce(0)
+    return (lambda i: (consume(produce(i), i), None), produce, lambda i: consume(p0, i), None)
+
+
 def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> dict:
     """{way: (chain(i) -> (output, h'), its producer alone, its consumer alone, its add + norm alone or None)} for
     `op` ("gate": o -> gate_up, "qkv": down -> qkv), each a function of the weight copy i; today's way through
@@ -239,17 +262,7 @@ def chains(op: str, stages: int, producer: tuple[int, int] = PRODUCERS[0]) -> di
                       lambda i: tg.add_rms_norm2_partials(t["h"], zeros, t["wa"], t["wb"], EPS)),
             "carried": (carried, produce, lambda i: consume_carried(p0, i), None)}
     if op == "qkv" or stages <= 3:  # gate_up's stacked boxes take 64 KB a stage: 4 do not fit
-        def produce_stacked(i):
-            return stacked_stats(t["a"], prod[i], t["h"], t["wa"], t["wb"], *producer, stages=stages)
-
-        def consume_stacked(p, i):
-            if op == "gate":
-                return stacked_gate(p, cons[i], stages=stages)
-            return stacked_qkv(p, cons[i], *rope.values(), HEADS, HEADS, HEAD_DIM, stages=stages)
-
-        s0 = produce_stacked(0)
-        ways["stacked"] = (lambda i: (consume_stacked(produce_stacked(i), i), None), produce_stacked,
-                           lambda i: consume_stacked(s0, i), None)
+        ways["stacked"] = _stacked_way(op, t, prod, cons, rope, producer, stages)
     return ways
 
 

@@ -1,7 +1,7 @@
 """benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI has none) against
 the layer's math in float64: the producer's y and row sums, then the add + norm carried into gate_up + SiLU and into
-qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2), gate_up and qkv;
-rows below the 64-row tile too."""
+qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2; the residual
+formed from the chain before's), gate_up and qkv; rows below the 64-row tile too."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ for rows, k_in, hidden, inter, producer in [(64, 256, 256, 128, (16, 128)), (9, 
     q = probe.stacked_qkv(s, w_qkv, pos, slots, inv, kp, vp, nq, nkv, hd)
     assert err(q, rot[:, :nq]) < 1e-5, "stacked q"
     assert err(kp[slots.long()], rot[:, nq:nq + nkv]) < 1e-5 and err(vp[slots.long()], qkv[:, nq + nkv:]) < 1e-5
+    # the next chain (down -> qkv): its producer first forms the residual h_new from the chain before's y and sums
+    a2, w_down = torch.randn(rows, 512, generator=g), torch.randn(hidden, 512, generator=g) / 512 ** 0.5
+    wc, wd = 1 + 0.1 * torch.randn(hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
+    s2 = probe.stacked_stats(a2, w_down, h, wc, wd, *producer, prev={"y": s["y"], "stats": s["stats"], "wa": wa})
+    assert err(s2["h"], h_new) < 1e-5, "the residual"
+    x2 = rms(h_new + rms(a2.double() @ w_down.double().T) * wc.double()) * wd.double()
+    qkv2 = (x2 @ w_qkv.double().T).view(rows, nq + 2 * nkv, hd)
+    x1, x2 = qkv2[..., :hd // 2], qkv2[..., hd // 2:]
+    rot2 = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+    assert err(probe.stacked_qkv(s2, w_qkv, pos, slots, inv, kp, vp, nq, nkv, hd), rot2[:, :nq]) < 1e-5, "q2"
 print("ok")
 """
 
