@@ -11,6 +11,34 @@ from engine.triton_gemm import rope_store, silu_store
 STAT_CHUNK = tl.constexpr(32)  # tiles of stats summed per load in the consumers' row scales
 
 
+@triton.jit
+def _produce_y(a_desc, w_desc, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = a @ w.T over columns pid * BLOCK_N.. (all of K), stored in bf16 -> (y as float32, its columns, the rows'
+    mask, the tile's offsets)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        acc += tl.dot(a_desc.load([0, k]), tl.trans(w_desc.load([tl.program_id(0) * BLOCK_N, k])))
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None]
+    offs = rm[:, None] * N + rn[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=mask)
+    return y.to(tl.float32), rn, mask, offs
+
+
+@triton.jit
+def _store_sums(stats_ptr, h, yf, wy, M, BLOCK_M: tl.constexpr):
+    """The tile's four row sums (S0 = sum h^2, S1 = sum y^2, S2 = sum h w y, S3 = sum (w y)^2) into stats."""
+    rm = tl.arange(0, BLOCK_M)
+    out = stats_ptr + tl.program_id(0) * M + rm
+    tiles, rmask = tl.num_programs(0), rm < M
+    tl.store(out, tl.sum(h * h, 1), mask=rmask)
+    tl.store(out + tiles * M, tl.sum(yf * yf, 1), mask=rmask)
+    tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
+    tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
 def stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, y_ptr, stats_ptr, M, N, K, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -18,25 +46,10 @@ def stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, y_ptr, stats_ptr, M, N, K, BLOCK
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid, tiles = tl.program_id(0), tl.num_programs(0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        acc += tl.dot(a_desc.load([0, k]), tl.trans(w_desc.load([pid * BLOCK_N, k])))
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm < M)[:, None]
-    offs = rm[:, None] * N + rn[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs, y, mask=mask)
-    yf = y.to(tl.float32)
+    yf, rn, mask, offs = _produce_y(a_desc, w_desc, y_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * yf
-    out = stats_ptr + pid * M + rm
-    rmask = rm < M
-    tl.store(out, tl.sum(h * h, 1), mask=rmask)
-    tl.store(out + tiles * M, tl.sum(yf * yf, 1), mask=rmask)
-    tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
-    tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
+    _store_sums(stats_ptr, h, yf, wy, M, BLOCK_M)
 
 
 @triton.jit
@@ -94,6 +107,15 @@ def normed_gate_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_ou
     silu_store(acc_g, acc_u, out_ptr, tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
 
 
+@triton.jit
+def _qkv_program(HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This qkv program's head, its BLOCK_D dims of the head's first half, and their first weight row."""
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_D)
+    d0 = (pid % (HALF // BLOCK_D)) * BLOCK_D
+    return head, d0 + tl.arange(0, BLOCK_D), head * 2 * HALF + d0
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count, as the engine's
 def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out_ptr, pos_ptr, slot_ptr,
                       inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, M, K, n_tiles, eps, n_q_heads, n_kv_heads,
@@ -102,10 +124,7 @@ def normed_qkv_kernel(h_desc, y_desc, wa_desc, wb_desc, w_desc, stats_ptr, h_out
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    head = pid // (HALF // BLOCK_D)
-    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row0 = head * 2 * HALF + (pid % (HALF // BLOCK_D)) * BLOCK_D
+    head, d, row0 = _qkv_program(HALF, BLOCK_D)
     r_y, r_h = norm_scales(stats_ptr, M, n_tiles, K, eps, BLOCK_M, TILES)
     acc1, acc2 = normed_dot_pair(h_desc, y_desc, wa_desc, wb_desc, w_desc, h_out_ptr, r_y, r_h, row0,
                                  row0 + HALF, M, K, BLOCK_M, BLOCK_D, BLOCK_K)
@@ -130,34 +149,20 @@ def stacked_stats_kernel(a_desc, w_desc, h_ptr, wa_ptr, wb_ptr, y_ptr, ab_ptr, s
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid, tiles = tl.program_id(0), tl.num_programs(0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        acc += tl.dot(a_desc.load([0, k]), tl.trans(w_desc.load([pid * BLOCK_N, k])))
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm < M)[:, None]
-    offs = rm[:, None] * N + rn[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs, y, mask=mask)
+    yf, rn, mask, offs = _produce_y(a_desc, w_desc, y_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if FORM_H:
         prev_r_y, _ = norm_scales(prev_stats_ptr, M, prev_tiles, N, eps, BLOCK_M, TILES)
         prev_y = tl.load(prev_y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         prev_wa = tl.load(prev_wa_ptr + rn)
         branch = ((prev_y * prev_r_y[:, None]).to(prev_wa.dtype) * prev_wa[None, :]).to(tl.float32)
-        h = (h + branch).to(y.dtype).to(tl.float32)
-        tl.store(h_out_ptr + offs, h.to(y.dtype), mask=mask)
-    wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * y.to(tl.float32)
+        h = (h + branch).to(h_out_ptr.dtype.element_ty).to(tl.float32)  # the residual's dtype, as add_norm2_store
+        tl.store(h_out_ptr + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
+    wy = tl.load(wa_ptr + rn).to(tl.float32)[None, :] * yf
     wb = tl.load(wb_ptr + rn).to(tl.float32)[None, :]
-    tl.store(ab_ptr + offs, (h * wb).to(y.dtype), mask=mask)
-    tl.store(ab_ptr + BLOCK_M * N + offs, (wy * wb).to(y.dtype), mask=mask)
-    out = stats_ptr + pid * M + rm
-    rmask = rm < M
-    tl.store(out, tl.sum(h * h, 1), mask=rmask)
-    tl.store(out + tiles * M, tl.sum(y.to(tl.float32) * y.to(tl.float32), 1), mask=rmask)
-    tl.store(out + 2 * tiles * M, tl.sum(h * wy, 1), mask=rmask)
-    tl.store(out + 3 * tiles * M, tl.sum(wy * wy, 1), mask=rmask)
+    tl.store(ab_ptr + offs, (h * wb).to(ab_ptr.dtype.element_ty), mask=mask)
+    tl.store(ab_ptr + BLOCK_M * N + offs, (wy * wb).to(ab_ptr.dtype.element_ty), mask=mask)
+    _store_sums(stats_ptr, h, yf, wy, M, BLOCK_M)
 
 
 @triton.jit
@@ -196,10 +201,7 @@ def stacked_qkv_kernel(ab_desc, w_desc, stats_ptr, pos_ptr, slot_ptr, inv_freq_p
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    head = pid // (HALF // BLOCK_D)
-    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row0 = head * 2 * HALF + (pid % (HALF // BLOCK_D)) * BLOCK_D
+    head, d, row0 = _qkv_program(HALF, BLOCK_D)
     acc1 = tl.zeros((2 * BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc2 = tl.zeros((2 * BLOCK_M, BLOCK_D), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
