@@ -1,8 +1,8 @@
 """The decode attention kernels alone on the engine's own KV pool, each timed back to back and with a break
 between calls.
 
-decode_attention.py and attention_sweep.py time a kernel in a CUDA graph of back-to-back calls. With
-programmatic dependent launch (PDL) a call's programs then start on the SMs its predecessor's last programs leave,
+attention_sweep.py times a kernel in a CUDA graph of back-to-back calls (decode_attention.py did, before session 40).
+With programmatic dependent launch (PDL) a call's programs then start on the SMs its predecessor's last programs leave,
 so whatever a kernel spends in its last round (a persistent grid's uneven share of (request, head) pairs, its
 drain) and in its first (the ring's fill) can hide behind the next call. In the decode step the kernel after the
 attention is o_proj's split-K partials, which waits for the whole attention. Here one engine core is driven to a
