@@ -9,8 +9,8 @@ attention is o_proj's split-K partials, which waits for the whole attention. Her
 pure-decode state (step_profile.decoding_core: N requests at about prompt + tokens / 2 positions), one step's
 decode attention calls are recorded (at full depth 96: every loop's layers, each with its q, its plane of the pool
 and the step's block tables), and each kernel is timed over them twice: back to back, and with a one-element add
-between calls. The add is launched without PDL, so it starts only when the call before has ended and the next
-call starts only when it has; its own time alone is subtracted.
+between calls (attention_sweep.time_separated: the add is launched without PDL, so it starts only when the call
+before has ended and the next call starts only when it has; its own time alone is subtracted).
 
     python benchmarks/attention_in_pool.py --out DIR [--n 64] [--kernels triton,32x12p1,32x6p2]
 
@@ -74,18 +74,13 @@ def record_calls(core, limit: int = 96) -> list[tuple]:
     return calls
 
 
-def launcher(calls: list[tuple], config: DecodeConfig | None | bool, breaks: torch.Tensor | None):
-    """fn(i): the kernel on recorded call i (mod their count), after a one-element add where `breaks` is given.
-    config: None the Triton paged kernel at the table's launch, a DecodeConfig that Gluon ring, False no kernel (the
-    add alone)."""
+def launcher(calls: list[tuple], config: DecodeConfig | None):
+    """fn(i): the kernel on recorded call i (mod their count); config None: the Triton paged kernel at the table's
+    launch, else that Gluon ring."""
     from engine.gluon_attention import launch_decode_attention
     from engine.triton_attention import default_config, launch_paged_attention
 
     def fn(i: int):
-        if breaks is not None:
-            breaks.add_(1)
-        if config is False:  # the break alone
-            return None
         q, k, v, tables, lens, starts, scale = calls[i % len(calls)]
         if config is None:
             launch = default_config(q, k, lens.shape[0], 1)
@@ -94,29 +89,22 @@ def launcher(calls: list[tuple], config: DecodeConfig | None | bool, breaks: tor
     return fn
 
 
-def graph_us(fn, calls: int) -> float:
-    """Microseconds per fn call: at least `calls` calls in one CUDA graph (attention_sweep.time_call: the median of
-    5 replays)."""
-    from attention_sweep import time_call
-
-    return time_call(fn, 1e-4, calls, True) * 1e6
-
-
 def measure(calls: list[tuple], kernels, rounds: int) -> list[dict]:
-    """Per round and kernel: us a call back to back and with breaks (the break's own time subtracted)."""
+    """Per round and kernel: us a call back to back (attention_sweep.time_call) and with breaks (time_separated),
+    over at least every recorded call in one CUDA graph."""
+    from attention_sweep import time_call, time_separated
+
     kv_bytes = BYTES_PER_POSITION * int(calls[0][4].sum())
-    flag = torch.zeros(1, device="cuda")
-    ref = launcher(calls, None, None)(0).float()
+    ref = launcher(calls, None)(0).float()
     rows = []
     for rnd in range(rounds):
-        brk = graph_us(launcher(calls, False, flag), len(calls))
         for name, config in kernels:
-            out = launcher(calls, config, None)(0).float()
-            chained = graph_us(launcher(calls, config, None), len(calls))
-            alone = graph_us(launcher(calls, config, flag), len(calls)) - brk
+            fn = launcher(calls, config)
+            out = fn(0).float()
+            chained = time_call(fn, 1e-4, len(calls), True) * 1e6
+            alone = time_separated(fn, 1e-4, len(calls)) * 1e6
             rows.append(dict(kernel=name, round=rnd + 1, back_to_back_us=chained, with_breaks_us=alone,
-                             break_us=brk, tbps_with_breaks=kv_bytes / alone / 1e6,
-                             rel_err=float((out - ref).norm() / ref.norm())))
+                             tbps_with_breaks=kv_bytes / alone / 1e6, rel_err=float((out - ref).norm() / ref.norm())))
             print(rows[-1], flush=True)
     return rows
 

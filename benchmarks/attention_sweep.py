@@ -115,6 +115,20 @@ def time_call(fn, est_s: float, copies: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def time_separated(fn, est_s: float, copies: int) -> float:
+    """Seconds per fn(copy) call (CUDA, already warm) when no call overlaps the one before: each follows a one-element
+    add launched without PDL (it starts when the call before has ended, and holds the next until it ends), whose
+    own time is measured alone and subtracted. Back to back (time_call), PDL starts a call's programs on the SMs its
+    predecessor's last programs leave, which hides a kernel's first and last rounds (docs/benchmarks.md, session 40)."""
+    flag = torch.zeros(1, device="cuda")
+
+    def separated(copy):
+        flag.add_(1)
+        return fn(copy)
+
+    return time_call(separated, est_s, copies, True) - time_call(lambda copy: flag.add_(1), 1e-6, copies, True)
+
+
 def meaningful_splits(n: int, sms: int, splits=SPLITS) -> list[int]:
     return [s for s in splits if s == 1 or n * KV_HEADS * s <= 16 * sms]
 

@@ -4,9 +4,9 @@ orders, attention_dispatch.LaunchConfig.head_major); with --ceilings, the device
 
 Decode calls only (one new row per request), Ouro-1.4B heads (16 q = 16 kv heads, d = 128), pages of 16,
 shuffled block tables, every request at context L; KV copies rotate so one replay defeats the L2
-(attention_sweep.py's Problem and timing: a CUDA graph of calls, CUDA events, median of 5). Each call follows a
-one-element add launched without PDL (its own time measured alone and subtracted), so no call's first programs
-start on the SMs the call before leaves: back to back (`--back-to-back`, the timing before session 40) a
+(attention_sweep.py's Problem and timing: a CUDA graph of calls, CUDA events, median of 5; time_separated: each call
+follows a one-element add launched without PDL, its own time measured alone and subtracted), so no call's first
+programs start on the SMs the call before leaves: back to back (`--back-to-back`, the timing before session 40) a
 persistent ring's last round hid behind the next call, 8 us a call at N = 64 on an H100
 (benchmarks/attention_in_pool.py, docs/benchmarks.md session 40). Every output is checked against a float64
 reference computed densely from the gathered pages.
@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_sweep import FLUSH_BYTES, HEAD_DIM, PAGE, Problem, kv_bytes, time_call  # noqa: E402
+from benchmarks.attention_sweep import (  # noqa: E402
+    FLUSH_BYTES, HEAD_DIM, PAGE, Problem, kv_bytes, time_call, time_separated)
 from engine.attention_dispatch import DecodeConfig, LaunchConfig, decode_config, launch_label  # noqa: E402
 
 SHAPES = ((1, 640), (4, 640), (8, 640), (16, 640), (32, 640), (64, 640), (8, 2048), (16, 2048))
@@ -93,14 +94,6 @@ def ceilings(nbytes: int = 2 << 30) -> dict:
             "copy_tbps": tbps(lambda: y.copy_(x), 2 * nbytes), "bytes": nbytes}
 
 
-def separated(fn, flag: torch.Tensor):
-    """fn(copy) after a one-element add that PDL does not overlap: the call starts when the one before has ended."""
-    def call(copy):
-        flag.add_(1)
-        return fn(copy)
-    return call
-
-
 def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool = True,
               breaks: bool = True) -> dict:
     from engine import triton_attention
@@ -113,8 +106,6 @@ def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool
     ref = reference(p, q)
     res = {"n": n, "ctx": ctx, "floor_us": nbytes / 4.3e12 * 1e6, "candidates": {},
            "timing": "breaks" if breaks else "back to back"}
-    flag = torch.zeros(1, device="cuda")
-    brk = time_call(lambda copy: flag.add_(1), 1e-6, copies, True) if breaks else 0.0
     for label, c in candidates(n, sms, triton_grid, gluon):
         def fn(copy, c=c):
             args = (q, p.k, p.v, p.tables[copy], p.ctx, starts)
@@ -125,7 +116,7 @@ def run_shape(n: int, ctx: int, sms: int, triton_grid: bool = False, gluon: bool
         try:
             out = fn(0).double()
             err = float((out - ref).norm() / ref.norm())
-            s = time_call(separated(fn, flag) if breaks else fn, nbytes / 3e12, copies, True) - brk
+            s = time_separated(fn, nbytes / 3e12, copies) if breaks else time_call(fn, nbytes / 3e12, copies, True)
             res["candidates"][label] = {"us": s * 1e6, "tbps": nbytes / s / 1e12, "rel_err": err, "ok": err < 1e-2}
         except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile or fit
             res["candidates"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False}

@@ -32,7 +32,7 @@ def test_the_script_refuses_bad_flags_before_it_needs_a_gpu(tmp_path):
 
 
 def test_the_table_has_a_row_per_kernel_and_round():
-    rows = [dict(kernel=k, round=r, back_to_back_us=100.0 + r, with_breaks_us=110.0 + r, break_us=2.0,
+    rows = [dict(kernel=k, round=r, back_to_back_us=100.0 + r, with_breaks_us=110.0 + r,
                  tbps_with_breaks=3.0, rel_err=1e-3) for r in (1, 2) for k in ("triton", "32x12p1")]
     text = bench.markdown(rows, 335_000_000, "a GPU")
     assert "335 MB" in text and "a GPU" in text
