@@ -61,16 +61,21 @@ def _pdl(device) -> dict:
     return pdl.launch_kwargs(device)
 
 
-def stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor, block_n: int = 16,
-          block_k: int = 128, stages: int = 4) -> dict:
-    """The producer: {h, y, stats} for a consumer (a [rows, K] @ w [N, K].T = y; h [rows, N] the residual)."""
+def _producer_outputs(a: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int) -> tuple:
+    """A whole-K producer's (rows, K, N, tiles, y, stats) for a [rows, K] @ w [N, K].T, its tiles checked."""
     rows, k = a.shape
     n = w.shape[0]
     if n % block_n or k % block_k or rows > 64:
         raise ValueError(f"stats: N={n} must divide by block_n={block_n}, K={k} by block_k={block_k}, rows <= 64")
     tiles = n // block_n
-    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    st = torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device)
+    return (rows, k, n, tiles, torch.empty(rows, n, dtype=a.dtype, device=a.device),
+            torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device))
+
+
+def stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: torch.Tensor, block_n: int = 16,
+          block_k: int = 128, stages: int = 4) -> dict:
+    """The producer: {h, y, stats} for a consumer (a [rows, K] @ w [N, K].T = y; h [rows, N] the residual)."""
+    rows, k, n, tiles, y, st = _producer_outputs(a, w, block_n, block_k)
     kernels()[0][(tiles,)](_desc(a, [64, block_k]), _desc(w, [block_n, block_k]), h, w_branch, y, st, rows, n, k,
                            BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
                            **_pdl(a.device))
@@ -84,13 +89,8 @@ def stacked_stats(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, w_branch: t
     h + rms(prev y) prev wa, and returned as "h"."""
     from benchmarks import norm_chain_kernels as nk
 
-    rows, k = a.shape
-    n = w.shape[0]
-    if n % block_n or k % block_k or rows > 64:
-        raise ValueError(f"stats: N={n} must divide by block_n={block_n}, K={k} by block_k={block_k}, rows <= 64")
-    tiles = n // block_n
-    y, ab = torch.empty(rows, n, dtype=a.dtype, device=a.device), torch.empty(128, n, dtype=a.dtype, device=a.device)
-    st = torch.empty(4, tiles, rows, dtype=torch.float32, device=a.device)
+    rows, k, n, tiles, y, st = _producer_outputs(a, w, block_n, block_k)
+    ab = torch.empty(128, n, dtype=a.dtype, device=a.device)
     h_out = torch.empty_like(h) if prev else h
     before = (h_out, prev["y"], prev["wa"], prev["stats"], prev["stats"].shape[1]) if prev else (h, h, w_branch, st, 1)
     nk.stacked_stats_kernel[(tiles,)](_desc(a, [64, block_k]), _desc(w, [block_n, block_k]), h, w_branch, w_next, y,
