@@ -25,6 +25,13 @@ if "int(self.handle.data))" in __import__("inspect").getsource(_patch):
 '''
 
 
+def script_source(script, *argv: str) -> str:
+    """Python source that runs a benchmarks/ script as __main__ with argv (its folder on sys.path, as when run
+    directly): NUMPY_24_SHIM + it is a `python -c` program for the interpreter."""
+    return (f"import runpy, sys\nsys.argv = [{str(script)!r}, *{list(argv)!r}]\n"
+            f"sys.path.insert(0, {str(script.parent)!r})\nrunpy.run_path({str(script)!r}, run_name='__main__')\n")
+
+
 def run_interpreted(script: str, timeout: float = 600) -> None:
     """The script must print "ok" and nothing else; its stderr's tail is the failure message otherwise."""
     pytest.importorskip("triton")

@@ -60,12 +60,10 @@ def test_split_counts_stay_within_16_programs_per_sm():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
 def test_smoke_run_writes_json_and_markdown(tmp_path):
-    from tests.interpreter import NUMPY_24_SHIM  # Triton 3.6's interpreter with numpy >= 2.4: upstream's fix
+    from tests.interpreter import NUMPY_24_SHIM, script_source  # Triton 3.6's interpreter with numpy >= 2.4
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    script = BENCHMARKS / "attention_sweep.py"
-    run = (f"import runpy, sys\nsys.argv = [{str(script)!r}, '--smoke', '--out', {str(tmp_path)!r}]\n"
-           f"sys.path.insert(0, {str(script.parent)!r})\nrunpy.run_path({str(script)!r}, run_name='__main__')\n")
+    run = script_source(BENCHMARKS / "attention_sweep.py", "--smoke", "--out", str(tmp_path))
     subprocess.run([sys.executable, "-W", "ignore", "-c", NUMPY_24_SHIM + run], check=True, env=env,
                    capture_output=True, timeout=240)
     res = json.loads((tmp_path / "sweep.json").read_text())

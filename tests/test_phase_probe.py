@@ -15,11 +15,9 @@ from tests.benchmark_scripts import BENCHMARKS
 
 def test_the_phase_probe_runs_its_smoke_mode(tmp_path):
     pytest.importorskip("triton")
-    from tests.interpreter import NUMPY_24_SHIM  # Triton 3.6's interpreter with numpy >= 2.4: upstream's fix
+    from tests.interpreter import NUMPY_24_SHIM, script_source  # Triton 3.6's interpreter with numpy >= 2.4
 
-    script = BENCHMARKS / "phase_probe.py"
-    code = (f"import runpy, sys\nsys.argv = [{str(script)!r}, '--out', {str(tmp_path)!r}, '--smoke']\n"
-            f"sys.path.insert(0, {str(script.parent)!r})\nrunpy.run_path({str(script)!r}, run_name='__main__')\n")
+    code = script_source(BENCHMARKS / "phase_probe.py", "--out", str(tmp_path), "--smoke")
     run = subprocess.run([sys.executable, "-c", NUMPY_24_SHIM + code], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
