@@ -4,6 +4,7 @@ last one after the loop, every layer's q; rows below the 64-row tile too."""
 
 from __future__ import annotations
 
+from tests.benchmark_scripts import load_benchmark
 from tests.interpreter import run_interpreted
 
 INTERPRETED = """
@@ -50,3 +51,23 @@ print("ok")
 
 def test_stacked_layers_match_the_layers_in_float64_in_tritons_interpreter():
     run_interpreted(INTERPRETED)
+
+
+def test_stages_gate_ups_stacked_boxes_do_not_fit_are_refused(capsys):
+    import pytest
+
+    layers_mod = load_benchmark("norm_chain_layers")
+    with pytest.raises(SystemExit) as exit_info:
+        layers_mod.main(["--out", "unused", "--stages", "3,4"])
+    assert exit_info.value.code == 2
+    assert "--stages must be a comma list of 2 and 3" in capsys.readouterr().err
+
+
+def test_each_rounds_stacked_rows_are_compared_with_that_rounds_today():
+    layers_mod = load_benchmark("norm_chain_layers")
+    row = {"stages": 3, "q_err": 1e-3, "h_err": 1e-3, "ok": True}
+    rows = [{**row, "way": "today", "stages": 0, "layer_us": 50.0}, {**row, "way": "stacked", "layer_us": 45.0},
+            {**row, "way": "today", "stages": 0, "layer_us": 52.0}, {**row, "way": "stacked", "layer_us": 49.0}]
+    table = layers_mod.markdown(rows)
+    assert "| stacked | 3 | 45.00 | -5.00 |" in table and "| stacked | 3 | 49.00 | -3.00 |" in table
+    assert "| today | table | 52.00 | +0.00 |" in table
