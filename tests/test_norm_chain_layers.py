@@ -4,6 +4,8 @@ last one after the loop, every layer's q; rows below the 64-row tile too."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmark_scripts import load_benchmark
 from tests.interpreter import run_interpreted
 
@@ -54,8 +56,6 @@ def test_stacked_layers_match_the_layers_in_float64_in_tritons_interpreter():
 
 
 def test_stages_gate_ups_stacked_boxes_do_not_fit_are_refused(capsys):
-    import pytest
-
     layers_mod = load_benchmark("norm_chain_layers")
     with pytest.raises(SystemExit) as exit_info:
         layers_mod.main(["--out", "unused", "--stages", "3,4"])
