@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import norm_chain_probe as probe
 
+HEADS = (probe.HEADS, probe.HEADS, probe.HEAD_DIM)  # (query heads, key / value heads, head dim): Ouro-1.4B's
+
 
 def rms(v: torch.Tensor, eps: float = probe.EPS) -> torch.Tensor:
     """v * rsqrt(mean(v^2) + eps) in float32, in v's dtype."""
@@ -90,16 +92,10 @@ def case(stages: int, producer: tuple[int, int], want: tuple | None, data: tuple
     from benchmarks.gemm_sweep import timed
     from benchmarks.weight_layout_probe import rel_err
 
-    a, h, layers, norms, rope = data
-    heads = (probe.HEADS, probe.HEADS, probe.HEAD_DIM)
     if producer is None:
-        def run():
-            return today_layers(a, h, layers, norms, rope, heads)
-        way = "today"
+        way, run = "today", lambda: today_layers(*data, HEADS)
     else:
-        def run():
-            return stacked_layers(a, h, layers, norms, rope, heads, producer, stages)
-        way = "stacked, producer {}x{}".format(*producer)
+        way, run = "stacked, producer {}x{}".format(*producer), lambda: stacked_layers(*data, HEADS, producer, stages)
     qs, h_end = run()
     errs = (rel_err(qs[-1], want[0][-1]), rel_err(h_end, want[1])) if want else (0.0, 0.0)
     row = {"way": way, "stages": stages, "layer_us": timed(run), "q_err": errs[0],
@@ -134,7 +130,7 @@ def main(argv=None) -> list[dict]:
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1; got {args.rounds}")
     data = inputs()
-    want = today_layers(*data, (probe.HEADS, probe.HEADS, probe.HEAD_DIM))
+    want = today_layers(*data, HEADS)
     rows = []
     for _ in range(args.rounds):
         rows.append(case(0, None, None, data))
