@@ -12,12 +12,14 @@ is the readout.
 
 runs a decode harness (benchmarks/throughput.py, ...) with engine/fused_pass.run_loops replaced for the calls the
 stacked kernels serve (decode, half-precision, up to 64 rows: the rest go to the original) and prints how many
-calls each way took. Without --stacked-off, the same harness run with `--stacked-off` is the side-by-side baseline:
+calls each way took; the same harness run with `--stacked-off` is the side-by-side baseline. The stacked kernels are
+not in the engine's kernel warm-up, so OUROBATCH_CAPTURE_WARMUP=all gives every graph capture an eager run first
+(each bucket's specializations compiled outside the capture), in both runs:
 
-    python benchmarks/stacked_decode.py benchmarks/throughput.py --out $OUT/s --configs interval1 \
-        --scenarios 64x512x256
-    python benchmarks/stacked_decode.py --stacked-off benchmarks/throughput.py --out $OUT/t --configs interval1 \
-        --scenarios 64x512x256
+    OUROBATCH_CAPTURE_WARMUP=all python benchmarks/stacked_decode.py benchmarks/throughput.py --out $OUT/s \
+        --configs interval1 --scenarios 64x512x256
+    OUROBATCH_CAPTURE_WARMUP=all python benchmarks/stacked_decode.py --stacked-off benchmarks/throughput.py \
+        --out $OUT/t --configs interval1 --scenarios 64x512x256
 
 Checked on the CPU in Triton's interpreter against the model's float64 pass (tests/test_stacked_decode.py) and on
 the GPU against it and the per-kernel path (tests/gpu/test_gpu_stacked_decode.py).
