@@ -10,7 +10,8 @@ attention output):
   producer (forming it from o's) -> stacked qkv: four launches a layer, no add + norm kernel.
 Timed as gemm_sweep.py times (a CUDA graph of the 24 layers, PDL as the engine launches), in us a layer; the two
 ways' last q and final residual compared. The first layer's o producer starts from a formed residual, as a loop
-pass's first layer does.
+pass's first layer does. Measured on an H100 (session 42, docs/benchmarks.md): today 53.3 us a layer, stacked
+87.6-103.0 at the three producer tiles; in the decode step too (benchmarks/stacked_decode.py).
 
     python benchmarks/norm_chain_layers.py --out $OUT/norm_chain_layers
 """

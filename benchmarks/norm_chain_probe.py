@@ -23,7 +23,9 @@ from h, y and the row sums before its own (FORM_H; timed here with the chain bef
 Measured on an H100 (session 35, docs/benchmarks.md): every carried chain slower, o -> gate_up 40.9-43.2 us against
 27.7, down -> qkv 50.4-69.7 against 26.6. The consumers carry it worst (gate_up 33-38 us against 20.1; qkv 34-50
 against 12.7: the norm's elementwise work on every K block, and at 4 stages one qkv program an SM); the producers lose
-too (o 6.3-9.7 against 5.7, down 12.7-21.6 against 10.9). The engine keeps its add + norm kernels.
+too (o 6.3-9.7 against 5.7, down 12.7-21.6 against 10.9). The stacked way at 3 stages (H100, session 42): o -> gate_up
+34.8-40.7 us against 27.3, down -> qkv 51.8-60.1 against 26.3 (consumers gate_up 23.3-28.1 against 19.8, qkv
+27.5-35.2 against 12.5: twice the rows a box). The engine keeps its add + norm kernels.
 
     python benchmarks/norm_chain_probe.py --out $OUT/norm_chain
 """

@@ -21,6 +21,10 @@ not in the engine's kernel warm-up, so OUROBATCH_CAPTURE_WARMUP=all gives every 
     OUROBATCH_CAPTURE_WARMUP=all python benchmarks/stacked_decode.py --stacked-off benchmarks/throughput.py \
         --out $OUT/t --configs interval1 --scenarios 64x512x256
 
+Measured on an H100 (session 42, docs/benchmarks.md): the full-depth N = 64 step 20.90 ms GPU with it (producer
+16 x 128) against 16.12 ms without, ~50 us a layer and loop, as norm_chain_layers.py's GEMM side alone (+34 to +50 us
+a layer at the three producer tiles). The engine keeps its add + norm kernels.
+
 Checked on the CPU in Triton's interpreter against the model's float64 pass (tests/test_stacked_decode.py) and on
 the GPU against it and the per-kernel path (tests/gpu/test_gpu_stacked_decode.py).
 """
