@@ -7,17 +7,15 @@ none); acquire / release ordering is the GPU test's."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine import layers_dispatch
-from engine.batch import BlockTables, SeqSpan, uniform_meta
 from engine.kv_cache import KVPool
 from engine.layer_stack import stack_layers
 from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
+from tests.paged_decode import scattered_meta
 
 pytest.importorskip("triton.experimental.gluon")
 emulator = pytest.importorskip("tests.gluon_emulator")
@@ -44,22 +42,13 @@ def models(ckpt):  # per test: a launch that failed leaves the stack's never-res
 def decode(cfg, contexts: list[int], seed: int):
     """`contexts[i]` positions for request i (its new row the last) on scattered pages of random history, in a bf16
     pool and a float64 one; the requests' input rows."""
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-c // PAGE) for c in contexts) + 4
     pools = [KVPool.for_model(cfg, blocks, PAGE, dtype, "cpu") for dtype in (torch.bfloat16, torch.float64)]
     for name in ("k", "v"):
         getattr(pools[0], name).copy_(torch.randn(pools[0].shape, generator=g))
         getattr(pools[1], name).copy_(getattr(pools[0], name))
-    free = list(range(blocks))
-    rng.shuffle(free)
-    tables = BlockTables(8, max(-(-c // PAGE) for c in contexts), pools[0].scratch_block, torch.device("cpu"))
-    spans = []
-    for i, c in enumerate(contexts):
-        ids = tuple(free.pop() for _ in range(-(-c // PAGE)))
-        tables.row(f"r{i}", ids)
-        spans.append(SeqSpan(i, 1, c, ids))
-    rows = torch.tensor([tables.row_of[f"r{i}"] for i in range(len(contexts))])
-    meta = uniform_meta(tables, rows, torch.tensor(contexts) - 1, 1, PAGE, spans)
+    meta, spans = scattered_meta(contexts, pools[0], seed)
     h = torch.randn(len(contexts), cfg.hidden_size, generator=g).to(torch.bfloat16)
     return pools, meta, h, spans
 

@@ -14,19 +14,19 @@ from tests.benchmark_scripts import load_benchmark
 from tests.interpreter import run_interpreted
 
 INTERPRETED = """
-import random, tempfile
+import tempfile
 import torch
-from engine.batch import BlockTables, SeqSpan, uniform_meta
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from ourobatch.testing import make_tiny_checkpoint
 from tests.benchmark_scripts import load_benchmark
+from tests.paged_decode import scattered_meta
 sd = load_benchmark("stacked_decode")
 PAGE = 16
 def err(got, want):
     return float((got.double() - want).norm() / want.norm())
 def decode(cfg, contexts, seed):
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-c // PAGE) for c in contexts) + 4
     pool = KVPool.for_model(cfg, blocks, PAGE, torch.float32, "cpu")
     pool.k.copy_(torch.randn(pool.shape, generator=g))
@@ -34,16 +34,7 @@ def decode(cfg, contexts, seed):
     ref = KVPool.for_model(cfg, blocks, PAGE, torch.float64, "cpu")
     ref.k.copy_(pool.k)
     ref.v.copy_(pool.v)
-    free = list(range(blocks))
-    rng.shuffle(free)
-    tables = BlockTables(len(contexts), max(-(-c // PAGE) for c in contexts), pool.scratch_block, torch.device("cpu"))
-    spans = []
-    for i, c in enumerate(contexts):
-        ids = tuple(free.pop() for _ in range(-(-c // PAGE)))
-        tables.row(f"r{i}", ids)
-        spans.append(SeqSpan(i, 1, c, ids))
-    rows = torch.tensor([tables.row_of[f"r{i}"] for i in range(len(contexts))])
-    meta = uniform_meta(tables, rows, torch.tensor(contexts) - 1, 1, PAGE, spans)
+    meta, _ = scattered_meta(contexts, pool, seed)
     return pool, ref, meta, torch.randn(len(contexts), cfg.hidden_size, generator=g)
 shape = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=128,
              num_hidden_layers=2, total_ut_steps=2, vocab_size=97)
