@@ -74,6 +74,16 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_uncached_free(self) -> int:
+        """Free blocks that hold no cached prefix: what allocate() hands out before it evicts."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached prefix blocks no request holds: allocate() takes them, oldest first, once the free list is empty."""
+        return len(self._evictable)
+
+    @property
     def num_used(self) -> int:
         """Blocks held by at least one request."""
         return self._num_used

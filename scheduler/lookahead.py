@@ -30,7 +30,10 @@ caller waits for the step in flight, updates, and plans synchronously. The rules
   budget and room depend on who ends);
 - ``clock``: a cohort mid-block has aligning members and every decoding member may stop (its clock
   would reset and they would start now);
-- ``preempt``: the step would have to preempt.
+- ``preempt``: the step would have to preempt;
+- ``evict``: a request of the step in flight may end and the step's new blocks would take a cached prefix
+  block (more than the free list holds): the update could free blocks that make the eviction needless, and
+  which prefixes stay cached decides later admissions' hits.
 
 Aborts are not rules: an abort ends the request at once (its rows in steps already planned are wasted,
 as a stopped request's), and "between two steps" means, with a step in flight, after the last update.
@@ -47,7 +50,7 @@ from .plan import StepPlan
 from .request import Request, RequestStatus
 
 REASONS = ("verify", "forced_boundary", "prompt_logprobs", "deep_and_prefill", "admission", "chunk", "clock",
-           "preempt")
+           "preempt", "evict")
 
 
 def plan_reason(plan: StepPlan) -> str | None:
@@ -94,10 +97,11 @@ def apply_pending(plan: StepPlan, live: Callable[[str], Request | None], cohorts
 
 def drain_reason(plan: StepPlan, sampled: list[Request], waiting: Iterable[Request], admission: str,
                  prefill_under_way: bool, prefix_caching: bool, cohorts: Cohorts,
-                 requests: Mapping[str, Request], must_preempt: Callable[[], bool]) -> str | None:
+                 requests: Mapping[str, Request], must_preempt: Callable[[], bool],
+                 must_evict: Callable[[], bool]) -> str | None:
     """Why the next step may not be planned before the update of `plan` (the module docstring's rules,
     after apply_pending), or None. `sampled`: the requests `plan` samples; `admission`: who may be admitted
-    ("all", "started", "none")."""
+    ("all", "started", "none"); `must_evict()`: the next step's new blocks outnumber the free list's."""
     # may the update of `plan` end one of them (a stop set, or the pending token at max_tokens: is_ending)?
     ends = any(r.stop_token_ids or (r.num_pending and len(r.output_token_ids) + r.num_pending >= r.params.max_tokens)
                for r in sampled)
@@ -108,6 +112,8 @@ def drain_reason(plan: StepPlan, sampled: list[Request], waiting: Iterable[Reque
         return "chunk" if prefill_under_way else "clock"
     if must_preempt():
         return "preempt"
+    if ends and must_evict():
+        return "evict"
     return None
 
 

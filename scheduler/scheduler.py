@@ -135,7 +135,7 @@ class Scheduler:
         sampled = lookahead.apply_pending(in_flight, step.live, self.cohorts, self.config.total_ut_steps)
         reason = lookahead.drain_reason(in_flight, sampled, self.waiting, self.admission, bool(self.prefills.live()),
                                         self.kv.enable_prefix_caching, self.cohorts, self.requests,
-                                        self._must_preempt)
+                                        self._must_preempt, self._must_evict)
         if reason is not None:
             return self._drained(reason)
         plan, num_boundaries = self._plan()
@@ -152,6 +152,9 @@ class Scheduler:
 
     def _must_preempt(self) -> bool:
         return self.blocks.num_free < self.num_running and self.blocks_needed() > self.blocks.num_free
+
+    def _must_evict(self) -> bool:
+        return self.blocks.num_evictable > 0 and self.blocks_needed() > self.blocks.num_uncached_free
 
     def _plan(self) -> tuple[StepPlan, int]:
         preempted = admission.make_room(self.blocks, self)

@@ -152,6 +152,25 @@ def test_length_stops_are_known_ahead_and_cost_nothing():
     assert rec_async.wasted == [] and lookahead.stats()["lookahead_drains"] == 0
 
 
+def test_a_block_the_step_in_flight_frees_is_taken_before_a_cached_prefix_is_evicted():
+    """q2 leaves the prefix 1 2 3 4 cached; step 13 ends q0, q4 and q5 by length. The step after needs a block for
+    q1 and q3 where the free list holds one: planned ahead, it would evict q2's prefix, which q6 then misses (its
+    prefill from position 0); after step 13's update the freed blocks serve it (found by hypothesis)."""
+    def params(seed: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(seed=seed, max_tokens=max_tokens)
+
+    events = [Event(3, "add", "q0", (1,), params(0, 14)), Event(5, "add", "q1", (9, 8, 7, 6, 1), params(1, 9)),
+              Event(5, "add", "q2", (1, 2, 3, 4), params(2, 1)), Event(9, "add", "q3", (1, 2, 1), params(3, 3)),
+              Event(11, "add", "q4", (1,), params(4, 2)), Event(11, "add", "q5", (1,), params(5, 2)),
+              Event(14, "add", "q6", (1, 2, 3, 4, 5), params(6, 1))]
+    lookahead, rec_async, sync, rec_sync = both(events, {}, deep_interval=3, num_kv_blocks=12, max_num_seqs=5,
+                                                max_num_batched_tokens=8, enable_prefix_caching=True)
+    assert_equivalent(lookahead, rec_async, sync, rec_sync)
+    q6 = [row for step in rec_async.steps for row in step if row[0] == "q6" and row[1] == "PrefillWork"]
+    assert q6 == [("q6", "PrefillWork", 4, 1, None, (4, 1))]  # the cached block: only the 5th token computed
+    assert lookahead.scheduler.drain_reasons["evict"] >= 1
+
+
 def test_verify_mode_refuses_async_scheduling():
     with pytest.raises(ValueError, match="verify"):
         fake_core(True, {}, mode="verify")

@@ -117,8 +117,11 @@ class BlockMachine(RuleBasedStateMachine):
             assert n > self.bm.num_free
             return
         held_now = {b for h in self.holdings for b in h}
+        cached, evicts = self.bm.num_cached, max(0, n - self.bm.num_uncached_free)
+        assert self.bm.num_uncached_free + self.bm.num_evictable == self.bm.num_free
         ids = self.bm.allocate(n)
         assert len(set(ids)) == n and held_now.isdisjoint(ids), "a held block was handed out"
+        assert self.bm.num_cached == cached - evicts, "evicted a cached prefix while plain free blocks were left"
         self.holdings.append(ids)
 
     @precondition(lambda self: self.holdings)
