@@ -151,10 +151,15 @@ class Scheduler:
         return None
 
     def _must_preempt(self) -> bool:
-        return self.blocks.num_free < self.num_running and self.blocks_needed() > self.blocks.num_free
+        return self._short_of(self.blocks.num_free)
 
     def _must_evict(self) -> bool:
-        return self.blocks.num_evictable > 0 and self.blocks_needed() > self.blocks.num_uncached_free
+        return self.blocks.num_evictable > 0 and self._short_of(self.blocks.num_uncached_free)
+
+    def _short_of(self, free: int) -> bool:
+        """Whether the coming step's new blocks outnumber `free` (each running request needs one at most, so
+        blocks_needed() is only counted when fewer are free: make_room's fast path)."""
+        return free < self.num_running and self.blocks_needed() > free
 
     def _plan(self) -> tuple[StepPlan, int]:
         preempted = admission.make_room(self.blocks, self)

@@ -7,17 +7,15 @@ CUDA on Hopper only; tests/engine/test_gluon_layers_compile.py compiles the kern
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine import layers_dispatch
-from engine.batch import BlockTables, SeqSpan, uniform_meta
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from ourobatch import EngineConfig, SamplingParams, SyncEngine
 from ourobatch.testing import make_tiny_checkpoint
+from tests.paged_decode import scattered_meta
 
 from .test_gpu_attention_kernels import capture
 from .test_gpu_gluon_attention import _hopper
@@ -58,7 +56,6 @@ class Decode:
     pools (bf16, and the same values in float64), random input rows."""
 
     def __init__(self, cfg, contexts: list[int], seed: int) -> None:
-        rng = random.Random(seed)
         g = torch.Generator(device="cuda").manual_seed(seed)
         blocks = sum(-(-c // PAGE) for c in contexts) + 8
         self.pool = KVPool.for_model(cfg, blocks, PAGE, torch.bfloat16, "cuda")
@@ -67,19 +64,8 @@ class Decode:
         self.ref_pool = KVPool.for_model(cfg, blocks, PAGE, torch.float64, "cuda")
         self.ref_pool.k.copy_(self.pool.k)
         self.ref_pool.v.copy_(self.pool.v)
-        free = list(range(blocks))
-        rng.shuffle(free)
-        tables = BlockTables(max(8, len(contexts)), max(-(-c // PAGE) for c in contexts), self.pool.scratch_block,
-                             torch.device("cuda"))
-        spans = []
-        for i, c in enumerate(contexts):
-            ids = tuple(free.pop() for _ in range(-(-c // PAGE)))
-            tables.row(f"r{i}", ids)
-            spans.append(SeqSpan(i, 1, c, ids))
-        rows = torch.tensor([tables.row_of[f"r{i}"] for i in range(len(contexts))], device="cuda")
-        self.meta = uniform_meta(tables, rows, torch.tensor(contexts, device="cuda") - 1, 1, PAGE, spans)
+        self.meta, self.spans = scattered_meta(contexts, self.pool, seed)
         self.h = torch.randn(len(contexts), cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
-        self.spans = spans
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
