@@ -1,0 +1,167 @@
+"""Kernels and timing for benchmarks/l2_reuse_probe.py: a grid-stride read with an L2 eviction policy, Hopper's
+bulk prefetch into L2 over a buffer's first bytes, and sequences of them timed in CUDA graphs."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 8192  # elements a program reads an iteration (16 KB of bf16)
+PIECE = 64 << 10  # bytes a bulk prefetch asks for (one of the pool's pages)
+REPS = 10  # sequences in one graph
+POLICIES = {"normal": 0, "evict_last": 1, "evict_first": 2}
+
+_BULK = """{
+.reg .b64 pol;
+createpolicy.fractional.L2::EVICT.b64 pol, 1.0;
+cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;
+mov.u32 $0, 0;
+}"""
+
+
+@triton.jit
+def read_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    """Sum x[:n] grid-stride, so the whole grid reads the buffer front to back; one float per program."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        if POLICY == 1:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+        elif POLICY == 2:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc += x.to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def bulk_kernel(base, pieces, piece_bytes, ASM: tl.constexpr):
+    """One bulk L2 prefetch of piece_bytes per thread, pieces of them from base (an address)."""
+    j = tl.minimum(tl.program_id(0) * 32 + tl.arange(0, 32), pieces - 1)
+    size = tl.full([32], 0, tl.int32) + piece_bytes
+    tl.inline_asm_elementwise(ASM, "=r,l,r", [base + j.to(tl.int64) * piece_bytes, size], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def set_persisting_l2(nbytes: int) -> int:
+    """cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, nbytes) through the CUDA runtime torch loaded; returns
+    the limit read back."""
+    names = [p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so*"))]
+    names += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libcudart*.so*")) + ["libcudart.so"]
+    for name in names:
+        try:
+            rt = ctypes.CDLL(name)
+        except OSError:
+            continue
+        limit = 0x06  # cudaLimitPersistingL2CacheSize
+        if rt.cudaDeviceSetLimit(ctypes.c_int(limit), ctypes.c_size_t(nbytes)) != 0:
+            raise RuntimeError(f"cudaDeviceSetLimit(persisting L2, {nbytes}) failed through {name}")
+        value = ctypes.c_size_t(0)
+        rt.cudaDeviceGetLimit(ctypes.byref(value), ctypes.c_int(limit))
+        return value.value
+    raise RuntimeError("no CUDA runtime library found for cudaDeviceSetLimit")
+
+
+class Probe:
+    """The buffers, the launches and their timings (us a sequence, the median of replays of a graph of REPS)."""
+
+    def __init__(self, kv_bytes: int, weights_bytes: int, chain_kernels: int, chain_bytes: int,
+                 chain_programs: int):
+        props = torch.cuda.get_device_properties(0)
+        self.device, self.l2_bytes, self.sms = props.name, props.L2_cache_size, props.multi_processor_count
+        self.kv_bytes = kv_bytes
+
+        def buf(nbytes):
+            return torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+
+        self.kv_same, self.kv_other, self.weights = buf(kv_bytes), buf(kv_bytes), buf(weights_bytes)
+        self.chain = [buf(chain_bytes) for _ in range(chain_kernels)]
+        self.chain_programs = chain_programs
+        self.out = torch.empty(self.sms * 8, dtype=torch.float32, device="cuda")
+        self.side_stream = torch.cuda.Stream()
+        self.read_tbps = kv_bytes / (self.time(lambda: self.read(self.kv_other)) * 1e-6) / 1e12
+
+    def read(self, x: torch.Tensor, policy: str = "normal", nbytes: int | None = None, programs: int = 0) -> None:
+        n = (nbytes if nbytes is not None else x.numel() * 2) // 2
+        read_kernel[(programs or self.sms * 4,)](x, n, self.out, BLOCK=BLOCK, POLICY=POLICIES[policy], num_warps=8)
+
+    def bulk(self, x: torch.Tensor, nbytes: int, policy: str) -> None:
+        pieces = max(1, nbytes // PIECE)
+        asm = _BULK.replace("EVICT", "evict_" + policy.removeprefix("evict_"))  # normal -> evict_normal
+        bulk_kernel[(triton.cdiv(pieces, 32),)](x.data_ptr(), pieces, PIECE, ASM=asm, num_warps=1)
+
+    def stage(self, stager: str, nbytes: int) -> None:
+        way, policy = stager.split(":")
+        if way == "load":
+            self.read(self.kv_same, policy, nbytes)
+        else:
+            self.bulk(self.kv_same, nbytes, policy)
+
+    def gap(self, gap: str) -> None:
+        if gap != "none":
+            self.read(self.weights, gap.split(":")[1])
+
+    def run_chain(self) -> None:
+        for x in self.chain:
+            self.read(x, programs=self.chain_programs)
+
+    def time(self, seq) -> float:
+        seq()  # compile and warm outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(REPS):
+                seq()
+        graph.replay()
+        times = []
+        for _ in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / REPS)
+        return statistics.median(times)
+
+    def ideal_us(self, nbytes: int) -> float:
+        return nbytes / (self.read_tbps * 1e12) * 1e6
+
+    def staged(self, stager: str, nbytes: int, gap: str) -> dict:
+        def seq(target):
+            def run():
+                self.stage(stager, nbytes)
+                self.gap(gap)
+                self.read(target)
+            return run
+
+        other, same = self.time(seq(self.kv_other)), self.time(seq(self.kv_same))
+        return dict(other_us=other, same_us=same, saving_us=other - same,
+                    of_ideal=(other - same) / self.ideal_us(nbytes))
+
+    def beside(self, stager: str, nbytes: int) -> dict:
+        def plain():
+            self.run_chain()
+            self.read(self.kv_other)
+
+        def side(target):
+            def run():
+                main = torch.cuda.current_stream()
+                self.side_stream.wait_stream(main)
+                with torch.cuda.stream(self.side_stream):
+                    self.stage(stager, nbytes)
+                self.run_chain()
+                main.wait_stream(self.side_stream)
+                self.read(target)
+            return run
+
+        base, other, same = self.time(plain), self.time(side(self.kv_other)), self.time(side(self.kv_same))
+        return dict(plain_us=base, other_us=other, same_us=same, net_us=base - same)
