@@ -25,6 +25,12 @@ cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;
 mov.u32 $0, 0;
 }"""
 
+_LINE = """{
+prefetch.global.L2EVICT [$1];
+mov.u32 $0, 0;
+}"""
+LINE = 128  # bytes a line prefetch asks for
+
 
 @triton.jit
 def read_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr, POLICY: tl.constexpr):
@@ -50,6 +56,13 @@ def bulk_kernel(base, pieces, piece_bytes, ASM: tl.constexpr):
     size = tl.full([32], 0, tl.int32) + piece_bytes
     tl.inline_asm_elementwise(ASM, "=r,l,r", [base + j.to(tl.int64) * piece_bytes, size], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def line_kernel(base, lines, LINE: tl.constexpr, ASM: tl.constexpr, WIDTH: tl.constexpr):
+    """One L2 line prefetch (prefetch.global.L2) per thread, `lines` of them from base (an address)."""
+    j = tl.minimum(tl.program_id(0) * WIDTH + tl.arange(0, WIDTH), lines - 1)
+    tl.inline_asm_elementwise(ASM, "=r,l", [base + j.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def set_persisting_l2(nbytes: int) -> int:
@@ -99,10 +112,17 @@ class Probe:
         asm = _BULK.replace("EVICT", "evict_" + policy.removeprefix("evict_"))  # normal -> evict_normal
         bulk_kernel[(triton.cdiv(pieces, 32),)](x.data_ptr(), pieces, PIECE, ASM=asm, num_warps=1)
 
+    def lines(self, x: torch.Tensor, nbytes: int, policy: str) -> None:
+        lines = max(1, nbytes // LINE)
+        asm = _LINE.replace("EVICT", "::evict_last" if policy == "evict_last" else "")
+        line_kernel[(triton.cdiv(lines, 1024),)](x.data_ptr(), lines, LINE=LINE, ASM=asm, WIDTH=1024, num_warps=8)
+
     def stage(self, stager: str, nbytes: int) -> None:
         way, policy = stager.split(":")
         if way == "load":
             self.read(self.kv_same, policy, nbytes)
+        elif way == "line":
+            self.lines(self.kv_same, nbytes, policy)
         else:
             self.bulk(self.kv_same, nbytes, policy)
 

@@ -6,10 +6,10 @@ L2 for the attention's first pages during that GEMM side (engine/kv_prefetch.py,
 every setting was slower, even the attention right after its own prefetch; why was not analysed. This probe asks
 the question without the engine: a read kernel streams a `--kv-mb` buffer front to back (a grid-stride sum, so
 its first bytes are read first, as the attention's programs read their first pages first); before it, `--stage-mb`
-of that buffer's first bytes are staged, by plain loads or by bulk prefetches, with an L2 policy, optionally with
-a `--weights-mb` stream between (as a GEMM's weights would pass) read normally or evict_first. Each sequence runs
-twice, its last read over the staged buffer (`same`) or over another of the same size (`other`): the same
-launches, the same bytes, only the reuse differs. saving = other - same; `of ideal` = saving against the staged
+of that buffer's first bytes are staged, by plain loads, line prefetches (prefetch.global.L2) or bulk prefetches,
+with an L2 policy, optionally with a `--weights-mb` stream between (as a GEMM's weights would pass) read normally
+or evict_first. Each sequence runs twice, its last read over the staged buffer (`same`) or over another of the same
+size (`other`): the same launches, the same bytes, only the reuse differs. saving = other - same; `of ideal` = saving against the staged
 bytes at the read kernel's own rate. `side` stages on a second stream beside a chain of `--chain` dependent small
 reads (KERNELSxMB, `--chain-programs` programs each: the GEMM side's launches at part of the bandwidth), then reads;
 `net` is what staging there gains over the chain and the read without it.
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 MB = 1 << 20
-STAGERS = ("load:normal", "load:evict_last", "bulk:normal", "bulk:evict_last")
+STAGERS = ("load:normal", "load:evict_last", "line:normal", "line:evict_last", "bulk:normal", "bulk:evict_last")
 GAPS = ("none", "weights:normal", "weights:evict_first")
 
 

@@ -91,6 +91,10 @@ def test_the_bulk_prefetch_and_the_reads_compile_for_sm90_under_their_policies(p
     text = ptx(kernels.bulk_kernel, dict(base="i64", pieces="i32", piece_bytes="i32"), dict(ASM=asm), 1)
     assert text.count("cp.async.bulk.prefetch.L2.global") == 1
     assert f"createpolicy.fractional.L2::evict_{policy.removeprefix('evict_')}.b64" in text
+    line = kernels._LINE.replace("EVICT", "::evict_last" if policy == "evict_last" else "")
+    text = ptx(kernels.line_kernel, dict(base="i64", lines="i32"), dict(LINE=kernels.LINE, ASM=line, WIDTH=1024), 8)
+    want = "prefetch.global.L2::evict_last [" if policy == "evict_last" else "prefetch.global.L2 ["
+    assert want in text and ("evict_last" in text) == (policy == "evict_last")
     read = dict(x_ptr="*bf16", n="i32", out_ptr="*fp32")
     for name, code in kernels.POLICIES.items():
         text = ptx(kernels.read_kernel, read, dict(BLOCK=kernels.BLOCK, POLICY=code), 8)
