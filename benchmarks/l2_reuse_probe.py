@@ -2,17 +2,17 @@
 
 At N = 64 the decode attention reads ~335 MB of keys and values a layer and loop at the device's read rate, while
 the GEMM side before it (~44 us, seven launches) leaves about half of HBM's bandwidth unused. Session 28 asked the
-L2 for the attention's first pages during that GEMM side (engine/kv_prefetch.py, Hopper's bulk prefetch) and
-every setting was slower, even the attention right after its own prefetch; why was not analysed. This probe asks
-the question without the engine: a read kernel streams a `--kv-mb` buffer front to back (a grid-stride sum, so
-its first bytes are read first, as the attention's programs read their first pages first); before it, `--stage-mb`
-of that buffer's first bytes are staged, by plain loads, line prefetches (prefetch.global.L2) or bulk prefetches,
-with an L2 policy, optionally with a `--weights-mb` stream between (as a GEMM's weights would pass) read normally
-or evict_first. Each sequence runs twice, its last read over the staged buffer (`same`) or over another of the same
-size (`other`): the same launches, the same bytes, only the reuse differs. saving = other - same; `of ideal` = saving against the staged
-bytes at the read kernel's own rate. `side` stages on a second stream beside a chain of `--chain` dependent small
-reads (KERNELSxMB, `--chain-programs` programs each: the GEMM side's launches at part of the bandwidth), then reads;
-`net` is what staging there gains over the chain and the read without it.
+L2 for the attention's first pages during that GEMM side (engine/kv_prefetch.py, Hopper's bulk prefetch) and every
+setting was slower, even the attention right after its own prefetch; why was not analysed. This probe asks the
+question without the engine: a read kernel streams a `--kv-mb` buffer front to back (a grid-stride sum, so its first
+bytes are read first, as the attention's programs read their first pages first); before it, `--stage-mb` of that
+buffer's first bytes are staged, by plain loads, line prefetches (prefetch.global.L2) or bulk prefetches, with an L2
+policy, optionally with a `--weights-mb` stream between (as a GEMM's weights would pass) read normally or
+evict_first. Each sequence runs twice, its last read over the staged buffer (`same`) or over another of the same
+size (`other`): the same launches, the same bytes, only the reuse differs. saving = other - same; `of ideal` =
+saving against the staged bytes at the read kernel's own rate. `side` stages on a second stream beside a chain of
+`--chain` dependent small reads (KERNELSxMB, `--chain-programs` programs each: the GEMM side's launches at part of
+the bandwidth), then reads; `net` is what staging there gains over the chain and the read without it.
 
     python benchmarks/l2_reuse_probe.py --out DIR [--kv-mb 335] [--stage-mb 8,16,24,32] [--weights-mb 46]
         [--chain 6x4] [--chain-programs 32] [--rounds 2] [--persist-mb 0]
