@@ -17,7 +17,7 @@ Every way's readout is compared with the kernels way's: a prefetch changes no va
 the bit.
 
     python benchmarks/kv_prefetch_probe.py --out DIR [--rows 64] [--context 640] [--pages 1,2,3,4]
-        [--at qkv,norm,gate_up]
+        [--at qkv,norm,gate_up] [--suffixes ,:normal,:end]   # :line: line prefetches instead of bulk ones
     python benchmarks/kv_prefetch_probe.py --out DIR --best N   # the N fastest settings that beat kernels
 """
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 AT = ("qkv", "norm", "gate_up")
 ENV = "OUROBATCH_KV_PREFETCH"  # engine/kv_prefetch_dispatch.ENV
+SUFFIXES = ("", ":normal", ":end")
 
 
 class Probe:
@@ -57,7 +58,7 @@ class Probe:
         finally:
             os.environ[ENV] = "0"
 
-    def attention(self, name: str, pages: int = 0) -> None:
+    def attention(self, name: str, pages: int = 0, line: bool = False) -> None:
         from engine.kv_prefetch import prefetch_pages
         from engine.triton_attention import triton_paged_attention
 
@@ -65,16 +66,18 @@ class Probe:
         for layer in range(self.pool.shape[1]):
             k, v = self.pool.block_plane(1, layer)
             if pages:
-                prefetch_pages(k, v, m.block_tables, m.context_lens, pages)
+                prefetch_pages(k, v, m.block_tables, m.context_lens, pages, line=line)
             out = triton_paged_attention(self.q, k, v, m.block_tables, m.context_lens, m.query_start, 1, scale)
         self.outs[name] = out
 
-    def ways(self, pages: list[int], ats: list[str]) -> dict:
+    def ways(self, pages: list[int], ats: list[str], suffixes: tuple[str, ...] = SUFFIXES) -> dict:
         ways = {"kernels": lambda: self.kernels("kernels"), "attention": lambda: self.attention("attention")}
         for p in pages:
             ways[f"attention_pf{p}"] = lambda p=p: self.attention(f"attention_pf{p}", p)
+            if any("line" in s for s in suffixes):
+                ways[f"attention_pf{p}:line"] = lambda p=p: self.attention(f"attention_pf{p}:line", p, True)
             for at in ats:
-                for suffix in ("", ":normal", ":end"):
+                for suffix in suffixes:
                     setting = f"{p}:{at}{suffix}"
                     ways[setting] = lambda setting=setting: self.kernels(setting, setting)
         return ways
@@ -125,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--pages", default="1,2,3,4")
     ap.add_argument("--at", default=",".join(AT))
+    ap.add_argument("--suffixes", default=",".join(SUFFIXES),
+                    help="each setting's tails, comma-separated (an empty one: none), from :normal, :end, :line")
     args = ap.parse_args(argv)
     if args.best:
         print(" ".join(best(json.loads((Path(args.out or ".") / "kv_prefetch.json").read_text()), args.best)))
@@ -136,8 +141,11 @@ def main(argv=None) -> int:
     ats = [a for a in args.at.split(",") if a]
     if not ats or set(ats) - set(AT):
         ap.error(f"--at: one or more of {', '.join(AT)}")
+    suffixes = tuple(args.suffixes.split(","))
+    if any(set(s.split(":")[1:]) - {"normal", "end", "line"} or (s and not s.startswith(":")) for s in suffixes):
+        ap.error(f"--suffixes: comma-separated tails made of :normal, :end and :line; got {args.suffixes!r}")
     p = Probe(args.rows, args.context)
-    ways = p.ways([int(v) for v in args.pages.split(",")], ats)
+    ways = p.ways([int(v) for v in args.pages.split(",")], ats, suffixes)
     floor = floor_ms(p.model, args.rows, args.context, COPY_TBPS)
     result = {"device": torch.cuda.get_device_name(0), "rows": args.rows, "context": args.context,
               "layers": p.model.config.num_hidden_layers,

@@ -99,7 +99,8 @@ def pass_prefetch(h: torch.Tensor, meta: BatchMeta, pool: KVPool, num_layers: in
     def launch(k: torch.Tensor, v: torch.Tensor) -> None:
         from .kv_prefetch import prefetch_pages
 
-        prefetch_pages(k, v, meta.block_tables, meta.context_lens, config.pages, config.from_end, config.evict_last)
+        prefetch_pages(k, v, meta.block_tables, meta.context_lens, config.pages, config.from_end, config.evict_last,
+                       config.line)
 
     return kvp.PassPrefetch(config, num_layers, first_loop, last_loop, pool.block_plane, launch)
 

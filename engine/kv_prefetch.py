@@ -32,6 +32,12 @@ createpolicy.fractional.L2::EVICT.b64 pol, 1.0;
 mov.u32 $0, 0;
 }"""
 WIDTH = 32  # pages a request at most: one per thread of the kernel's warp
+_LINE_ASM = """{
+prefetch.global.L2EVICT [$1];
+prefetch.global.L2EVICT [$2];
+mov.u32 $0, 0;
+}"""
+LINE = 128  # bytes a line prefetch asks for
 
 
 @triton.jit
@@ -55,10 +61,33 @@ def _kv_prefetch_kernel(k_base, v_base, tables_ptr, lens_ptr, stride_bt, block_b
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def _kv_line_kernel(k_base, v_base, tables_ptr, lens_ptr, stride_bt, max_block, pages, LINES: tl.constexpr,
+                    LINE: tl.constexpr, PAGE: tl.constexpr, FROM_END: tl.constexpr, ASM: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """The `line` way: program (seq, j) asks for page j of request seq line by line (prefetch.global.L2), a
+    page's keys and its values, LINES lines each."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    seq, j = tl.program_id(0), tl.program_id(1)
+    n_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE)
+    first = tl.maximum(n_pages - pages, 0) if FROM_END else 0
+    if first + j < n_pages:
+        block = tl.load(tables_ptr + seq * stride_bt + first + j).to(tl.int64)
+        block = tl.minimum(tl.maximum(block, 0), max_block)
+        offset = block * (LINES * LINE) + tl.arange(0, LINES).to(tl.int64) * LINE
+        tl.inline_asm_elementwise(ASM, "=r,l,l", [k_base + offset, v_base + offset], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 def prefetch_pages(k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, pages: int, from_end: bool = False, evict_last: bool = True) -> None:
+                   context_lens: torch.Tensor, pages: int, from_end: bool = False, evict_last: bool = True,
+                   line: bool = False) -> None:
     """Ask the L2 for `pages` pages of every request's keys and values (its first ones, or its last with
-    from_end). k_blocks, v_blocks: one plane by block, [blocks, block_size, kv_heads, d], contiguous;
+    from_end): a bulk prefetch a page, or with `line` a line prefetch (prefetch.global.L2) for each 128 bytes.
+    k_blocks, v_blocks: one plane by block, [blocks, block_size, kv_heads, d], contiguous;
     block_tables: [seqs, width] int32; context_lens: [seqs] int32."""
     if not 0 < pages <= WIDTH:
         raise ValueError(f"pages must be in 1..{WIDTH}, got {pages}")
@@ -69,6 +98,15 @@ def prefetch_pages(k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables:
         return
     blocks, page = k_blocks.shape[:2]
     block_bytes = k_blocks[0].numel() * k_blocks.element_size()
+    if line:
+        if block_bytes % LINE or (block_bytes // LINE) & (block_bytes // LINE - 1):
+            raise ValueError(f"the line way needs a page of a power of two of {LINE}-byte lines, got {block_bytes} B")
+        asm = _LINE_ASM.replace("EVICT", "::evict_last" if evict_last else "")
+        _kv_line_kernel[(seqs, pages)](k_blocks.data_ptr(), v_blocks.data_ptr(), block_tables, context_lens,
+                                       block_tables.stride(0), blocks - 1, pages, LINES=block_bytes // LINE,
+                                       LINE=LINE, PAGE=page, FROM_END=from_end, ASM=asm, num_warps=4,
+                                       **pdl.launch_kwargs(k_blocks.device))
+        return
     asm = _ASM.replace("EVICT", "evict_last" if evict_last else "evict_normal")
     _kv_prefetch_kernel[(seqs,)](k_blocks.data_ptr(), v_blocks.data_ptr(), block_tables, context_lens,
                                  block_tables.stride(0), block_bytes, blocks - 1, pages, PAGE=page,

@@ -2,13 +2,14 @@
 pages and where in the layer (Triton-free).
 
 OUROBATCH_KV_PREFETCH: "0" (off, the default: every setting measured slower on the H200, docs/benchmarks.md session
-28) or "PAGES[:AT][:end][:normal]":
+28) or "PAGES[:AT][:end][:normal][:line]":
 - PAGES (1..32): pages (of block_size positions) of every request's keys and values, for each attention;
 - AT: the kernel the prefetch launch goes before: "qkv" (the attention's own layer's qkv GEMM), "norm" (the
   add + norm that ends the layer before: the default) or "gate_up" (the layer before's gate_up GEMM). A pass's
   first layer is asked for at "qkv" whatever AT says (nothing runs before it in the pass);
 - end: the requests' last pages instead of their first;
-- normal: the lines marked evict_normal in the L2 instead of evict_last.
+- normal: the lines marked evict_normal in the L2 instead of evict_last;
+- line: a prefetch.global.L2 for each 128-byte line of a page instead of one bulk prefetch a page (session 43).
 It serves the fused per-layer kernels' decode calls (engine/fused_pass.py) of MIN_ROWS or more requests, one new
 row each: fewer go to the loop-pass launch (layers_dispatch.py), which reads its keys and values itself.
 """
@@ -33,6 +34,7 @@ class Prefetch:
     at: str = "norm"
     from_end: bool = False
     evict_last: bool = True
+    line: bool = False
 
 
 @lru_cache(maxsize=16)
@@ -41,7 +43,7 @@ def parse(text: str) -> Prefetch | None:
     fields = [f.strip() for f in text.strip().split(":")] if text.strip() else ["0"]
     if fields == ["0"]:
         return None
-    usage = (f"{ENV} must be 0 or PAGES[:AT][:end][:normal] with PAGES in 1..{MAX_PAGES} and AT one of "
+    usage = (f"{ENV} must be 0 or PAGES[:AT][:end][:normal][:line] with PAGES in 1..{MAX_PAGES} and AT one of "
              f"{', '.join(AT)}, got {text!r}")
     if not fields[0].isdigit() or not 1 <= int(fields[0]) <= MAX_PAGES:
         raise ValueError(usage)
@@ -49,9 +51,9 @@ def parse(text: str) -> Prefetch | None:
     rest = fields[1:]
     if rest and rest[0] in AT:
         at, rest = rest[0], rest[1:]
-    if any(f not in ("end", "normal") for f in rest) or len(set(rest)) != len(rest):
+    if any(f not in ("end", "normal", "line") for f in rest) or len(set(rest)) != len(rest):
         raise ValueError(usage)
-    return Prefetch(int(fields[0]), at, "end" in rest, "normal" not in rest)
+    return Prefetch(int(fields[0]), at, "end" in rest, "normal" not in rest, "line" in rest)
 
 
 def setting() -> Prefetch | None:

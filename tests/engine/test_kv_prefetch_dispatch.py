@@ -22,6 +22,8 @@ def test_off_by_default_and_for_zero(monkeypatch):
     ("32:gate_up:end", kvp.Prefetch(32, "gate_up", True, True)),
     ("4:normal", kvp.Prefetch(4, "norm", False, False)),
     ("2:norm:end:normal", kvp.Prefetch(2, "norm", True, False)),
+    ("3:line", kvp.Prefetch(3, "norm", False, True, True)),
+    ("2:qkv:normal:line", kvp.Prefetch(2, "qkv", False, False, True)),
 ])
 def test_values(text, want, monkeypatch):
     assert kvp.parse(text) == want
@@ -29,10 +31,11 @@ def test_values(text, want, monkeypatch):
     assert kvp.setting() == want
 
 
-@pytest.mark.parametrize("text", ["33", "-1", "x", "3:down", "3:end:end", "3:qkv:norm", "3:qkv:fast", "3::end"])
+@pytest.mark.parametrize("text", ["33", "-1", "x", "3:down", "3:end:end", "3:qkv:norm", "3:qkv:fast", "3::end",
+                                  "3:line:line", "line"])
 def test_bad_values_name_the_variable_and_the_allowed_ones(text):
-    with pytest.raises(ValueError, match=rf"{kvp.ENV} must be 0 or PAGES\[:AT\]\[:end\]\[:normal\] with PAGES in "
-                                         r"1\.\.32 and AT one of qkv, norm, gate_up"):
+    with pytest.raises(ValueError, match=rf"{kvp.ENV} must be 0 or PAGES\[:AT\]\[:end\]\[:normal\]\[:line\] with "
+                                         r"PAGES in 1\.\.32 and AT one of qkv, norm, gate_up"):
         kvp.parse(text)
 
 

@@ -39,7 +39,8 @@ def passes(model, d: Decode, setting: str, monkeypatch) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("n", [64, 9, 40])
-@pytest.mark.parametrize("setting", ["3", "1:qkv", "5:gate_up:end", "32:norm:normal"])
+@pytest.mark.parametrize("setting", ["3", "1:qkv", "5:gate_up:end", "32:norm:normal", "3:line",
+                                     "2:qkv:end:normal:line"])
 def test_a_pass_with_prefetches_equals_one_without_to_the_bit(model, monkeypatch, n, setting):
     d = Decode(model.config, contexts_of(n, n), seed=n)
     off = passes(model, d, "0", monkeypatch)
@@ -56,7 +57,7 @@ def test_a_graph_replay_with_prefetches_is_an_eager_call(model, monkeypatch):
     assert_a_replay_is_an_eager_call(model, Decode(model.config, contexts_of(64, 3), seed=3))
 
 
-@pytest.mark.parametrize("setting,launches", [("0", 0), ("2", 6), ("2:qkv", 6), ("2:gate_up", 6)])
+@pytest.mark.parametrize("setting,launches", [("0", 0), ("2", 6), ("2:qkv", 6), ("2:gate_up", 6), ("2:line", 6)])
 def test_one_launch_per_attention(model, monkeypatch, setting, launches):
     from torch.profiler import ProfilerActivity, profile
 
