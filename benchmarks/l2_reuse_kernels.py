@@ -99,7 +99,8 @@ class Probe:
         self.kv_same, self.kv_other, self.weights = buf(kv_bytes), buf(kv_bytes), buf(weights_bytes)
         self.chain = [buf(chain_bytes) for _ in range(chain_kernels)]
         self.chain_programs = chain_programs
-        self.out = torch.empty(max(self.sms * 4, chain_programs), dtype=torch.float32, device="cuda")  # a float a program
+        programs = max(self.sms * 4, chain_programs)  # a float a program of any read
+        self.out = torch.empty(programs, dtype=torch.float32, device="cuda")
         self.side_stream = torch.cuda.Stream()
         self.read_tbps = kv_bytes / (self.time(lambda: self.read(self.kv_other)) * 1e-6) / 1e12
 
