@@ -6,16 +6,15 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from gemm_sweep import COPIES, timed  # us a copy: a graph of COPIES runs, replayed
 
 BLOCK = 8192  # elements a program reads an iteration (16 KB of bf16)
 PIECE = 64 << 10  # bytes a bulk prefetch asks for (one of the pool's pages)
-REPS = 10  # sequences in one graph
 POLICIES = {"normal": 0, "evict_last": 1, "evict_first": 2}
 
 _BULK = """{
@@ -85,7 +84,7 @@ def set_persisting_l2(nbytes: int) -> int:
 
 
 class Probe:
-    """The buffers, the launches and their timings (us a sequence, the median of replays of a graph of REPS)."""
+    """The buffers, the launches and their timings (us a sequence, gemm_sweep.timed)."""
 
     def __init__(self, kv_bytes: int, weights_bytes: int, chain_kernels: int, chain_bytes: int,
                  chain_programs: int):
@@ -136,22 +135,8 @@ class Probe:
             self.read(x, programs=self.chain_programs)
 
     def time(self, seq) -> float:
-        seq()  # compile and warm outside the graph
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(REPS):
-                seq()
-        graph.replay()
-        times = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / REPS)
-        return statistics.median(times)
+        """us a run of seq: gemm_sweep.timed over a graph of COPIES runs (warmed and compiled outside it)."""
+        return timed(lambda: [seq() for _ in range(COPIES)])
 
     def ideal_us(self, nbytes: int) -> float:
         return nbytes / (self.read_tbps * 1e12) * 1e6

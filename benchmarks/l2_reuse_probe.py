@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (and Triton)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine/, which gemm_sweep's timing imports
     from l2_reuse_kernels import Probe, set_persisting_l2
 
     persisting = set_persisting_l2(args.persist_mb * MB) if args.persist_mb else 0
