@@ -65,25 +65,24 @@ def check_args(args) -> None:
         raise ValueError(f"--persist-mb must be 0 (the default carve-out) or a positive MB; got {args.persist_mb}")
 
 
+def _table(heading: str, columns: list[str], cells: list[list[str]]) -> str:
+    lines = [heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells]) + "\n"
+
+
 def markdown(rows: list[dict], device: str, kv_mb: int, read_tbps: float) -> str:
-    lines = [f"### Bytes staged in L2 before a {kv_mb} MB read ({device}; the read kernel alone: "
-             f"{read_tbps:.2f} TB/s)", "",
-             "| stager | between | staged MB | round | other us | same us | saving us | of ideal |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['stager']} | {r['gap']} | {r['stage_mb']} | {r['round']} | {r['other_us']:.1f} | "
-                     f"{r['same_us']:.1f} | {r['saving_us']:+.1f} | {r['of_ideal']:.2f} |")
-    return "\n".join(lines) + "\n"
+    heading = f"### Bytes staged in L2 before a {kv_mb} MB read ({device}; the read kernel alone: {read_tbps:.2f} TB/s)"
+    columns = ["stager", "between", "staged MB", "round", "other us", "same us", "saving us", "of ideal"]
+    cells = [[r["stager"], r["gap"], str(r["stage_mb"]), str(r["round"]), f"{r['other_us']:.1f}",
+              f"{r['same_us']:.1f}", f"{r['saving_us']:+.1f}", f"{r['of_ideal']:.2f}"] for r in rows]
+    return _table(heading, columns, cells)
 
 
 def side_markdown(rows: list[dict]) -> str:
-    lines = ["", "### Staged on a second stream beside the chain, then the read", "",
-             "| stager | staged MB | round | chain + read us | side, other us | side, same us | net us |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['stager']} | {r['stage_mb']} | {r['round']} | {r['plain_us']:.1f} | "
-                     f"{r['other_us']:.1f} | {r['same_us']:.1f} | {r['net_us']:+.1f} |")
-    return "\n".join(lines) + "\n"
+    columns = ["stager", "staged MB", "round", "chain + read us", "side, other us", "side, same us", "net us"]
+    return "\n" + _table("### Staged on a second stream beside the chain, then the read", columns,
+                         [[r["stager"], str(r["stage_mb"]), str(r["round"]), f"{r['plain_us']:.1f}",
+                           f"{r['other_us']:.1f}", f"{r['same_us']:.1f}", f"{r['net_us']:+.1f}"] for r in rows])
 
 
 def main(argv=None) -> int:
