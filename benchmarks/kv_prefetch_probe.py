@@ -134,16 +134,16 @@ def main(argv=None) -> int:
     if args.best:
         print(" ".join(best(json.loads((Path(args.out or ".") / "kv_prefetch.json").read_text()), args.best)))
         return 0
-    from phase_probe import COPY_TBPS, out_and_sms, time_in_turn
-    from phase_probe_ws import first_call_or_exit
-
-    out, _ = out_and_sms(ap, args.out)
     ats = [a for a in args.at.split(",") if a]
     if not ats or set(ats) - set(AT):
         ap.error(f"--at: one or more of {', '.join(AT)}")
     suffixes = tuple(args.suffixes.split(","))
     if any(set(s.split(":")[1:]) - {"normal", "end", "line"} or (s and not s.startswith(":")) for s in suffixes):
         ap.error(f"--suffixes: comma-separated tails made of :normal, :end and :line; got {args.suffixes!r}")
+    from phase_probe import COPY_TBPS, out_and_sms, time_in_turn  # Triton: after the flags are checked
+    from phase_probe_ws import first_call_or_exit
+
+    out, _ = out_and_sms(ap, args.out)
     p = Probe(args.rows, args.context)
     ways = p.ways([int(v) for v in args.pages.split(",")], ats, suffixes)
     floor = floor_ms(p.model, args.rows, args.context, COPY_TBPS)

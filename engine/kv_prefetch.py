@@ -1,12 +1,13 @@
 """Keys and values asked into L2 ahead of the decode attention that reads them (Triton, Hopper).
 
-At 64 requests a layer's GEMM side (qkv, o, gate_up, down and the norms) streams its 24 MB of weights in ~44 us:
-about half the HBM bandwidth goes unused there, while the decode attention after it is bound by HBM alone. A
-launch of this kernel before the GEMM side's last kernels asks the L2 for the first (or last) `pages` pages of
-every request's keys and values of the layer the next attention reads, with Hopper's bulk prefetch
+At 64 requests a layer's GEMM side (qkv, o, gate_up, down and the norms) streams its ~103 MB of weights (23.9 us at
+4.3 TB/s) in ~44 us: about half the HBM bandwidth goes unused there, while the decode attention after it is bound by
+HBM alone. A launch of this kernel before the GEMM side's last kernels asks the L2 for the first (or last) `pages`
+pages of every request's keys and values of the layer the next attention reads, with Hopper's bulk prefetch
 (``cp.async.bulk.prefetch.L2``: one instruction a page, nothing waits for it), so part of that attention's bytes
-come from the L2. It changes no value: a prefetch is a hint, and where its lines are evicted first the attention
-reads them from HBM as before.
+come from the L2; the `line` way (session 43) asks line by line instead (``prefetch.global.L2``, 128 bytes each, a
+program per request and page), to tell the bulk prefetch apart from the idea. It changes no value: a prefetch is a
+hint, and where its lines are evicted first the attention reads them from HBM as before.
 
 The kernel lets the next kernel launch at once (PDL) and waits for the kernel before only at its end, so it runs
 beside that kernel and keeps the chain's order. Measured on the H200 it made the N = 64 pass slower at every setting,

@@ -27,3 +27,21 @@ def test_the_table_lists_the_fastest_first_with_the_gain_a_layer():
     rows = [line.split(" | ")[0].lstrip("| ") for line in text.splitlines()[2:]]
     assert rows == ["attention", "3:norm", "kernels"]
     assert "| 2.780 / 2.800 | 1.390 | -5.00 | True |" in text  # (2.78 - 2.9) ms over 24 layers
+
+
+def test_the_ways_take_each_suffix_and_the_line_attention_only_when_asked():
+    ways = probe.Probe.ways(object(), [3], ["qkv", "norm"], ("", ":line"))  # the lambdas are not called here
+    assert sorted(ways) == sorted(["kernels", "attention", "attention_pf3", "attention_pf3:line", "3:qkv",
+                                   "3:qkv:line", "3:norm", "3:norm:line"])
+    assert "attention_pf3:line" not in probe.Probe.ways(object(), [3], ["qkv"])
+
+
+def test_bad_suffixes_are_refused_before_a_gpu_is_needed(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.benchmark_scripts import BENCHMARKS
+
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "kv_prefetch_probe.py"), "--out", str(tmp_path),
+                          "--suffixes", ",:fast"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--suffixes: comma-separated tails made of :normal, :end and :line" in run.stderr
