@@ -90,7 +90,6 @@ class Probe:
                  chain_programs: int):
         props = torch.cuda.get_device_properties(0)
         self.device, self.l2_bytes, self.sms = props.name, props.L2_cache_size, props.multi_processor_count
-        self.kv_bytes = kv_bytes
 
         def buf(nbytes):
             return torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
