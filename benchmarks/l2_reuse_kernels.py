@@ -7,11 +7,15 @@ import ctypes
 import glob
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from gemm_sweep import COPIES, timed  # us a copy: a graph of COPIES runs, replayed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gemm_sweep, however this module was loaded
+
+from gemm_sweep import COPIES, timed  # noqa: E402  (us a copy: a graph of COPIES runs, replayed)
 
 BLOCK = 8192  # elements a program reads an iteration (16 KB of bf16)
 PIECE = 64 << 10  # bytes a bulk prefetch asks for (one of the pool's pages)
