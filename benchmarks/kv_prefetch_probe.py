@@ -130,10 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--at", default=",".join(AT))
     ap.add_argument("--suffixes", default=",".join(SUFFIXES),
                     help="each setting's tails, comma-separated (an empty one: none), from :normal, :end, :line")
+    ap.add_argument("--persist-mb", type=int, default=0, help="set aside this much L2 for evict_last lines first "
+                    "(the CUDA context's persisting L2 limit; l2_reuse_probe.py)")
     args = ap.parse_args(argv)
     if args.best:
         print(" ".join(best(json.loads((Path(args.out or ".") / "kv_prefetch.json").read_text()), args.best)))
         return 0
+    if args.persist_mb < 0:
+        ap.error(f"--persist-mb: 0 (none) or more MB; got {args.persist_mb}")
     ats = [a for a in args.at.split(",") if a]
     if not ats or set(ats) - set(AT):
         ap.error(f"--at: one or more of {', '.join(AT)}")
@@ -144,12 +148,16 @@ def main(argv=None) -> int:
     from phase_probe_ws import first_call_or_exit
 
     out, _ = out_and_sms(ap, args.out)
+    persisting = 0
+    if args.persist_mb:
+        from l2_reuse_kernels import set_persisting_l2
+        persisting = set_persisting_l2(args.persist_mb << 20)
     p = Probe(args.rows, args.context)
     ways = p.ways([int(v) for v in args.pages.split(",")], ats, suffixes)
     floor = floor_ms(p.model, args.rows, args.context, COPY_TBPS)
     result = {"device": torch.cuda.get_device_name(0), "rows": args.rows, "context": args.context,
               "layers": p.model.config.num_hidden_layers,
-              "floor_ms": floor, "checks": {}, "ways": {}}
+              "floor_ms": floor, "persisting_l2_bytes": persisting, "checks": {}, "ways": {}}
     for name, fn in ways.items():
         first_call_or_exit(fn, f"kv_prefetch {name}")
         result["checks"][name] = p.check(name)

@@ -4,8 +4,6 @@ bulk prefetch into L2 over a buffer's first bytes, and sequences of them timed i
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import sys
 from pathlib import Path
 
@@ -69,22 +67,20 @@ def line_kernel(base, lines, LINE: tl.constexpr, ASM: tl.constexpr, WIDTH: tl.co
 
 
 def set_persisting_l2(nbytes: int) -> int:
-    """cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, nbytes) through the CUDA runtime torch loaded; returns
-    the limit read back."""
-    names = [p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so*"))]
-    names += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libcudart*.so*")) + ["libcudart.so"]
-    for name in names:
-        try:
-            rt = ctypes.CDLL(name)
-        except OSError:
-            continue
-        limit = 0x06  # cudaLimitPersistingL2CacheSize
-        if rt.cudaDeviceSetLimit(ctypes.c_int(limit), ctypes.c_size_t(nbytes)) != 0:
-            raise RuntimeError(f"cudaDeviceSetLimit(persisting L2, {nbytes}) failed through {name}")
-        value = ctypes.c_size_t(0)
-        rt.cudaDeviceGetLimit(ctypes.byref(value), ctypes.c_int(limit))
-        return value.value
-    raise RuntimeError("no CUDA runtime library found for cudaDeviceSetLimit")
+    """The persisting L2 set-aside (CU_LIMIT_PERSISTING_L2_CACHE_SIZE) of torch's current context, through the
+    driver (the context torch made current, whatever runtime it links); returns the limit read back."""
+    torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
+    drv = ctypes.CDLL("libcuda.so.1")
+    limit, dev, most = 0x06, ctypes.c_int(0), ctypes.c_int(0)
+    drv.cuCtxGetDevice(ctypes.byref(dev))
+    drv.cuDeviceGetAttribute(ctypes.byref(most), ctypes.c_int(108), dev)  # MAX_PERSISTING_L2_CACHE_SIZE
+    err = drv.cuCtxSetLimit(ctypes.c_int(limit), ctypes.c_size_t(min(nbytes, most.value)))
+    if err != 0:
+        raise RuntimeError(f"cuCtxSetLimit(persisting L2, {nbytes}) failed: CUresult {err} "
+                           f"(the device allows at most {most.value} bytes)")
+    value = ctypes.c_size_t(0)
+    drv.cuCtxGetLimit(ctypes.byref(value), ctypes.c_int(limit))
+    return value.value
 
 
 class Probe:

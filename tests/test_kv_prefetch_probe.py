@@ -3,6 +3,8 @@ harness (`best`: only ones that equalled the kernels way's readout and beat it),
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmark_scripts import load_benchmark
 
 probe = load_benchmark("kv_prefetch_probe")
@@ -36,12 +38,15 @@ def test_the_ways_take_each_suffix_and_the_line_attention_only_when_asked():
     assert "attention_pf3:line" not in probe.Probe.ways(object(), [3], ["qkv"])
 
 
-def test_bad_suffixes_are_refused_before_a_gpu_is_needed(tmp_path):
+@pytest.mark.parametrize("flags,message", [
+    (["--suffixes", ",:fast"], "--suffixes: comma-separated tails made of :normal, :end and :line"),
+    (["--persist-mb", "-1"], "--persist-mb: 0 (none) or more MB; got -1")])
+def test_bad_flags_are_refused_before_a_gpu_is_needed(tmp_path, flags, message):
     import subprocess
     import sys
 
     from tests.benchmark_scripts import BENCHMARKS
 
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "kv_prefetch_probe.py"), "--out", str(tmp_path),
-                          "--suffixes", ",:fast"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--suffixes: comma-separated tails made of :normal, :end and :line" in run.stderr
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "kv_prefetch_probe.py"), "--out", str(tmp_path), *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr

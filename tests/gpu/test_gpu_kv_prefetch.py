@@ -58,7 +58,7 @@ def test_a_graph_replay_with_prefetches_is_an_eager_call(model, monkeypatch):
 
 
 @pytest.mark.parametrize("setting,launches", [("0", 0), ("2", 6), ("2:qkv", 6), ("2:gate_up", 6), ("2:line", 6)])
-def test_one_launch_per_attention(model, monkeypatch, setting, launches):
+def test_one_launch_per_attention(model, monkeypatch, setting, launches):  # the bulk way's kernel or the line way's
     from torch.profiler import ProfilerActivity, profile
 
     d = Decode(model.config, contexts_of(16, 7), seed=7)
@@ -68,7 +68,9 @@ def test_one_launch_per_attention(model, monkeypatch, setting, launches):
         passes(model, d, setting, monkeypatch)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert sum("_kv_prefetch_kernel" in name for name in names) == launches  # 2 loops x 3 layers
+    kernel, other = ("_kv_line_kernel", "_kv_prefetch_kernel")[::1 if setting.endswith("line") else -1]
+    assert sum(kernel in name for name in names) == launches  # 2 loops x 3 layers
+    assert not any(other in name for name in names)
 
 
 def test_calls_it_does_not_serve_launch_nothing(model, monkeypatch):
