@@ -18,6 +18,7 @@ the bit.
 
     python benchmarks/kv_prefetch_probe.py --out DIR [--rows 64] [--context 640] [--pages 1,2,3,4]
         [--at qkv,norm,gate_up] [--suffixes ,:normal,:end]   # :line: line prefetches instead of bulk ones
+        [--persist-mb 0]   # first set aside this much L2 for evict_last lines (l2_reuse_probe.py's question)
     python benchmarks/kv_prefetch_probe.py --out DIR --best N   # the N fastest settings that beat kernels
 """
 
