@@ -71,15 +71,19 @@ def set_persisting_l2(nbytes: int) -> int:
     driver (the context torch made current, whatever runtime it links); returns the limit read back."""
     torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
     drv = ctypes.CDLL("libcuda.so.1")
-    limit, dev, most = 0x06, ctypes.c_int(0), ctypes.c_int(0)
-    drv.cuCtxGetDevice(ctypes.byref(dev))
-    drv.cuDeviceGetAttribute(ctypes.byref(most), ctypes.c_int(108), dev)  # MAX_PERSISTING_L2_CACHE_SIZE
-    err = drv.cuCtxSetLimit(ctypes.c_int(limit), ctypes.c_size_t(min(nbytes, most.value)))
-    if err != 0:
-        raise RuntimeError(f"cuCtxSetLimit(persisting L2, {nbytes}) failed: CUresult {err} "
-                           f"(the device allows at most {most.value} bytes)")
-    value = ctypes.c_size_t(0)
-    drv.cuCtxGetLimit(ctypes.byref(value), ctypes.c_int(limit))
+    limit, dev, most, value = 0x06, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_size_t(0)
+
+    def check(call: str, err: int) -> None:
+        if err != 0:
+            raise RuntimeError(f"{call} failed: CUresult {err} (persisting L2 of {nbytes} bytes asked)")
+
+    check("cuCtxGetDevice", drv.cuCtxGetDevice(ctypes.byref(dev)))
+    check("cuDeviceGetAttribute(MAX_PERSISTING_L2_CACHE_SIZE)",
+          drv.cuDeviceGetAttribute(ctypes.byref(most), ctypes.c_int(108), dev))
+    if most.value <= 0:
+        raise RuntimeError("this device sets no L2 aside for persisting lines (its most is 0 bytes)")
+    check("cuCtxSetLimit", drv.cuCtxSetLimit(ctypes.c_int(limit), ctypes.c_size_t(min(nbytes, most.value))))
+    check("cuCtxGetLimit", drv.cuCtxGetLimit(ctypes.byref(value), ctypes.c_int(limit)))
     return value.value
 
 

@@ -68,7 +68,8 @@ def test_one_launch_per_attention(model, monkeypatch, setting, launches):  # the
         passes(model, d, setting, monkeypatch)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    kernel, other = ("_kv_line_kernel", "_kv_prefetch_kernel")[::1 if setting.endswith("line") else -1]
+    line = setting.endswith(":line")
+    kernel, other = ("_kv_line_kernel", "_kv_prefetch_kernel") if line else ("_kv_prefetch_kernel", "_kv_line_kernel")
     assert sum(kernel in name for name in names) == launches  # 2 loops x 3 layers
     assert not any(other in name for name in names)
 
