@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chain-programs", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--persist-mb", type=int, default=0,
-                    help="set aside this much L2 for evict_last lines first (cudaLimitPersistingL2CacheSize)")
+                    help="set aside this much L2 for evict_last lines first (the CUDA context's persisting L2 "
+                    "limit, clamped to the device's most)")
     args = ap.parse_args(argv)
     try:
         check_args(args)
