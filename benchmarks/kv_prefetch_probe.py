@@ -19,6 +19,8 @@ the bit.
     python benchmarks/kv_prefetch_probe.py --out DIR [--rows 64] [--context 640] [--pages 1,2,3,4]
         [--at qkv,norm,gate_up] [--suffixes ,:normal,:end]   # :line: line prefetches instead of bulk ones
         [--persist-mb 0]   # first set aside this much L2 for evict_last lines (l2_reuse_probe.py's question)
+    python benchmarks/kv_prefetch_probe.py --out DIR --pages 0 --persist-mb 16   # no prefetch way: the kernels'
+        # pass and the attention alone, so nothing marks a line evict_last (what the set-aside alone costs)
     python benchmarks/kv_prefetch_probe.py --out DIR --best N   # the N fastest settings that beat kernels
 """
 
@@ -90,6 +92,18 @@ class Probe:
                 "equal_to_" + base: None if ref is None else bool(torch.equal(out, ref))}
 
 
+def parse_pages(text: str) -> list[int] | None:
+    """--pages: "0" -> [] (no prefetch way), "1,3" -> [1, 3]; None for anything else (a count under 1 beside others,
+    not an integer)."""
+    if text.strip() == "0":
+        return []
+    try:
+        pages = [int(v) for v in text.split(",")]
+    except ValueError:
+        return None
+    return pages if pages and min(pages) >= 1 else None
+
+
 def floor_ms(model, rows: int, context: int, copy_tbps: float) -> float:
     """The pass's bytes floor: its layers' weights and norms, and each layer's keys and values read once."""
     cfg = model.config
@@ -127,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=640)
-    ap.add_argument("--pages", default="1,2,3,4")
+    ap.add_argument("--pages", default="1,2,3,4", help="pages a prefetch asks for, comma-separated; 0: no prefetch "
+                    "way, only the kernels' pass and the attention alone (with --persist-mb: the set-aside's own cost)")
     ap.add_argument("--at", default=",".join(AT))
     ap.add_argument("--suffixes", default=",".join(SUFFIXES),
                     help="each setting's tails, comma-separated (an empty one: none), from :normal, :end, :line")
@@ -137,6 +152,9 @@ def main(argv=None) -> int:
     if args.best:
         print(" ".join(best(json.loads((Path(args.out or ".") / "kv_prefetch.json").read_text()), args.best)))
         return 0
+    pages = parse_pages(args.pages)
+    if pages is None:
+        ap.error(f"--pages: 0, or a comma list of page counts of at least 1; got {args.pages!r}")
     if args.persist_mb < 0:
         ap.error(f"--persist-mb: 0 (none) or more MB; got {args.persist_mb}")
     ats = [a for a in args.at.split(",") if a]
@@ -154,7 +172,7 @@ def main(argv=None) -> int:
         from l2_reuse_kernels import set_persisting_l2
         persisting = set_persisting_l2(args.persist_mb << 20)
     p = Probe(args.rows, args.context)
-    ways = p.ways([int(v) for v in args.pages.split(",")], ats, suffixes)
+    ways = p.ways(pages, ats, suffixes)
     floor = floor_ms(p.model, args.rows, args.context, COPY_TBPS)
     result = {"device": torch.cuda.get_device_name(0), "rows": args.rows, "context": args.context,
               "layers": p.model.config.num_hidden_layers,

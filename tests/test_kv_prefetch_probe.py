@@ -38,8 +38,16 @@ def test_the_ways_take_each_suffix_and_the_line_attention_only_when_asked():
     assert "attention_pf3:line" not in probe.Probe.ways(object(), [3], ["qkv"])
 
 
+def test_pages_zero_leaves_only_the_kernels_and_the_attention_alone():
+    assert probe.parse_pages("0") == [] and probe.parse_pages("1,3") == [1, 3]
+    for bad in ("", "0,2", "-1", "x", "2,,3"):
+        assert probe.parse_pages(bad) is None, bad
+    assert sorted(probe.Probe.ways(object(), probe.parse_pages("0"), ["qkv"])) == ["attention", "kernels"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--suffixes", ",:fast"], "--suffixes: comma-separated tails made of :normal, :end and :line"),
+    (["--pages", "0,2"], "--pages: 0, or a comma list of page counts of at least 1; got '0,2'"),
     (["--persist-mb", "-1"], "--persist-mb: 0 (none) or more MB; got -1")])
 def test_bad_flags_are_refused_before_a_gpu_is_needed(tmp_path, flags, message):
     import subprocess
