@@ -149,23 +149,24 @@ def persistent_kernel(w_ptr, y_ptr, cnt_ptr, cols_ptr, w_row_ptr, num_phases, M,
 
 
 class Chain:
-    """The phases' weights, the activation slots (slot 0: the input) and the ways to run them."""
+    """The phases' weights, the activation slots (slot 0: the input) and the ways to run them. Each phase reads
+    the first k columns of the slot before (k: a multiple of BLOCK_K; the layer's K unless the smoke shrinks it)."""
 
     def __init__(self, rows: int, cols: list[int], device: str, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N) -> None:
+                 dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, k: int = K) -> None:
         g = torch.Generator(device=device).manual_seed(seed)
-        self.rows, self.cols, self.device, self.block_n = rows, cols, device, block_n
+        self.rows, self.cols, self.device, self.block_n, self.k = rows, cols, device, block_n, k
         self.block_m = max(16, 1 << (rows - 1).bit_length())
         starts = [0]
         for c in cols:
             starts.append(starts[-1] + c)
-        self.w = (torch.randn(starts[-1], K, generator=g, device=device) / K**0.5).to(dtype)
+        self.w = (torch.randn(starts[-1], k, generator=g, device=device) / k**0.5).to(dtype)
         self.starts = starts[:-1]  # host ints: a graph capture must not read the device
         self.w_rows = torch.tensor(self.starts, dtype=torch.int64, device=device)
         self.cols_t = torch.tensor(cols, dtype=torch.int32, device=device)
-        self.width = max(max(cols), K)
+        self.width = max(max(cols), k)
         self.y = torch.zeros(len(cols) + 1, self.block_m, self.width, dtype=dtype, device=device)
-        self.y[0, :rows, :K] = torch.randn(rows, K, generator=g, device=device).to(dtype)
+        self.y[0, :rows, :k] = torch.randn(rows, k, generator=g, device=device).to(dtype)
         self.cnt = torch.zeros(len(cols), dtype=torch.int32, device=device)
 
     def check_whole_waves(self, programs: int) -> None:
@@ -181,14 +182,14 @@ class Chain:
         block_n = block_n or self.block_n
         for i, c in enumerate(self.cols):
             w = self.w[self.starts[i]:self.starts[i] + c]
-            phase_kernel[(c // block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=K,
+            phase_kernel[(c // block_n,)](self.y[i], w, self.y[i + 1], self.rows, self.width, K=self.k,
                                           BLOCK_M=self.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                                           USE_PDL=pdl, num_warps=4, num_stages=4, **launch)
 
     def run_persistent(self, programs: int, pf_bytes: int = 0, flat: bool = False) -> None:
         self.cnt.zero_()
         persistent_kernel[(programs,)](self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
-                                       self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                       self.rows, self.width, self.y.stride(0), K=self.k, BLOCK_M=self.block_m,
                                        BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PF_BYTES=pf_bytes, FLAT=flat,
                                        num_warps=4, num_stages=4)
 
@@ -198,7 +199,7 @@ class Chain:
         fits = 2048 // 128  # threads
         for pf_bytes, flat in itertools.product(PREFETCH_BYTES, (False, True)):  # every variant probe() runs
             kernel = persistent_kernel.warmup(self.w, self.y, self.cnt, self.cols_t, self.w_rows, len(self.cols),
-                                              self.rows, self.width, self.y.stride(0), K=K, BLOCK_M=self.block_m,
+                                              self.rows, self.width, self.y.stride(0), K=self.k, BLOCK_M=self.block_m,
                                               BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, PF_BYTES=pf_bytes, FLAT=flat,
                                               num_warps=4, num_stages=4, grid=(sms,))
             kernel._init_handles()
@@ -209,11 +210,11 @@ class Chain:
 
     def reference(self) -> torch.Tensor:
         """The last phase's output from torch, each phase rounded to the dtype as the kernels store it."""
-        x = self.y[0, :self.rows, :K]
+        x = self.y[0, :self.rows, :self.k]
         for i, c in enumerate(self.cols):
             w = self.w[self.starts[i]:self.starts[i] + c]
             x_full = (x.float() @ w.float().T).to(self.w.dtype)
-            x = x_full[:, :K]
+            x = x_full[:, :self.k]
         return x_full
 
     def output(self) -> torch.Tensor:
@@ -289,7 +290,8 @@ def measure(chain: Chain, ways: dict, ref: torch.Tensor, floor_ms: float, result
 def smoke() -> None:
     """CPU: both kernels in Triton's interpreter (one persistent program, so its barriers pass at once)."""
     # float32: the interpreter's dot on bf16 is not numpy's; a phase feeds the next its first K columns
-    chain = Chain(3, [K, K + BLOCK_N, K], "cpu", dtype=torch.float32)
+    k = 2 * BLOCK_K  # the layer's K = 2048 took the interpreter ~50 s; two K blocks still test the K loop
+    chain = Chain(3, [k, k + BLOCK_N, k], "cpu", dtype=torch.float32, k=k)
     ref = chain.reference()
     for run in (lambda: chain.run_kernels(pdl=False), lambda: chain.run_persistent(1),
                 lambda: chain.run_persistent(1, flat=True)):
