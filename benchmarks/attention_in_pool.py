@@ -12,11 +12,14 @@ and the step's block tables), and each kernel is timed over them twice: back to 
 between calls (attention_sweep.time_separated: the add is launched without PDL, so it starts only when the call
 before has ended and the next call starts only when it has; its own time alone is subtracted).
 
-    python benchmarks/attention_in_pool.py --out DIR [--n 64] [--kernels triton,32x12p1,32x6p2]
+    python benchmarks/attention_in_pool.py --out DIR [--n 64] [--kernels triton,32x12p1,32x6p2,32x12p1@128]
 
 `triton` is the paged kernel at the dispatch table's launch; any other name is a Gluon ring
-(attention_dispatch.parse_ring: BLOCK_NxSTAGES[pCTAS_PER_SM]). Every kernel's output on the first recorded call is
-compared with the Triton kernel's. Needs CUDA (and Gluon for the rings).
+(attention_dispatch.parse_ring: BLOCK_NxSTAGES[pCTAS_PER_SM]). A persistent ring's @CTAS runs it on exactly CTAS
+CTAs: at N = 64, 32x12p1@128 gives each of 128 CTAs one head of 8 requests (the CTAs walk pairs pid, pid + 128, ...;
+16 heads divide 128), the attention phase of a layer kernel of one 8-CTA cluster per head (docs/decode_floor.md).
+Every kernel's output on the first recorded call is compared with the Triton kernel's. Needs CUDA (and Gluon for the
+rings).
 """
 
 from __future__ import annotations
@@ -36,18 +39,26 @@ from engine.attention_dispatch import DecodeConfig, parse_ring  # noqa: E402
 BYTES_PER_POSITION = 2 * 16 * 128 * 2  # keys and values of Ouro-1.4B's 16 kv heads of 128, bf16
 
 
-def parse_kernels(text: str) -> list[tuple[str, DecodeConfig | None]]:
-    """"triton,32x12p1" -> [("triton", None), ("32x12p1", DecodeConfig(32, 12, ctas_per_sm=1))]."""
+def parse_kernels(text: str) -> list[tuple[str, DecodeConfig | None, int | None]]:
+    """"triton,32x12p1,32x12p1@128" -> [("triton", None, None), ("32x12p1", DecodeConfig(32, 12, ctas_per_sm=1),
+    None), ("32x12p1@128", DecodeConfig(32, 12, ctas_per_sm=1), 128)]: a persistent ring's "@CTAS" launches exactly
+    that many CTAs (a multiple of its CTAs an SM) instead of CTAs an SM x the SMs."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise ValueError("--kernels must name at least one kernel: triton, or a Gluon ring BLOCK_NxSTAGES[pCTAS]")
     kernels = []
     for name in names:
+        ring, at, ctas = name.partition("@")
         try:
-            kernels.append((name, None if name == "triton" else parse_ring(name)))
+            config = None if name == "triton" else parse_ring(ring)
+            count = int(ctas) if at else None
+            if at and (config is None or not config.ctas_per_sm or count < 1 or count % config.ctas_per_sm):
+                raise ValueError
         except ValueError:
             raise ValueError(f"--kernels item {name!r}: triton, or a Gluon ring BLOCK_NxSTAGES[pCTAS_PER_SM] "
-                             "(e.g. 32x6, 32x12p1, 32x6p2)") from None
+                             "(e.g. 32x6, 32x12p1, 32x6p2), a persistent one with @CTAS (a multiple of its CTAs an "
+                             "SM, e.g. 32x12p1@128)") from None
+        kernels.append((name, config, count))
     return kernels
 
 
@@ -74,9 +85,9 @@ def record_calls(core, limit: int = 96) -> list[tuple]:
     return calls
 
 
-def launcher(calls: list[tuple], config: DecodeConfig | None):
+def launcher(calls: list[tuple], config: DecodeConfig | None, ctas: int | None = None):
     """fn(i): the kernel on recorded call i (mod their count); config None: the Triton paged kernel at the table's
-    launch, else that Gluon ring."""
+    launch, else that Gluon ring (on `ctas` CTAs where given: the grid of a GPU of ctas / ctas_per_sm SMs)."""
     from engine.gluon_attention import launch_decode_attention
     from engine.triton_attention import default_config, launch_paged_attention
 
@@ -85,7 +96,8 @@ def launcher(calls: list[tuple], config: DecodeConfig | None):
         if config is None:
             launch = default_config(q, k, lens.shape[0], 1)
             return launch_paged_attention(q, k, v, tables, lens, starts, 1, scale, launch)
-        return launch_decode_attention(q, k, v, tables, lens, starts, scale, config)
+        sms = ctas // config.ctas_per_sm if ctas else None
+        return launch_decode_attention(q, k, v, tables, lens, starts, scale, config, sms=sms)
     return fn
 
 
@@ -98,8 +110,8 @@ def measure(calls: list[tuple], kernels, rounds: int) -> list[dict]:
     ref = launcher(calls, None)(0).float()
     rows = []
     for rnd in range(rounds):
-        for name, config in kernels:
-            fn = launcher(calls, config)
+        for name, config, ctas in kernels:
+            fn = launcher(calls, config, ctas)
             out = fn(0).float()
             chained = time_call(fn, 1e-4, len(calls), True) * 1e6
             alone = time_separated(fn, 1e-4, len(calls)) * 1e6
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=64, help="requests decoding at once")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--kernels", default="triton,32x12p1,32x6p2")
+    ap.add_argument("--kernels", default="triton,32x12p1,32x6p2,32x12p1@128")
     ap.add_argument("--rounds", type=int, default=2)
     add_checkpoint_args(ap)
     args = ap.parse_args(argv)

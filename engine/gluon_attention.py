@@ -267,12 +267,14 @@ def _descriptor(plane: torch.Tensor):
 
 def launch_decode_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                            scale: float, config: DecodeConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, config: DecodeConfig, out: torch.Tensor | None = None,
+                            sms: int | None = None) -> torch.Tensor:
     """q: [rows, heads, d] (one row per request at most); k_plane, v_plane: [blocks, page, kv_heads, d]
     -> [rows, heads, d] (`out` where given: contiguous, q's shape and dtype); rows no request covers hold no
-    defined value."""
+    defined value. `sms`: the SMs a persistent grid spreads over (default the device's; a benchmark's control)."""
     grid, args, constexprs, (part, lse, out) = decode_attention_args(
-        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, pdl.num_sms(q.device), out)
+        q, k_plane, v_plane, block_tables, context_lens, query_start, scale, config, sms or pdl.num_sms(q.device),
+        out)
     decode_attention_kernel[grid](*args, **constexprs, **_pdl_kwargs(q.device, config))
     if config.splits > 1 and q.shape[0] > 0:
         combine_splits(part, lse, out)

@@ -15,11 +15,15 @@ bench = load_benchmark("attention_in_pool")
 
 
 def test_kernels_parse_into_the_triton_kernel_and_gluon_rings():
-    assert bench.parse_kernels("triton, 32x12p1,32x6") == [
-        ("triton", None), ("32x12p1", DecodeConfig(32, 12, ctas_per_sm=1)), ("32x6", DecodeConfig(32, 6))]
+    assert bench.parse_kernels("triton, 32x12p1,32x6,32x12p1@128,32x6p2@64") == [
+        ("triton", None, None), ("32x12p1", DecodeConfig(32, 12, ctas_per_sm=1), None),
+        ("32x6", DecodeConfig(32, 6), None), ("32x12p1@128", DecodeConfig(32, 12, ctas_per_sm=1), 128),
+        ("32x6p2@64", DecodeConfig(32, 6, ctas_per_sm=2), 64)]
 
 
-@pytest.mark.parametrize("text", ["", " , ", "32x", "ring", "33x6", "32x6p9"])
+# @CTAS: only on a persistent ring, a positive multiple of its CTAs an SM
+@pytest.mark.parametrize("text", ["", " , ", "32x", "ring", "33x6", "32x6p9", "32x6@128", "triton@128",
+                                  "32x12p1@0", "32x12p1@x", "32x12p2@127", "32x12p1@"])
 def test_a_bad_kernel_list_names_the_flag(text):
     with pytest.raises(ValueError, match="--kernels"):
         bench.parse_kernels(text)

@@ -18,12 +18,12 @@ from tests.gpu.test_gpu_attention_kernels import TOL, Case  # noqa: E402
 SMS = 4  # the persistent grid's SMs
 
 
-def run(case: Case, config: DecodeConfig) -> torch.Tensor:
+def run(case: Case, config: DecodeConfig, sms: int = SMS) -> torch.Tensor:
     from engine import gluon_attention
 
     tables, ctx, starts, _, scale = case.args
     grid, args, constexprs, (part, lse, out) = gluon_attention.decode_attention_args(
-        case.q, case.k, case.v, tables, ctx, starts, scale, config, SMS)
+        case.q, case.k, case.v, tables, ctx, starts, scale, config, sms)
     emulator.emulate(gluon_attention.decode_attention_kernel, grid, *args, USE_PDL=0, **constexprs)
     if config.splits > 1:  # the splits' base-2 log-sum-exps weight their partials
         weight = torch.exp2(lse - lse.amax(0))
@@ -39,6 +39,14 @@ def test_decode_kernel_matches_reference(config, heads, d):
     ctx = [1, 15, 16, 17, 33, 70]
     case = Case(ctx, [1] * len(ctx), heads, heads, d, torch.bfloat16, seed=heads * d + config.splits, device="cpu")
     assert within_bf16(case, run(case, config))
+
+
+def test_a_persistent_grid_on_other_sms_computes_the_same_bits():
+    # benchmarks/attention_in_pool.py's @CTAS: 8 requests x 2 heads walked by 4, 2 or 3 CTAs (2: each CTA one head)
+    ctx = [1, 15, 16, 17, 33, 70, 40, 9]
+    case = Case(ctx, [1] * len(ctx), 2, 2, 128, torch.bfloat16, seed=5, device="cpu")
+    outs = [run(case, DecodeConfig(32, 2, 1, True, 1), sms) for sms in (SMS, 2, 3)]
+    assert within_bf16(case, outs[0]) and all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def within_bf16(case: Case, out: torch.Tensor) -> bool:

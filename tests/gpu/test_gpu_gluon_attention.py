@@ -69,6 +69,22 @@ def test_persistent_ctas_walk_many_pairs(config):
     case.check(_run(case, config))
 
 
+@pytest.mark.parametrize("sms", [128, 16, 3])
+def test_a_persistent_grid_on_other_sms_computes_the_same_bits(sms):
+    # benchmarks/attention_in_pool.py's @CTAS: the same pairs walked by another CTA count (128: each CTA one head of
+    # 8 requests at N = 64) run the same math per pair, so the output is the device grid's to the bit
+    from engine.gluon_attention import launch_decode_attention
+
+    g = torch.Generator().manual_seed(sms)
+    ctx = [int(c) for c in torch.randint(1, 700, (64,), generator=g)]
+    case = Case(ctx, [1] * 64, 16, 16, 128, torch.bfloat16, seed=sms)
+    tables, lens, starts, _, scale = case.args
+    config = DecodeConfig(32, 12, ctas_per_sm=1)
+    out = launch_decode_attention(case.q, case.k, case.v, tables, lens, starts, scale, config, sms=sms)
+    case.check(out)
+    assert torch.equal(out, _run(case, config))
+
+
 def test_dispatch_routes_decode_calls_only(monkeypatch):
     # OUROBATCH_DECODE_ATTENTION=gluon: one-row calls take the Gluon kernel (bit-identical to calling it),
     # calls of more rows keep the Triton kernel
