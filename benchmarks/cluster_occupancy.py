@@ -44,15 +44,15 @@ class LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-def parse_list(text: str, name: str, allowed) -> list[int]:
-    """A comma-separated list of ints, each one `allowed` accepts; ValueError naming the flag otherwise."""
+def parse_list(text: str, name: str, allowed, what: str) -> list[int]:
+    """A comma-separated list of ints, each one `allowed` accepts; ValueError naming the flag and `what` is allowed."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{name} must be comma-separated integers, each {what}; got {text!r}") from None
     bad = [v for v in values if not allowed(v)]
     if not values or bad:
-        raise ValueError(f"{name}: {bad or text!r} not allowed")
+        raise ValueError(f"{name} must be comma-separated integers, each {what}; got {text!r}")
     return values
 
 
@@ -64,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warps", type=int, default=4, help="warps a CTA, 1..32")
     args = ap.parse_args(argv)
     try:
-        args.sizes = parse_list(args.sizes, "--sizes", lambda v: v in SIZES)
-        args.smem_kb = parse_list(args.smem_kb, "--smem-kb", lambda v: 0 <= v <= MAX_SMEM_KB)
+        args.sizes = parse_list(args.sizes, "--sizes", lambda v: v in SIZES, f"one of {', '.join(map(str, SIZES))}")
+        args.smem_kb = parse_list(args.smem_kb, "--smem-kb", lambda v: 0 <= v <= MAX_SMEM_KB, f"0..{MAX_SMEM_KB}")
         if not 1 <= args.warps <= 32:
             raise ValueError(f"--warps must be 1..32, got {args.warps}")
     except ValueError as e:
@@ -110,7 +110,7 @@ class Driver:
 
     def max_active_clusters(self, function: int, cluster: int, smem: int, threads: int, sms: int) -> tuple:
         """(clusters, error): how many clusters of `cluster` CTAs of `threads` threads and `smem` bytes of dynamic
-        shared memory the GPU holds at once, for a grid of one cluster per SM."""
+        shared memory the GPU holds at once, for a grid of as many clusters as SMs."""
         fn = ctypes.c_void_p(function)
         for attribute, value in ((CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                                  (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, int(cluster > 8))):

@@ -40,8 +40,10 @@ def test_the_kernel_compiles_for_sm90_with_each_cluster_size(cluster):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--sizes", "3"], "--sizes"), (["--sizes", "32"], "--sizes"), (["--sizes", "a,b"], "--sizes"),
-    (["--smem-kb", "228"], "--smem-kb"), (["--smem-kb", "-1"], "--smem-kb"), (["--warps", "0"], "--warps"),
+    (["--sizes", "3"], "--sizes must be comma-separated integers, each one of 1, 2, 4, 8, 16; got '3'"),
+    (["--sizes", "32"], "one of 1, 2, 4, 8, 16"), (["--sizes", "a,b"], "--sizes"), (["--sizes", ","], "--sizes"),
+    (["--smem-kb", "228"], "--smem-kb must be comma-separated integers, each 0..227"),
+    (["--smem-kb", "-1"], "--smem-kb"), (["--warps", "0"], "--warps must be 1..32"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
