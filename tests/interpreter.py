@@ -1,5 +1,6 @@
 """Runs a script in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) in a fresh process: the kernels'
-launch paths and math on the CPU, where Triton is installed (CI has none: the caller's test is skipped)."""
+launch paths and math on the CPU, where Triton is installed (CI installs it; without it the caller's test is
+skipped)."""
 
 from __future__ import annotations
 

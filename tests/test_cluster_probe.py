@@ -34,7 +34,7 @@ def test_the_table_names_each_construct_its_cause_and_the_gpu_runs():
                           "| 16384 B | 1.500 | 2.000 | 0.500 | 0.400 |"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (CI installs it)")
 def test_the_inline_ptx_exchange_compiles_with_cluster_instructions():
     probe = load_benchmark("cluster_probe")
     report = probe.compile_report()
@@ -54,7 +54,7 @@ def test_the_inline_ptx_exchange_compiles_with_cluster_instructions():
         assert not report["constructs"]["gluon_convert"]["compiles"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (CI installs it)")
 @pytest.mark.parametrize("per_thread", [1, 32])
 def test_every_handoff_way_compiles_with_its_instructions(per_thread):
     probe = load_benchmark("cluster_probe")

@@ -1,5 +1,5 @@
 """benchmarks/flow_probe.py's kernels (benchmarks/flow_kernels.py) in Triton's interpreter (where Triton is
-installed; CI has none) against float64 math written here and against the engine's kernels to the bit: the counted
+installed; CI installs it) against float64 math written here and against the engine's kernels to the bit: the counted
 decode attention (and its counts), o_proj's partials after the counts (even and uneven K splits) and the split-K GEMM
 with its add + norm in one launch (and its ticket); then the probe's way names and flow_trace's reading of timer
 stamps on hand-made stamps."""

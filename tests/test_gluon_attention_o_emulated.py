@@ -2,7 +2,7 @@
 default where attention_dispatch.o_fold_applies) run on the CPU by tests/gluon_emulator.py against float64, as
 tests/gpu/test_gpu_gluon_attention_o.py checks it on the H200: o itself (the default fold, whose add + norm is a
 Triton kernel after the launch) and the folded add + norm + norm, with both stagers, and the grid barrier's count
-across launches. Where Triton is installed (CI has none); acquire / release ordering is the GPU test's (proxy
+across launches. Where Triton is installed (CI installs it); acquire / release ordering is the GPU test's (proxy
 fences are checked here)."""
 
 from __future__ import annotations

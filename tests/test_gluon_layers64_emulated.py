@@ -2,7 +2,7 @@
 sandwich norms, SiLU x up, down, the next layer's qkv with RoPE and the key / value store) and engine/layers64.py's
 loop pass of them, run on the CPU by tests/gluon_emulator.py against float64: a reference written here from the
 model's description (engine/model.py's OuroDecoderLayer.run, RotaryEmbedding's rotate-half RoPE) for each launch
-kind, and the engine model's own float64 pass for a whole loop. Where Triton is installed (CI has none). Proxy fences
+kind, and the engine model's own float64 pass for a whole loop. Where Triton is installed (CI installs it). Proxy fences
 are checked too; acquire / release ordering on the GPU only (tests/gpu/test_gpu_gluon_layers64.py)."""
 
 from __future__ import annotations

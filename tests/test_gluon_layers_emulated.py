@@ -2,8 +2,8 @@
 one warp-specialized Gluon kernel) run on the CPU by tests/gluon_emulator.py, against the model's reference path in
 float64 on the same weights and the same paged key / value history, as tests/gpu/test_gpu_gluon_layers.py checks
 it on the H200. Here at a small shape (2 heads of 128, hidden 256: 16 CTAs), so a session without a GPU can change
-the kernel and see its protocol, arithmetic and shared-memory proxy fences hold. Where Triton is installed (CI has
-none); acquire / release ordering is the GPU test's."""
+the kernel and see its protocol, arithmetic and shared-memory proxy fences hold. Where Triton is installed (CI installs
+it); acquire / release ordering is the GPU test's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """benchmarks/l2_reuse_probe.py on the CPU: its flags (checked before it needs a GPU, errors naming the flag), its
-tables, and its read kernel's sums in Triton's interpreter (where Triton is installed; CI has none). Its timings need
+tables, and its read kernel's sums in Triton's interpreter (where Triton is installed; CI installs it). Its timings need
 a GPU and are never asserted."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_the_read_kernel_sums_its_bytes_grid_stride_in_tritons_interpreter():
 
 @pytest.mark.parametrize("policy", ["normal", "evict_last"])
 def test_the_bulk_prefetch_and_the_reads_compile_for_sm90_under_their_policies(policy):
-    """Where Triton is installed (CI has none): ptxas takes both kernels; the prefetch is one bulk L2 prefetch under
+    """Where Triton is installed (CI installs it): ptxas takes both kernels; the prefetch is one bulk L2 prefetch under
     the stager's policy, and a read's loads carry the policy they were given."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget

@@ -1,5 +1,5 @@
 """benchmarks/norm_chain_layers.py's stacked way over several chained layers in Triton's interpreter (where Triton is
-installed; CI has none) against the layers' math in float64: each residual formed by the next chain's producer, the
+installed; CI installs it) against the layers' math in float64: each residual formed by the next chain's producer, the
 last one after the loop, every layer's q; rows below the 64-row tile too."""
 
 from __future__ import annotations

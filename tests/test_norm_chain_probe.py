@@ -1,4 +1,4 @@
-"""benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI has none) against
+"""benchmarks/norm_chain_probe.py's kernels in Triton's interpreter (where Triton is installed; CI installs it) against
 the layer's math in float64: the producer's y and row sums, then the add + norm carried into gate_up + SiLU and into
 qkv + RoPE + the key / value store, the new residual included; the stacked way's producer (A1, A2; the residual
 formed from the chain before's), gate_up and qkv; rows below the 64-row tile too."""
@@ -101,7 +101,7 @@ def test_the_table_marks_wrong_outputs_and_leaves_the_carried_ways_norm_empty():
 
 
 def test_the_stacked_consumer_compiles_for_sm90_with_wgmma_and_tma_in_the_cards_shared_memory():
-    triton = pytest.importorskip("triton")  # where Triton is installed (CI has none); no GPU needed
+    triton = pytest.importorskip("triton")  # where Triton is installed (CI installs it); no GPU needed
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -1,5 +1,5 @@
 """benchmarks/phase_probe_ws.py, the warp-specialized Gluon chain kernel, compiled for sm90 on the CPU (Triton
-builds the PTX and ptxas the cubin without a GPU; where Triton is installed, CI has none). Triton's interpreter
+builds the PTX and ptxas the cubin without a GPU; where Triton is installed, CI installs it). Triton's interpreter
 cannot run Gluon, so its results are checked against torch on the H200 only (every run of the probe, and its
 first call has a deadline). Here: every SPLIT compiles, the weights come in as TMA boxes, the kernel's MMA count
 is the tile's (each K step of 16 once per 8 activation rows), the diagnostic without MMA has none,

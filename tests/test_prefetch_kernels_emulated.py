@@ -1,7 +1,7 @@
 """benchmarks/prefetch_kernels.py's warp-specialized GEMMs (gate_up + SiLU, qkv + RoPE + store, weights loaded
 from launch) run on the CPU by tests/gluon_emulator.py (every CTA and partition a thread, TMA copies landing late and
 out of order) against float64 references written here from the model's math, on fresh random inputs and several
-shapes. Where Triton is installed (CI has none)."""
+shapes. Where Triton is installed (CI installs it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """benchmarks/stacked_decode.py: the stacked norm way as a whole decode loop pass, in Triton's interpreter (where
-Triton is installed; CI has none) against the model's own float64 pass (OuroForCausalLM.run_loops, the torch path
+Triton is installed; CI installs it) against the model's own float64 pass (OuroForCausalLM.run_loops, the torch path
 the CPU tests hold to the dense float64 oracle) on a paged history: every loop's readout and every layer's stored
 keys and values, at 64 rows and below the row box. And its harness wrapper's routing and argument errors."""
 

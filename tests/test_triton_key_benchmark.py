@@ -1,4 +1,4 @@
-"""benchmarks/triton_key.py: without Triton it says what it needs; with Triton (not in CI) its processes report
+"""benchmarks/triton_key.py: without Triton it says what it needs; with Triton (CI installs it) its processes report
 the key hashed by the first and stored for the others, and every compile after the first process a cache hit."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_without_triton_it_names_what_it_needs(tmp_path):
 
 @pytest.mark.parametrize("store,here", [(True, False), (False, False), (False, True)])
 def test_with_triton_the_later_processes_read_the_key(tmp_path, store, here):
-    pytest.importorskip("triton")  # where Triton is installed (CI has none)
+    pytest.importorskip("triton")  # where Triton is installed (CI installs it)
     run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--processes", "2", "--busy", "1"]
                          + ([] if store else ["--no-store"]) + (["--hash-here"] if here else []),
                          capture_output=True, text=True, timeout=600)

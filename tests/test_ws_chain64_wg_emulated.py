@@ -1,6 +1,6 @@
 """benchmarks/ws_chain64_wg.py's kernel run on the CPU by tests/gluon_emulator.py (every CTA and partition a thread,
 TMA copies landing late and out of order): its protocol and arithmetic against torch, on fresh random chains, for
-both ways of summing the split partials, before any GPU has run it. Where Triton is installed (CI has none).
+both ways of summing the split partials, before any GPU has run it. Where Triton is installed (CI installs it).
 Proxy fences are checked here (the emulator's ProxyRace, global memory included); acquire / release ordering is
 left to the GPU run of the probe."""
 

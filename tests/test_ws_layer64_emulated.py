@@ -1,7 +1,7 @@
 """benchmarks/ws_layer64.py's layer-shaped 64-row kernel run on the CPU by tests/gluon_emulator.py: every stage of
 every layer (qkv, o, hm, act, d) against the torch reference the GPU probe checks against (ws_layer_probe's
 LayerChain, rounded where the kernel stores), on fresh random chains at a small shape. Where Triton is installed
-(CI has none). Proxy fences are checked here too; acquire / release ordering on the GPU only
+(CI installs it). Proxy fences are checked here too; acquire / release ordering on the GPU only
 (benchmarks/ws_layer64_probe.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """benchmarks/ws_step64_probe.py's per-layer launches of benchmarks/ws_layer64.py's kernel, run on the CPU by
 tests/gluon_emulator.py: layer by layer over layer_args' views (one launch a layer, as the probe launches them
 between attention calls, with PDL's waits) they compute what one launch of every layer computes, to the bit.
-Where Triton is installed (CI has none). The probe's other arithmetic is checked without Triton's Gluon."""
+Where Triton is installed (CI installs it). The probe's other arithmetic is checked without Triton's Gluon."""
 
 from __future__ import annotations
 

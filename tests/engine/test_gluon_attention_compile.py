@@ -1,5 +1,5 @@
 """engine/gluon_attention.py's decode kernel compiled for sm90 on the CPU (Triton builds the PTX, ptxas the
-cubin; where Triton is installed: CI has none). Triton's interpreter cannot run Gluon, so its results are
+cubin; where Triton is installed: CI installs it). Triton's interpreter cannot run Gluon, so its results are
 checked on the H200 (tests/gpu/test_gpu_gluon_attention.py). Here: every ring shape the benchmarks and the
 dispatch use compiles, loads its pages as TMA boxes (one K and one V box per page of a slot), fits the H200's
 shared memory, and waits for the kernel before (griddepcontrol.wait) only when launched with PDL."""

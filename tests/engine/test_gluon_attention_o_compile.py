@@ -1,5 +1,5 @@
 """engine/gluon_attention_o.py's kernel (decode attention with o_proj and its add + norm folded in) compiled for
-sm90 on the CPU (where Triton is installed: CI has none). Its results are checked on the H200
+sm90 on the CPU (where Triton is installed: CI installs it). Its results are checked on the H200
 (tests/gpu/test_gpu_gluon_attention_o.py). Here: the rings the dispatch allows compile, load the o weights as
 TMA boxes and the attention rows with cp.async, run the expected MMAs, and fit the shared memory that
 attention_dispatch.o_fold_applies assumes."""

@@ -1,5 +1,5 @@
-"""engine/gluon_layers.py's loop-pass kernel compiled for sm90 on the CPU (where Triton is installed: CI has
-none). Its results are checked on the H200 (tests/gpu/test_gpu_gluon_layers.py). Here: the shapes the rule
+"""engine/gluon_layers.py's loop-pass kernel compiled for sm90 on the CPU (where Triton is installed: CI installs
+it). Its results are checked on the H200 (tests/gpu/test_gpu_gluon_layers.py). Here: the shapes the rule
 allows compile, stream weights and key / value pages through TMA, run the expected MMAs, wait for the kernel
 before only with PDL, and fit the shared memory layers_dispatch.smem_bytes counts."""
 

@@ -1,5 +1,5 @@
 """engine/gluon_mlp.py's kernel (the decode step's MLP in one launch) compiled for sm90 on the CPU (where Triton is
-installed: CI has none). Its results are checked on the H200 (tests/gpu/test_gpu_gluon_mlp.py). Here: the shapes
+installed: CI installs it). Its results are checked on the H200 (tests/gpu/test_gpu_gluon_mlp.py). Here: the shapes
 the rule allows compile, load every weight box through TMA and SiLU x up's rows with cp.async, run the expected
 MMAs, and fit the shared memory that mlp_dispatch.mlp_smem counts."""
 

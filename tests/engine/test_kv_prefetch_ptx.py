@@ -1,4 +1,4 @@
-"""engine/kv_prefetch.py's kernel compiled for sm90 on the CPU (where Triton is installed; CI has none): one
+"""engine/kv_prefetch.py's kernel compiled for sm90 on the CPU (where Triton is installed; CI installs it): one
 predicated bulk L2 prefetch of a page's keys and one of its values under the policy the setting names; with PDL
 it lets the next kernel launch before any of them and waits for the kernel before only after the last, so the
 chain's order holds (the pass's values with it on: tests/gpu/test_gpu_kv_prefetch.py)."""

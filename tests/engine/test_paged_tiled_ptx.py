@@ -2,7 +2,7 @@
 prefill) never reads `m_tiles` (its programs walk the tile map), so the launch passes it as 1 and the startup
 compiles one specialization where Triton's int classes of m_tiles ('1', '', '16') made three (session 20's
 timeline: ('paged', 64, 4, 3, False, 64, '1' / '' / '16', True)). Compiled for sm90 on the CPU where Triton is
-installed (CI has none): the three classes' PTX bodies are the same when tiled, and differ when not (there m_tiles
+installed (CI installs it): the three classes' PTX bodies are the same when tiled, and differ when not (there m_tiles
 divides the program id, and its classes stay keyed). The key the startup's pass lists (kernel_cases.attention_key)
 follows the launch: checked without Triton."""
 

@@ -1,5 +1,5 @@
 """The PDL prologue of the decode step's Triton kernels (engine/pdl.py), compiled for sm90 on the CPU: Triton
-builds the PTX and ptxas the cubin without a GPU (where Triton is installed; CI has none). With USE_PDL a
+builds the PTX and ptxas the cubin without a GPU (where Triton is installed; CI installs it). With USE_PDL a
 kernel waits (``griddepcontrol.wait``) before its first global load, and lets the next kernel launch only
 after that; without it there is no griddepcontrol at all. The kernels' results with PDL on are compared
 with the torch references on the H200 (tests/gpu/test_gpu_gemm.py, test_gpu_attention_kernels.py)."""

@@ -1,5 +1,5 @@
 """engine/triton_streamk's kernel (gate_up + SiLU and qkv + RoPE + store) compiled for sm90 on the CPU (where Triton
-is installed; CI has none), at the engine's 64-row launches (TMA boxes, 4 warps; 4 stages for gate_up, 8 for qkv):
+is installed; CI installs it), at the engine's 64-row launches (TMA boxes, 4 warps; 4 stages for gate_up, 8 for qkv):
 its flat K loop is software-pipelined (several stages of weight and activation boxes in shared memory, as the
 one-tile kernels have; a tl.debug_barrier in the loop would have stopped that: hence the asm barrier), every
 producer's partial stores come before a bar.sync and that before the one release of its flag, and an owner takes

@@ -213,7 +213,7 @@ def test_prime_key_without_triton(tmp_path):
 
 
 def test_the_real_triton_key_is_stored_and_read_back(tmp_path):
-    pytest.importorskip("triton")  # where Triton is installed (CI has none): the real tree and key function
+    pytest.importorskip("triton")  # where Triton is installed (CI installs it): the real tree and key function
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
     how, key, _ = _prime_in_a_process(path, tmp_path / "cache")
     assert how == "hashed"
