@@ -29,19 +29,19 @@ SIZES = (1, 2, 4, 8, 16)  # the cluster sizes sm90 can launch (past 8: non-porta
 MAX_SMEM_KB = 227  # a CTA's most shared memory on sm90 (232,448 B)
 
 
-class LaunchAttribute(ctypes.Structure):
+class CUlaunchAttribute(ctypes.Structure):
     """cuda.h's CUlaunchAttribute: an id, then a 64-byte value union at offset 8 (a cluster's dims: 3 uints)."""
 
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
 
-class LaunchConfig(ctypes.Structure):
+class CUlaunchConfig(ctypes.Structure):
     """cuda.h's CUlaunchConfig."""
 
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+                ("attrs", ctypes.POINTER(CUlaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
 def parse_list(text: str, name: str, allowed, what: str) -> list[int]:
@@ -49,9 +49,8 @@ def parse_list(text: str, name: str, allowed, what: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, each {what}; got {text!r}") from None
-    bad = [v for v in values if not allowed(v)]
-    if not values or bad:
+        values = []
+    if not values or not all(allowed(v) for v in values):
         raise ValueError(f"{name} must be comma-separated integers, each {what}; got {text!r}")
     return values
 
@@ -117,9 +116,9 @@ class Driver:
             error = self.check(self.cuda.cuFuncSetAttribute(fn, attribute, value))
             if error:
                 return 0, error
-        attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+        attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
         attr.value[0:3] = [cluster, 1, 1]
-        config = LaunchConfig(gridDimX=cluster * sms, gridDimY=1, gridDimZ=1, blockDimX=threads, blockDimY=1,
+        config = CUlaunchConfig(gridDimX=cluster * sms, gridDimY=1, gridDimZ=1, blockDimX=threads, blockDimY=1,
                               blockDimZ=1, sharedMemBytes=smem, hStream=None, attrs=ctypes.pointer(attr), numAttrs=1)
         count = ctypes.c_int(0)
         error = self.check(self.cuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config)))
@@ -130,7 +129,6 @@ def measure(sizes: list[int], smem_kb: list[int], warps: int) -> dict:
     """One row a (size, shared memory): the clusters held at once and their CTAs."""
     import torch
 
-    torch.cuda.init()
     torch.zeros(1, device="cuda")  # the primary context, current for Triton's module load
     props = torch.cuda.get_device_properties(0)
     driver, rows = Driver(), []

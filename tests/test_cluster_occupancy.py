@@ -15,15 +15,15 @@ occ = load_benchmark("cluster_occupancy")
 
 def test_the_structs_have_the_layout_of_cuda_h():
     # cuda.h (CUDA 12): CUlaunchAttribute { CUlaunchAttributeID id; char pad[8 - sizeof(id)]; value union [64 B] }
-    assert ctypes.sizeof(occ.LaunchAttribute) == 72 and occ.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(occ.CUlaunchAttribute) == 72 and occ.CUlaunchAttribute.value.offset == 8
     # CUlaunchConfig: six grid / block uints, sharedMemBytes, then a pointer aligned to 8, attrs, numAttrs
-    cfg = occ.LaunchConfig
+    cfg = occ.CUlaunchConfig
     assert (cfg.sharedMemBytes.offset, cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset) == (24, 32, 40, 48)
     assert ctypes.sizeof(cfg) == 56
 
 
 def test_a_cluster_dimension_lands_in_the_value_union():
-    attr = occ.LaunchAttribute(id=occ.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attr = occ.CUlaunchAttribute(id=occ.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
     attr.value[0:3] = [8, 1, 1]
     raw = bytes(attr)
     assert int.from_bytes(raw[:4], "little") == 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION in cuda.h
