@@ -1,13 +1,14 @@
 """How many thread-block clusters of C CTAs one GPU runs at once, by cluster size and shared memory a CTA: the
 driver's own answer (cuOccupancyMaxActiveClusters), for a kernel compiled by the project's Triton with num_ctas = C.
 
-The remaining route for issue 22's N = 64 floor row (docs/decode_floor.md, "What is left") is a layer kernel of
-thread-block clusters: one per attention head (16 at Ouro-1.4B) owning its qkv rows, its attention and its K slice of
-o_proj, so a cluster's handoffs go through its CTAs' shared memory (~0.1-0.9 us, session 37) instead of L2 and kernel
-boundaries. Such a kernel reads at the device's rate only if its clusters cover the SMs: 16 clusters of 8 CTAs hold
-128 of 132 SMs, but a cluster must sit inside one GPC, so how many of each size the chip holds is the hardware's
-answer, not 132 / C. This prints it for every size and shared-memory budget asked, with the CTAs the clusters hold:
-past 114 KB a CTA (one CTA an SM) those are the SMs a kernel of such clusters can keep busy.
+It sized the cluster layer kernel for issue 22's N = 64 floor row (docs/decode_floor.md, "What is left"): one
+cluster per attention head (16 at Ouro-1.4B) owning its qkv rows, its attention and its K slice of o_proj, so a
+cluster's handoffs go through its CTAs' shared memory (~0.1-0.9 us, session 37) instead of L2 and kernel boundaries.
+Such a kernel reads at the device's rate only if its clusters are resident together, and a cluster must sit inside
+one GPC, so how many of each size the chip holds is the hardware's answer, not 132 / C. This prints it for every size
+and shared-memory budget asked, with the CTAs the clusters hold: past 114 KB a CTA (one CTA an SM) those are the SMs
+a kernel of such clusters can keep busy. On an H100 (session 47): 15 clusters of 8 (120 SMs), one short of a cluster
+per head, which with the costs measured beside it closed that route.
 Sizes past 8 are non-portable: the kernel is allowed them (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED) first.
 
     python benchmarks/cluster_occupancy.py --out DIR [--sizes 1,2,4,8,16] [--smem-kb 0,120,200] [--warps 4]
@@ -144,8 +145,9 @@ def measure(sizes: list[int], smem_kb: list[int], warps: int) -> dict:
 
 def markdown(report: dict) -> str:
     """The table: clusters held at once and their CTAs, by size and shared memory."""
-    lines = [f"| CTAs a cluster ({report['device']}, {report['sms']} SMs, {report['warps']} warps a CTA) | shared "
-             "memory a CTA | clusters at once | CTAs at once (SMs) | error |", "|---|---|---|---|---|"]
+    header = (f"| CTAs a cluster ({report['device']}, {report['sms']} SMs, {report['warps']} warps a CTA) | shared "
+              "memory a CTA | clusters at once | CTAs at once (SMs) | error |")
+    lines = [header, "|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['cluster']} | {r['smem_kb']} KB | {r['clusters']} | {r['ctas']} / {report['sms']} | "
                      f"{r['error'] or ''} |")
