@@ -11,6 +11,12 @@ launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
 
     python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling [--tiles | --split | --stream | --k-sweep]
 
+--narrow: o_proj (K 2048) and down_proj (K 5632) over Ouro-1.4B's 2048 output columns in few programs, each over
+the whole K (1-32 programs; the table's 4-split launch beside them): how fast a layer's whole-row GEMM runs on the
+SMs of one thread-block cluster (at most 16), where its norm could follow without a kernel boundary. Each row also
+gives the tensor cores' bound for its busiest program at the device's dense bf16 rate spread over its SMs
+(`--peak-tflops`, 989: the H100 / H200 SXM sheet), which the bytes do not show.
+
 --k-sweep: gate_up and qkv at their table tiles and program counts (88, 192) over K = 256-8192, and per op the
 least-squares line through us against weight MB: its intercept is what a launch costs beyond its bytes in a PDL chain
 (pipeline fill and drain), its slope the rate at which the launch streams. Measured on an H100 (session 35,
@@ -184,6 +190,37 @@ def k_sweep() -> list[dict]:
     return rows + line_fit(rows)
 
 
+NARROW = ((4, 64, 128, 4), (2, 128, 128, 4), (1, 64, 128, 4), (1, 128, 128, 3), (1, 128, 128, 4),
+          (1, 128, 64, 4), (1, 128, 64, 6), (1, 128, 64, 8), (1, 256, 64, 4))  # splits, block_n, block_k, stages
+
+
+def narrow(peak_tflops: float) -> list[dict]:
+    """o_proj and down_proj (64 rows, 2048 columns) at NARROW's launches, each checked against torch's product
+    (float32 partials summed), and one program alone (128 columns): us, TB/s of weights, and the tensor cores' bound
+    for one program's share."""
+    tg, _, weights = _gpu()
+    base, sms = gemm_config(ROWS), torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm = peak_tflops * 1e12 / sms
+    rows = []
+    for op, k in (("o", HIDDEN), ("down", 5632)):
+        x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        for n, launches in ((HIDDEN, NARROW), (128, ((1, 128, 128, 4), (1, 128, 64, 6)))):
+            ws = weights(n, k)
+            want = x.float() @ ws[0].float().T
+            for splits, bn, bk, st in launches:
+                cfg = replace(base, block_n=bn, block_k=bk, num_stages=st)
+                fn = lambda x=x, ws=ws, s=splits, cfg=cfg: [tg.linear_partials(x, w, s, cfg) for w in ws]  # noqa: E731
+                programs = -(-n // bn) * splits
+                row = _timed_row(op, f"N {n}: {programs} programs, {splits} split(s), n{bn}/k{bk}/s{st}", fn, ws[0])
+                if "us" in row:  # compiled and ran: its result against torch's
+                    got = tg.linear_partials(x, ws[0], splits, cfg).sum(0)
+                    row["rel_err"] = float((got - want).norm() / want.norm())
+                    row["tensor_bound_us"] = 2 * ROWS * bn * (k // splits) / per_sm * 1e6
+                rows.append(row)
+            del ws
+    return rows
+
+
 def line_fit(rows: list[dict]) -> list[dict]:
     """Per op with timed rows at two sizes or more, the least-squares line us = a + b x MB through them (MB = us x
     TB/s): a row with tile "fit", intercept_us a and us_per_mb b, and tbps 1 / b (the rate past the intercept)."""
@@ -224,6 +261,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def mode_markdown(rows: list[dict], mode: str) -> str:
+    """A mode's table: each timed row's op, tile, us and TB/s (--tiles: by op, fastest first), and for --narrow the
+    tensor cores' bound and the error against torch's product; rows that did not compile or run are left out."""
+    ok = [r for r in rows if "us" in r]
+    if mode == "tiles":
+        ok.sort(key=lambda r: (r["op"], r["us"]))
+    extra = mode == "narrow"
+    head = "| op | tile | us | TB/s |" + (" tensor-core bound us | rel. error |" if extra else "")
+    cells = lambda r: f" {r['tensor_bound_us']:.2f} | {r['rel_err']:.1e} |" if extra else ""  # noqa: E731
+    return "\n".join([head, "|---" * (head.count("|") - 1) + "|"]
+                     + [f"| {r['op']} | {r['tile']} | {r['us']:.2f} | {r['tbps']:.2f} |{cells(r)}" for r in ok])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -232,20 +282,18 @@ def main(argv=None) -> list[dict]:
     for flag, name, text in (("--tiles", "tiles", "qkv and gate at Ouro-1.4B's shape over tiles x stages"),
                              ("--split", "split", "qkv and gate over K / S with S times the programs"),
                              ("--stream", "stream", "gate, qkv: the one-tile launches against stream-K ones"),
-                             ("--k-sweep", "ksweep", "gate, qkv over K: a launch's fixed cost and its rate")):
+                             ("--k-sweep", "ksweep", "gate, qkv over K: a launch's fixed cost and its rate"),
+                             ("--narrow", "narrow", "o, down over 2048 columns in 1-32 whole-K programs")):
         mode.add_argument(flag, dest="mode", action="store_const", const=name, help=text)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of the device (--narrow)")
     args = ap.parse_args(argv)
     from benchmarks.weight_layout_probe import save
 
     if args.mode:
-        run = {"split": split_shapes, "stream": stream_k, "ksweep": k_sweep,
+        run = {"split": split_shapes, "stream": stream_k, "ksweep": k_sweep, "narrow": lambda: narrow(args.peak_tflops),
                "tiles": lambda: tiles("qkv") + tiles("gate")}
         rows = run[args.mode]()
-        ok = [r for r in rows if "us" in r] if args.mode != "tiles" else sorted((r for r in rows if "us" in r),
-                                                                              key=lambda r: (r["op"], r["us"]))
-        table = "\n".join(["| op | tile | us | TB/s |", "|---|---|---|---|"]
-                          + [f"| {r['op']} | {r['tile']} | {r['us']:.2f} | {r['tbps']:.2f} |" for r in ok])
-        save(args.out, f"gemm_{args.mode}", rows, table + "\n")
+        save(args.out, f"gemm_{args.mode}", rows, mode_markdown(rows, args.mode) + "\n")
         return rows
     rows = [case(op, p) for op in args.ops.split(",") for p in PROGRAMS[op]]
     save(args.out, "gemm_scaling", rows, markdown(rows) + "\n")

@@ -153,3 +153,21 @@ def test_a_scaling_mode_saves_its_rows_and_table(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "gemm_ksweep.json").read_text()) == rows
     table = (tmp_path / "gemm_ksweep.md").read_text().splitlines()
     assert table == ["| op | tile | us | TB/s |", "|---|---|---|---|", "| gate | K 256 | 5.44 | 1.06 |"]  # no error row
+
+
+def test_the_narrow_table_gives_each_launchs_bound_and_error_and_drops_failed_rows():
+    rows = [{"op": "o", "tile": "N 2048: 16 programs, 1 split(s), n128/k128/s4", "us": 6.0, "tbps": 1.4,
+             "tensor_bound_us": 4.34, "rel_err": 2e-3},
+            {"op": "o", "tile": "N 2048: 8 programs, 1 split(s), n256/k64/s4", "error": "OutOfResources: smem"}]
+    lines = scaling.mode_markdown(rows, "narrow").splitlines()
+    assert lines[0] == "| op | tile | us | TB/s | tensor-core bound us | rel. error |"
+    assert lines[1] == "|---|---|---|---|---|---|"
+    assert lines[2:] == ["| o | N 2048: 16 programs, 1 split(s), n128/k128/s4 | 6.00 | 1.40 | 4.34 | 2.0e-03 |"]
+
+
+def test_the_tiles_table_sorts_by_op_then_time():
+    rows = [{"op": "qkv", "tile": "a", "us": 9.0, "tbps": 1.0}, {"op": "gate", "tile": "b", "us": 8.0, "tbps": 1.0},
+            {"op": "gate", "tile": "c", "us": 7.0, "tbps": 1.0}]
+    lines = scaling.mode_markdown(rows, "tiles").splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["c", "b", "a"]
+    assert lines[0] == "| op | tile | us | TB/s |"
