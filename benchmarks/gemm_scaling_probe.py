@@ -9,7 +9,7 @@ work as at Ouro-1.4B (K = 2048, or o_proj's 2048 in 4 splits), but the output wi
 Timed as gemm_sweep.py times (24 weight copies so the L2 holds none, a CUDA graph, CUDA events), PDL as the engine
 launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
 
-    python benchmarks/gemm_scaling_probe.py --out $OUT/gemm_scaling [--tiles | --split | --stream | --k-sweep | --narrow]
+    python benchmarks/gemm_scaling_probe.py --out DIR [--tiles | --split | --stream | --k-sweep | --narrow]
 
 --narrow: o_proj (K 2048) and down_proj (K 5632) over Ouro-1.4B's 2048 output columns in few programs, each over
 the whole K (1-32 programs; the table's 4-split launch beside them): how fast a layer's whole-row GEMM runs on the
