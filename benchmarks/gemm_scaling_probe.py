@@ -12,7 +12,7 @@ launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
     python benchmarks/gemm_scaling_probe.py --out DIR [--tiles | --split | --stream | --k-sweep | --narrow]
 
 --narrow: o_proj (K 2048) and down_proj (K 5632) over Ouro-1.4B's 2048 output columns in few programs, each over
-the whole K (1-32 programs; the table's 4-split launch beside them): how fast a layer's whole-row GEMM runs on the
+the whole K (8-32 programs, one alone, and 2 splits; the table's 4-split launch beside them): how fast a layer's whole-row GEMM runs on the
 SMs of one thread-block cluster (at most 16), where its norm could follow without a kernel boundary. Each row also
 gives the tensor cores' bound for its busiest program at the device's dense bf16 rate spread over its SMs
 (`--peak-tflops`, 989: the H100 / H200 SXM sheet), which the bytes do not show.
@@ -283,7 +283,7 @@ def main(argv=None) -> list[dict]:
                              ("--split", "split", "qkv and gate over K / S with S times the programs"),
                              ("--stream", "stream", "gate, qkv: the one-tile launches against stream-K ones"),
                              ("--k-sweep", "ksweep", "gate, qkv over K: a launch's fixed cost and its rate"),
-                             ("--narrow", "narrow", "o, down over 2048 columns in 1-32 whole-K programs")):
+                             ("--narrow", "narrow", "o, down over 2048 columns in 1-32 programs, most whole-K")):
         mode.add_argument(flag, dest="mode", action="store_const", const=name, help=text)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of the device (--narrow)")
     args = ap.parse_args(argv)
