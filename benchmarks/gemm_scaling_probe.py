@@ -11,9 +11,10 @@ launches. Reported: us a call, weight bytes, TB/s of weights, programs per SM.
 
     python benchmarks/gemm_scaling_probe.py --out DIR [--tiles | --split | --stream | --k-sweep | --narrow]
 
---narrow: o_proj (K 2048) and down_proj (K 5632) over Ouro-1.4B's 2048 output columns in few programs, each over
-the whole K (8-32 programs, one alone, and 2 splits; the table's 4-split launch beside them): how fast a layer's whole-row GEMM runs on the
-SMs of one thread-block cluster (at most 16), where its norm could follow without a kernel boundary. Each row also
+--narrow: o_proj (K 2048) and down_proj (K 5632) over Ouro-1.4B's 2048 output columns in 8-32 programs over the
+whole K, one such program alone, and 32 in 2 splits (the table's 4-split launch beside them): how fast a layer's
+whole-row GEMM runs on the SMs of one thread-block cluster (at most 16), where its norm could follow without a kernel
+boundary. Each row also
 gives the tensor cores' bound for its busiest program at the device's dense bf16 rate spread over its SMs
 (`--peak-tflops`, 989: the H100 / H200 SXM sheet), which the bytes do not show.
 
