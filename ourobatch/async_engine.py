@@ -165,7 +165,7 @@ class Engine:
         if self._state == _State.RUNNING and self._driver is not None and self._driver.is_running:
             return self._driver
         if self._driver is not None and self._driver.error is not None:
-            raise self._driver.error
+            raise self._driver.stopped_error()
         if self._state in (_State.NEW, _State.STARTING, _State.CLOSING):
             raise EngineClosedError("the engine is not started: use `async with Engine(...)` or `await serve()`")
         raise EngineClosedError("the engine is closed")
@@ -213,8 +213,9 @@ class Engine:
         driver = self.driver
         collectors = []
         try:
-            for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
-                collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
+            with driver.lock:  # no step admits any of them before the last is validated (all or nothing)
+                for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
+                    collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
         except BaseException:
             for c in collectors:
                 driver.release(c)

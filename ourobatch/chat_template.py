@@ -270,6 +270,10 @@ def render(source: str, messages: Any, *, origin: str = "the chat template",
         text = compile_template(source, origin).render(**context)
     except template_error as exc:
         raise ValueError(f"chat template ({origin}): {exc}") from None
+    except TypeError as exc:  # e.g. the template adds a message's None content to a string
+        empty = [i for i, m in enumerate(chat) if m["content"] is None]
+        hint = f"; messages {empty} have no 'content' (give a string)" if empty else ""
+        raise ValueError(f"chat template ({origin}) failed: {exc}{hint}") from None
     if continue_final_message:
         text = _cut_after_final_message(text, chat[-1]["content"])
     return text

@@ -96,6 +96,9 @@ SGLANG_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "dtype": (None,),
 }
 SGLANG_IGNORED = frozenset({"stream_interval"})  # only how often a stream reports
+# the names that make from_dict's "auto" read a dict as SGLang's (with max_new_tokens' default of 128):
+# SGLang's own, never vLLM's (a vLLM dict may hold logit_bias or stream_interval too)
+SGLANG_ONLY = frozenset(SGLANG_RENAMES) | frozenset(SGLANG_UNSUPPORTED).difference(VLLM_FIELDS) | {"custom_params"}
 # custom_params keys that a patched SGLang reads to return what ourobatch does not compute, and why
 SGLANG_CUSTOM_PARAMS_REFUSED = {
     "return_top_p_token_ids": "slime's patched SGLang then returns the token ids each top-p/top-k draw kept "
@@ -220,16 +223,17 @@ def from_sglang(params: Mapping[str, Any]) -> SamplingParams:
 
 def from_dict(params: Mapping[str, Any], dialect: str = "auto", where: str = "sampling_params") -> SamplingParams:
     """A dict in vLLM's names (``dialect="vllm"``), SGLang's (``"sglang"``) or either (``"auto"``: SGLang's
-    names are translated, and SGLang's defaults apply when one of its own names is used)."""
+    dialect, with its defaults, only where a name of SGLang's own appears (SGLANG_ONLY); else vLLM's).
+    vLLM's fields that ourobatch lacks (``logit_bias``, ``best_of``, ...) are accepted at their neutral values
+    (VLLM_FIELDS), as from_vllm accepts them; any other value raises."""
     if not isinstance(params, Mapping):
         raise TypeError(f"{where} must be a JSON object / dict, got {type(params).__name__}")
-    unknown = set(params) - set(FIELDS)
-    if dialect == "vllm" or (dialect == "auto" and not unknown):
-        if unknown:
-            raise ValueError(f"unknown {where} field(s) {sorted(unknown)}; allowed: {sorted(FIELDS)}")
-        return SamplingParams(**_normalise(dict(params)))
-    if dialect not in ("sglang", "auto"):
+    if dialect not in ("vllm", "sglang", "auto"):
         raise ValueError(f"dialect must be 'vllm', 'sglang' or 'auto', got {dialect!r}")
+    if dialect == "auto":
+        dialect = "sglang" if SGLANG_ONLY.intersection(params) else "vllm"
+    if dialect == "vllm":
+        return SamplingParams(**_normalise(_vllm_dict(params, where)))
     values: dict[str, Any] = dict(SGLANG_DEFAULTS)
     seen: dict[str, str] = {}
     for key, value in params.items():
@@ -251,6 +255,27 @@ def from_dict(params: Mapping[str, Any], dialect: str = "auto", where: str = "sa
         seen[name] = key
         values[name] = value
     return SamplingParams(**_normalise(values))
+
+
+def _vllm_dict(params: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A dict in vLLM's names -> ourobatch's fields: a vLLM field ourobatch lacks is dropped where its value
+    has no effect (VLLM_FIELDS: neutral values, no_effect fields), refused otherwise; other names raise."""
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, value in params.items():
+        rule = None if key.startswith("_") else VLLM_FIELDS.get(key)
+        if key in FIELDS:
+            values[key] = value
+        elif rule is None or rule.kind == "honoured":
+            unknown.append(key)
+        elif rule.kind == "neutral" and not any(_same(value, a) for a in rule.neutral) and not (
+                key == "best_of" and value == params.get("n", 1)):
+            _reject(where, key, value, rule.neutral, rule.why)
+    if unknown:
+        vllm_only = sorted(k for k, r in VLLM_FIELDS.items() if r.kind != "honoured" and not k.startswith("_"))
+        raise ValueError(f"unknown {where} field(s) {sorted(unknown)}; allowed: {sorted(FIELDS)}, and vLLM's "
+                         f"{vllm_only} at their neutral values")
+    return values
 
 
 def to_sampling_params(params: Any) -> SamplingParams:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -18,13 +19,14 @@ from tqdm.auto import tqdm
 
 from scheduler.errors import EngineClosedError
 from ourobatch.log import get_logger
-from scheduler.params import SamplingParams
+from scheduler.params import MAX_SEED, SamplingParams
 
 from ._extras import MissingExtraError
 from .chat_template import ChatTemplate, conversations, no_template_error, read_special_tokens
 from .compat import (VLLM_LOGPROBS_MODE, LLMRequestOutput, to_sampling_params, to_vllm_completion,
                      to_vllm_prompt_logprobs)
 from .config import EngineConfig
+from .llm_control import LLMControl
 from .text import StopChecker, Tokenizer, check_text_params, load_tokenizer
 
 log = get_logger("ourobatch.llm")
@@ -59,11 +61,12 @@ def _cut_stop_strings(core: Any, parent: Any, checkers: list[StopChecker], stops
                 core.abort(child.request_id)  # this completion only; siblings run on
 
 
-class LLM:
-    """vLLM's ``LLM``: ``LLM(model, dtype=..., max_model_len=..., seed=0, ...)``, then ``generate``.
+class LLM(LLMControl):
+    """vLLM's ``LLM``: ``LLM(model, dtype=..., max_model_len=..., seed=0, ...)``, then ``generate``; between
+    generate calls the RL calls of ourobatch.llm_control (sleep, wake_up, reset_prefix_cache, update_weights).
 
     ``seed`` is the engine seed: unseeded request i gets a seed derived from (seed, i), so a script gives
-    the same outputs every run. ``enforce_eager=True`` turns CUDA graphs off. ``trust_remote_code`` has no
+    the same outputs every run; ``seed=None`` (vLLM's "random") draws one, logged and kept in ``config.seed``. ``enforce_eager=True`` turns CUDA graphs off. ``trust_remote_code`` has no
     effect (Ouro is built in). ``device=None`` is CUDA when available, else the CPU. Other keyword
     arguments are EngineConfig fields (``mode``, ``deep_interval``, ``shallow_loops``, ``max_num_seqs``,
     ...; the default is full-depth decoding) or vLLM engine arguments with no effect here
@@ -72,7 +75,7 @@ class LLM:
     each token was drawn from, the native Engine's default).
     """
 
-    def __init__(self, model: str | Path, *, dtype: Any = "auto", max_model_len: int | None = None, seed: int = 0,
+    def __init__(self, model: str | Path, *, dtype: Any = "auto", max_model_len: int | None = None, seed: int | None = 0,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, tokenizer: str | Path | None = None, device: str | None = None,
                  **engine_options: Any) -> None:
@@ -105,6 +108,9 @@ class LLM:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if max_model_len is None:  # vLLM: the model's own limit
             max_model_len = self._checkpoint_max_len(Path(model))
+        if seed is None:  # vLLM: a random seed; the outputs then differ run to run
+            seed = secrets.randbelow(MAX_SEED + 1)
+            log.info("random_seed", seed=seed)
         if enforce_eager:
             if options.get("cuda_graphs"):
                 raise ValueError("LLM(enforce_eager=True) contradicts cuda_graphs=True")
@@ -163,7 +169,8 @@ class LLM:
             completions = [to_vllm_completion(c, p, self.tokenizer, eos, hit) for c, hit in zip(out.outputs, hits)]
             results.append(LLMRequestOutput(out.request_id, text, list(out.prompt_token_ids), completions,
                                             prompt_logprobs=to_vllm_prompt_logprobs(out.prompt_logprobs, p,
-                                                                                    self.tokenizer)))
+                                                                                    self.tokenizer),
+                                            num_cached_tokens=out.num_cached_tokens))
         return results
 
     def _per_prompt_params(self, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
@@ -187,7 +194,9 @@ class LLM:
         try:
             for i, ((_, ids), p) in enumerate(zip(batch, per_prompt)):
                 try:
-                    parents.append(core.add(ids, dataclasses.replace(p, stop=()), str(self._next_id)))
+                    # add_sync: a sleeping LLM raises EngineAsleepError here instead of stepping forever
+                    parents.append(core.add(ids, dataclasses.replace(p, stop=()), str(self._next_id),
+                                            op="add_sync"))
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"prompts[{i}]: {exc}") from None
                 self._next_id += 1

@@ -52,3 +52,4 @@ class RequestOutput:
     # dict token id -> Logprob: the prompt token first, then the k best (in rank order); None when not asked
     # for or not computed (a request that ended before its prefill did). DELTA streams carry it once.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # vLLM's: prompt tokens whose KV came from the prefix cache (completion 0's)

@@ -19,6 +19,8 @@ This module is part of the scheduler/engine boundary: it imports nothing.
 
 from __future__ import annotations
 
+import copy
+
 
 class OurobatchError(Exception):
     """Base class of every error ourobatch raises on purpose."""
@@ -63,3 +65,14 @@ class WeightUpdateError(OurobatchError, ValueError):
 class InconsistentWeightsError(OurobatchError, RuntimeError):
     """Raised for new requests while weights are missing (after sleep(2)) or half-updated (a failed update),
     until an update covering every missing tensor succeeds."""
+
+
+def fresh_error(error: BaseException) -> BaseException:
+    """A new exception like `error` (type, args, attributes, cause), with no traceback; `error` itself, with
+    its traceback dropped, if its class cannot be rebuilt from its args."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an __init__ that its args do not fit
+        return error.with_traceback(None)
+    new.__cause__, new.__suppress_context__ = error.__cause__, True
+    return new

@@ -157,9 +157,12 @@ class ChunkPlanner:
 
     def begin(self, r: Request, a: Admission, num_tokens: int) -> None:
         """Admit `r` (already off the waiting queue) with a first chunk of `num_tokens` tokens."""
-        if r.admission_version is None:  # CompletionOutput.weight_version: the weights it started with
+        first = r.admission_version is None
+        if first:  # CompletionOutput.weight_version: the weights it started with
             r.admission_version = self.weight_version
         start = self.kv.admit(r, a, num_tokens)
+        if first:  # RequestOutput.num_cached_tokens (vLLM's): the prompt tokens the prefix cache served
+            r.num_cached_tokens = start
         set_status(r, RequestStatus.PREFILLING)
         r.num_outputs_at_prefill = r.num_output_tokens  # > 0 after a preemption: prompt + outputs again
         r.num_deep_positions = start  # shared blocks hold every plane

@@ -91,7 +91,7 @@ class Request:
     top_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     block_ids: tuple[int, ...] = ()  # one table for all T planes; grows as positions are written
-    num_cached_tokens: int = 0  # tokens of the last (re)prefill whose KV was shared, not computed
+    num_cached_tokens: int = 0  # prompt tokens whose KV the first prefill shared from the prefix cache
     pending_block_keys: list = field(default_factory=list)  # (key, block) this prefill computes
     num_preemptions: int = 0
     admission_version: int | None = None  # the weight version when first admitted (None: never admitted)

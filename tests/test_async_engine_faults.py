@@ -8,6 +8,9 @@ aborts. Generation and streaming: tests/test_async_engine.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import traceback
+import weakref
 
 import anyio
 import pytest
@@ -171,6 +174,43 @@ async def test_calls_after_close_raise_engine_closed(ckpt):
         await engine.generate([1], sp(2))
     with pytest.raises(EngineClosedError):
         engine.stream([1], sp(2))
+
+
+@pytest.mark.parametrize("how", ["closed", "dead"])
+async def test_a_stopped_engine_raises_a_fresh_error_to_each_caller(ckpt, how):
+    # An RL worker retrying in a loop: the stored error raised again would collect every caller's frames in
+    # its traceback and keep their locals alive (issue: 200 retries held 200 MiB).
+    class Broken:
+        def execute(self, plan):
+            raise RuntimeError("device lost")
+
+    class Payload:  # a caller's local, which must die with its frame
+        pass
+
+    engine = Engine(config(ckpt))
+    async with engine:
+        if how == "dead":
+            engine.core.executor = Broken()
+            with pytest.raises(EngineDeadError):
+                await engine.generate([1], sp(2))
+    errors, payloads = [], []
+
+    async def retry():
+        payload = Payload()
+        payloads.append(weakref.ref(payload))
+        await engine.generate([1], sp(2))
+
+    for _ in range(20):
+        with pytest.raises((EngineClosedError, EngineDeadError)) as info:
+            await retry()
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == len(errors)
+    assert len({len(traceback.extract_tb(e.__traceback__)) for e in errors}) == 1  # no growth
+    assert {type(e) for e in errors} == {EngineDeadError if how == "dead" else EngineClosedError}
+    assert all(str(e) == str(errors[0]) for e in errors)
+    del info, errors
+    gc.collect()
+    assert [r() for r in payloads] == [None] * 20
 
 
 async def test_serve_in_a_host_task_and_aclose_from_another(ckpt):

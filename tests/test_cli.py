@@ -211,6 +211,34 @@ def test_text_prompts_with_a_tokenizer(tmp_path, tok_ckpt):
     assert t["outputs"][0]["token_ids"] == direct.outputs[0].token_ids
 
 
+def test_text_follows_the_lines_params_and_prompt_logprobs_are_written(tmp_path, tok_ckpt):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_ckpt / "tokenizer.json"))
+    stop = {"max_tokens": 6, "seed": 0, "stop_token_ids": [7, 8, 9, 10, 11, 12, 13, 14, 15]}
+    rows = [{"prompt_token_ids": [2, 3, 4], "sampling_params": {**stop, "prompt_logprobs": 2}},
+            {"prompt_token_ids": [2, 3, 4], "sampling_params": {**stop, "include_stop_str_in_output": True}},
+            {"prompt_token_ids": [2, 3, 4], "sampling_params": {**stop, "detokenize": False}}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    src.write_bytes(b"\xef\xbb\xbf" + src.read_bytes())  # a BOM before line 1 (some editors write one)
+    dst = tmp_path / "out.jsonl"
+    assert main(engine_args(tok_ckpt, ignore_eos=True) + ["--input", str(src), "--output", str(dst)]) == 0
+    plain, kept, silent = read_jsonl(dst)
+    ids = plain["outputs"][0]["token_ids"]
+    assert kept["outputs"][0]["token_ids"] == ids and plain["outputs"][0]["finish_reason"] == "stop"
+    assert plain["outputs"][0]["text"] == tok.decode(ids[:-1])  # the stop token's text left out, as vLLM
+    assert kept["outputs"][0]["text"] == tok.decode(ids)
+    assert silent["outputs"][0]["text"] == ""
+    with SyncEngine(engine_config(tok_ckpt)) as llm:
+        ref = llm.generate([2, 3, 4], SamplingParams(**stop, prompt_logprobs=2)).prompt_logprobs
+    assert plain["prompt_logprobs"][0] is None and len(plain["prompt_logprobs"]) == 3
+    for got, want in zip(plain["prompt_logprobs"][1:], ref[1:]):
+        assert list(got) == [str(t) for t in want]  # the prompt token first, then the 2 best
+        assert [v["rank"] for v in got.values()] == [lp.rank for lp in want.values()]
+        assert [v["logprob"] for v in got.values()] == pytest.approx([lp.logprob for lp in want.values()])
+    assert "prompt_logprobs" not in kept
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -304,6 +332,10 @@ def test_usage_errors_exit_2(tmp_path, ckpt, capsys):
     rc, _ = run(tmp_path, [GOOD], engine_args(ckpt) + ["--stop-token-ids", "1,x"])
     assert rc == 2
     assert "stop-token-ids" in capsys.readouterr().err
+    for out, needle in [(tmp_path, "is a folder"), (tmp_path / "no" / "o.jsonl", "does not exist")]:
+        src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+        assert main(engine_args(ckpt) + ["--input", str(src), "--output", str(out)]) == 2  # before the load
+        assert needle in capsys.readouterr().err
 
 
 def test_help_explains_the_modes():

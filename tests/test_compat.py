@@ -49,6 +49,23 @@ def test_sglang_dict_is_converted_explicitly_with_sglang_defaults():
         from_dict({"max_tokens": 3, "bogus": 1}, dialect="vllm")
 
 
+def test_a_vllm_dict_with_vllm_only_fields_keeps_vllms_defaults():
+    # logit_bias and stream_interval are vLLM's names too: they must not switch "auto" to SGLang's defaults
+    assert from_dict({"temperature": 0, "logit_bias": None}).max_tokens == 16
+    assert from_dict({"stream_interval": 4, "best_of": 2, "n": 2}).max_tokens == 16
+    assert from_dict({"logit_bias": {}}, dialect="vllm").max_tokens == 16
+    with pytest.raises(ValueError, match=r"logit_bias=\{1: 2.0\} is not supported"):
+        from_dict({"logit_bias": {1: 2.0}})
+    with pytest.raises(ValueError, match="best_of=3"):
+        from_dict({"best_of": 3})
+    with pytest.raises(ValueError, match=r"unknown sampling_params field\(s\) \['_eos_token_id'\]"):
+        from_dict({"_eos_token_id": 2})  # vLLM's engine sets it; a user's dict may not
+    assert from_dict({"max_new_tokens": 3, "logit_bias": None}).max_tokens == 3  # SGLang's own name decides
+    assert from_dict({"regex": None}).max_tokens == 128
+    with pytest.raises(ValueError, match="dialect must be"):
+        from_dict({}, dialect="openai")
+
+
 def test_to_sampling_params_takes_every_form():
     assert to_sampling_params(None) == SamplingParams()
     p = SamplingParams(max_tokens=3)

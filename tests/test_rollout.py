@@ -12,7 +12,7 @@ import anyio
 import pytest
 from safetensors.torch import load_file
 
-from ourobatch import Engine, EngineConfig, SamplingParams, SyncEngine
+from ourobatch import Engine, EngineClosedError, EngineConfig, SamplingParams, SyncEngine
 from ourobatch.rollout import Collector, keep_varied_rewards
 from ourobatch.testing import make_tiny_checkpoint
 
@@ -246,3 +246,21 @@ async def test_bad_options_name_the_option_and_the_allowed_values(ckpts):
                 Collector(engine, tasks(2), **args)
         with pytest.raises(ValueError, match="prompt_token_ids"):
             await collect(engine, [{"prompt": "text"}], n=1, params=params(), groups_per_batch=1)
+
+
+@pytest.mark.parametrize("monitor", [True, False])
+async def test_an_engine_that_closes_under_the_collector_stops_it_with_that_error(ckpts, monitor):
+    # Every later request would fail the same way: the consumer gets EngineClosedError itself (not wrapped in
+    # task groups), and the collector stops starting groups instead of failing the rest of the tasks one by one.
+    a, _, _ = ckpts
+    engine = Engine(config(a))
+    consumed = 0
+    async with engine:
+        with pytest.raises(EngineClosedError):
+            async with Collector(engine, tasks(2000), n=2, params=params(16), groups_per_batch=2,
+                                 occupancy_interval_s=0.01 if monitor else 1e6) as collector:
+                async for _ in collector:
+                    consumed += 1
+                    await engine.aclose()  # batches complete before this may still be delivered
+    assert consumed >= 1
+    assert collector.stats()["groups_started"] < 100  # not the 2000 tasks burnt as failures

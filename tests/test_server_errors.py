@@ -339,6 +339,15 @@ def test_the_body_limit_is_a_server_option():
         create_app(CONFIG, max_request_bytes=0)
 
 
+def test_the_port_must_be_a_tcp_port(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0
+    for bad in ("65536", "-1", "http"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "m", "--port", bad])
+        assert f"--port: expected a TCP port 0-65535 (0: any free port), got '{bad}'" in capsys.readouterr().err
+
+
 def test_a_text_too_long_for_max_model_len_is_refused_before_tokenizing(client, tok):
     long = "n1>n2 " * (64 * MAX_CHARS_PER_TOKEN // 6 + 1)
     assert len(long) > 64 * MAX_CHARS_PER_TOKEN

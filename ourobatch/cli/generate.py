@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -54,11 +55,15 @@ error), an optional "request_id" (default "line-N") and an optional "sampling_pa
 override the command-line defaults. Blank lines are skipped. Every line is checked (against config.json
 and the tokenizer) before the model loads; a bad line exits with code 2.
 
-Output: one JSON object per input line, in input order: request_id, prompt_token_ids and outputs, a
-list of {index, token_ids, logprobs, readout_loops, cumulative_logprob, finish_reason, seed[, text]
-[, top_logprobs][, error]}. logprobs are the sampled tokens' log-probs, processed (under the distribution
-each was drawn from) unless --logprobs-mode raw; top_logprobs (with --logprobs k) maps token ids (as
-strings) to log-probs; -inf (an excluded token) is written null.
+Output: one JSON object per input line, in input order: request_id, prompt_token_ids[,
+prompt_logprobs] and outputs, a list of {index, token_ids, logprobs, readout_loops, cumulative_logprob,
+finish_reason, seed[, text][, top_logprobs][, error]}. logprobs are the sampled tokens' log-probs,
+processed (under the distribution each was drawn from) unless --logprobs-mode raw; top_logprobs (with
+--logprobs k) maps token ids (as strings) to log-probs; -inf (an excluded token) is written null. text
+(with a tokenizer) follows vLLM: "" with detokenize false, special tokens per skip_special_tokens, a final
+eos / stop token's text only with include_stop_str_in_output. prompt_logprobs (a line's
+sampling_params.prompt_logprobs k): null for position 0, then per prompt position token id (as a string)
+-> {logprob, rank}, the prompt token first, then the k best.
 """
 
 EPILOG = """\
@@ -147,7 +152,21 @@ def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
 def _open_input(name: str) -> TextIO:
     if name == "-":
         return sys.stdin
-    return open(name, encoding="utf-8")
+    return open(name, encoding="utf-8-sig")  # a BOM some editors write before line 1 is not JSON
+
+
+def _check_output(name: str) -> None:
+    """--output must be writable before the (slow) load: the file itself is opened only after it."""
+    if name == "-":
+        return
+    path = Path(name)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"--output {name}: is a folder; give a file path")
+    if not folder.is_dir():
+        raise ValueError(f"--output {name}: the folder {folder} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise ValueError(f"--output {name}: not writable")
 
 
 def _open_output(name: str) -> TextIO:
@@ -178,6 +197,7 @@ class _Checked:
 
 def _generate(args: argparse.Namespace) -> int:
     config, defaults = _options(args)
+    _check_output(args.output)
     checked = _check_before_loading(config, defaults, args.input)
     from ourobatch.sync_engine import SyncEngine
 
@@ -253,8 +273,8 @@ def _generate_into(llm: Any, checked: _Checked, args: argparse.Namespace) -> tup
                                      use_tqdm=not args.no_progress and sys.stderr.isatty(),
                                      request_ids=[ln.request_id for ln in lines])
         wall = time.perf_counter() - t1
-        for out in outputs:
-            sink.write(json.dumps(output_record(out, checked.decoder), allow_nan=False) + "\n")
+        for out, line in zip(outputs, lines):
+            sink.write(json.dumps(output_record(out, checked.decoder, line.params), allow_nan=False) + "\n")
         sink.flush()
     finally:
         if sink is not sys.stdout:

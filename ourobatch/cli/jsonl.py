@@ -13,7 +13,8 @@ from typing import Any, Iterable, TextIO
 from scheduler.params import SamplingParams
 
 #: SamplingParams fields a line's "sampling_params" may set (output_kind only matters for streaming).
-SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "output_kind")
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                      if f.name != "output_kind" and not f.name.startswith("_"))
 LINE_KEYS = ("prompt_token_ids", "prompt", "request_id", "sampling_params")
 MAX_REPORTED_ERRORS = 20
 
@@ -186,7 +187,12 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def output_record(out: Any, tokenizer: Any | None) -> dict[str, Any]:
+def output_record(out: Any, tokenizer: Any | None, params: SamplingParams) -> dict[str, Any]:
+    """One output line: each completion's tokens, log-probs and loops; its text when a tokenizer is loaded
+    (as vLLM's: per detokenize, skip_special_tokens and include_stop_str_in_output); the prompt's
+    log-probs when asked for."""
+    from ourobatch.text import completion_text
+
     completions = []
     for c in out.outputs:
         rec: dict[str, Any] = {
@@ -199,10 +205,15 @@ def output_record(out: Any, tokenizer: Any | None) -> dict[str, Any]:
             "seed": c.seed,
         }
         if tokenizer is not None:
-            rec["text"] = tokenizer.decode(list(c.token_ids))
+            rec["text"] = completion_text(tokenizer, c.token_ids, c.finish_reason, params)
         if c.top_logprobs is not None:
             rec["top_logprobs"] = [{str(tok): _finite(lp) for tok, lp in pos.items()} for pos in c.top_logprobs]
         if getattr(c, "error", None):
             rec["error"] = c.error
         completions.append(rec)
-    return {"request_id": out.request_id, "prompt_token_ids": list(out.prompt_token_ids), "outputs": completions}
+    record = {"request_id": out.request_id, "prompt_token_ids": list(out.prompt_token_ids), "outputs": completions}
+    if out.prompt_logprobs is not None:  # vLLM's order: the prompt token first, then the k best
+        record["prompt_logprobs"] = [None if pos is None else {
+            str(tok): {"logprob": _finite(lp.logprob), "rank": lp.rank} for tok, lp in pos.items()}
+            for pos in out.prompt_logprobs]
+    return record

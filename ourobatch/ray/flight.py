@@ -25,6 +25,7 @@ from typing import Any, Iterable, Protocol
 
 from ourobatch.runtime.engine_core import child_seed
 from ourobatch.outputs import CompletionOutput, RequestOutput
+from scheduler.errors import fresh_error
 from scheduler.params import RequestOutputKind, SamplingParams
 from ourobatch.runtime.cursor import OutputCursor
 from ourobatch.runtime.streams import OutputStream
@@ -229,7 +230,7 @@ class Flight:
     def take(self) -> RequestOutput | None:
         """What the caller reads now, per its output kind (None: nothing for it yet)."""
         if self.error is not None:
-            raise self.error
+            raise fresh_error(self.error)  # a copy: raising the stored one again grows its traceback
         return self.cursor.take(self)
 
     async def wait(self) -> None:

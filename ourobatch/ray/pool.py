@@ -176,6 +176,11 @@ class EnginePool(Dispatch, ReplicaHealth):
             remove_placement_group(self._placement_group)
             self._placement_group = None
 
+    @property
+    def is_closed(self) -> bool:
+        """Whether calls now raise EngineClosedError (not started, closing or closed)."""
+        return not self._started or self._loop is None or self._closing
+
     def _check_open(self) -> None:
         if not self._started or self._loop is None:
             raise EngineClosedError("the pool is not started: use `async with EnginePool(...)` or `await start()`")

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ourobatch.runtime.engine_core import child_seed
 from ourobatch.log import get_logger
+from scheduler.errors import EngineClosedError, EngineDeadError, fresh_error
 from scheduler.params import SamplingParams
 
 from . import options
@@ -41,6 +42,12 @@ from .types import Batch, Group, Sample, prompt_of
 from .updates import push_weights
 
 log = get_logger()
+
+
+# the engine's own end: every later request would fail the same way, so it stops the collector (the
+# consumer's next batch raises it) instead of failing one group after another. A pool's ReplicaDiedError is
+# an EngineDeadError too, but the pool runs on: EngineView.stopped asks the engine itself.
+ENGINE_STOPPED = (EngineClosedError, EngineDeadError)
 
 
 class Collector:
@@ -137,7 +144,8 @@ class Collector:
         try:
             while True:
                 started = False
-                while not self._closing and self._tasks.has_tasks() and self.budget.can_start_group():
+                while (not self._closing and self._error is None and self._tasks.has_tasks()
+                       and self.budget.can_start_group()):
                     item = await self._tasks.next()
                     if item is not None:
                         self._start(*item)
@@ -194,6 +202,10 @@ class Collector:
                 sample.reward = await self._reward(run.task, sample)
                 run.samples[i] = sample
                 break
+        except ENGINE_STOPPED as exc:
+            if self._view.stopped():  # no later group could run either: the consumer gets it
+                self._fail(exc)
+            await self._fail_run(run, exc)  # else one pool replica died: this group alone fails
         except Exception as exc:  # noqa: BLE001 - the group fails, never the collector
             await self._fail_run(run, exc)
         finally:
@@ -267,7 +279,7 @@ class Collector:
     async def __anext__(self) -> Batch:
         while True:
             if self._error is not None:
-                raise self._error
+                raise fresh_error(self._error)  # a copy: each raise would grow the stored one's traceback
             if self._closing:
                 raise StopAsyncIteration
             batch = await self._take_batch()
@@ -358,8 +370,12 @@ class Collector:
 
     async def _monitor(self) -> None:
         start = time.perf_counter()
-        while True:
-            running = self._view.num_running()
+        while self._error is None:
+            try:
+                running = self._view.num_running()
+            except ENGINE_STOPPED as exc:  # the engine closed or died under the collector
+                self._fail(exc)
+                return
             self.occupancy.append((time.perf_counter() - start, self.budget.samples_in_flight, running))
             await anyio.sleep(self._occupancy_interval_s)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import anyio
 
+from scheduler.errors import EngineClosedError, EngineDeadError
+
 
 def is_pool(engine: Any) -> bool:
     """Whether `engine` is an ourobatch.ray.EnginePool. Told apart by its class, looked up where it lives:
@@ -43,3 +45,14 @@ class EngineView:
         """The engine's running requests now, for the occupancy log; None for a pool (its stats() is a
         round trip to every actor, too dear to poll)."""
         return None if self.is_pool else self._engine.stats()["num_running"]
+
+    def stopped(self) -> bool:
+        """Whether the engine itself has ended (closed, or dead), so that no later request can run. A pool
+        with a dead replica has not: it runs on the others."""
+        if self.is_pool:
+            return bool(self._engine.is_closed)
+        try:
+            self._engine.stats()
+        except (EngineClosedError, EngineDeadError):
+            return True
+        return False

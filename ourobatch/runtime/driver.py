@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 
 import anyio
 
-from scheduler.errors import EngineClosedError, EngineDeadError
+from scheduler.errors import EngineClosedError, EngineDeadError, fresh_error
 from .engine_core import EngineCore, ParentRequest
 from ourobatch.log import get_logger
 from ourobatch.outputs import RequestOutput
@@ -47,6 +47,7 @@ from .cursor import OutputCursor
 from .streams import Collector, RequestStream
 
 log = get_logger()
+
 
 
 class AsyncDriver:
@@ -228,9 +229,17 @@ class AsyncDriver:
         """Why the driver stopped (EngineDeadError or EngineClosedError); None while it runs."""
         return self._error
 
+    def stopped_error(self) -> BaseException:
+        """The error to raise to one caller once stopped: a copy of `error` (its type, message and cause).
+        Raising the stored object again would grow its traceback with every caller's frames and keep their
+        locals alive: an RL worker that retries in a loop would leak."""
+        error = self._error
+        assert error is not None
+        return fresh_error(error)
+
     def _check_running(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise self.stopped_error()
 
     def _notify(self, request_id: str) -> None:
         collector = self._collectors.get(request_id)
@@ -326,8 +335,7 @@ class AsyncDriver:
 
     def _raise_if_dead(self, collector: Collector) -> None:
         if collector.killed:
-            assert self._error is not None
-            raise self._error
+            raise self.stopped_error()
 
     async def wait_final(self, collector: Collector) -> RequestOutput:
         """The finished output; EngineDeadError if the engine died first."""
@@ -349,7 +357,7 @@ class AsyncDriver:
 
     async def _wait(self, collector: Collector) -> None:
         if self._error is not None and not collector.parent.finished:
-            raise self._error
+            raise self.stopped_error()
         await collector.event.wait()
         collector.event = anyio.Event()
 

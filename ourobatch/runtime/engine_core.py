@@ -112,7 +112,8 @@ class ParentRequest:
             ))
         first = since is None or not since[0]  # DELTA outputs carry the prompt log-probs once, as vLLM's
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs, self.finished,
-                             self.prompt_logprobs() if first else None)
+                             self.prompt_logprobs() if first else None,
+                             self.children[0].num_cached_tokens if self.children else 0)
 
     def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
         """vLLM's prompt_logprobs (built once, when completion 0's prefill has computed them all)."""

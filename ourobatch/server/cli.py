@@ -51,12 +51,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0-65535 (0: any free port), got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ourobatch serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; use 0.0.0.0 "
                         "to serve other machines, with --api-key)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but "
                         "/health (default: no key)")
