@@ -23,9 +23,16 @@ from .training import score_on_executor
 Lock = AbstractContextManager  # the engine's (re-entrant) lock
 
 
-def check_version(version: object) -> None:
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise TypeError(f"version must be an int >= 0 or None, got {version!r}")
+def check_version(version: object, current: int | None = None) -> None:
+    """`version`: None (the next one) or an int above `current`, the engine's weight_version: versions order
+    the weights each token came from (staleness counts them), so a version is never given twice."""
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"version must be an int or None, got {version!r}")
+    if version < 0 or (current is not None and version <= current):
+        raise ValueError(f"version must be an int > the current weight_version ({current}) or None (the next "
+                         f"one), got {version}: versions order the weights each token came from")
 
 
 def check_sleep_level(level: object) -> None:
@@ -35,8 +42,8 @@ def check_sleep_level(level: object) -> None:
 
 def update_weights(core: EngineCore, lock: Lock, named_tensors: Any, version: int | None) -> int:
     """Copy (name, tensor) pairs into the executor's weights and record it; returns the new version."""
-    check_version(version)
     with lock:
+        check_version(version, core.control.weight_version)
         core.control.check("update")
     try:
         copied = core.executor.update_weights(named_tensors)

@@ -277,10 +277,10 @@ class Engine:
         (EngineBusyError), awake (EngineAsleepError). Returns the new weight_version (default: previous +
         1) and drops the prefix cache. A bad tensor raises WeightUpdateError; if others were already
         copied, nothing runs and new requests get InconsistentWeightsError until an update covering them
-        succeeds."""
+        succeeds. A `version` must be above the current one (ValueError)."""
         driver = self.driver
-        _control.check_version(version)
         with driver.lock:
+            _control.check_version(version, driver.control.weight_version)
             driver.control.check("update")  # refuse now, before the stepping thread hands back
         return await driver.between_steps(_control.update_weights, driver.core, driver.lock, named_tensors,
                                           version)

@@ -7,6 +7,7 @@ lifecycle: tests/test_async_engine_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import anyio
 import pytest
@@ -229,6 +230,45 @@ async def test_generate_batch_with_progress_bar_and_n(engine, capsys):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         await engine.generate_batch([[1], [500]], sp(3))
     assert engine.stats()["num_waiting"] == 0 and blocks_in_use(engine) == 0
+
+
+async def test_generate_batch_admits_none_before_the_last_prompt_is_validated(engine, monkeypatch):
+    # The interleaving the bug needed: with a request running, the stepping thread planned a step between two
+    # adds of one batch and prefilled the first prompts before a later one was rejected. The stepping thread
+    # plans under the driver's lock, so the hook asks, between the batch's adds, whether another thread could
+    # take that lock now: it must not (all or nothing).
+    import ourobatch.async_engine as async_engine
+
+    free, arguments = [], async_engine.batch_arguments
+
+    def probing_arguments(*args):
+        for i, item in enumerate(arguments(*args)):
+            if i == 1:  # b0 is added, b1 is next
+                probe = threading.Thread(target=lambda: free.append(_try_lock(engine.driver.lock)))
+                probe.start()
+                probe.join()
+            yield item
+
+    long = asyncio.ensure_future(engine.generate([7], sp(200, seed=5), request_id="long"))
+    await until(lambda: engine.stats()["num_running"] == 1)
+    prefilled = engine.stats()["prefill_tokens"]
+    monkeypatch.setattr(async_engine, "batch_arguments", probing_arguments)
+    try:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.generate_batch([[1, 2], [3], [500]], sp(3), request_ids=["b0", "b1", "b2"])
+    finally:
+        await engine.abort("long")
+    assert free == [False]  # no step could plan while the batch was half added
+    assert engine.stats()["prefill_tokens"] == prefilled  # nothing of the batch was prefilled
+    await long
+    assert blocks_in_use(engine) == 0
+
+
+def _try_lock(lock) -> bool:
+    if lock.acquire(timeout=0.2):
+        lock.release()
+        return True
+    return False
 
 
 async def test_boundary_events_are_logged_and_counted(engine):

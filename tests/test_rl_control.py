@@ -296,5 +296,12 @@ def test_sync_engine_updates_sleeps_and_pauses_like_the_async_one(ckpts):
         llm.pause("keep")
         assert llm.is_paused
         llm.update_weights(tensors_of(b).items(), version=4)  # allowed while paused
+        for reused in (4, 2):  # a version is never given twice: staleness counts them
+            match = rf"version must be an int > the current weight_version \(4\).*got {reused}"
+            with pytest.raises(ValueError, match=match):
+                llm.update_weights(tensors_of(b).items(), version=reused)
+        with pytest.raises(TypeError, match="version must be an int or None"):
+            llm.update_weights(tensors_of(b).items(), version=True)
+        assert llm.stats()["weight_version"] == 4
         llm.resume()
         assert llm.generate(PROMPTS[1], sp(1)).outputs[0].token_ids == expected[1].token_ids
