@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 
 import httpx
 import openai
@@ -216,6 +217,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_at_once(server, clien
             assert _abort_count_and_kv(client)[1] > 0  # mid-flight: it holds KV blocks
         # leaving the block closes the connection mid-stream
     _until_aborted(client, before + 1)  # freed while the step is still held
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": TASKS[6]["prompt_token_ids"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "n1>n2 ? n1"}]}),
+])
+def test_a_stream_whose_client_resets_before_the_first_chunk_is_aborted(server, client, gate, route, body):
+    # The chat route sent its role chunks before starting the task that owns the engine stream: a client gone
+    # by then left its request running to max_tokens (and its stream open) instead of aborting it.
+    def counts() -> tuple[float, ...]:
+        m = metric_values(client)
+        return (m["ourobatch_requests_added_total"], m["ourobatch_requests_finished_total{finish_reason=abort}"],
+                m["ourobatch_num_streams"], m["ourobatch_kv_blocks_used"])
+
+    added, aborted, _, _ = counts()
+    data = json.dumps({"model": NAME, **body, "max_tokens": 40, "ignore_eos": True, "stream": True}).encode()
+    gate.hold(after=0)  # a step that starts is held in flight: the request cannot run to its end meanwhile
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+                f"{API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    raw.close()  # a reset, before the response's first byte
+    for _ in range(10_000):  # scrapes (round trips, no sleep) until the request is added and aborted
+        now = counts()
+        if now == (added + 1, aborted + 1, 0, 0):
+            break
+    assert now == (added + 1, aborted + 1, 0, 0)  # added, aborted, no stream left open, its KV freed
 
 
 def test_a_client_that_gives_up_on_a_plain_request_frees_its_kv(server, client, gate):

@@ -185,13 +185,15 @@ def _stream(gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], 
         return _sse(out)
 
     async def stream_produce(send: MemoryObjectSendStream) -> None:
-        for i in range(body.n):
-            await send.send(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}, i))
         inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
         async with anyio.create_task_group() as tg:
+            # the producer first: it owns the engine streams, so a client gone before the role chunks are
+            # out still aborts its requests (a cancel at the first send would otherwise skip it)
             tg.start_soon(_close_after, produce, inner_send)
             async with inner_receive:
+                for i in range(body.n):
+                    await send.send(chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}, i))
                 async for d in inner_receive:
                     counts[d.index] += len(d.token_ids)
                     await send.send(chunk({"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs_of(d),
