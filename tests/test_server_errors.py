@@ -21,7 +21,7 @@ from ourobatch.runtime.engine_core import check_new_request
 from ourobatch.server.app import create_app
 from ourobatch.server.cli import build_parser
 from ourobatch.server.errors import STATUS, BadRequest, error_response, field_of, status_of
-from ourobatch.server.limits import DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
+from ourobatch.server.limits import DEFAULT_MAX_COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
 from ourobatch.server.runner import in_prompt
 from ourobatch.text import Tokenizer
 from tests.helpers import GatedExecutor
@@ -55,12 +55,12 @@ class GatedTokenizer:
         self.held = False
         self.released.set()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, **kw) -> list[int]:
         self.lengths.append(len(text))
         if self.held:
             self.entered.set()
             assert self.released.wait(60), "the tokenizer was never released"
-        return self.inner.encode(text)
+        return self.inner.encode(text, **kw)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -339,6 +339,29 @@ def test_the_body_limit_is_a_server_option():
         create_app(CONFIG, max_request_bytes=0)
 
 
+def test_a_request_for_more_completions_than_the_limit_is_refused_before_queueing(server, client, monkeypatch):
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m"]).max_completions_per_request == DEFAULT_MAX_COMPLETIONS == 16384
+    assert parser.parse_args(["--model", "m", "--max-completions-per-request", "8"]).max_completions_per_request == 8
+    with pytest.raises(ValueError, match="max_completions_per_request"):
+        create_app(CONFIG, max_completions_per_request=0)
+    assert create_app(CONFIG, max_completions_per_request=7).state.served.max_completions == 7
+    monkeypatch.setattr(server.server.config.app.state.gen, "max_completions", 4)
+    added = metric_values(client)["ourobatch_requests_added_total"]
+    ids = [1, 200, 231, 74]
+    for route, body in [("/v1/completions", {"model": NAME, "prompt": [ids] * 3, "n": 2, "max_tokens": 1}),
+                        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "n1"}],
+                                                  "n": 5, "max_tokens": 1}),
+                        ("/generate", {"input_ids": [ids] * 5, "sampling_params": {"max_new_tokens": 1}})]:
+        r = client.post(route, json=body)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"] if "error" in r.json() else r.text
+        assert "more than the server's --max-completions-per-request=4" in message
+    assert metric_values(client)["ourobatch_requests_added_total"] == added  # nothing was queued
+    ok = client.post("/v1/completions", json={"model": NAME, "prompt": [ids] * 2, "n": 2, "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
 def test_the_port_must_be_a_tcp_port(capsys):
     parser = build_parser()
     assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0
@@ -375,3 +398,35 @@ def test_health_answers_while_a_prompt_tokenizes(server, tok):
         finally:
             tok.release()
         assert pending.result().status_code == 200
+
+
+def test_queueing_many_prompts_lets_the_event_loop_run_between_slices(tmp_path):
+    # /health and other requests' streams must not wait for one request's whole prompt list to be queued
+    import anyio
+
+    from ourobatch import Engine
+    from ourobatch.server.runner import QUEUE_SLICE, open_streams
+    from ourobatch.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", eos_token_id=None)
+    num = 2 * QUEUE_SLICE + 5
+    seen: list[int] = []
+
+    async def main() -> None:
+        async with Engine(EngineConfig(model=str(ckpt), num_kv_blocks=64, max_num_seqs=4)) as engine:
+            async def watch() -> None:
+                while len(seen) < 1000 and (not seen or seen[-1] < num):
+                    seen.append(len(engine.core.parents))
+                    await anyio.lowlevel.checkpoint()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await anyio.lowlevel.checkpoint()  # the watcher's first look: nothing queued yet
+                streams = await open_streams(engine, [[1, 2]] * num, [SamplingParams(max_tokens=1)] * num)
+                for s in streams:
+                    await s.aclose()
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert seen[0] == 0 and any(0 < k < num for k in seen)  # it looked while the list was half queued
+    assert all(k % QUEUE_SLICE == 0 for k in seen if 0 < k < num)  # between whole slices only

@@ -36,7 +36,7 @@ from . import chat, completions, control_routes, generate, health, metrics, toke
 from .completions import Generation
 from .errors import STATUS, error, table_error, validation_error
 from .health import DEFAULT_HEALTH_CHECK_TIMEOUT
-from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from .limits import DEFAULT_MAX_COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import ServerMetrics
 from .state import ServedModel
 
@@ -48,17 +48,22 @@ ROUTERS = (completions.router, chat.router, generate.router, tokenization.router
 
 def create_app(config: EngineConfig, *, served_model_name: str | None = None, api_key: str | None = None,
                tokenizer: Tokenizer | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT) -> FastAPI:
+               health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT,
+               max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS) -> FastAPI:
     """The app for one engine built from `config` (started and closed with the app's lifespan). A request
-    body over `max_request_bytes` is answered 413 without being parsed; /health_generate answers 503 when
-    its probe gets no engine step done within `health_check_timeout` seconds."""
-    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
+    body over `max_request_bytes` is answered 413 without being parsed, a request for more than
+    `max_completions_per_request` completions (prompts x n) 400; /health_generate answers 503 when its probe
+    gets no engine step done within `health_check_timeout` seconds."""
+    for name, value in (("max_request_bytes", max_request_bytes),
+                        ("max_completions_per_request", max_completions_per_request)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(health_check_timeout, bool) or not isinstance(health_check_timeout, (int, float)) or \
             not health_check_timeout > 0:
         raise ValueError(f"health_check_timeout must be a number of seconds > 0, got {health_check_timeout!r}")
     app = FastAPI(title="ourobatch", lifespan=_lifespan, docs_url=None, redoc_url=None)
-    app.state.served = ServedModel.of(config, served_model_name, tokenizer, health_check_timeout)
+    app.state.served = ServedModel.of(config, served_model_name, tokenizer, health_check_timeout,
+                                      max_completions_per_request)
     app.state.engine = None  # the lifespan's Engine while the app runs
     app.state.metrics = ServerMetrics()
     app.state.draining = False
@@ -83,7 +88,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     served = app.state.served
     async with Engine(served.config) as engine:
         app.state.engine = engine
-        app.state.gen = Generation(engine, served.tokenizer, served.name, served.config.max_model_len)
+        app.state.gen = Generation(engine, served.tokenizer, served.name, served.config.max_model_len,
+                                   served.max_completions)
         app.state.metrics.attach(engine)
         yield
         app.state.draining = True

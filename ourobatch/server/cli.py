@@ -20,7 +20,7 @@ from ourobatch.config import EngineConfig
 from ourobatch.engine_args import add_engine_arguments, engine_config_from_args
 from ourobatch.log import get_logger
 
-from .limits import DEFAULT_MAX_REQUEST_BYTES
+from .limits import DEFAULT_MAX_COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES
 
 EXIT_OK, EXIT_USAGE = 0, 2
 log = get_logger("ourobatch.server")
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help="a request body over N bytes is refused (413) before it is parsed "
                         "(default: %(default)s, 8 MiB)")
+    parser.add_argument("--max-completions-per-request", type=_positive_int, default=DEFAULT_MAX_COMPLETIONS,
+                        metavar="N", help="a request for more than N completions (its prompts x n) is refused "
+                        "(400): queueing them holds the event loop (default: %(default)s)")
     parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
                         help="what stderr shows, ourobatch's events and uvicorn's: info = the startup line, "
                         "warnings and uvicorn's access log; debug adds per-request events (default: %(default)s)")
@@ -172,7 +175,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer,
-                     max_request_bytes=args.max_request_bytes)
+                     max_request_bytes=args.max_request_bytes,
+                     max_completions_per_request=args.max_completions_per_request)
     startup = {"model": str(config.model), "served_model_name": args.served_model_name or str(config.model),
                "mode": config.mode, "deep_interval": config.deep_interval, "shallow_loops": config.shallow_loops,
                "dtype": str(dtype).removeprefix("torch."), "device": config.device,

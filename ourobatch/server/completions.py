@@ -26,7 +26,7 @@ from ourobatch.text import Tokenizer, check_text_params
 
 from . import prompt_logprobs as plp, sglang_shapes
 from .errors import BadRequest
-from .limits import check_text_length
+from .limits import DEFAULT_MAX_COMPLETIONS, check_completions, check_text_length
 from .protocol import CompletionRequest
 from .runner import Delta, open_streams, run_prompt
 from .streaming import EventStream, Producer, collect
@@ -59,11 +59,13 @@ async def models(request: Request) -> dict[str, Any]:
 class Generation:
     """What the routes share: the engine, the tokenizer and the model's name and eos."""
 
-    def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str, max_model_len: int,
+                 max_completions: int = DEFAULT_MAX_COMPLETIONS) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_completions = max_completions  # prompts x n one request may ask for
 
     @property
     def eos(self) -> frozenset[int]:
@@ -99,6 +101,7 @@ class Generation:
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: Any = None):
         """Queue every prompt (bad input raises, nothing stays queued); return the producer's body."""
+        check_completions(sum(p.n for p in params), self.max_completions)
         for p in params:
             check_text_params(p, self.tokenizer, "sampling_params")
         streams = await open_streams(self.engine, prompts, params, request_ids)

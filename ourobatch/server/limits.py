@@ -22,6 +22,16 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # 8 MiB: thousands of full-length p
 # tokenized: it cannot fit. Real text averages 3-5 characters per token; 64 leaves room for long special
 # tokens and runs of whitespace, so a prompt refused here would need over 64 characters per token on average.
 MAX_CHARS_PER_TOKEN = 64
+# Completions (prompts x n) one request may ask for: queueing them holds the event loop for ~0.3 ms each on a
+# CPU core (in slices, runner.QUEUE_SLICE), and the answer holds them all; more go in several requests.
+DEFAULT_MAX_COMPLETIONS = 16384
+
+
+def check_completions(num_completions: int, limit: int) -> None:
+    """Refuse (400) a request for more than `limit` completions."""
+    if num_completions > limit:
+        raise BadRequest(f"the request asks for {num_completions} completions (prompts x n), more than the "
+                         f"server's --max-completions-per-request={limit}; send them in several requests", "prompt")
 
 
 def check_text_length(text: str, max_model_len: int, field: str) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 from ourobatch.config import EngineConfig
 from ourobatch.text import Tokenizer
 
+from .limits import DEFAULT_MAX_COMPLETIONS
+
 
 def model_card(path: Path) -> dict[str, Any]:
     """model_type and architectures from the checkpoint's config.json (None where it has none)."""
@@ -40,12 +42,13 @@ class ServedModel:
     health_check_timeout: float  # seconds /health_generate waits for an engine step
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created"
     card: dict[str, Any] = field(default_factory=dict)  # model_card(config.model), read once
+    max_completions: int = DEFAULT_MAX_COMPLETIONS  # prompts x n a request may ask for (limits.py)
 
     @classmethod
     def of(cls, config: EngineConfig, name: str | None, tokenizer: Tokenizer | None,
-           health_check_timeout: float) -> "ServedModel":
+           health_check_timeout: float, max_completions: int = DEFAULT_MAX_COMPLETIONS) -> "ServedModel":
         return cls(config, name or str(config.model), tokenizer, health_check_timeout,
-                   card=model_card(Path(config.model)))
+                   card=model_card(Path(config.model)), max_completions=max_completions)
 
     @property
     def tokenizer_path(self) -> str | None:
