@@ -362,6 +362,17 @@ def test_a_request_for_more_completions_than_the_limit_is_refused_before_queuein
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
+def test_an_unknown_route_or_method_is_answered_in_openais_error_body(client):
+    for method, path, status, kind, detail in [
+            ("GET", "/v1/completions", 405, "MethodNotAllowedError", "Method Not Allowed"),
+            ("POST", "/v1/nothing", 404, "NotFoundError", "Not Found")]:
+        r = client.request(method, path)
+        assert r.status_code == status
+        assert r.json() == {"error": {"message": f"{method} {path}: {detail}", "type": kind, "param": None,
+                                      "code": status}}
+    assert "POST" in client.get("/v1/completions").headers["allow"]
+
+
 def test_the_port_must_be_a_tcp_port(capsys):
     parser = build_parser()
     assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from ourobatch.config import EngineConfig
@@ -34,7 +35,7 @@ from ourobatch.text import Tokenizer
 
 from . import chat, completions, control_routes, generate, health, metrics, tokenization
 from .completions import Generation
-from .errors import STATUS, error, table_error, validation_error
+from .errors import STATUS, error, http_error, table_error, validation_error
 from .health import DEFAULT_HEALTH_CHECK_TIMEOUT
 from .limits import DEFAULT_MAX_COMPLETIONS, DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import ServerMetrics
@@ -73,6 +74,7 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
     app.add_middleware(Gate, api_key=api_key, state=app.state, metrics=app.state.metrics)  # outermost: first
 
     app.add_exception_handler(RequestValidationError, validation_error)  # bad JSON, a bad field: 400
+    app.add_exception_handler(StarletteHTTPException, http_error)  # unknown route 404, wrong method 405
     for cls in STATUS:  # every named error and bad input, by the one table (errors.py)
         app.add_exception_handler(cls, table_error)
     for router in ROUTERS:

@@ -23,8 +23,9 @@ import json
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from scheduler.errors import (
     CheckpointError,
@@ -143,3 +144,14 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 async def table_error(request: Request, exc: Exception) -> JSONResponse:
     """The handler of every class in STATUS."""
     return error_response(exc)
+
+
+HTTP_KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Starlette's own refusals (an unknown route: 404, a route's other method: 405) in OpenAI's body."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    response = error(exc.status_code, message, None, HTTP_KINDS.get(exc.status_code, "HTTPError"))
+    response.headers.update(exc.headers or {})  # 405's Allow
+    return response
