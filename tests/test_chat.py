@@ -178,6 +178,8 @@ def test_multi_turn_and_text_parts_render_through_the_template(oai, client):
     ({"temperature": -1}, "temperature", ["temperature"]),
     ({"n": 0}, "n", ["n"]),
     ({"flux": 1}, "flux", []),
+    ({"max_tokens": 0}, "max_tokens", ["max_tokens must be an int >= 1"]),  # not completions' "needs echo"
+    ({"max_completion_tokens": -1}, "max_completion_tokens", ["max_completion_tokens must be an int >= 1"]),
 ])
 def test_bad_chat_input_is_a_400_naming_it(client, body, param, words):
     full = {"model": NAME, "messages": task_message(TASKS[0]), "max_tokens": 2, **body}

@@ -118,9 +118,13 @@ async def _chat_prompt(gen: Generation, body: ChatCompletionRequest) -> tuple[st
 
 
 def _sampling_params(gen: Generation, body: ChatCompletionRequest, num_prompt: int) -> Any:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, field)
     if max_tokens is None:  # vLLM: whatever room the context has left
         max_tokens = max(1, gen.max_model_len - num_prompt)
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:  # the field sent
+        raise BadRequest(f"{field} must be an int >= 1 (a chat completion has at least one token), got "
+                         f"{max_tokens!r}", field)
     k = (body.top_logprobs or 0) if body.logprobs else None
     shared = {name: getattr(body, name) for name in SHARED_FIELDS}
     return CompletionRequest(prompt=[0], max_tokens=max_tokens, logprobs=k, **shared).sampling_params()
