@@ -83,6 +83,25 @@ def test_openai_streaming_equals_the_plain_response(oai):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_continuous_usage_nulls_and_stream_options_without_stream(oai, client):
+    prompt = TASKS[2]["prompt_token_ids"]
+    chunks = list(oai.completions.create(model=NAME, prompt=prompt, max_tokens=6, n=2, seed=5, stream=True,
+                                         extra_body={"ignore_eos": True},
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(prompt) for c in chunks)
+    assert counted == sorted(counted) and counted[-1] == 12 == chunks[-1].usage.completion_tokens  # 2 x 6
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2, "n": None,
+                                             "stream": None, "echo": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text  # null: the default
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "n1"}],
+                                                  "max_tokens": 1, "n": None, "stream": None, "logprobs": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+
+
 def test_a_stop_string_ends_each_completion_at_once(oai, client):
     tok = Tokenizer.from_path(MODEL)
     words = tok.decode(TASKS[7]["target_token_ids"]).split()

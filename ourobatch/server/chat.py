@@ -43,6 +43,7 @@ from .streaming import EventStream, collect
 class ChatCompletionRequest(SamplingExtras):
     """OpenAI's chat completions request, with vLLM's extra fields (the shared sampling ones: SamplingExtras)."""
 
+    NULL_IS_DEFAULT = ("n", "stream", "logprobs")
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -75,6 +76,7 @@ SHARED_FIELDS = ("n", "temperature", "top_p", *SamplingExtras.model_fields)
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    body.check_stream_options()
     if body.tools:
         raise BadRequest("tools are not supported (this server has no tool-call parser); leave tools out", "tools")
     if body.tool_choice not in (None, "none", "auto"):

@@ -27,7 +27,7 @@ from ourobatch.text import Tokenizer, check_text_params
 from . import prompt_logprobs as plp, sglang_shapes
 from .errors import BadRequest
 from .limits import DEFAULT_MAX_COMPLETIONS, check_completions, check_text_length
-from .protocol import CompletionRequest
+from .protocol import CompletionRequest, StreamOptions
 from .runner import Delta, open_streams, run_prompt
 from .streaming import EventStream, Producer, collect
 
@@ -125,6 +125,7 @@ class Generation:
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         if (missing := self.unknown_model(body.model)) is not None:
             return missing
+        body.check_stream_options()
         params = body.sampling_params()
         prompts = await self._completion_prompts(body.prompt)
         if body.request_id is not None and len(prompts) > 1:
@@ -141,8 +142,8 @@ class Generation:
         choice = _Choices(self, body, params, prompts, echo_texts)
         num_prompt = sum(len(p) for p in prompts)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(_completion_stream(produce, head, choice, num_prompt, include_usage))
+            return EventStream(_completion_stream(produce, head, choice, num_prompt,
+                                                  body.stream_options or StreamOptions()))
         deltas = await collect(request, produce)
         if deltas is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -204,8 +205,10 @@ class _Choices:
 
 
 def _completion_stream(produce: Producer, head: dict[str, Any], choice: _Choices, num_prompt: int,
-                       include_usage: bool) -> Producer:
-    """The SSE producer: one chunk per delta, then (include_usage) the usage chunk, then [DONE]."""
+                       options: StreamOptions) -> Producer:
+    """The SSE producer: one chunk per delta (with continuous_usage_stats, each carries the usage so far),
+    then (include_usage) the usage chunk, then [DONE]."""
+    continuous = options.include_usage and options.continuous_usage_stats
     async def stream_produce(send: MemoryObjectSendStream) -> None:
         inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
         offsets: dict[tuple[int, int], int] = {}
@@ -216,10 +219,13 @@ def _completion_stream(produce: Producer, head: dict[str, Any], choice: _Choices
                 async for d in inner_receive:
                     key = (d.prompt_index, d.index)
                     first = key not in offsets
-                    await send.send(_sse({**head, "choices": [choice(d, offsets.get(key, 0), first)]}))
-                    offsets[key] = offsets.get(key, 0) + len(d.text)
                     total += len(d.token_ids)
-        if include_usage:
+                    out = {**head, "choices": [choice(d, offsets.get(key, 0), first)]}
+                    if continuous:  # vLLM's: the request's prompt tokens and its completion tokens so far
+                        out["usage"] = _usage(num_prompt, total)
+                    await send.send(_sse(out))
+                    offsets[key] = offsets.get(key, 0) + len(d.text)
+        if options.include_usage:
             await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total)}))
         await send.send(b"data: [DONE]\n\n")
 

@@ -4,9 +4,9 @@ the field), never dropped: a field ourobatch ignored could change what the calle
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.params import SamplingParams
 
@@ -15,6 +15,20 @@ from .errors import BadRequest
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # fields OpenAI's API declares nullable, whose null means the default (n, stream, echo, ...)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
+        return data
+
+    def check_stream_options(self) -> None:
+        """vLLM's rule: stream_options only with stream=true (it would change nothing otherwise)."""
+        if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", False):
+            raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
 
 
 class StreamOptions(_Strict):
@@ -47,6 +61,7 @@ class SamplingExtras(_Strict):
 class CompletionRequest(SamplingExtras):
     """OpenAI's legacy completions request, with vLLM's extra sampling fields."""
 
+    NULL_IS_DEFAULT = ("n", "stream", "echo")
     model: str | None = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
