@@ -191,6 +191,9 @@ def load_state_dict(path: str | Path, config: OuroConfig, dtype: torch.dtype,
     clock = timings if timings is not None else LoadTimings()
     started = time.perf_counter()
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # a benchmark's --device default, on a CPU box
+        raise ValueError(f"device {str(device)!r}, but this machine has no CUDA device (or torch was built "
+                         f"without CUDA); use the CPU (--device cpu, device='cpu')")
     torch.empty(0, device=device)  # the device's first use (the CUDA context), timed on its own
     clock.init_s = time.perf_counter() - started
     by_file = names_by_file(files)

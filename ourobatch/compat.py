@@ -306,7 +306,7 @@ class LLMCompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # with SamplingParams.logprobs = k: top-k + the sampled token
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string; None for eos and the rest
-    token_logprobs: list[float] = field(default_factory=list)  # processed log-prob of each token (always)
+    token_logprobs: list[float] = field(default_factory=list)  # each token's log-prob, per logprobs_mode (always)
     readout_loops: list[int] = field(default_factory=list)
     seed: int = 0
     weight_version: int = 0

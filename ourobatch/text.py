@@ -83,6 +83,37 @@ class Tokenizer:
         """One token's own text (special tokens included), e.g. for top log-probs."""
         return self.tok.decode([token_id], skip_special_tokens=False)
 
+    # ------------------------------------------------------------------ the Hugging Face names ported code reads
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tok.get_vocab_size(with_added_tokens=True))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _special_id(self, name: str) -> int | None:
+        """The id of tokenizer_config.json's (or special_tokens_map.json's) `name` token beside tokenizer.json."""
+        from .chat_template import read_special_tokens
+
+        text = read_special_tokens(self.path.parent).get(name) if self.path is not None else None
+        return self.tok.token_to_id(text) if isinstance(text, str) else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
 
 def load_tokenizer(model: str | Path, tokenizer: str | Path | None = None) -> Tokenizer | None:
     """The front ends' one tokenizer loader: `tokenizer` (a tokenizer.json or its folder) when given, else

@@ -149,3 +149,15 @@ def test_vllm_only_options_are_mapped_accepted_or_refused(tiny):
             llm.generate([1, 2], SamplingParams(stop=["x"]), use_tqdm=False)
         with pytest.raises(TypeError, match="lora_request"):
             llm.generate([1, 2], lora_request=object())
+
+
+def test_get_tokenizer_has_the_hugging_face_names_ported_code_reads(llm):
+    tok = llm.get_tokenizer()
+    config = json.loads((MODEL / "config.json").read_text())
+    special = json.loads((MODEL / "tokenizer_config.json").read_text())
+    assert tok.eos_token_id == config["eos_token_id"] == tok.tok.token_to_id(special["eos_token"])
+    assert tok.vocab_size == len(tok) == config["vocab_size"]
+    ids = [[4, 18, 3], [11]]
+    assert tok.batch_decode(ids) == [tok.decode(i) for i in ids]
+    assert tok.pad_token_id == (tok.tok.token_to_id(special["pad_token"]) if special.get("pad_token") else None)
+    assert tok.bos_token_id == (tok.tok.token_to_id(special["bos_token"]) if special.get("bos_token") else None)

@@ -202,3 +202,11 @@ def test_weights_that_overflow_the_requested_dtype_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"embed_tokens\.weight has 1 non-finite value\(s\) \(NaN or inf\) "
                                               r"after conversion from torch\.float32 to torch\.float16"):
         load_model(ckpt, torch.float16)
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error(tmp_path, monkeypatch):
+    # the benchmarks default to --device cuda and load the model themselves: one line saying what to pass
+    ckpt = make_tiny_checkpoint(tmp_path / "m")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda', but this machine has no CUDA device.*--device cpu"):
+        load_model(ckpt, torch.float32, "cuda")
