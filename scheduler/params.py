@@ -135,7 +135,7 @@ class SamplingParams:
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
-        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+        if isinstance(stop, (str, bytes, Mapping)) or not hasattr(stop, "__iter__"):
             raise field_error(TypeError, "stop_token_ids",
                               f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
         stop = tuple(stop)
@@ -193,6 +193,8 @@ class SamplingParams:
         kind = self.output_kind
         if not isinstance(kind, RequestOutputKind):
             try:
+                if isinstance(kind, (bool, float)):  # True / 1.0 would pass RequestOutputKind(kind) as DELTA
+                    raise TypeError(kind)
                 kind = RequestOutputKind[kind.upper()] if isinstance(kind, str) else RequestOutputKind(kind)
             except (KeyError, ValueError, TypeError):
                 names = ", ".join(k.name for k in RequestOutputKind)

@@ -29,6 +29,12 @@ def test_vllm_fields_are_accepted_as_vllm_does():
             SamplingParams(**{name: value})
     with pytest.raises(ValueError, match="SamplingParams.stop"):
         SamplingParams(stop=[""])
+    for kind in (True, 1.0):  # an IntEnum takes both as DELTA; neither names a kind
+        with pytest.raises(ValueError, match=rf"output_kind must be one of CUMULATIVE, DELTA, FINAL_ONLY, got {kind}"):
+            SamplingParams(output_kind=kind)
+    assert SamplingParams(output_kind="delta").output_kind == SamplingParams(output_kind=1).output_kind
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of ints"):
+        SamplingParams(stop_token_ids={1: 2})  # its keys would be read silently
 
 
 def test_sglang_dict_is_converted_explicitly_with_sglang_defaults():
