@@ -290,3 +290,27 @@ async def test_weight_version_is_the_version_a_request_was_admitted_under(ckpts)
             await engine.resume()
     c = results[0].outputs[0]
     assert c.weight_versions == [7] * 5 and c.weight_version == 7
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_pause_caller_leaves_the_pause_standing(ckpts):
+    a, _ = ckpts
+    async with Engine(config(a)) as engine:
+        gate = GatedExecutor(engine.core.executor)
+        engine.core.executor = gate
+        gate.hold(2)
+        running = engine.stream([1, 2, 3], sp(1, 8))
+        await gate.wait_entered()  # a step is in flight: pause("wait") cannot complete yet
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # the caller gives up at its first wait
+            await engine.pause("wait")
+        assert scope.cancelled_caught
+        assert engine.stats()["control_state"] == "pausing"
+        queued = engine.stream([4, 5], sp(2, 4))
+        gate.open()
+        out = await drain(running)  # "wait": the admitted request runs to its end
+        assert out.finish_reason == "length"
+        await until(lambda: engine.stats()["control_state"] == "paused")  # with nobody waiting on pause()
+        assert engine.stats()["num_waiting"] == 1  # the new one is not admitted before resume()
+        await engine.resume()
+        assert (await drain(queued)).finish_reason == "length"
