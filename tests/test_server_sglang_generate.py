@@ -121,3 +121,15 @@ def test_return_text_in_logprobs_fills_the_triples(client):
         [tok.token_text(t) for _, t, _ in named["output_token_logprobs"]]
     assert all(text == tok.token_text(t) for top in named["output_top_logprobs"] for _, t, text in top)
     assert [lp for lp, _, _ in named["output_token_logprobs"]] == [lp for lp, _, _ in plain["output_token_logprobs"]]
+
+
+def test_cached_tokens_report_the_prompt_blocks_the_prefix_cache_served(client, server):
+    core = server.server.config.app.state.engine.core
+    block = core.scheduler.config.block_size
+    prompt = TASKS[5]["prompt_token_ids"][::-1]  # not sent by another test of this module
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    hits = core.stats()["prefix_cache_hits"]
+    first = client.post("/generate", json=body).json()["meta_info"]["cached_tokens"]
+    second = client.post("/generate", json=body).json()["meta_info"]["cached_tokens"]
+    assert first == 0 and second == len(prompt) // block * block > 0  # whole blocks only
+    assert core.stats()["prefix_cache_hits"] - hits == second

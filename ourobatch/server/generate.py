@@ -159,7 +159,7 @@ class _Outputs:
                               for top in d.top_logprobs]
         finish = sglang_shapes.finish_reason(d.finish_reason, d.stop_reason, state["output_ids"])
         meta = {"id": state["id"], "finish_reason": finish, "prompt_tokens": len(self.prompts[d.prompt_index]),
-                "completion_tokens": len(state["output_ids"]), "cached_tokens": 0,
+                "completion_tokens": len(state["output_ids"]), "cached_tokens": d.num_cached_tokens,
                 "readout_loops": state["loops"], "weight_version": d.weight_version, "seed": d.seed}
         if finish is not None:
             meta["e2e_latency"] = time.perf_counter() - self.started

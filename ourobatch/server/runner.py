@@ -36,6 +36,7 @@ class Delta:
     weight_version: int
     num_tokens: int  # the completion's tokens so far (after a stop-string cut: the tokens it keeps)
     prompt_logprobs: list | None = None  # the first delta of each completion: RequestOutput.prompt_logprobs
+    num_cached_tokens: int = 0  # RequestOutput.num_cached_tokens: prompt tokens the prefix cache served
 
 
 class _Completion:
@@ -135,6 +136,7 @@ async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: Sampli
                     continue
                 if delta.finish_reason is not None and c.finish_reason is None:  # cut by a stop string
                     await engine.abort(stream.request_id if params.n == 1 else f"{stream.request_id}:{c.index}")
+                delta.num_cached_tokens = out.num_cached_tokens
                 if first[c.index]:
                     delta.prompt_logprobs, first[c.index] = out.prompt_logprobs, False
                 await emit(delta)
