@@ -66,7 +66,8 @@ class LLM(LLMControl):
     generate calls the RL calls of ourobatch.llm_control (sleep, wake_up, reset_prefix_cache, update_weights).
 
     ``seed`` is the engine seed: unseeded request i gets a seed derived from (seed, i), so a script gives
-    the same outputs every run; ``seed=None`` (vLLM's "random") draws one, logged and kept in ``config.seed``. ``enforce_eager=True`` turns CUDA graphs off. ``trust_remote_code`` has no
+    the same outputs every run; ``seed=None`` (vLLM's "random") draws one, logged and kept in
+    ``config.seed``. ``enforce_eager=True`` turns CUDA graphs off. ``trust_remote_code`` has no
     effect (Ouro is built in). ``device=None`` is CUDA when available, else the CPU. Other keyword
     arguments are EngineConfig fields (``mode``, ``deep_interval``, ``shallow_loops``, ``max_num_seqs``,
     ...; the default is full-depth decoding) or vLLM engine arguments with no effect here
@@ -75,10 +76,10 @@ class LLM(LLMControl):
     each token was drawn from, the native Engine's default).
     """
 
-    def __init__(self, model: str | Path, *, dtype: Any = "auto", max_model_len: int | None = None, seed: int | None = 0,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, trust_remote_code: bool = False,
-                 skip_tokenizer_init: bool = False, tokenizer: str | Path | None = None, device: str | None = None,
-                 **engine_options: Any) -> None:
+    def __init__(self, model: str | Path, *, dtype: Any = "auto", max_model_len: int | None = None,
+                 seed: int | None = 0, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 trust_remote_code: bool = False, skip_tokenizer_init: bool = False,
+                 tokenizer: str | Path | None = None, device: str | None = None, **engine_options: Any) -> None:
         from .assembly import build_engine_core  # torch loads here
 
         options = dict(engine_options)
