@@ -56,6 +56,15 @@ class GatedExecutor:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    @classmethod
+    def install(cls, engine, hold: int | None = None) -> "GatedExecutor":
+        """Put a gate in front of `engine`'s executor (holding the step after `hold` more, if given)."""
+        gate = cls(engine.core.executor)
+        engine.core.executor = gate
+        if hold is not None:
+            gate.hold(hold)
+        return gate
+
 
 async def until(predicate, limit: int = 200_000) -> None:
     """Yield to the event loop (and the worker thread) until predicate() holds. No fixed sleeps."""

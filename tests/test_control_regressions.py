@@ -296,9 +296,7 @@ async def test_weight_version_is_the_version_a_request_was_admitted_under(ckpts)
 async def test_a_cancelled_pause_caller_leaves_the_pause_standing(ckpts):
     a, _ = ckpts
     async with Engine(config(a)) as engine:
-        gate = GatedExecutor(engine.core.executor)
-        engine.core.executor = gate
-        gate.hold(2)
+        gate = GatedExecutor.install(engine, hold=2)
         running = engine.stream([1, 2, 3], sp(1, 8))
         await gate.wait_entered()  # a step is in flight: pause("wait") cannot complete yet
         with anyio.CancelScope() as scope:
