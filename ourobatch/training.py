@@ -18,6 +18,7 @@ once per loop.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -143,10 +144,11 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
     lm = as_looped_model(model)
     weight = lm.lm_head_weight
     single = (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1) or (
-        not isinstance(input_ids, torch.Tensor) and len(input_ids) > 0 and isinstance(input_ids[0], int))
-    ids = _as_batch(input_ids, weight.device, single)  # [b, S]
+        not isinstance(input_ids, torch.Tensor) and len(input_ids) > 0 and isinstance(input_ids[0], numbers.Integral))
+    ids, lengths = _as_batch(input_ids, weight.device, single)  # [b, S], each row's own length
     loops, prompt_lens, row_params = _rows(model, ids, readout_loops, prompt_len, params, eos_token_ids,
-                                           logprobs_mode, single)
+                                           logprobs_mode, single, lengths)
+    ids = _read_part(ids, [P + len(L) for P, L in zip(prompt_lens, loops)], weight.shape[0])
     readouts = lm.loop_readouts(ids)  # T x [b, S, hidden]
     entries = _entries(prompt_lens, loops, len(readouts))
     C = max((len(L) for L in loops), default=0)
@@ -170,8 +172,9 @@ def readout_logprobs(model: Any, input_ids: torch.Tensor | Sequence[Sequence[int
 
 def _rows(model: Any, ids: torch.Tensor, readout_loops: Any, prompt_len: Any, params: Any,
           eos_token_ids: int | Sequence[int] | None, logprobs_mode: str,
-          single: bool) -> tuple[list[list], list, list[SamplingParams]]:
-    """readout_loops, prompt_len and params, one per row of ids [b, S], checked against each other."""
+          single: bool, lengths: list[int]) -> tuple[list[list], list, list[SamplingParams]]:
+    """readout_loops, prompt_len and params, one per row of ids [b, S] (row i `lengths[i]` tokens long),
+    checked against each other."""
     b, S = ids.shape
     if isinstance(readout_loops, torch.Tensor):
         readout_loops = readout_loops.tolist()
@@ -183,8 +186,9 @@ def _rows(model: Any, ids: torch.Tensor, readout_loops: Any, prompt_len: Any, pa
     for i, (P, L) in enumerate(zip(prompt_lens, loops)):
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"prompt_len must be an int >= 1, got {P!r} for row {i}")
-        if P + len(L) > S:
-            raise ValueError(f"row {i}: prompt_len {P} + {len(L)} readout loops exceed its {S} input tokens")
+        if P + len(L) > lengths[i]:
+            raise ValueError(f"row {i}: prompt_len {P} + {len(L)} readout loops exceed its {lengths[i]} input "
+                             f"tokens")
     return loops, prompt_lens, row_params
 
 
@@ -233,18 +237,36 @@ def _engine_params(model: Any, rows: list, eos_token_ids: int | Sequence[int] | 
     return out
 
 
-def _as_batch(input_ids: Any, device: torch.device, single: bool) -> torch.Tensor:
+def _as_batch(input_ids: Any, device: torch.device, single: bool) -> tuple[torch.Tensor, list[int]]:
+    """[b, S] int64 ids (lists right-padded with 0) and each row's own length."""
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids[None] if single else input_ids
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [S] or [b, S], got {tuple(input_ids.shape)} "
                              f"{input_ids.dtype}")
-        return ids.to(device=device, dtype=torch.int64)
+        return ids.to(device=device, dtype=torch.int64), [ids.shape[1]] * ids.shape[0]
     rows = [list(input_ids)] if single else [list(r) for r in input_ids]
     if not rows:
         raise ValueError("input_ids is empty")
+    for i, row in enumerate(rows):
+        bad = next((t for t in row if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise TypeError(f"input_ids row {i} holds {bad!r}: token ids must be ints")
     S = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (S - len(r)) for r in rows], dtype=torch.int64, device=device)
+    return (torch.tensor([[int(t) for t in r] + [0] * (S - len(r)) for r in rows], dtype=torch.int64, device=device),
+            [len(r) for r in rows])
+
+
+def _read_part(ids: torch.Tensor, ends: list[int], vocab: int) -> torch.Tensor:
+    """ids with each row's tokens past `ends[i]` (padding, never read: positions attend only backwards) set
+    to 0; a token the readouts read outside the vocabulary is a ValueError."""
+    cols = torch.arange(ids.shape[1], device=ids.device)
+    used = cols[None, :] < torch.tensor(ends, device=ids.device)[:, None]
+    bad = used & ((ids < 0) | (ids >= vocab))
+    if bool(bad.any()):
+        row, col = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"input_ids[{row}][{col}] = {int(ids[row, col])} is outside the vocabulary [0, {vocab})")
+    return torch.where(used, ids, torch.zeros_like(ids))
 
 
 @torch.inference_mode()

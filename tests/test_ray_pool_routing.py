@@ -56,3 +56,32 @@ def test_summed_stats_add_counters_and_recompute_usage():
     assert total == {"tokens_generated": 8, "kv_blocks_used": 4, "kv_blocks_total": 8, "kv_usage": 0.5,
                      "step_in_flight": True, "max_model_len": 64, "attention_backend": "torch"}
 
+
+
+def test_levels_and_sizes_every_replica_holds_are_not_summed():
+    # two replicas asleep at level 1 are at level 1, not 2; 27 tensors missing on each are 27
+    one = {"sleep_level": 1, "weights_missing": 27, "tokens_generated": 2}
+    assert sum_stats([one, dict(one)]) == {"sleep_level": 1, "weights_missing": 27, "tokens_generated": 4}
+    assert sum_stats([one, {**one, "sleep_level": 2}])["sleep_level"] == 2
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("num_cpus_per_replica", -1, "num_cpus_per_replica must be a number > 0, got -1"),
+    ("num_cpus_per_replica", "1", "num_cpus_per_replica must be a number > 0"),
+    ("num_gpus_per_replica", -1, "num_gpus_per_replica must be None or a number >= 0, got -1"),
+    ("max_concurrency", 0, "max_concurrency must be an int >= 1, got 0"),
+    ("max_restarts", -5, r"max_restarts must be an int >= -1 \(-1: without limit\), got -5"),
+    ("max_retries", -1, "max_retries must be an int >= 0, got -1"),
+    ("retry_aborted", "no", "retry_aborted must be True or False, got 'no'"),
+])
+def test_bad_pool_options_are_refused_at_construction_naming_the_field(tmp_path, option, value, message):
+    # before start(): Ray would accept some (a negative GPU count) and then never place the replica
+    from ourobatch import EngineConfig
+    from ourobatch.ray import EnginePool
+    from ourobatch.testing import make_tiny_checkpoint
+
+    config = EngineConfig(model=str(make_tiny_checkpoint(tmp_path / "m")))
+    with pytest.raises((TypeError, ValueError), match=message):
+        EnginePool(config, **{option: value})
+    with pytest.raises(TypeError, match=r"keyword arguments \['bogus'\]"):
+        EnginePool(config, bogus=1)

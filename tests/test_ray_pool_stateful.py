@@ -84,6 +84,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.asleep: set[int] = {0}  # sleep levels it may be at
         self.missing: set[bool] = {False}  # awake with weights missing (after sleep(2) + wake_up)
         self.maybe_inconsistent = False  # a refused update may have changed some replicas
+        self.refused_updates = 0  # since the last update that succeeded: each may have used up its version
         self.version = self.world.call(self.pool.stats)["weight_version"]
         self.kills = 0
 
@@ -211,12 +212,14 @@ class PoolMachine(RuleBasedStateMachine):
                 version = world.call(self.pool.load_weights, str(world.ckpts[ckpt]))
         except (EngineBusyError, InconsistentWeightsError) as exc:  # EngineAsleepError is an EngineBusyError
             assert self.allows(exc), f"update refused: {exc}"
-            world.ambiguous.add(self.version + 1)  # the other replica may have taken it
+            self.refused_updates += 1  # the other replica may have taken its version (then the next is skipped)
+            world.ambiguous.update(range(self.version + 1, self.version + 1 + self.refused_updates))
             self.maybe_inconsistent = True
             return
-        assert version == self.version + 1
+        assert self.version + 1 <= version <= self.version + 1 + self.refused_updates
         world.ckpt_of[version] = ckpt
         self.version, self.missing, self.maybe_inconsistent = version, {False}, False
+        self.refused_updates = 0
 
     @precondition(lambda self: self.kills < 2)
     @rule(index=st.integers(0, 1))

@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import anyio
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,6 +215,17 @@ def test_readout_logprobs_rejects_bad_input(model64):
     one = readout_logprobs(model64, ids, [4, 2], prompt_len=3)
     batched = readout_logprobs(model64, torch.tensor([ids]), [[4, 2]], prompt_len=3)
     assert one.shape == (2,) and batched.shape == (1, 2) and torch.equal(one, batched[0])
+    # a ragged row is checked against its own length, not the padded width: padding is never scored
+    with pytest.raises(ValueError, match="row 1: prompt_len 2 \\+ 3 readout loops exceed its 3 input tokens"):
+        readout_logprobs(model64, [ids, [1, 2, 3]], [[4, 4], [4, 4, 4]], prompt_len=[3, 2])
+    for bad in (31, -1):  # the tiny model's vocabulary is 31
+        with pytest.raises(ValueError, match=rf"input_ids\[0\]\[3\] = {bad} is outside the vocabulary \[0, 31\)"):
+            readout_logprobs(model64, [1, 2, 3, bad, 5], [4, 4], prompt_len=3)
+    padded = torch.tensor([ids, [1, 2, 3, -100, -100]])  # -100 (a trainer's padding) past what is read
+    both = readout_logprobs(model64, padded, [[4, 2], [4]], prompt_len=[3, 2])
+    alone = readout_logprobs(model64, [1, 2, 3], [4], prompt_len=2)[0]
+    assert torch.equal(both[0], one) and abs(float(both[1, 0] - alone)) < 1e-12  # float64, other batch shape
+    assert torch.equal(readout_logprobs(model64, [numpy.int64(t) for t in ids], [4, 2], prompt_len=3), one)
 
 
 # ---------------------------------------------------------------- Engine.score

@@ -48,7 +48,7 @@ class Control:
         self.lock = asyncio.Lock()
         self.timeout_s = timeout_s
         self.weight_version = 0
-        self._version_tried = 0  # the newest version an update sent (a failed one too: a retry takes the next)
+        self._version_tried = 0  # the version of an update some replicas took though it failed on others
         self._log: list[_LogEntry] = []
         self._paused: tuple[tuple, dict] | None = None  # pause()'s arguments while paused
         self._asleep: tuple[tuple, dict] | None = None  # sleep()'s arguments while asleep
@@ -146,6 +146,9 @@ class Control:
             if method in VERSIONED and results:  # some replicas took the new weights, some did not
                 self.inconsistent = (f"{method} succeeded on {len(results)} replica(s) and failed on replica "
                                      f"{errors[0][0].index}: {errors[0][1]}")
+                # those replicas hold its version now: the retry takes the next one (an engine refuses a
+                # version it is at, since versions order the weights each token came from)
+                self._version_tried = max(self._version_tried, kwargs["version"])
                 log.error("pool_weights_inconsistent", reason=self.inconsistent)
             raise errors[0][1]
         if method in ("pause", "resume"):
@@ -161,10 +164,7 @@ class Control:
         """update_weights / load_weights on every ready replica with one version; returns it."""
         assert method in VERSIONED, method
         async with self.lock:
-            # after a failed update some replicas may hold its version: the retry takes the next one, since an
-            # engine refuses a version it is at (versions order the weights each token came from)
             new_version = max(self.weight_version, self._version_tried) + 1 if version is None else version
-            self._version_tried = max(self._version_tried, new_version)
             results = await self._broadcast_locked(list(replicas), method, (payload,), {"version": new_version})
             wrong = [v for v in results if v != new_version]
             if wrong:

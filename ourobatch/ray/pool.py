@@ -49,6 +49,31 @@ log = get_logger()
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+
+def _check_pool_options(*, max_retries: Any, max_restarts: Any, max_concurrency: Any, num_cpus_per_replica: Any,
+                        num_gpus_per_replica: Any, retry_aborted: Any) -> None:
+    """EnginePool's Ray options, refused at construction naming the field (Ray would take some, e.g. a negative
+    GPU count, and then never place the replica)."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(retry_aborted, bool):
+        raise TypeError(f"retry_aborted must be True or False, got {retry_aborted!r}")
+    checks = (("max_retries", max_retries, is_int(max_retries) and max_retries >= 0, "an int >= 0"),
+              ("max_restarts", max_restarts, is_int(max_restarts) and max_restarts >= -1,
+               "an int >= -1 (-1: without limit)"),
+              ("max_concurrency", max_concurrency, is_int(max_concurrency) and max_concurrency >= 1, "an int >= 1"),
+              ("num_cpus_per_replica", num_cpus_per_replica, is_number(num_cpus_per_replica)
+               and num_cpus_per_replica > 0, "a number > 0"),
+              ("num_gpus_per_replica", num_gpus_per_replica, num_gpus_per_replica is None
+               or (is_number(num_gpus_per_replica) and num_gpus_per_replica >= 0), "None or a number >= 0"))
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
 class EnginePool(Dispatch, ReplicaHealth):
     """N Engine replicas as Ray actors behind the Engine API. Use it from one asyncio event loop."""
 
@@ -64,8 +89,9 @@ class EnginePool(Dispatch, ReplicaHealth):
         for name, value in (("ready_timeout_s", ready_timeout_s), ("control_timeout_s", control_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        _check_pool_options(max_retries=max_retries, max_restarts=max_restarts, max_concurrency=max_concurrency,
+                            num_cpus_per_replica=num_cpus_per_replica, num_gpus_per_replica=num_gpus_per_replica,
+                            retry_aborted=retry_aborted)
         on_cuda = self.config.device.startswith("cuda")
         self.num_gpus_per_replica = (1 if on_cuda else 0) if num_gpus_per_replica is None else num_gpus_per_replica
         if on_cuda and not self.num_gpus_per_replica:

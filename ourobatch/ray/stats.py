@@ -10,16 +10,21 @@ from .replica import Replica, ReplicaState
 
 # Keys that describe an engine rather than count its work: the first ready replica's value is reported.
 SHARED_KEYS = ("max_model_len", "attention_backend", "cuda_graphs")
+# Levels and sizes of a state every replica holds alike (they move together through the pool's broadcasts):
+# the largest is reported, never a sum (two replicas asleep at level 1 are not at level 2)
+MAX_KEYS = ("sleep_level", "weights_missing", "weight_version")
 
 
 def sum_stats(per_replica: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Numbers add up (counters, queue lengths, KV blocks), booleans are or-ed, shared keys come from the
-    first replica, and kv_usage is recomputed from the summed blocks."""
+    first replica, MAX_KEYS take the largest, and kv_usage is recomputed from the summed blocks."""
     total: dict[str, Any] = {}
     for stats in per_replica:
         for key, value in stats.items():
             if key in SHARED_KEYS or not isinstance(value, (int, float)):
                 total.setdefault(key, value)
+            elif key in MAX_KEYS:
+                total[key] = max(total.get(key, value), value)
             elif isinstance(value, bool):
                 total[key] = bool(total.get(key, False)) or value
             else:
