@@ -18,7 +18,7 @@ import torch
 
 from ourobatch import Engine, SyncEngine
 from ourobatch.ray import EnginePool, ReplicaDiedError
-from scheduler.errors import EngineDeadError, RequestRejectedError
+from scheduler.errors import EngineBusyError, EngineDeadError, RequestRejectedError
 from ourobatch.testing import make_tiny_checkpoint
 from tests.ray_pool_helpers import (LIMIT, MID_FLIGHT, MODES, assert_same, config, drain, first_delta, freeze,
                                     join_deltas, reference, sp, until_restarted)
@@ -269,6 +269,22 @@ async def test_pause_sleep_wake_up_resume_and_abort_all_broadcast(pools, ckpt):
     assert sorted(o.request_id for o in aborted) == ["z0", "z1"]
     for s in streams:
         assert (await asyncio.wait_for(drain(s), LIMIT))[-1].outputs[0].finish_reason == "abort"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_sleep_one_replica_refuses_leaves_no_replica_asleep(pools):
+    # one replica is busy (refuses sleep, as an engine with running requests does), the other idle: the idle
+    # one must not stay asleep while the pool records it awake (its next request would never run)
+    pool = await pools.get("interval1")
+    stream = pool.stream([4, 6, 8, 10], sp(MID_FLIGHT, seed=31), request_id="busy")
+    await asyncio.wait_for(first_delta(stream), LIMIT)
+    with pytest.raises(EngineBusyError):
+        await asyncio.wait_for(pool.sleep(1), LIMIT)
+    assert not pool.is_sleeping and [r["is_sleeping"] for r in pool.stats()["replicas"]] == [False, False]
+    out = await asyncio.wait_for(pool.generate([7, 7, 7], sp(4, seed=32)), LIMIT)  # either replica serves it
+    assert out.outputs[0].finish_reason == "length"
+    assert await asyncio.wait_for(pool.abort("busy"), LIMIT)
+    await asyncio.wait_for(drain(stream), LIMIT)
 
 
 def needs_engine_method(name: str):

@@ -30,6 +30,7 @@ from .replica import Replica, ReplicaState, await_ref, cause_of, is_actor_failur
 log = get_logger()
 
 VERSIONED = ("update_weights", "load_weights")
+UNDO = {"pause": "resume", "sleep": "wake_up"}  # what puts a replica back after a broadcast others refused
 DROP = "drop"  # a log entry: sleep(2) then wake_up, after which the weights are missing until a full load
 
 
@@ -150,6 +151,8 @@ class Control:
                 # version it is at, since versions order the weights each token came from)
                 self._version_tried = max(self._version_tried, kwargs["version"])
                 log.error("pool_weights_inconsistent", reason=self.inconsistent)
+            elif self._undoable(method, args, kwargs):
+                await self._undo(method, targets)
             raise errors[0][1]
         if method in ("pause", "resume"):
             self._paused = (args, kwargs) if method == "pause" else None
@@ -158,6 +161,26 @@ class Control:
                 self._log.append(_LogEntry(DROP, None, self.weight_version, None))
             self._asleep = (args, kwargs) if method == "sleep" else None
         return results
+
+    def _undoable(self, method: str, args: tuple, kwargs: dict) -> bool:
+        """A pause of a running pool, or a sleep(1) of an awake one: what the replicas that took it can be
+        put back from (a sleep(2) dropped their weights: it cannot)."""
+        if method == "pause":
+            return self._paused is None
+        level = args[0] if args else kwargs.get("level", 1)
+        return method == "sleep" and self._asleep is None and level == 1
+
+    async def _undo(self, method: str, targets: list[Replica]) -> None:
+        """After a pause or sleep(1) refused (or timed out) on some replicas, put every one back as it was
+        (resume / wake_up: a no-op where it did not take), so the pool is in one state, the one it records,
+        as an engine that refuses a call is unchanged. Best effort: a replica that fails here is logged."""
+        inverse = UNDO[method]
+        ready = [r for r in targets if r.state == ReplicaState.READY]
+        outcomes = await asyncio.gather(*(self.call(r, inverse) for r in ready), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                log.error("pool_undo_failed", method=method, undo=inverse,
+                          error=f"{type(outcome).__name__}: {outcome}")
 
     async def update(self, replicas: Iterable[Replica], method: str, payload: Any,
                      names: frozenset[str] | None, version: int | None) -> int:
