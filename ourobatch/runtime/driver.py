@@ -49,7 +49,6 @@ from .streams import Collector, RequestStream
 log = get_logger()
 
 
-
 class AsyncDriver:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
