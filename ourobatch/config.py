@@ -137,8 +137,8 @@ def resolve_config(config: "EngineConfig | None", kwargs: dict[str, Any]) -> "En
     if config is None:
         return EngineConfig(**kwargs)
     if kwargs:
-        raise TypeError(f"got an EngineConfig and keyword arguments {sorted(kwargs)}: pass either one (they are "
-                        f"EngineConfig fields, or unknown here)")
+        raise TypeError(f"pass either an EngineConfig or keyword arguments, not both: got the keyword arguments "
+                        f"{sorted(kwargs)} (EngineConfig fields, or unknown here)")
     if not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     return config
