@@ -12,7 +12,11 @@ changed between the call and its turn.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from engine.loader import checkpoint_files
+from engine.weights import checkpoint_tensors
 
 from ourobatch.runtime.control import SLEEP_LEVELS
 from scheduler.errors import WeightUpdateError
@@ -53,6 +57,13 @@ def update_weights(core: EngineCore, lock: Lock, named_tensors: Any, version: in
         raise
     with lock:
         return core.control.weights_copied(copied, failed=False, version=version)
+
+
+def checkpoint_weights(core: EngineCore, path: str | Path) -> Iterator[tuple[str, Any]]:
+    """load_weights' (name, tensor) pairs of a Hugging Face checkpoint folder, read tensor by tensor onto the
+    executor's device; CheckpointError at once for a missing or unreadable folder."""
+    checkpoint_files(Path(path))
+    return checkpoint_tensors(path, core.executor.model_config, core.executor.device)
 
 
 def sleep(core: EngineCore, lock: Lock, level: int) -> None:

@@ -18,8 +18,6 @@ from tqdm.auto import tqdm
 
 from ourobatch.runtime.driver import AsyncDriver
 from ourobatch.runtime.streams import RequestStream
-from engine.loader import checkpoint_files
-from engine.weights import checkpoint_tensors
 from scheduler.errors import EngineClosedError, EngineDeadError
 from ourobatch.runtime.engine_core import EngineCore
 from ourobatch.outputs import RequestOutput
@@ -287,10 +285,7 @@ class Engine:
 
     async def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder (model.safetensors or shards + index)."""
-        executor = self.driver.core.executor
-        checkpoint_files(Path(path))  # CheckpointError now for a missing or unreadable folder
-        tensors = checkpoint_tensors(path, executor.model_config, executor.device)
-        return await self.update_weights(tensors, version=version)
+        return await self.update_weights(_control.checkpoint_weights(self.driver.core, path), version=version)
 
     async def sleep(self, level: int = 1) -> None:
         """Give the GPU back: level 1 moves the weights to pinned CPU memory, level 2 drops them (wake_up()

@@ -198,14 +198,19 @@ def from_vllm(params: Any) -> SamplingParams:
         if rule.kind == "honoured" and name in FIELDS:
             values[name] = value
             continue
-        if name == "best_of" and value == getattr(params, "n", 1):
-            continue
-        if not any(_same(value, a) for a in rule.neutral):
-            _reject(where, name, value, rule.neutral, rule.why)
+        _check_neutral(where, name, value, rule, getattr(params, "n", 1))
     kind = values.pop("output_kind", None)
     if kind is not None:  # vLLM's RequestOutputKind has the same names
         values["output_kind"] = getattr(kind, "name", kind)
     return SamplingParams(**_normalise(values))
+
+
+def _check_neutral(where: str, name: str, value: Any, rule: FieldRule, n: Any) -> None:
+    """A vLLM field ourobatch lacks: only its neutral values pass (best_of also when it equals n)."""
+    if name == "best_of" and value == n:
+        return
+    if not any(_same(value, a) for a in rule.neutral):
+        _reject(where, name, value, rule.neutral, rule.why)
 
 
 def _unset(value: Any, default: Any) -> bool:
@@ -268,9 +273,8 @@ def _vllm_dict(params: Mapping[str, Any], where: str) -> dict[str, Any]:
             values[key] = value
         elif rule is None or rule.kind == "honoured":
             unknown.append(key)
-        elif rule.kind == "neutral" and not any(_same(value, a) for a in rule.neutral) and not (
-                key == "best_of" and value == params.get("n", 1)):
-            _reject(where, key, value, rule.neutral, rule.why)
+        elif rule.kind == "neutral":
+            _check_neutral(where, key, value, rule, params.get("n", 1))
     if unknown:
         vllm_only = sorted(k for k, r in VLLM_FIELDS.items() if r.kind != "honoured" and not k.startswith("_"))
         raise ValueError(f"unknown {where} field(s) {sorted(unknown)}; allowed: {sorted(FIELDS)}, and vLLM's "

@@ -67,10 +67,4 @@ class LLMControl:
 
     def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder."""
-        from engine.loader import checkpoint_files
-        from engine.weights import checkpoint_tensors
-
-        core = self._idle_core()
-        checkpoint_files(Path(path))  # CheckpointError for a missing or unreadable folder
-        return self.update_weights(checkpoint_tensors(path, core.executor.model_config, core.executor.device),
-                                   version=version)
+        return self.update_weights(_controls().checkpoint_weights(self._idle_core(), path), version=version)

@@ -21,8 +21,6 @@ from ourobatch.runtime.engine_core import EngineCore
 from ourobatch.outputs import RequestOutput
 from scheduler.params import SamplingParams
 
-from engine.loader import checkpoint_files
-from engine.weights import checkpoint_tensors
 from ourobatch.runtime.control import EngineControl, Run
 
 from . import _control
@@ -175,9 +173,7 @@ class SyncEngine:
 
     def load_weights(self, path: str | Path, *, version: int | None = None) -> int:
         """update_weights from a Hugging Face checkpoint folder."""
-        checkpoint_files(Path(path))  # CheckpointError for a missing or unreadable folder
-        return self.update_weights(checkpoint_tensors(path, self.core.executor.model_config,
-                                                      self.core.executor.device), version=version)
+        return self.update_weights(_control.checkpoint_weights(self.core, path), version=version)
 
     def sleep(self, level: int = 1) -> None:
         """As Engine.sleep: weights to CPU (1) or dropped (2); KV pool and graphs freed."""

@@ -10,6 +10,7 @@ that ends on a stop token (eos or ``stop_token_ids``) leaves that token's text o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,11 +96,15 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def _special_id(self, name: str) -> int | None:
-        """The id of tokenizer_config.json's (or special_tokens_map.json's) `name` token beside tokenizer.json."""
+    @functools.cached_property
+    def _special_tokens(self) -> dict[str, Any]:
+        """bos_token, eos_token, ... of tokenizer_config.json (or special_tokens_map.json) beside it, read once."""
         from .chat_template import read_special_tokens
 
-        text = read_special_tokens(self.path.parent).get(name) if self.path is not None else None
+        return read_special_tokens(self.path.parent) if self.path is not None else {}
+
+    def _special_id(self, name: str) -> int | None:
+        text = self._special_tokens.get(name)
         return self.tok.token_to_id(text) if isinstance(text, str) else None
 
     @property

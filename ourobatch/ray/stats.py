@@ -12,7 +12,7 @@ from .replica import Replica, ReplicaState
 SHARED_KEYS = ("max_model_len", "attention_backend", "cuda_graphs")
 # Levels and sizes of a state every replica holds alike (they move together through the pool's broadcasts):
 # the largest is reported, never a sum (two replicas asleep at level 1 are not at level 2)
-MAX_KEYS = ("sleep_level", "weights_missing", "weight_version")
+MAX_KEYS = ("sleep_level", "weights_missing")
 
 
 def sum_stats(per_replica: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def _sampling_params(gen: Generation, body: ChatCompletionRequest, num_prompt: i
     max_tokens = getattr(body, field)
     if max_tokens is None:  # vLLM: whatever room the context has left
         max_tokens = max(1, gen.max_model_len - num_prompt)
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:  # the field sent
+    elif max_tokens < 1:  # named as the client sent it (pydantic has made it an int)
         raise BadRequest(f"{field} must be an int >= 1 (a chat completion has at least one token), got "
                          f"{max_tokens!r}", field)
     k = (body.top_logprobs or 0) if body.logprobs else None
