@@ -210,14 +210,14 @@ class Engine:
         """
         driver = self.driver
         collectors = []
-        try:
-            with driver.lock:  # no step admits any of them before the last is validated (all or nothing)
+        with driver.lock:  # no step admits any of them before the last is validated, nor before a rejected
+            try:  # batch's earlier prompts are aborted (all or nothing)
                 for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
                     collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
-        except BaseException:
-            for c in collectors:
-                driver.release(c)
-            raise
+            except BaseException:
+                for c in collectors:
+                    driver.release(c)
+                raise
         results: list[RequestOutput | None] = [None] * len(collectors)
         errors: list[Exception] = []
         bar = tqdm(total=len(collectors), desc="generate", unit="req", disable=not use_tqdm)

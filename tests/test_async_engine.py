@@ -236,29 +236,39 @@ async def test_generate_batch_admits_none_before_the_last_prompt_is_validated(en
     # The interleaving the bug needed: with a request running, the stepping thread planned a step between two
     # adds of one batch and prefilled the first prompts before a later one was rejected. The stepping thread
     # plans under the driver's lock, so the hook asks, between the batch's adds, whether another thread could
-    # take that lock now: it must not (all or nothing).
+    # take that lock now: it must not (all or nothing). Nor when the rejected batch's first prompts are being
+    # released again (the lock must still be held there, or a step admits them in between).
     import ourobatch.async_engine as async_engine
 
-    free, arguments = [], async_engine.batch_arguments
+    free, arguments, release = [], async_engine.batch_arguments, engine.driver.release
+
+    def probe_lock():
+        probe = threading.Thread(target=lambda: free.append(_try_lock(engine.driver.lock)))
+        probe.start()
+        probe.join()
 
     def probing_arguments(*args):
         for i, item in enumerate(arguments(*args)):
             if i == 1:  # b0 is added, b1 is next
-                probe = threading.Thread(target=lambda: free.append(_try_lock(engine.driver.lock)))
-                probe.start()
-                probe.join()
+                probe_lock()
             yield item
+
+    def probing_release(collector):
+        if collector.parent.request_id == "b0":
+            probe_lock()
+        release(collector)
 
     long = asyncio.ensure_future(engine.generate([7], sp(200, seed=5), request_id="long"))
     await until(lambda: engine.stats()["num_running"] == 1)
     prefilled = engine.stats()["prefill_tokens"]
     monkeypatch.setattr(async_engine, "batch_arguments", probing_arguments)
+    monkeypatch.setattr(engine.driver, "release", probing_release)
     try:
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await engine.generate_batch([[1, 2], [3], [500]], sp(3), request_ids=["b0", "b1", "b2"])
     finally:
         await engine.abort("long")
-    assert free == [False]  # no step could plan while the batch was half added
+    assert free == [False, False]  # no step could plan while the batch was half added or being released
     assert engine.stats()["prefill_tokens"] == prefilled  # nothing of the batch was prefilled
     await long
     assert blocks_in_use(engine) == 0
