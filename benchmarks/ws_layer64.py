@@ -100,8 +100,8 @@ def _norm_rows(xs, layer, c, half, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND: gl.cons
 @gluon.jit
 def _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr, M, KIND: gl.constexpr,
                 H: gl.constexpr, S: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-    # qkv: (hm_l + d_l) * n1; gu: (h + o_l) * n2, chunk by chunk (each signalled once both halves are staged),
-    # then this CTA's row sums of squares over its K range
+    # qkv: (hm_l + d_l) * n1; gu: (h + o_l) * n2, chunk by chunk (each signalled once both halves are staged; the
+    # last once this CTA's row sums of squares over its K range are stored too)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     sq0 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
     sq1 = gl.zeros([32], gl.float32, gl.SliceLayout(1, layout))
@@ -111,11 +111,15 @@ def _stage_norm(xbuf, x_ready, layer, q, hm_ptr, d_ptr, o_ptr, n_ptr, rowsq_ptr,
         sq1 += _norm_rows(xbuf.index(c).slice(32, 32, dim=0), layer, c, 1, hm_ptr, d_ptr, o_ptr, n_ptr, M, KIND, H, S,
                           CHUNKS, WARPS)
         fence_async_shared()  # the generic stores ordered before the wgmmas' reads
-        mbarrier.arrive(x_ready.index(c), count=1)
+        if c < CHUNKS - 1:
+            mbarrier.arrive(x_ready.index(c), count=1)
+    # the row sums before the last chunk's signal: the group sums read them after the group's multiplying
+    # partitions have waited for every chunk
     rm = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
     row0 = (q * gl.num_programs(0) + gl.program_id(0)) * BLOCK_M
     gl.store(rowsq_ptr + row0 + rm, sq0)
     gl.store(rowsq_ptr + row0 + 32 + rm, sq1)
+    mbarrier.arrive(x_ready.index(CHUNKS - 1), count=1)
 
 
 @gluon.jit

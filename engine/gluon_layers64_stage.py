@@ -76,13 +76,17 @@ def stage_sandwich(xbuf, x_ready, kind, h_ptr, y_ptr, sq_ptr, out_ptr, na_ptr, n
         sq2 += _sandwich_rows(xc, c, 2, sc2, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
         sq3 += _sandwich_rows(xc, c, 3, sc3, h_ptr, y_ptr, out_ptr, na_ptr, nb_ptr, M, k0, write, BRANCH, H, layout)
         fence_async_shared()  # the generic stores ordered before the wgmmas' reads
-        mbarrier.arrive(x_ready.index(c), count=1)
+        if c < CHUNKS - 1:
+            mbarrier.arrive(x_ready.index(c), count=1)
+    # the row sums before the last chunk's signal: the group sums read them once the group's multiplying
+    # partitions have waited for every chunk (group_barrier), so stored after it they could be read unwritten
     rm = gl.arange(0, 16, layout=rows)
     row0 = (kind * gl.num_programs(0) + pid) * BLOCK_M
     gl.store(rowsq_ptr + row0 + rm, sq0)
     gl.store(rowsq_ptr + row0 + 16 + rm, sq1)
     gl.store(rowsq_ptr + row0 + 32 + rm, sq2)
     gl.store(rowsq_ptr + row0 + 48 + rm, sq3)
+    mbarrier.arrive(x_ready.index(CHUNKS - 1), count=1)
 
 
 @gluon.jit

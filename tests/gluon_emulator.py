@@ -241,13 +241,15 @@ def _argument(value):
 
 
 def emulate(kernel, grid: int | tuple[int, ...], *args, seed: int = 0, timeout: float = TIMEOUT_S,
-            check_global: bool = False, slow: float = 0.0, **constexprs) -> None:
+            check_global: bool = False, slow: float = 0.0, arrive_lag: tuple[int, float] | None = None,
+            **constexprs) -> None:
     """Run `kernel` (a @gluon.jit function) as `grid` CTAs on the CPU (an int, or up to 3 axes). Tensors are its
     global memory (written in place), TensorDescriptors its TMA descriptors; keyword arguments its constexprs
     (num_warps included). slow: that many seconds' lag after each mbarrier wait for half of the CTAs (_State).
+    arrive_lag=(k, seconds): warp-specialized partition k sleeps after each of its mbarrier arrives (_State).
     Raises Hang, Race, ProxyRace, or the first error a thread raised."""
     grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, (tuple, list)) else (grid, 1, 1)
-    state = _State(grid, seed, constexprs.get("num_warps", 4), check_global, slow)
+    state = _State(grid, seed, constexprs.get("num_warps", 4), check_global, slow, arrive_lag)
     _local.state = state
     fn = _emulated(kernel, _modules(), {})
     args = [_argument(a) for a in args]

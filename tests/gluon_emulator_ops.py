@@ -36,7 +36,7 @@ class _State:
     last wait."""
 
     def __init__(self, programs: tuple[int, int, int], seed: int, num_warps: int, check_global: bool,
-                 slow: float = 0.0) -> None:
+                 slow: float = 0.0, arrive_lag: tuple[int, float] | None = None) -> None:
         self.programs, self.num_warps, self.check_global = programs, num_warps, check_global
         self.threads: list[threading.Thread] = []  # every CTA's and partition's, as started
         self.lock = threading.RLock()
@@ -51,6 +51,9 @@ class _State:
         lagging = (lambda i: 2 * i >= n) if seed % 2 == 0 else (lambda i: 2 * i < n)
         self.lags = {(i % programs[0], i // programs[0] % programs[1], i // (programs[0] * programs[1])):
                      slow * lagging(i) for i in range(n)} if slow else {}
+        # (k, seconds): warp-specialized partition k's threads sleep after each mbarrier arrive of theirs, so what a
+        # partition does after signalling lands late (a reader that relies on it with no wait of its own sees it missing)
+        self.arrive_lag = (f".partition{arrive_lag[0]}", arrive_lag[1]) if arrive_lag else None
         self.waits: dict[str, str] = {}
         self.errors: list[BaseException] = []
         self.unfenced: dict[str, set] = {}  # per thread: generic shared-memory accesses since its last proxy fence
@@ -313,6 +316,9 @@ def _expect(bar: Barrier, nbytes, pred=True):
             bar.tx += int(nbytes)
             bar.pending -= 1
             bar._complete_if_done()
+        lag = _state().arrive_lag
+        if lag and threading.current_thread().name.endswith(lag[0]):
+            time.sleep(lag[1])
 
 
 def _arrive(bar: Barrier, *, count=1, pred=True):
@@ -322,6 +328,9 @@ def _arrive(bar: Barrier, *, count=1, pred=True):
             if bar.pending < 0:
                 raise AssertionError(f"mbarrier arrived at more than its count ({bar.count})")
             bar._complete_if_done()
+        lag = _state().arrive_lag
+        if lag and threading.current_thread().name.endswith(lag[0]):
+            time.sleep(lag[1])
 
 
 def _wait(bar: Barrier, phase, pred=True, deps=()):

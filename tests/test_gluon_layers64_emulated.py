@@ -61,13 +61,14 @@ class Layers:
         self.pos = torch.randint(0, 4000, (m,), generator=g)
         self.slots = torch.randperm(SLOTS, generator=g)[:m]
 
-    def run(self, layer: int, has_mlp: bool, has_qkv: bool, seed: int = 0, slow: float = 0.0):
+    def run(self, layer: int, has_mlp: bool, has_qkv: bool, seed: int = 0, slow: float = 0.0,
+            arrive_lag: tuple[int, float] | None = None):
         sc = layers64.Scratch64(self.stack, CTAS, k_range=self.h // 4)
         sc.a[:self.m] = self.a
         args, kwargs = layers64.layer_args(self.stack, sc, 0, layer, self.rows, self.kv,
                                            (self.pos, self.slots, self.inv_freq), EPS, has_mlp, has_qkv)
         emulator.emulate(gluon_layers64.layers64_kernel, CTAS, *args, seed=seed, check_global=True, slow=slow,
-                         USE_PDL=True, **kwargs)
+                         arrive_lag=arrive_lag, USE_PDL=True, **kwargs)
         return sc
 
     def weight(self, name: str, layer: int, rows: int) -> torch.Tensor:
@@ -115,6 +116,19 @@ def test_a_layer_between_two_attentions_matches_float64(m, hq, inter, seed):
     errors.update(lay.qkv_errors(lay.qkv_reference(ref["h_out"], 1)))
     assert max(errors.values()) < TOL, errors
     assert lay.untouched_slots()
+
+
+def test_the_stager_signals_a_phase_only_after_its_row_sums_are_stored():
+    # the stager (partition 2) sleeping after each of its chunk signals: the group sums of the gate_up and qkv phases
+    # read every K range's row sums of squares, so a stager that stored them after its last signal (as it once did:
+    # a flake under load) lets a group sum a scale from rows not yet written
+    lay = Layers(64, 1024, 2, 4)
+    sc = lay.run(0, True, True, arrive_lag=(2, 0.3))
+    ref = lay.mlp_reference(0)
+    got = {"o": sc.o[:64], "hm": sc.hm[:64], "act": sc.act[:64], "d": sc.d[:64], "h_out": lay.rows["h_out"]}
+    errors = {name: rel(got[name], ref[name]) for name in got}
+    errors.update(lay.qkv_errors(lay.qkv_reference(ref["h_out"], 1)))
+    assert max(errors.values()) < TOL, errors
 
 
 def test_a_passs_first_launch_is_the_first_layers_qkv():

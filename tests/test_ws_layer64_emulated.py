@@ -19,10 +19,12 @@ phase_probe = load_benchmark("phase_probe")
 H, INTER = 512, 1024  # 1 chunk of 128 per CTA: K / 4 splits for qkv, o, gate_up; 1024 / 8 for down
 
 
-def run(chain, ctas: int, stages: int = 4, s_in: int = 4, s_down: int = 8, seed: int = 0) -> None:
+def run(chain, ctas: int, stages: int = 4, s_in: int = 4, s_down: int = 8, seed: int = 0,
+        arrive_lag: tuple[int, float] | None = None) -> None:
     args, constexprs = probe.launch_args(chain, ctas, stages, s_in, s_down)
     chain.reset()
-    emulator.emulate(probe.ws_layer64_kernel, ctas, *args, seed=seed, check_global=True, **constexprs)
+    emulator.emulate(probe.ws_layer64_kernel, ctas, *args, seed=seed, check_global=True, arrive_lag=arrive_lag,
+                     **constexprs)
 
 
 @pytest.mark.parametrize("rows,ctas,seed", [(64, 8, 0), (37, 16, 1)])
@@ -37,6 +39,15 @@ def test_every_stage_of_every_layer_matches_the_reference(rows, ctas, seed):
         assert max(errors.values()) < 2e-2, (layer, errors)
     assert phase_probe.rel_err(chain.output(), ref) < 2e-2
     assert torch.equal(chain.hm[1:, rows:], torch.zeros_like(chain.hm[1:, rows:]))  # rows past M never written
+
+
+def test_the_stager_signals_a_chunk_only_after_the_row_sums_are_stored():
+    # the stager (partition 2) sleeping after each chunk signal: the group sums read every K range's row sums of
+    # squares once the group's multiplying partitions have waited for the chunks, so they must be stored before
+    chain = probe.make_chain(64, 2, "cpu", seed=6, h=H, inter=INTER)
+    ref = chain.reference()
+    run(chain, 8, arrive_lag=(2, 0.3))
+    assert phase_probe.rel_err(chain.output(), ref) < 2e-2
 
 
 def test_the_result_does_not_depend_on_the_ctas_timing():
