@@ -51,8 +51,8 @@ class _State:
         lagging = (lambda i: 2 * i >= n) if seed % 2 == 0 else (lambda i: 2 * i < n)
         self.lags = {(i % programs[0], i // programs[0] % programs[1], i // (programs[0] * programs[1])):
                      slow * lagging(i) for i in range(n)} if slow else {}
-        # (k, seconds): warp-specialized partition k's threads sleep after each mbarrier arrive of theirs, so what a
-        # partition does after signalling lands late (a reader that relies on it with no wait of its own sees it missing)
+        # (k, seconds): warp-specialized partition k's threads sleep after each mbarrier arrive of theirs, so what
+        # a partition does after signalling lands late (a reader relying on the signal sees it missing)
         self.arrive_lag = (f".partition{arrive_lag[0]}", arrive_lag[1]) if arrive_lag else None
         self.waits: dict[str, str] = {}
         self.errors: list[BaseException] = []

@@ -50,11 +50,14 @@ ROUTERS = (completions.router, chat.router, generate.router, tokenization.router
 def create_app(config: EngineConfig, *, served_model_name: str | None = None, api_key: str | None = None,
                tokenizer: Tokenizer | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT,
-               max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS) -> FastAPI:
+               max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app for one engine built from `config` (started and closed with the app's lifespan). A request
     body over `max_request_bytes` is answered 413 without being parsed, a request for more than
     `max_completions_per_request` completions (prompts x n) 400; /health_generate answers 503 when its probe
-    gets no engine step done within `health_check_timeout` seconds."""
+    gets no engine step done within `health_check_timeout` seconds. `enable_prompt_tokens_details` adds
+    OpenAI's usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache served), as vLLM's
+    --enable-prompt-tokens-details does."""
     for name, value in (("max_request_bytes", max_request_bytes),
                         ("max_completions_per_request", max_completions_per_request)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -63,8 +66,10 @@ def create_app(config: EngineConfig, *, served_model_name: str | None = None, ap
             not health_check_timeout > 0:
         raise ValueError(f"health_check_timeout must be a number of seconds > 0, got {health_check_timeout!r}")
     app = FastAPI(title="ourobatch", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    if not isinstance(enable_prompt_tokens_details, bool):
+        raise TypeError(f"enable_prompt_tokens_details must be a bool, got {enable_prompt_tokens_details!r}")
     app.state.served = ServedModel.of(config, served_model_name, tokenizer, health_check_timeout,
-                                      max_completions_per_request)
+                                      max_completions_per_request, enable_prompt_tokens_details)
     app.state.engine = None  # the lifespan's Engine while the app runs
     app.state.metrics = ServerMetrics()
     app.state.draining = False
@@ -91,7 +96,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     async with Engine(served.config) as engine:
         app.state.engine = engine
         app.state.gen = Generation(engine, served.tokenizer, served.name, served.config.max_model_len,
-                                   served.max_completions)
+                                   served.max_completions, served.prompt_tokens_details)
         app.state.metrics.attach(engine)
         yield
         app.state.draining = True

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from ourobatch.chat_template import no_template_error
 
-from .completions import CLIENT_CLOSED, Generation, _close_after, _finite, _merge, _sse, _usage
+from .completions import CLIENT_CLOSED, Generation, _cached, _close_after, _finite, _merge, _sse, _usage
 from .errors import BadRequest
 from .protocol import CompletionRequest, SamplingExtras, StreamOptions
 from .runner import Delta
@@ -174,7 +174,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text}, "logprobs": logprobs_of(d),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason} for d in merged]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": _usage(len(prompt), sum(len(d.token_ids) for d in merged))})
+                         "usage": _usage(len(prompt), sum(len(d.token_ids) for d in merged), _cached(gen, merged))})
 
 
 def _stream(gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], produce: Any, num_prompt: int,
@@ -183,11 +183,12 @@ def _stream(gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], 
     head = {**head, "object": "chat.completion.chunk"}
     options = body.stream_options or StreamOptions()
     counts = [0] * body.n  # tokens sent per choice
+    cached: dict[int, int] | None = {} if gen.prompt_tokens_details else None
 
     def chunk(choice: dict[str, Any], index: int) -> bytes:
         out = {**head, "choices": [choice]}
         if options.include_usage and options.continuous_usage_stats:
-            out["usage"] = _usage(num_prompt, counts[index])
+            out["usage"] = _usage(num_prompt, counts[index], cached)
         return _sse(out)
 
     async def stream_produce(send: MemoryObjectSendStream) -> None:
@@ -202,10 +203,12 @@ def _stream(gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], 
                                            "logprobs": None, "finish_reason": None}, i))
                 async for d in inner_receive:
                     counts[d.index] += len(d.token_ids)
+                    if cached is not None:
+                        cached[0] = d.num_cached_tokens
                     await send.send(chunk({"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs_of(d),
                                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d.index))
         if options.include_usage:
-            await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, sum(counts))}))
+            await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, sum(counts), cached)}))
         await send.send(b"data: [DONE]\n\n")
 
     return stream_produce

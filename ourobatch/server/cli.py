@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-completions-per-request", type=_positive_int, default=DEFAULT_MAX_COMPLETIONS,
                         metavar="N", help="a request for more than N completions (its prompts x n) is refused "
                         "(400): queueing them holds the event loop (default: %(default)s)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", help="add usage."
+                        "prompt_tokens_details.cached_tokens to completions and chat answers: the prompt tokens "
+                        "the prefix cache served (vLLM's flag; off by default, as there)")
     parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
                         help="what stderr shows, ourobatch's events and uvicorn's: info = the startup line, "
                         "warnings and uvicorn's access log; debug adds per-request events (default: %(default)s)")
@@ -92,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config_from_args(args)
+
+
+def build_app(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> Any:
+    """The app `ourobatch serve ARGS` runs (the tests build theirs here too)."""
+    from .app import create_app
+
+    return create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer,
+                      max_request_bytes=args.max_request_bytes,
+                      max_completions_per_request=args.max_completions_per_request,
+                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any:
@@ -172,11 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (TypeError, ValueError, OSError) as exc:
         print(f"ourobatch serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from .app import create_app
-
-    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key, tokenizer=tokenizer,
-                     max_request_bytes=args.max_request_bytes,
-                     max_completions_per_request=args.max_completions_per_request)
+    app = build_app(args, config, tokenizer)
     startup = {"model": str(config.model), "served_model_name": args.served_model_name or str(config.model),
                "mode": config.mode, "deep_interval": config.deep_interval, "shallow_loops": config.shallow_loops,
                "dtype": str(dtype).removeprefix("torch."), "device": config.device,

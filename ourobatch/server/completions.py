@@ -60,12 +60,13 @@ class Generation:
     """What the routes share: the engine, the tokenizer and the model's name and eos."""
 
     def __init__(self, engine: Any, tokenizer: Tokenizer | None, model_name: str, max_model_len: int,
-                 max_completions: int = DEFAULT_MAX_COMPLETIONS) -> None:
+                 max_completions: int = DEFAULT_MAX_COMPLETIONS, prompt_tokens_details: bool = False) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_completions = max_completions  # prompts x n one request may ask for
+        self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def eos(self) -> frozenset[int]:
@@ -150,7 +151,8 @@ class Generation:
         merged = _merge(deltas)
         choices = [choice(d, 0) for _, d in sorted(merged.items())]
         return JSONResponse({**head, "choices": choices,
-                             "usage": _usage(num_prompt, sum(len(d.token_ids) for d in merged.values()))})
+                             "usage": _usage(num_prompt, sum(len(d.token_ids) for d in merged.values()),
+                                             _cached(self, merged.values()))})
 
     async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -209,6 +211,8 @@ def _completion_stream(produce: Producer, head: dict[str, Any], choice: _Choices
     """The SSE producer: one chunk per delta (with continuous_usage_stats, each carries the usage so far),
     then (include_usage) the usage chunk, then [DONE]."""
     continuous = options.include_usage and options.continuous_usage_stats
+    cached: dict[int, int] | None = {} if choice.gen.prompt_tokens_details else None
+
     async def stream_produce(send: MemoryObjectSendStream) -> None:
         inner_send, inner_receive = anyio.create_memory_object_stream[Delta](math.inf)
         offsets: dict[tuple[int, int], int] = {}
@@ -220,13 +224,15 @@ def _completion_stream(produce: Producer, head: dict[str, Any], choice: _Choices
                     key = (d.prompt_index, d.index)
                     first = key not in offsets
                     total += len(d.token_ids)
+                    if cached is not None:
+                        cached[d.prompt_index] = d.num_cached_tokens
                     out = {**head, "choices": [choice(d, offsets.get(key, 0), first)]}
                     if continuous:  # vLLM's: the request's prompt tokens and its completion tokens so far
-                        out["usage"] = _usage(num_prompt, total)
+                        out["usage"] = _usage(num_prompt, total, cached)
                     await send.send(_sse(out))
                     offsets[key] = offsets.get(key, 0) + len(d.text)
         if options.include_usage:
-            await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total)}))
+            await send.send(_sse({**head, "choices": [], "usage": _usage(num_prompt, total, cached)}))
         await send.send(b"data: [DONE]\n\n")
 
     return stream_produce
@@ -247,7 +253,7 @@ def _merge(deltas: list[Delta]) -> dict[tuple[int, int], Delta]:
             merged[key] = Delta(d.prompt_index, d.index, list(d.token_ids), list(d.logprobs),
                                 list(d.top_logprobs) if d.top_logprobs is not None else None, list(d.readout_loops),
                                 d.text, d.finish_reason, d.stop_reason, d.seed, d.weight_version, d.num_tokens,
-                                d.prompt_logprobs)
+                                d.prompt_logprobs, d.num_cached_tokens)
             continue
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs
@@ -260,7 +266,17 @@ def _merge(deltas: list[Delta]) -> dict[tuple[int, int], Delta]:
     return merged
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: dict[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached` (prompt index -> the prompt tokens the prefix cache served; None: not
+    reported) adds prompt_tokens_details.cached_tokens, their sum."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+    return usage
+
+
+def _cached(gen: Generation, deltas: Any) -> dict[int, int] | None:
+    """Each prompt's cached tokens, read off its deltas, where the server reports them (else None)."""
+    return {d.prompt_index: d.num_cached_tokens for d in deltas} if gen.prompt_tokens_details else None
 

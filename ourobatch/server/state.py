@@ -43,12 +43,15 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created"
     card: dict[str, Any] = field(default_factory=dict)  # model_card(config.model), read once
     max_completions: int = DEFAULT_MAX_COMPLETIONS  # prompts x n a request may ask for (limits.py)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
 
     @classmethod
     def of(cls, config: EngineConfig, name: str | None, tokenizer: Tokenizer | None,
-           health_check_timeout: float, max_completions: int = DEFAULT_MAX_COMPLETIONS) -> "ServedModel":
+           health_check_timeout: float, max_completions: int = DEFAULT_MAX_COMPLETIONS,
+           prompt_tokens_details: bool = False) -> "ServedModel":
         return cls(config, name or str(config.model), tokenizer, health_check_timeout,
-                   card=model_card(Path(config.model)), max_completions=max_completions)
+                   card=model_card(Path(config.model)), max_completions=max_completions,
+                   prompt_tokens_details=prompt_tokens_details)
 
     @property
     def tokenizer_path(self) -> str | None:
