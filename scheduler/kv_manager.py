@@ -48,6 +48,7 @@ class Admission:
     keys: tuple[BlockKey, ...]  # keys of every full block of `tokens`
     num_taken_evictable: int  # shared blocks that are evictable now (sharing takes them off the free count)
     sample_from: str | None = None  # fork: every block shared, token 1 from this request's prefill readout
+    num_from_cache: int = 0  # of `shared`, the blocks the prefix cache held (the rest: prefilled this step)
 
 
 @dataclass
@@ -85,8 +86,11 @@ class KVManager:
             limit = min(limit, needed // bs)
         shared: list[int] = []
         cached = self.blocks.lookup(keys) if self.enable_prefix_caching else []
+        from_cache = 0
         for i, key in enumerate(keys[:limit]):
-            block = pending.blocks.get(key, cached[i] if i < len(cached) else None)
+            block = pending.blocks.get(key)
+            if block is None and i < len(cached):
+                block, from_cache = cached[i], from_cache + 1
             if block is None:
                 break
             shared.append(block)
@@ -95,7 +99,7 @@ class KVManager:
         positions = len(tokens) if self.allocation == "lazy" else r.num_cache_positions
         num_new = self.blocks.blocks_for(positions) - len(shared)
         taken = sum(self.blocks.is_evictable(b) for b in shared)
-        return Admission(tokens, tuple(shared), num_new, tuple(keys), taken, owner)
+        return Admission(tokens, tuple(shared), num_new, tuple(keys), taken, owner, from_cache)
 
     def can_admit(self, a: Admission, alone: bool) -> bool:
         """Room for the prefill, plus the watermark unless nothing else runs (a request that fits the pool

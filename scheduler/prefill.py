@@ -161,12 +161,13 @@ class ChunkPlanner:
         if first:  # CompletionOutput.weight_version: the weights it started with
             r.admission_version = self.weight_version
         start = self.kv.admit(r, a, num_tokens)
-        if first:  # RequestOutput.num_cached_tokens (vLLM's): the prompt tokens the prefix cache served
-            r.num_cached_tokens = start
+        if first:  # RequestOutput.num_cached_tokens (vLLM's): the prompt tokens the prefix cache served (not
+            r.num_cached_tokens = a.num_from_cache * self.kv.blocks.block_size  # those shared in this step)
         set_status(r, RequestStatus.PREFILLING)
         r.num_outputs_at_prefill = r.num_output_tokens  # > 0 after a preemption: prompt + outputs again
         r.num_deep_positions = start  # shared blocks hold every plane
-        self.prefills.counters.count_admission(len(a.tokens), start, is_recompute=r.num_output_tokens > 0)
+        # a readmission after a preemption prefills again, outputs or not (one preempted between chunks has none)
+        self.prefills.counters.count_admission(len(a.tokens), start, is_recompute=r.num_preemptions > 0)
         p = PartialPrefill(r, a.keys, self.kv.epoch, self.pending.weight_version)
         self._plan(p, start, num_tokens, a.sample_from)
 

@@ -9,7 +9,7 @@ import pytest
 from scheduler import RequestStatus, SamplingParams
 from scheduler.admission import MAX_BYPASS
 
-from .conftest import check_block_refs, make_scheduler
+from .conftest import check_block_refs, make_scheduler, run_step
 from .fakes import FakeExecutor
 
 
@@ -192,3 +192,35 @@ def test_samples_of_a_block_aligned_prompt_fork_from_one_prefill():
     stats = sched.stats()
     assert stats["prefill_tokens_computed"] == 12 and stats["prefix_cache_hits"] == 36
     assert all(r.num_output_tokens == 5 for r in done.values()) and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_num_cached_tokens_counts_the_prefix_caches_blocks_not_a_same_step_share(fake, caching):
+    # two requests with one 13-token prompt admitted in one step: the second shares the first's three full blocks
+    # as they are prefilled (prefix_cache_hits counts them: KV shared), but the prefix cache served neither. A
+    # third request after both finished finds the blocks in the cache (only with caching on)
+    sched = make_scheduler(enable_prefix_caching=caching)
+    prompt = [random.Random(3).randrange(1, 50) for _ in range(13)]
+    done = drive(sched, fake, {0: [("a", prompt, params(2)), ("b", prompt, params(2))]})
+    assert [done[r].num_cached_tokens for r in "ab"] == [0, 0]
+    assert sched.stats()["prefix_cache_hits"] == 12
+    done = drive(sched, fake, {0: [("c", prompt, params(2))]})
+    assert done["c"].num_cached_tokens == (12 if caching else 0)
+    assert sched.stats()["prefix_cache_hits"] == (24 if caching else 12)
+
+
+def test_a_readmission_after_a_preemption_between_prefill_chunks_counts_as_recomputed(fake):
+    # 4 tokens a step: the 24-token prompt takes 6 chunks; preempted after 3 of them (no output yet), its
+    # readmission prefills all 24 again, and those are the recomputed tokens
+    sched = make_scheduler(max_num_batched_tokens=4, enable_prefix_caching=False)
+    sched.add("b", list(range(1, 25)), params(1))
+    for _ in range(3):
+        run_step(sched, fake)
+    r = sched.requests["b"]
+    assert r.status == RequestStatus.PREFILLING and r.num_output_tokens == 0
+    sched.preempt(r)
+    done = drive(sched, fake, {})
+    stats = sched.stats()
+    assert done["b"].num_preemptions == 1 and stats["preemptions"] == 1
+    assert stats["recomputed_tokens"] == 24
+    assert stats["prefill_tokens_computed"] == 12 + 24  # three chunks, then the whole prompt again
