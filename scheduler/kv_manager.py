@@ -135,6 +135,7 @@ class KVManager:
         if not shareable:
             return
         bs = self.blocks.block_size
+        r.pending_keys_epoch = self.epoch  # (a shareable chunk's prefill began in this epoch: so did its others)
         for i in range(start // bs, end // bs):  # full blocks this chunk computes
             pending.blocks.setdefault(keys[i], r.block_ids[i])
             r.pending_block_keys.append((keys[i], r.block_ids[i]))
@@ -144,9 +145,10 @@ class KVManager:
 
     def on_prefilled(self, r: Request, end: int) -> None:
         """The chunk of `r` ending at position `end` succeeded: its full blocks (and any before them) hold
-        every plane of their prefix."""
+        every plane of their prefix. Registered in the cache unless it was reset since they were planned (a
+        step in flight across reset_prefix_cache computed them before it)."""
         done = set(r.block_ids[:end // self.blocks.block_size])
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and r.pending_keys_epoch == self.epoch:
             for key, block in r.pending_block_keys:
                 if block in done:
                     self.blocks.register(key, block)

@@ -93,6 +93,7 @@ class Request:
     block_ids: tuple[int, ...] = ()  # one table for all T planes; grows as positions are written
     num_cached_tokens: int = 0  # prompt tokens whose KV the first prefill shared from the prefix cache
     pending_block_keys: list = field(default_factory=list)  # (key, block) this prefill computes
+    pending_keys_epoch: int = 0  # the prefix cache's epoch (KVManager.epoch) its pending keys were offered in
     num_preemptions: int = 0
     admission_version: int | None = None  # the weight version when first admitted (None: never admitted)
     num_outputs_at_prefill: int = 0  # outputs fed by the last (re)prefill: 0, or k after a preemption

@@ -354,3 +354,29 @@ def test_randomized_chunking_keeps_every_invariant():
         sched.reset_prefix_cache()
         assert sched.blocks.num_free == sched.blocks.num_blocks
     assert sched.stats()["prefill_chunks"] > sched.stats()["prefills"]
+
+
+def test_blocks_computed_by_a_step_in_flight_across_a_reset_are_not_cached():
+    # async scheduling: a chunk planned before reset_prefix_cache() lands after it. Its blocks were computed before
+    # the reset (the KV a caller resets to drop), so a later request with the prompt must not be served them
+    sched, ex = make_scheduler(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64), FakeExecutor()
+    prompt = list(range(1, 14))
+    sched.add("x", prompt, params(2))
+    plan = sched.schedule()
+    result = ex.execute(plan)
+    sched.reset_prefix_cache()  # with the step in flight
+    sched.update(plan, result)
+    while sched.has_unfinished:
+        plan = sched.schedule()
+        sched.update(plan, ex.execute(plan))
+    assert sched.blocks.num_cached == 0
+    hits = sched.stats()["prefix_cache_hits"]
+    late = sched.add("y", prompt, params(2))
+    plan = sched.schedule()
+    assert [p.start_position for p in plan.prefills] == [0] and late.num_cached_tokens == 0
+    sched.update(plan, ex.execute(plan))
+    assert sched.stats()["prefix_cache_hits"] == hits
+    # without a reset in between the same run caches them (the check above can fail)
+    sched.add("z", prompt, params(2))
+    plan = sched.schedule()
+    assert [p.start_position for p in plan.prefills] == [12]
