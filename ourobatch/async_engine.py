@@ -197,9 +197,11 @@ class Engine:
         driver = self.driver
         return driver.open_stream(driver.add(prompt_token_ids, params, request_id))
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a live request (finish_reason 'abort'); returns whether it was live."""
-        return self.driver.abort(request_id)
+    async def abort(self, request_id: str, *, stop_string: bool = False) -> bool:
+        """Abort a live request (finish_reason 'abort'); returns whether it was live. stop_string=True: the
+        caller cut the completion at a stop string (it reports finish_reason 'stop' itself, as the server
+        does): stats() and /metrics count it as finished by stop, not as aborted."""
+        return self.driver.abort(request_id, stop_string)
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]],
                              params: ParamsLike | Sequence[ParamsLike] = None, use_tqdm: bool = False,

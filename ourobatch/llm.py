@@ -58,7 +58,7 @@ def _cut_stop_strings(core: Any, parent: Any, checkers: list[StopChecker], stops
         if stops[j] is None:
             stops[j] = checkers[j].check(child.output_token_ids, child.finish_reason == "stop")  # eos first (vLLM)
             if stops[j] is not None and not child.is_finished:
-                core.abort(child.request_id)  # this completion only; siblings run on
+                core.abort(child.request_id, stop_string=True)  # this completion only; siblings run on
 
 
 class LLM(LLMControl):

@@ -86,12 +86,14 @@ class Scheduler:
         self.counters.requests_added += 1
         return request
 
-    def abort(self, request_id: str) -> RequestUpdate | None:
-        """End a live request with finish_reason 'abort'. Unknown or finished ids are ignored."""
+    def abort(self, request_id: str, stop_string: bool = False) -> RequestUpdate | None:
+        """End a live request with finish_reason 'abort'. Unknown or finished ids are ignored. `stop_string`: a
+        front end cut it at a stop string (its finish reason there is 'stop'): counted as finished by stop."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, RequestStatus.FINISHED_ABORTED,
+                     counted=RequestStatus.FINISHED_STOPPED if stop_string else None)
         return RequestUpdate(request, 0, True)
 
     def fail_all(self, message: str) -> list[RequestUpdate]:
@@ -302,11 +304,11 @@ class Scheduler:
             self._finish(r, status)
         return status is not None
 
-    def _finish(self, r: Request, status: RequestStatus) -> None:
+    def _finish(self, r: Request, status: RequestStatus, counted: RequestStatus | None = None) -> None:
         was_waiting = r.status == RequestStatus.WAITING
         set_status(r, status)
         del self.requests[r.request_id]
-        self.counters.count_finish(status)
+        self.counters.count_finish(counted or status)
         if was_waiting:
             self.waiting.remove(r)
             return

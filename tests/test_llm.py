@@ -87,13 +87,14 @@ def test_stop_strings_cut_the_text_and_end_the_request(llm, tasks):
     full = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     words = full.text.split()
     assert len(words) == 4 and full.stop_reason is None and full.finish_reason == "stop"  # eos
-    before = llm.stats()["finished_abort"]
+    before = [llm.stats()[k] for k in ("finished_stop", "finished_abort")]
     cut = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, stop=[words[2]], n=2, seed=1),
                        use_tqdm=False)[0].outputs
     for c in cut:
         assert c.token_ids == full.token_ids[:3] and c.text == " ".join(words[:2]) + " "
         assert (c.finish_reason, c.stop_reason) == ("stop", words[2]) and len(c.token_logprobs) == 3
-    assert llm.stats()["finished_abort"] == before + 2  # ended at the stop string, not run to eos
+    # ended at the stop string (not run to eos), and counted as the stops they are, not as aborts
+    assert [llm.stats()[k] for k in ("finished_stop", "finished_abort")] == [before[0] + 2, before[1]]
     kept = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, stop=words[2],
                                             include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert kept.text == " ".join(words[:3])

@@ -105,15 +105,16 @@ def test_continuous_usage_nulls_and_stream_options_without_stream(oai, client):
 def test_a_stop_string_ends_each_completion_at_once(oai, client):
     tok = Tokenizer.from_path(MODEL)
     words = tok.decode(TASKS[7]["target_token_ids"]).split()
-    key = "ourobatch_requests_finished_total{finish_reason=abort}"
-    before = metric_values(client)[key]
+    keys = [f"ourobatch_requests_finished_total{{finish_reason={reason}}}" for reason in ("stop", "abort")]
+    before = [metric_values(client)[k] for k in keys]
     r = oai.completions.create(model=NAME, prompt=TASKS[7]["prompt_token_ids"], max_tokens=8, temperature=0, n=2,
                                stop=[words[2]], logprobs=0, extra_body={"return_tokens_as_token_ids": True})
     for c in r.choices:
         assert c.text == " ".join(words[:2]) + " " and c.finish_reason == "stop"
         assert c.model_extra["stop_reason"] == words[2]
         assert _tokens(c.logprobs) == TASKS[7]["target_token_ids"][:3]  # up to the token that completed it
-    assert metric_values(client)[key] == before + 2  # both ended in the engine, not run on to eos
+    # both ended in the engine at once (not run on to eos), and counted as the stops they are, not as aborts
+    assert [metric_values(client)[k] for k in keys] == [before[0] + 2, before[1]]
 
 
 def test_64_concurrent_streams_match_the_in_process_engine(server, reference):

@@ -261,11 +261,11 @@ class AsyncDriver:
         self._wakeup.set()
         return collector
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, stop_string: bool = False) -> bool:
         """Abort a live request; True if it was live. Synchronous, so it works while being cancelled.
         Call it on the event loop thread, never from a finalizer (see defer_release)."""
-        with self.lock:
-            parent = self.core.abort(request_id)  # a parent id, or "{id}:{index}" for one of n completions
+        with self.lock:  # a parent id, or "{id}:{index}" for one of n completions
+            parent = self.core.abort(request_id, stop_string)
         if parent is not None:
             self._notify(parent.request_id)
             self._wakeup.set()  # the next plan releases its engine-side rows

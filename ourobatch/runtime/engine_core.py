@@ -176,22 +176,23 @@ class EngineCore:
                   max_tokens=params.max_tokens, n=params.n)
         return parent
 
-    def abort(self, request_id: str) -> ParentRequest | None:
+    def abort(self, request_id: str, stop_string: bool = False) -> ParentRequest | None:
         """End a live request with finish_reason 'abort'; unknown or finished ids are ignored.
 
         With n > 1, ``"{request_id}:{index}"`` ends one completion only (its siblings keep running), as a
-        collector does when a sample reaches its length or a reward model has seen enough."""
+        collector does when a sample reaches its length or a reward model has seen enough. `stop_string`: a
+        front end (LLM, the server) cut it at a stop string: the stats count it as finished by stop."""
         parent = self.parents.get(request_id)
         if parent is None:
             parent = self.parents.get(self._parent_of.get(request_id, ""))
-            if parent is None or not self.scheduler.abort(request_id):
+            if parent is None or not self.scheduler.abort(request_id, stop_string):
                 return None
             log.info("completion_aborted", request_id=parent.request_id, completion=request_id)
             if parent.finished:
                 self._forget(parent)
             return parent
         for child in parent.children:
-            self.scheduler.abort(child.request_id)
+            self.scheduler.abort(child.request_id, stop_string)
         self._forget(parent)
         log.info("request_aborted", request_id=request_id)
         return parent

@@ -135,7 +135,8 @@ async def run_prompt(engine: Any, prompt_index: int, stream: Any, params: Sampli
                 if delta is None:
                     continue
                 if delta.finish_reason is not None and c.finish_reason is None:  # cut by a stop string
-                    await engine.abort(stream.request_id if params.n == 1 else f"{stream.request_id}:{c.index}")
+                    await engine.abort(stream.request_id if params.n == 1 else f"{stream.request_id}:{c.index}",
+                                       stop_string=True)
                 delta.num_cached_tokens = out.num_cached_tokens
                 if first[c.index]:
                     delta.prompt_logprobs, first[c.index] = out.prompt_logprobs, False

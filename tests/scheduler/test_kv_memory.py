@@ -224,3 +224,17 @@ def test_a_readmission_after_a_preemption_between_prefill_chunks_counts_as_recom
     assert done["b"].num_preemptions == 1 and stats["preemptions"] == 1
     assert stats["recomputed_tokens"] == 24
     assert stats["prefill_tokens_computed"] == 12 + 24  # three chunks, then the whole prompt again
+
+
+def test_an_abort_for_a_stop_string_counts_as_a_stop(fake):
+    # the front ends (LLM, the server) cut stop strings themselves and end the completion in the engine: it is a
+    # stop (their finish_reason), not an abort, in the counters /metrics reads
+    sched = make_scheduler()
+    sched.add("s", [1, 2, 3], params(20))
+    sched.add("a", [4, 5, 6], params(20))
+    run_step(sched, fake)
+    sched.abort("s", stop_string=True)
+    sched.abort("a")
+    stats = sched.stats()
+    assert (stats["finished_stop"], stats["finished_abort"]) == (1, 1)
+    assert not sched.requests and sched.blocks.num_used == 0
