@@ -197,6 +197,12 @@ class Engine:
         driver = self.driver
         return driver.open_stream(driver.add(prompt_token_ids, params, request_id))
 
+    def check_request(self, prompt_token_ids: Sequence[int], params: ParamsLike = None,
+                      request_id: str | None = None) -> None:
+        """Raise what generate() / stream() would raise for this request now, queueing nothing (a front end
+        checks every prompt of a request before it queues any, so a rejected one leaves no trace)."""
+        self.driver.check(prompt_token_ids, params, request_id)
+
     async def abort(self, request_id: str, *, stop_string: bool = False) -> bool:
         """Abort a live request (finish_reason 'abort'); returns whether it was live. stop_string=True: the
         caller cut the completion at a stop string (it reports finish_reason 'stop' itself, as the server
@@ -213,8 +219,10 @@ class Engine:
         driver = self.driver
         collectors = []
         with driver.lock:  # no step admits any of them before the last is validated, nor before a rejected
-            try:  # batch's earlier prompts are aborted (all or nothing)
-                for prompt, p, request_id in batch_arguments(prompts, params, request_ids):
+            arguments = list(batch_arguments(prompts, params, request_ids))  # batch's earlier prompts are aborted
+            driver.core.check_batch(arguments)  # every prompt checked first: a rejected batch queues nothing
+            try:
+                for prompt, p, request_id in arguments:
                     collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
             except BaseException:
                 for c in collectors:

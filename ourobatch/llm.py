@@ -192,14 +192,14 @@ class LLM(LLMControl):
                  per_prompt: list[SamplingParams]) -> list[Any]:
         """Add every prompt (stop strings are cut here, not by the engine); if one is rejected, none runs."""
         parents = []
+        for i, ((_, ids), p) in enumerate(zip(batch, per_prompt)):  # all checked first: a rejected batch
+            try:  # queues nothing (add_sync: a sleeping LLM raises EngineAsleepError, not step forever)
+                core.check(ids, dataclasses.replace(p, stop=()), str(self._next_id + i), op="add_sync")
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
         try:
-            for i, ((_, ids), p) in enumerate(zip(batch, per_prompt)):
-                try:
-                    # add_sync: a sleeping LLM raises EngineAsleepError here instead of stepping forever
-                    parents.append(core.add(ids, dataclasses.replace(p, stop=()), str(self._next_id),
-                                            op="add_sync"))
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"prompts[{i}]: {exc}") from None
+            for (_, ids), p in zip(batch, per_prompt):
+                parents.append(core.add(ids, dataclasses.replace(p, stop=()), str(self._next_id), op="add_sync"))
                 self._next_id += 1
         except BaseException:
             for parent in parents:  # all or nothing

@@ -89,6 +89,7 @@ class SyncEngine:
         parents = []
         with self._lock:
             core = self.core
+            core.check_batch(arguments, op="add_sync")  # every prompt checked first: a rejected batch queues nothing
             try:
                 for prompt, p, request_id in arguments:
                     # refused on a paused / sleeping engine: stepping on this thread could never finish

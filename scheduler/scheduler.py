@@ -67,13 +67,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def add(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams) -> Request:
-        """Validate and queue a request. Raises (and changes nothing) on bad input."""
-        validate.check_ids_free([request_id], self.requests)
+    def check(self, prompt_token_ids: Iterable[int], params: SamplingParams) -> tuple[int, ...]:
+        """Raise what add() raises for this prompt and params, changing nothing; -> the prompt as ints."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = validate.check_prompt(prompt_token_ids, self.config.vocab_size)
         validate.check_fits(self.config, self.blocks, len(prompt), params)
+        return prompt
+
+    def add(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams) -> Request:
+        """Validate and queue a request. Raises (and changes nothing) on bad input."""
+        validate.check_ids_free([request_id], self.requests)
+        prompt = self.check(prompt_token_ids, params)
         if params.seed is None:
             params = params.with_seed(self._seed_rng.randint(0, MAX_SEED))
         stop = frozenset(params.stop_token_ids)

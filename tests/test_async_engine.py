@@ -263,6 +263,9 @@ async def test_generate_batch_admits_none_before_the_last_prompt_is_validated(en
     prefilled = engine.stats()["prefill_tokens"]
     monkeypatch.setattr(async_engine, "batch_arguments", probing_arguments)
     monkeypatch.setattr(engine.driver, "release", probing_release)
+    # every prompt is checked before any is added (test below); with that check passed over, the adds reach the
+    # bad prompt and the rollback runs: the path an add that fails after its check would take
+    monkeypatch.setattr(engine.driver.core, "check_batch", lambda *args, **kwargs: None)
     try:
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await engine.generate_batch([[1, 2], [3], [500]], sp(3), request_ids=["b0", "b1", "b2"])
@@ -272,6 +275,20 @@ async def test_generate_batch_admits_none_before_the_last_prompt_is_validated(en
     assert engine.stats()["prefill_tokens"] == prefilled  # nothing of the batch was prefilled
     await long
     assert blocks_in_use(engine) == 0
+
+
+async def test_a_rejected_batch_queues_nothing(engine):
+    # every prompt is checked before any is queued: the rejected batch leaves no trace in the counters (added,
+    # aborted) and a batch naming one request id twice is refused the same way
+    before = engine.stats()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await engine.generate_batch([[1, 2], [3], [500]], sp(3))
+    with pytest.raises(ValueError, match="'d' more than once"):
+        await engine.generate_batch([[1, 2], [3]], sp(3), request_ids=["d", "d"])
+    after = engine.stats()
+    keys = ("requests_added", "finished_abort", "prefill_tokens_requested", "num_waiting", "num_running")
+    assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
+    assert [len(o.outputs[0].token_ids) for o in await engine.generate_batch([[1, 2], [3]], sp(3))] == [3, 3]
 
 
 def _try_lock(lock) -> bool:

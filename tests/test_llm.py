@@ -76,8 +76,11 @@ def test_prompt_forms_and_per_prompt_params(llm, tasks):
     assert mixed[1].outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
         llm.generate(ids[:2], [greedy], use_tqdm=False)
+    before = llm.stats()
     with pytest.raises(ValueError, match=r"prompts\[1\].*outside the vocabulary"):
         llm.generate([ids[0], [1, 10**6]], greedy, use_tqdm=False)
+    after = llm.stats()  # every prompt is checked before any is queued: the good one left no trace
+    assert [after[k] - before[k] for k in ("requests_added", "finished_abort")] == [0, 0]
     with pytest.raises(ValueError, match="unsupported key"):
         llm.generate({"prompt_token_ids": ids[0], "multi_modal_data": {}}, greedy, use_tqdm=False)
 

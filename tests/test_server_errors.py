@@ -362,6 +362,25 @@ def test_a_request_for_more_completions_than_the_limit_is_refused_before_queuein
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
+def test_a_request_with_one_bad_prompt_leaves_no_trace_in_the_engine(server, client):
+    # every prompt is checked before any is queued: no completion added, none aborted, nothing prefilled, on every
+    # route that takes many prompts; the bad one is named by its index. Past QUEUE_SLICE prompts the event loop
+    # (and so the engine) runs between slices, which is when queued prompts used to be stepped
+    from ourobatch.server.runner import QUEUE_SLICE
+
+    keys = ["ourobatch_requests_added_total", "ourobatch_requests_finished_total{finish_reason=abort}",
+            "ourobatch_prefill_tokens_total"]
+    before = metric_values(client)
+    good, bad = [1, 200, 231, 74], [1, 10**6]
+    many = [good] * (QUEUE_SLICE + 3) + [bad]
+    for route, body in [("/v1/completions", {"model": NAME, "prompt": many, "max_tokens": 1}),
+                        ("/generate", {"input_ids": many, "sampling_params": {"max_new_tokens": 1}})]:
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and f"prompt {QUEUE_SLICE + 3}:" in r.text, r.text
+    after = metric_values(client)
+    assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
+
+
 def test_an_unknown_route_or_method_is_answered_in_openais_error_body(client):
     for method, path, status, kind, detail in [
             ("GET", "/v1/completions", 405, "MethodNotAllowedError", "Method Not Allowed"),

@@ -125,6 +125,8 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(llm, prompt, params, e
     after = llm.stats()
     assert after["kv_blocks_used"] == 0 and after["num_waiting"] == 0 and after["num_running"] == 0
     assert after["steps"] == before["steps"]
+    # every prompt was checked before any was queued: the good one was never added, so never aborted either
+    assert (after["requests_added"], after["finished_abort"]) == (before["requests_added"], before["finished_abort"])
     assert llm.generate([1, 2], SamplingParams(max_tokens=3)).finished  # still serving
 
 

@@ -247,6 +247,13 @@ class AsyncDriver:
 
     # ------------------------------------------------------------------ requests
 
+    def check(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
+              request_id: str | None = None) -> None:
+        """Raise what add() would raise for this request now, queueing nothing."""
+        self._check_running()
+        with self.lock:
+            self.core.check(prompt_token_ids, params, request_id)
+
     def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
             request_id: str | None = None,
             kind: RequestOutputKind | None = None) -> Collector:

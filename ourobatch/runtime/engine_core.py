@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .control import EngineControl
 from scheduler.config import SchedulerConfig
@@ -146,6 +146,26 @@ class EngineCore:
         self.pipeline = StepPipeline(self, lookahead=async_scheduling)  # the stepping loop (pipeline.py)
 
     # ------------------------------------------------------------------ requests
+
+    def check(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
+              request_id: str | None = None, op: str = "add") -> None:
+        """Raise what add() would raise for this request now, changing nothing (a batch checks every prompt
+        before it queues any: a rejected batch leaves no trace in the counters)."""
+        params = SamplingParams.coerce(params)
+        self.control.check(op)
+        request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
+        child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        check_ids_free(child_ids, self.scheduler.requests)
+        self.scheduler.check(prompt_token_ids, params)
+
+    def check_batch(self, arguments: Sequence[tuple[Iterable[int], Any, str | None]], op: str = "add") -> None:
+        """check() for each (prompt, params, request_id) of a batch, and no request_id twice in it."""
+        ids = [rid for _, _, rid in arguments if rid is not None]
+        if len(set(ids)) != len(ids):
+            twice = next(rid for rid in ids if ids.count(rid) > 1)
+            raise field_error(ValueError, "request_id", f"request_ids holds {twice!r} more than once")
+        for prompt, params, request_id in arguments:
+            self.check(prompt, params, request_id, op)
 
     def add(self, prompt_token_ids: Iterable[int], params: SamplingParams | Mapping[str, Any] | None,
             request_id: str | None = None, op: str = "add") -> ParentRequest:

@@ -102,13 +102,20 @@ async def open_streams(engine: Any, prompts: list[list[int]], params: list[Sampl
     streams and a shutdown do not wait for the whole list (tens of thousands of prompts take seconds)."""
     streams: list[Any] = []
     ids = request_ids or [None] * len(prompts)
+    engine_params = [dataclasses.replace(p, stop=(), output_kind=RequestOutputKind.CUMULATIVE) for p in params]
+    for i, (ids_i, p, rid) in enumerate(zip(prompts, engine_params, ids)):  # every prompt checked before any
+        if i and i % QUEUE_SLICE == 0:  # is queued: a rejected request leaves no trace in the engine
+            await anyio.lowlevel.checkpoint()
+        try:
+            engine.check_request(ids_i, p, rid)
+        except (TypeError, ValueError) as exc:
+            raise in_prompt(exc, i, len(prompts)) from None
     try:
-        for i, (ids_i, p, rid) in enumerate(zip(prompts, params, ids)):
+        for i, (ids_i, p, rid) in enumerate(zip(prompts, engine_params, ids)):
             if i and i % QUEUE_SLICE == 0:
                 await anyio.lowlevel.checkpoint()
-            engine_params = dataclasses.replace(p, stop=(), output_kind=RequestOutputKind.CUMULATIVE)
             try:
-                streams.append(engine.stream(ids_i, engine_params, request_id=rid))
+                streams.append(engine.stream(ids_i, p, request_id=rid))
             except (TypeError, ValueError) as exc:
                 raise in_prompt(exc, i, len(prompts)) from None
     except BaseException:
