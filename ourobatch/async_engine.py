@@ -218,9 +218,12 @@ class Engine:
         """
         driver = self.driver
         collectors = []
-        with driver.lock:  # no step admits any of them before the last is validated, nor before a rejected
-            arguments = list(batch_arguments(prompts, params, request_ids))  # batch's earlier prompts are aborted
-            driver.core.check_batch(arguments)  # every prompt checked first: a rejected batch queues nothing
+        # Under the driver's lock, so no step plans in between: every prompt is checked before any is queued (a
+        # rejected batch queues nothing), and if an add still fails, the earlier ones are released before a step
+        # could admit them (all or nothing).
+        with driver.lock:
+            arguments = list(batch_arguments(prompts, params, request_ids))
+            driver.core.check_batch(arguments)
             try:
                 for prompt, p, request_id in arguments:
                     collectors.append(driver.add(prompt, p, request_id, kind=RequestOutputKind.FINAL_ONLY))
