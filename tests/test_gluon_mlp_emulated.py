@@ -1,7 +1,7 @@
 """The decode step's MLP launch (engine/gluon_mlp.py's mlp_kernel: the add + norm after attention, gate_up + SiLU
 and down_proj as one warp-specialized Gluon kernel, launched by launch_mlp where mlp_dispatch.mlp_folds) run on the
 CPU by tests/gluon_emulator.py. Checked against a float64 reference written here from the model's description
-(/work/shared/OURO.md, engine/model.py's OuroDecoderLayer.run): from o_proj's K-split float32 partials o, the
+(the shared OURO.md, engine/model.py's OuroDecoderLayer.run): from o_proj's K-split float32 partials o, the
 residual rows h and the layer's weights,
 
     h_mid = h + rms(o, input_layernorm_2)        x = rms(h_mid, post_attention_layernorm)
