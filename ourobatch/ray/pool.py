@@ -49,7 +49,6 @@ log = get_logger()
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-
 def _check_pool_options(*, max_retries: Any, max_restarts: Any, max_concurrency: Any, num_cpus_per_replica: Any,
                         num_gpus_per_replica: Any, retry_aborted: Any) -> None:
     """EnginePool's Ray options, refused at construction naming the field (Ray would take some, e.g. a negative
@@ -73,6 +72,7 @@ def _check_pool_options(*, max_retries: Any, max_restarts: Any, max_concurrency:
     for name, value, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
 
 class EnginePool(Dispatch, ReplicaHealth):
     """N Engine replicas as Ray actors behind the Engine API. Use it from one asyncio event loop."""

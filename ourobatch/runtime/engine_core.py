@@ -151,12 +151,19 @@ class EngineCore:
               request_id: str | None = None, op: str = "add") -> None:
         """Raise what add() would raise for this request now, changing nothing (a batch checks every prompt
         before it queues any: a rejected batch leaves no trace in the counters)."""
+        params, _, _ = self._admissible(params, request_id, op)
+        self.scheduler.check(prompt_token_ids, params)
+
+    def _admissible(self, params: SamplingParams | Mapping[str, Any] | None, request_id: str | None,
+                    op: str) -> tuple[SamplingParams, str, list[str]]:
+        """The checks of a request as a whole: the control state allows `op`, its params and its id (and its
+        completions' ids) are free. -> (params, request id, completion ids)."""
         params = SamplingParams.coerce(params)
         self.control.check(op)
         request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
         child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
-        check_ids_free(child_ids, self.scheduler.requests)
-        self.scheduler.check(prompt_token_ids, params)
+        check_ids_free(child_ids, self.scheduler.requests)  # all before any is added: nothing half-queued
+        return params, request_id, child_ids
 
     def check_batch(self, arguments: Sequence[tuple[Iterable[int], Any, str | None]], op: str = "add") -> None:
         """check() for each (prompt, params, request_id) of a batch, and no request_id twice in it."""
@@ -171,11 +178,7 @@ class EngineCore:
             request_id: str | None = None, op: str = "add") -> ParentRequest:
         """Validate and queue a request; raises (and changes nothing) on bad input or when the control
         state refuses `op` ("add": the async engine's, which queues; "add_sync": SyncEngine's)."""
-        params = SamplingParams.coerce(params)
-        self.control.check(op)
-        request_id = check_new_request(params, request_id, self.scheduler.config.max_num_seqs, self.parents)
-        child_ids = [f"{request_id}:{i}" for i in range(params.n)] if params.n > 1 else [request_id]
-        check_ids_free(child_ids, self.scheduler.requests)  # all before any is added: nothing half-queued
+        params, request_id, child_ids = self._admissible(params, request_id, op)
         unseeded = params.seed is None
         if unseeded:  # request i of this engine gets a seed derived from (engine seed, i), reported back
             params = params.with_seed(request_seed(self.seed, self._num_unseeded))
